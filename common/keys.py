@@ -1,0 +1,47 @@
+"""Every Redis key name streamvqa uses, in one place.
+
+All keys of one camera stream share the hash tag ``{cam}`` so that Redis Cluster keeps them
+on one slot (multi-key operations and Lua stay legal there).
+"""
+
+PREFIX = "svqa"
+
+QUESTIONS = f"{PREFIX}:questions"
+ANSWERS = f"{PREFIX}:answers"
+DEAD_LETTER = f"{PREFIX}:deadletter"
+
+ENCODER_GROUP = "enc"
+QA_GROUP = "qa"
+
+
+def frames(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:frames"
+
+
+def events(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:events"
+
+
+def versions(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:versions"
+
+
+def head(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:head"
+
+
+def lease(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:lease"
+
+
+def transcript(cam: str) -> str:
+    return f"{PREFIX}:{{{cam}}}:transcript"
+
+
+def answer(qid: str) -> str:
+    return f"{PREFIX}:answer:{qid}"
+
+
+def segment(cam: str, segment_id: str) -> str:
+    """Segment bytes when the segment store is Redis (several hosts)."""
+    return f"{PREFIX}:{{{cam}}}:seg:{segment_id}"
