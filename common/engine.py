@@ -1,0 +1,125 @@
+"""The streaming engine: frames in, cache versions out. Each frame is encoded exactly once.
+
+Token layout, one continuous video block (exactly what offline Qwen2.5-VL builds for "this
+video so far + a question"):
+
+    <|im_start|>system\\n…<|im_end|>\\n<|im_start|>user\\n<|vision_start|>  [chunk][chunk]…
+
+A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n` to a version
+(see answer.py). Without eviction a streamed answer therefore equals the offline answer.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.eviction import EvictionPolicy
+from common.frames import FrameError, Grid, frames_to_pixels, pad_to_temporal
+from common.kvcache import Segment, StreamCache, Version
+from common.lm import LanguageModel
+from common.model import SYSTEM_PROMPT, LoadedModel
+from common.positions import text_positions, video_positions
+
+
+class Runtime:
+    """A loaded model plus our language-model runner; shared by every stream on a device."""
+
+    def __init__(self, loaded: LoadedModel):
+        self.loaded = loaded
+        self.lm = LanguageModel(loaded)
+        self.tokenizer = loaded.tokenizer
+        self.ids = loaded.ids
+        # One GPU does one forward at a time; the lock keeps encoder and QA threads from
+        # interleaving inside a forward (cheaper than the memory of concurrent activations).
+        self.gpu_lock = threading.RLock()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
+        return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
+
+    @torch.inference_mode()
+    def vision(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
+        visual = self.loaded.model.model.visual
+        grid = torch.tensor([grid_thw], device=self.loaded.device)
+        out = visual(pixels.to(self.loaded.device, visual.dtype), grid_thw=grid)
+        return out.pooler_output.to(self.lm.dtype)
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    fps: float
+    grid: Grid
+    chunk_frames: int = 4
+
+    def __post_init__(self) -> None:
+        if not (self.fps > 0):
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.chunk_frames <= 0 or self.chunk_frames % 2:
+            raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
+
+
+class StreamEngine:
+    """One stream's writer: append(chunk of frames) -> new Version (the head)."""
+
+    def __init__(self, runtime: Runtime, spec: StreamSpec, policy: EvictionPolicy | None = None):
+        self.rt = runtime
+        self.spec = spec
+        self.interval = runtime.loaded.temporal_interval(spec.fps)
+        self.grid_hw = (spec.grid.height // 28, spec.grid.width // 28)
+        self.cache = StreamCache(runtime.lm, spec.name, policy or EvictionPolicy(),
+                                 interval=self.interval, grid_hw=self.grid_hw)  # fmt: skip
+        self._chunk_index = 0
+        self._prefill_prefix()
+
+    @property
+    def head(self) -> Version:
+        assert self.cache.head is not None
+        return self.cache.head
+
+    def _prefill_prefix(self) -> None:
+        ids = self.rt.prefix_ids()
+        with self.rt.gpu_lock:
+            kv, start = self.cache.reserve(len(ids))
+            self.rt.lm.forward(self.rt.lm.embed(ids), text_positions(0, len(ids)), kv, start)
+        self.cache.publish_prefix(Segment(id="prefix", tokens=len(ids)), video_start=len(ids))
+
+    def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float] | None = None,
+               frame_seqs: Sequence[int] | None = None) -> Version:  # fmt: skip
+        """Encode one chunk (any positive count; an odd tail is padded by repeating the last
+        frame) and publish the version that contains it. Bad input raises before any state
+        changes."""
+        frames = list(frames)
+        if not frames:
+            raise FrameError("empty chunk: no frames")
+        times = list(capture_times) if capture_times is not None else [0.0] * len(frames)
+        seqs = list(frame_seqs) if frame_seqs is not None else list(range(len(frames)))
+        if len(times) != len(frames) or len(seqs) != len(frames):
+            raise FrameError(f"{len(frames)} frames but {len(times)} capture times and {len(seqs)} seqs")
+        padded, n_pad = pad_to_temporal(frames, self.rt.loaded.temporal_patch_size)
+        pixels, grid_thw = frames_to_pixels(padded, self.spec.grid)
+        with self.rt.gpu_lock:
+            embeds = self.rt.vision(pixels, grid_thw)
+            n_patches = grid_thw[0]
+            first_patch = self.cache.next_chunk_patch()
+            pos = video_positions(self.head.video_start, first_patch, n_patches, *self.grid_hw, self.interval)
+            kv, start = self.cache.reserve(embeds.shape[0])
+            self.rt.lm.forward(embeds, pos, kv, start)
+        self._chunk_index += 1
+        segment = Segment(
+            id=f"c{self._chunk_index:010d}",
+            tokens=embeds.shape[0],
+            first_patch=first_patch,
+            n_patches=n_patches,
+            frame_seqs=(seqs[0], seqs[-1]),
+            capture_range=(float(times[0]), float(times[-1])),
+            padded_frames=n_pad,
+        )
+        return self.cache.publish_chunk(segment)

@@ -1,0 +1,230 @@
+"""A stream's KV cache: immutable segments in one arena, published as versions.
+
+The cache holds the prefix (system prompt up to <|vision_start|>) and then one segment per
+chunk of frames, packed back to back in an arena tensor (see lm.py for its layout). New
+chunks are written past the end of every published version, so a version is a snapshot
+that costs nothing to take and never changes. Eviction writes the retained segments into a
+fresh arena: versions that still hold the old arena keep it alive until they are dropped.
+
+Re-basing: after eviction the retained chunks get contiguous logical temporal-patch indices,
+so positions stay bounded for an unbounded stream. Each placement records how far its keys
+have been turned in the temporal band relative to when the segment was encoded (`t_delta`,
+one per temporal patch); that, with the segment's original K/V, rebuilds the exact cache
+anywhere (the segment store ships segments and versions between processes this way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+
+import torch
+
+from common.eviction import EvictionPolicy
+from common.lm import KVView, LanguageModel
+from common.positions import next_text_position, shift_temporal, temporal_offset
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What one encoded piece of the cache is; its K/V live in an arena or a segment store."""
+
+    id: str
+    tokens: int
+    first_patch: int = 0  # logical temporal-patch index it was encoded at
+    n_patches: int = 0  # 0 for the prefix
+    frame_seqs: tuple[int, int] = (-1, -1)  # first, last frame sequence number
+    capture_range: tuple[float, float] = (0.0, 0.0)
+    padded_frames: int = 0  # frames repeated to fill the last temporal patch
+
+    @property
+    def tokens_per_patch(self) -> int:
+        return self.tokens // self.n_patches if self.n_patches else 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    segment: Segment
+    offset: int  # first token in the arena
+    first_patch: int  # logical temporal-patch index now (differs from the segment's after re-basing)
+    t_delta: tuple[int, ...] = ()  # per patch: temporal position now minus at encode time
+
+
+@dataclass(frozen=True)
+class CacheStats:
+    evictions: int = 0
+    chunks_evicted: int = 0
+    tokens_evicted: int = 0
+
+
+@dataclass(frozen=True)
+class Version:
+    """An immutable snapshot of a stream's cache."""
+
+    stream: str
+    id: int
+    view: KVView
+    placements: tuple[Placement, ...]
+    video_start: int  # position right after <|vision_start|>
+    interval: Fraction  # temporal position step per patch
+    grid_hw: tuple[int, int]  # merged tokens per patch, (rows, cols)
+    next_patch: int  # logical index the next chunk gets
+    stats: CacheStats = field(default_factory=CacheStats)
+
+    @property
+    def tokens(self) -> int:
+        return self.view.length
+
+    @property
+    def chunks(self) -> tuple[Placement, ...]:
+        return self.placements[1:]
+
+    @property
+    def text_start(self) -> int:
+        """Position of the first text token after the video (<|vision_end|>)."""
+        return next_text_position(self.video_start, self.next_patch, *self.grid_hw, self.interval)
+
+    @property
+    def last_frame_seq(self) -> int:
+        return self.chunks[-1].segment.frame_seqs[1] if self.chunks else -1
+
+    @property
+    def capture_range(self) -> tuple[float, float] | None:
+        if not self.chunks:
+            return None
+        return self.chunks[0].segment.capture_range[0], self.chunks[-1].segment.capture_range[1]
+
+    def kv_bytes(self) -> int:
+        kv = self.view.kv
+        return kv[:, :, :, : self.view.length].numel() * kv.element_size()
+
+
+class StreamCache:
+    """The writer side: appends chunks, evicts, publishes versions. One writer per stream."""
+
+    def __init__(self, lm: LanguageModel, stream: str, policy: EvictionPolicy, *, interval: Fraction,
+                 grid_hw: tuple[int, int], initial_capacity: int = 4096):  # fmt: skip
+        self.lm = lm
+        self.stream = stream
+        self.policy = policy
+        self.interval = interval
+        self.grid_hw = grid_hw
+        capacity = initial_capacity
+        if policy.max_cache_tokens is not None:
+            capacity = policy.max_cache_tokens + initial_capacity  # head room for the chunk over budget
+        self._kv = lm.new_kv(capacity)
+        self.head: Version | None = None
+
+    # -- writing -----------------------------------------------------------------------
+    def reserve(self, n_tokens: int) -> tuple[torch.Tensor, int]:
+        """Where the next `n_tokens` go: (arena, start). Grows the arena by doubling when full;
+        the old arena stays with the versions that reference it."""
+        start = self.head.tokens if self.head else 0
+        if start + n_tokens > self._kv.shape[3]:
+            grown = self.lm.new_kv(max(2 * self._kv.shape[3], start + n_tokens))
+            grown[:, :, :, :start] = self._kv[:, :, :, :start]
+            self._kv = grown
+        return self._kv, start
+
+    def publish_prefix(self, segment: Segment, video_start: int) -> Version:
+        placement = Placement(segment, offset=0, first_patch=0)
+        return self._publish((placement,), video_start=video_start, next_patch=0, stats=CacheStats())
+
+    def publish_chunk(self, segment: Segment) -> Version:
+        """The chunk's K/V were written by the caller at reserve()'s start; make them visible,
+        then evict if over budget."""
+        head = self._require_head()
+        placement = Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches)
+        version = self._publish(
+            (*head.placements, placement),
+            video_start=head.video_start,
+            next_patch=segment.first_patch + segment.n_patches,
+            stats=head.stats,
+        )
+        drop = self.policy.chunks_to_evict(version.placements[0].segment.tokens,
+                                           [p.segment.tokens for p in version.chunks])  # fmt: skip
+        return self._evict(drop) if drop else version
+
+    def restore(self, segments: list[tuple[Segment, torch.Tensor]], placements: list[Placement],
+                video_start: int, next_patch: int, stats: CacheStats) -> Version:  # fmt: skip
+        """Rebuild a version from stored segments (their original K/V) and its placements."""
+        total = sum(p.segment.tokens for p in placements)
+        kv, _ = self.reserve(total)
+        by_id = dict(segments)
+        for p in placements:
+            self._place(kv, p.offset, by_id[p.segment.id], p.t_delta, p.segment.tokens_per_patch)
+        return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats)
+
+    def next_chunk_patch(self) -> int:
+        return self._require_head().next_patch
+
+    # -- internals ---------------------------------------------------------------------
+    def _require_head(self) -> Version:
+        if self.head is None:
+            raise RuntimeError("the prefix must be published before any chunk")
+        return self.head
+
+    def _publish(self, placements: tuple[Placement, ...], *, video_start: int, next_patch: int,
+                 stats: CacheStats) -> Version:  # fmt: skip
+        last = placements[-1]
+        version = Version(
+            stream=self.stream,
+            id=(self.head.id + 1) if self.head else 0,
+            view=KVView(self._kv, last.offset + last.segment.tokens),
+            placements=placements,
+            video_start=video_start,
+            interval=self.interval,
+            grid_hw=self.grid_hw,
+            next_patch=next_patch,
+            stats=stats,
+        )
+        self.head = version
+        return version
+
+    def _evict(self, drop: list[int]) -> Version:
+        """Repack the retained segments into a fresh arena, re-basing them when the policy says so."""
+        head = self._require_head()
+        dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
+        kept = [p for i, p in enumerate(head.placements) if i not in dropped]
+        old_kv = self._kv
+        self._kv = self.lm.new_kv(old_kv.shape[3])
+        placements, offset, patch = [], 0, 0
+        for p in kept:
+            moved = self._rebased(p, offset, patch) if self.policy.rebase else replace(p, offset=offset)
+            n = p.segment.tokens
+            shift = [new - old for new, old in zip(moved.t_delta, p.t_delta, strict=True)]
+            self._place(self._kv, offset, old_kv[:, :, :, p.offset : p.offset + n], shift,
+                        p.segment.tokens_per_patch)  # fmt: skip
+            placements.append(moved)
+            offset += n
+            patch = moved.first_patch + p.segment.n_patches
+        gone = [head.placements[i] for i in sorted(dropped)]
+        stats = CacheStats(
+            evictions=head.stats.evictions + 1,
+            chunks_evicted=head.stats.chunks_evicted + len(gone),
+            tokens_evicted=head.stats.tokens_evicted + sum(p.segment.tokens for p in gone),
+        )
+        next_patch = patch if self.policy.rebase else head.next_patch
+        return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
+
+    def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
+        if p.segment.n_patches == 0:
+            return replace(p, offset=offset)
+        seg = p.segment
+        t_delta = tuple(
+            temporal_offset(first_patch + k, self.interval) - temporal_offset(seg.first_patch + k, self.interval)
+            for k in range(seg.n_patches)
+        )
+        return Placement(seg, offset, first_patch, t_delta)
+
+    def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, t_shift, tokens_per_patch: int) -> None:
+        """Copy a segment's K/V (layers, 2, kv_heads, n, hd) into `kv` at `offset`, turning the keys'
+        temporal band by `t_shift` (one value per temporal patch)."""
+        n = src.shape[3]
+        kv[:, 1, :, offset : offset + n] = src[:, 1]
+        if any(t_shift):
+            per_token = torch.tensor(t_shift, device=kv.device).repeat_interleave(tokens_per_patch)
+            kv[:, 0, :, offset : offset + n] = shift_temporal(src[:, 0], per_token, self.lm.inv_freq,
+                                                              self.lm.mrope_section)  # fmt: skip
+        else:
+            kv[:, 0, :, offset : offset + n] = src[:, 0]

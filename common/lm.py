@@ -1,0 +1,131 @@
+"""Our own forward pass of Qwen2.5-VL's language model, over KV storage we own.
+
+transformers' modules supply the weights and the per-layer maths (norms, projections, MLP);
+this file owns the cache and the attention, because the cache is the product: a stream's
+KV lives in one preallocated tensor (an "arena") that chunks are written into in place, and
+a question attends to a snapshot of that arena plus its own scratch space without copying
+the snapshot. Positions are always explicit (see positions.py), so nothing here depends on
+how transformers' generate() or Cache classes infer them in a given release.
+
+KV layout: (layers, 2, kv_heads, capacity, head_dim); [:, 0] keys (stored rotated), [:, 1] values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from common.model import LoadedModel
+from common.positions import apply_rope, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class KVView:
+    """The first `length` tokens of a KV tensor. Writers only ever write past every view's
+    length, so a view is an immutable snapshot for as long as someone holds it."""
+
+    kv: torch.Tensor
+    length: int
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[i, 0, :, : self.length], self.kv[i, 1, :, : self.length]
+
+
+class LanguageModel:
+    def __init__(self, loaded: LoadedModel):
+        text = loaded.model.model.language_model
+        cfg = loaded.text_config
+        self.layers = text.layers
+        self.norm = text.norm
+        self.embed_tokens = text.embed_tokens
+        self.lm_head = loaded.model.lm_head
+        self.inv_freq = text.rotary_emb.inv_freq
+        self.mrope_section = loaded.mrope_section
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        self.n_layers = cfg.num_hidden_layers
+        self.device = loaded.device
+        self.dtype = loaded.dtype
+
+    def new_kv(self, capacity: int) -> torch.Tensor:
+        shape = (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def embed(self, ids: list[int]) -> torch.Tensor:
+        return self.embed_tokens(torch.tensor(ids, device=self.device))
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, start: int,
+                base: KVView | None = None) -> torch.Tensor:  # fmt: skip
+        """Run `embeds` (L, D) at `positions` (3, L); write their K/V into kv[..., start:start+L]
+        and attend to kv[..., :start+L] causally, after all of `base` when given.
+        Returns the final-norm hidden states (L, D)."""
+        n_new = embeds.shape[0]
+        if start + n_new > kv.shape[3]:
+            raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
+        x = embeds.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, kv, start, base)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, kv, start, base) -> torch.Tensor:
+        attn = layer.self_attn
+        n_new = h.shape[0]
+        q = attn.q_proj(h).view(n_new, self.n_heads, self.head_dim).transpose(0, 1)
+        k = attn.k_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        v = attn.v_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        end = start + n_new
+        kv[i, 0, :, start:end] = apply_rope(k, cos, sin)
+        kv[i, 1, :, start:end] = v
+        q = apply_rope(q, cos, sin)
+        own_k, own_v = kv[i, 0, :, :end], kv[i, 1, :, :end]
+        if base is None:
+            out = self._sdpa(q, own_k, own_v, start)
+        else:
+            base_k, base_v = base.layer(i)
+            out = self._two_piece(q, base_k, base_v, own_k, own_v, start)
+        return attn.o_proj(out.transpose(0, 1).reshape(n_new, self.n_heads * self.head_dim))
+
+    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
+        """(H, L, hd) -> (kv_heads, rep*L, hd): GQA without repeating K/V in memory."""
+        rep = self.n_heads // self.n_kv_heads
+        return q.reshape(self.n_kv_heads, rep * q.shape[1], self.head_dim)
+
+    def _ungrouped(self, out: torch.Tensor, n_new: int) -> torch.Tensor:
+        return out.reshape(self.n_heads, n_new, self.head_dim)
+
+    def _causal_mask(self, n_new: int, start: int) -> torch.Tensor:
+        """(rep*L, start+L) bool: query r (absolute start+r) sees keys 0..start+r."""
+        rows = torch.arange(n_new, device=self.device)[:, None] + start
+        cols = torch.arange(start + n_new, device=self.device)[None, :]
+        return (cols <= rows).repeat(self.n_heads // self.n_kv_heads, 1)
+
+    def _sdpa(self, q, k, v, start: int) -> torch.Tensor:
+        n_new = q.shape[1]
+        mask = self._causal_mask(n_new, start)
+        out = F.scaled_dot_product_attention(
+            self._grouped(q)[:, None], k[:, None], v[:, None], attn_mask=mask, scale=self.head_dim**-0.5
+        )
+        return self._ungrouped(out[:, 0], n_new)
+
+    def _two_piece(self, q, base_k, base_v, own_k, own_v, start: int) -> torch.Tensor:
+        """Softmax over [base | own] without concatenating K/V: scores are small for the few
+        tokens of a question, the cached K/V are large and stay where they are."""
+        n_new = q.shape[1]
+        qg = self._grouped(q) * self.head_dim**-0.5
+        s_base = (qg @ base_k.transpose(1, 2)).float()
+        s_own = (qg @ own_k.transpose(1, 2)).float().masked_fill(~self._causal_mask(n_new, start), -torch.inf)
+        p = torch.softmax(torch.cat([s_base, s_own], dim=-1), dim=-1).to(self.dtype)
+        n_base = base_k.shape[1]
+        out = p[..., :n_base] @ base_v + p[..., n_base:] @ own_v
+        return self._ungrouped(out, n_new)
