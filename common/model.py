@@ -102,7 +102,7 @@ def tiny_config(vocab_size: int = 320) -> Qwen2_5_VLConfig:
     return _config(
         ids,
         text=dict(
-            vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=vocab_size, initializer_range=0.2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         ),

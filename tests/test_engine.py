@@ -1,0 +1,292 @@
+"""Oracles for the streaming engine (tiny-random, fp32, CPU).
+
+The first oracle: without eviction, a streamed answer equals transformers' one-shot inference
+over the same frames, token for token, and its first logits agree to 1e-4.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from common.answer import GenerationParams, QuestionError, ask, choose, first_token_logits
+from common.engine import Runtime, StreamEngine, StreamSpec
+from common.eviction import EvictionPolicy
+from common.frames import FrameError, Grid
+from common.model import load_model
+from common.offline import offline_answer, offline_prompt
+from common.positions import next_text_position, text_positions, video_positions
+
+QUESTION = "What is happening in the video?"
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def make_frames(n: int, grid: Grid, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (grid.height, grid.width, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def stream(rt: Runtime, frames, grid: Grid, fps: float, chunk: int, policy: EvictionPolicy | None = None):
+    engine = StreamEngine(rt, StreamSpec("cam", fps, grid, chunk), policy)
+    for i in range(0, len(frames), chunk):
+        part = frames[i : i + chunk]
+        engine.append(part, [(i + k) / fps for k in range(len(part))], list(range(i, i + len(part))))
+    return engine
+
+
+# -- streamed == offline ---------------------------------------------------------------------------
+@pytest.mark.parametrize("grid", [Grid(56, 84), Grid(84, 56)], ids=["56x84", "84x56"])
+@pytest.mark.parametrize("fps", [1, 2, 4, 3])
+@pytest.mark.parametrize(("chunk", "n_frames"), [(2, 2), (2, 8), (4, 4), (4, 12), (6, 6), (6, 12)])
+def test_streamed_answer_equals_offline(rt, grid, fps, chunk, n_frames):
+    frames = make_frames(n_frames, grid, seed=n_frames + chunk)
+    engine = stream(rt, frames, grid, fps, chunk)
+    assert len(engine.head.chunks) == n_frames // chunk
+    streamed = ask(rt, engine.head, QUESTION, GenerationParams(max_tokens=12))
+    offline = offline_answer(rt, frames, grid, fps, QUESTION, max_tokens=12)
+    assert streamed.token_ids == offline.token_ids
+    assert len(streamed.token_ids) > 0 and streamed.text == offline.text
+    logits = first_token_logits(rt, engine.head, QUESTION)
+    assert torch.allclose(logits, offline.first_logits, atol=1e-4, rtol=0)
+
+
+def test_odd_tail_padded_like_offline(rt):
+    grid = Grid(56, 56)
+    frames = make_frames(5, grid)
+    engine = stream(rt, frames, grid, 2, 4)  # chunks of 4 and 1 (padded to 2)
+    assert engine.head.chunks[-1].segment.padded_frames == 1
+    offline = offline_answer(rt, frames, grid, 2, QUESTION, max_tokens=8)
+    assert ask(rt, engine.head, QUESTION, GenerationParams(max_tokens=8)).token_ids == offline.token_ids
+
+
+def test_comparison_is_sensitive_to_positions(rt):
+    """Negative control: off-by-one text positions change the logits far beyond the tolerance."""
+    grid = Grid(56, 56)
+    frames = make_frames(4, grid)
+    ids, pixels, grid_thw, pos, _ = offline_prompt(rt, frames, grid, 2, QUESTION)
+    model = rt.loaded.model
+    with torch.inference_mode():
+        good = model(input_ids=ids, pixel_values_videos=pixels, video_grid_thw=grid_thw, position_ids=pos)
+        shifted = pos.clone()
+        shifted[:, :, -5:] += 1
+        bad = model(input_ids=ids, pixel_values_videos=pixels, video_grid_thw=grid_thw, position_ids=shifted)
+    assert (good.logits[0, -1] - bad.logits[0, -1]).abs().max() > 1e-3
+
+
+# -- vision tower -------------------------------------------------------------------------------------
+def test_vision_chunked_equals_whole(rt):
+    from common.frames import frames_to_pixels
+
+    grid = Grid(56, 84)
+    frames = make_frames(8, grid)
+    whole = rt.vision(*frames_to_pixels(frames, grid))
+    parts = torch.cat([rt.vision(*frames_to_pixels(frames[i : i + 2], grid)) for i in range(0, 8, 2)])
+    assert torch.allclose(whole, parts, atol=1e-6)
+
+
+# -- positions ------------------------------------------------------------------------------------------
+def test_positions_reference_values():
+    # fps 4: tokens_per_second 2 * (2 frames / 4 fps) = 1 per patch
+    pos = video_positions(10, 0, 2, 1, 2, Fraction(1))
+    assert pos.tolist() == [[10, 10, 11, 11], [10, 10, 10, 10], [10, 11, 10, 11]]
+    # fps 3: interval 4/3 -> floor(0, 4/3, 8/3, 4) = 0, 1, 2, 4 (fractional seconds-per-grid kept)
+    assert video_positions(0, 0, 4, 1, 1, Fraction(4, 3))[0].tolist() == [0, 1, 2, 4]
+    # a chunk starting at logical patch 2 continues the same sequence
+    assert video_positions(0, 2, 2, 1, 1, Fraction(4, 3))[0].tolist() == [2, 4]
+    # fps 2.5: interval 8/5 -> 0, 1, 3, 4, 6
+    assert video_positions(0, 0, 5, 1, 1, Fraction(8, 5))[0].tolist() == [0, 1, 3, 4, 6]
+    # text after video at max over all three axes + 1
+    assert next_text_position(10, 3, 2, 3, Fraction(4)) == 19  # t max 18
+    assert next_text_position(10, 3, 2, 3, Fraction(1, 2)) == 13  # w max 12 dominates
+    assert text_positions(5, 3).tolist() == [[5, 6, 7]] * 3
+
+
+def test_engine_positions_match_offline_prompt(rt):
+    """The streamed version's text start is what the offline prompt puts after the video."""
+    grid = Grid(56, 84)
+    frames = make_frames(6, grid)
+    engine = stream(rt, frames, grid, 3, 2)
+    _, _, _, pos, _ = offline_prompt(rt, frames, grid, 3, QUESTION)
+    prefix = len(rt.prefix_ids())
+    video_tokens = engine.head.tokens - prefix
+    assert engine.head.text_start == int(pos[0, 0, prefix + video_tokens])
+    # fps 3, 3 patches: t = s + 0, 1, 2 -> text at s + max(2, 1, 2) + 1
+    assert engine.head.text_start == prefix + 3
+
+
+# -- snapshots -------------------------------------------------------------------------------------------
+def test_snapshot_isolation(rt):
+    grid = Grid(56, 56)
+    frames = make_frames(12, grid)
+    engine = stream(rt, frames[:4], grid, 2, 2)
+    old = engine.head
+    before = old.view.kv[:, :, :, : old.tokens].clone()
+    first = ask(rt, old, QUESTION, GenerationParams(max_tokens=10))
+    again = ask(rt, old, QUESTION, GenerationParams(max_tokens=10))
+    assert first.token_ids == again.token_ids
+    assert torch.equal(old.view.kv[:, :, :, : old.tokens], before), "asking changed the cache"
+    for i in range(4, 12, 2):
+        engine.append(frames[i : i + 2], [i / 2, (i + 1) / 2], [i, i + 1])
+    assert engine.head.tokens > old.tokens
+    assert ask(rt, old, QUESTION, GenerationParams(max_tokens=10)).token_ids == first.token_ids
+    assert torch.equal(old.view.kv[:, :, :, : old.tokens], before), "appending changed an old snapshot"
+    assert old.view.kv.data_ptr() == engine.head.view.kv.data_ptr(), "snapshots share the arena (no copy)"
+
+
+def test_snapshot_survives_eviction(rt):
+    grid = Grid(56, 56)
+    frames = make_frames(20, grid)
+    prefix = len(rt.prefix_ids())
+    engine = stream(rt, frames[:4], grid, 2, 2, EvictionPolicy(max_cache_tokens=prefix + 4 * 4))
+    old = engine.head
+    before = old.view.kv[:, :, :, : old.tokens].clone()
+    answer = ask(rt, old, QUESTION, GenerationParams(max_tokens=8))
+    for i in range(4, 20, 2):
+        engine.append(frames[i : i + 2], [i / 2, (i + 1) / 2], [i, i + 1])
+    assert engine.head.stats.evictions > 0
+    assert torch.equal(old.view.kv[:, :, :, : old.tokens], before)
+    assert ask(rt, old, QUESTION, GenerationParams(max_tokens=8)).token_ids == answer.token_ids
+
+
+# -- eviction and re-basing -----------------------------------------------------------------------------------
+def test_eviction_budget_sink_whole_chunks_and_stats(rt):
+    grid = Grid(56, 56)  # 4 tokens per 2-frame chunk
+    prefix = len(rt.prefix_ids())
+    budget = prefix + 4 * 8
+    engine = StreamEngine(rt, StreamSpec("cam", 2, grid, 2), EvictionPolicy(max_cache_tokens=budget, sink_chunks=2))
+    frames = make_frames(60, grid)
+    for i in range(0, 60, 2):
+        v = engine.append(frames[i : i + 2], [i / 2, (i + 1) / 2], [i, i + 1])
+        assert v.tokens <= budget + 4
+        assert [p.segment.frame_seqs for p in v.chunks[:2]] == [(0, 1), (2, 3)] or len(v.chunks) < 2
+        assert all(p.segment.tokens == p.segment.n_patches * 4 for p in v.chunks)
+        assert v.chunks[-1].segment.frame_seqs == (i, i + 1)
+        offsets = [p.offset for p in v.placements]
+        assert offsets == sorted(offsets) and offsets[0] == 0
+    head = engine.head
+    assert head.stats.evictions >= 2
+    assert head.tokens - prefix + head.stats.tokens_evicted == 30 * 4
+    assert len(head.chunks) + head.stats.chunks_evicted == 30
+
+
+@pytest.mark.parametrize("fps", [2, 3])
+def test_rebased_keys_equal_fresh_encode_of_retained_frames(rt, fps):
+    grid = Grid(56, 84)  # 6 tokens per patch
+    prefix = len(rt.prefix_ids())
+    chunk = 4  # 2 patches per chunk: per-patch deltas differ at fps 3
+    policy = EvictionPolicy(max_cache_tokens=prefix + 12 * 5, sink_chunks=1, low_watermark=0.6)
+    frames = make_frames(40, grid)
+    evicted = stream(rt, frames, grid, fps, chunk, policy)
+    head = evicted.head
+    assert head.stats.evictions > 0
+    assert any(any(p.t_delta) for p in head.chunks), "nothing was re-based"
+    kept = [f for p in head.chunks for f in frames[p.segment.frame_seqs[0] : p.segment.frame_seqs[1] + 1]]
+    fresh = stream(rt, kept, grid, fps, chunk).head
+    assert fresh.tokens == head.tokens and fresh.text_start == head.text_start
+    n = head.tokens
+    assert torch.allclose(head.view.kv[0, 0, :, :n], fresh.view.kv[0, 0, :, :n], atol=1e-5)
+    assert torch.allclose(head.view.kv[0, 1, :, :n], fresh.view.kv[0, 1, :, :n], atol=1e-6)
+    # the oracle is sensitive: un-rotated (absolute) keys differ
+    absolute = stream(rt, frames, grid, fps, chunk, EvictionPolicy(**{**policy.__dict__, "rebase": False})).head
+    assert not torch.allclose(absolute.view.kv[0, 0, :, :n], fresh.view.kv[0, 0, :, :n], atol=1e-3)
+
+
+def test_positions_bounded_and_memory_flat_over_10000_chunks(rt):
+    grid = Grid(28, 28)  # 1 token per patch keeps 10,000 chunks quick on a CPU
+    prefix = len(rt.prefix_ids())
+    policy = EvictionPolicy(max_cache_tokens=prefix + 64, sink_chunks=2)
+    engine = StreamEngine(rt, StreamSpec("cam", 4, grid, 2), policy)
+    frame = [np.full((28, 28, 3), 7, dtype=np.uint8)] * 2
+    capacities, text_starts = set(), []
+    for i in range(10_000):
+        v = engine.append(frame, [i / 4, i / 4 + 0.25], [2 * i, 2 * i + 1])
+        capacities.add(v.view.kv.shape[3])
+        text_starts.append(v.text_start)
+    assert len(capacities) == 1, "the arena was reallocated to a new size"
+    assert max(text_starts) <= prefix + 64 + 2, "positions grew with the stream"
+    assert engine.head.stats.chunks_evicted + len(engine.head.chunks) == 10_000
+    absolute = StreamEngine(rt, StreamSpec("cam", 4, grid, 2), EvictionPolicy(prefix + 64, rebase=False))
+    for i in range(200):
+        v = absolute.append(frame, [0.0, 0.0], [2 * i, 2 * i + 1])
+    assert v.text_start == prefix + 200, "absolute positions keep counting"
+
+
+# -- multiple choice --------------------------------------------------------------------------------------------
+def test_choose_scores_equal_offline_log_probs(rt):
+    grid = Grid(56, 56)
+    frames = make_frames(4, grid)
+    engine = stream(rt, frames, grid, 2, 2)
+    choices = ["a red ball", "blue", "nothing at all"]
+    result = choose(rt, engine.head, QUESTION, choices)
+    for option, score in zip(choices, result.scores, strict=True):
+        ids, pixels, grid_thw, pos, next_pos = offline_prompt(rt, frames, grid, 2, QUESTION)
+        opt = rt.encode(option)
+        full = torch.cat([ids, torch.tensor([opt])], dim=1)
+        full_pos = torch.cat([pos, text_positions(next_pos, len(opt))[:, None, :]], dim=2)
+        with torch.inference_mode():
+            logits = rt.loaded.model(input_ids=full, pixel_values_videos=pixels, video_grid_thw=grid_thw,
+                                     position_ids=full_pos).logits[0].float()  # fmt: skip
+        logp = torch.log_softmax(logits[ids.shape[1] - 1 : -1], dim=-1)
+        expected = float(logp[torch.arange(len(opt)), torch.tensor(opt)].mean())
+        assert score == pytest.approx(expected, abs=1e-4)
+    assert result.choice == choices[result.best] and result.best == int(np.argmax(result.scores))
+
+
+def test_sampling_is_reproducible_with_seed(rt):
+    grid = Grid(56, 56)
+    engine = stream(rt, make_frames(4, grid), grid, 2, 2)
+    params = GenerationParams(max_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+    a, b = ask(rt, engine.head, QUESTION, params), ask(rt, engine.head, QUESTION, params)
+    assert a.token_ids == b.token_ids
+
+
+def test_streamed_deltas_concatenate_to_the_answer(rt):
+    grid = Grid(56, 56)
+    engine = stream(rt, make_frames(4, grid), grid, 2, 2)
+    deltas: list[str] = []
+    answer = ask(rt, engine.head, QUESTION, GenerationParams(max_tokens=16), on_delta=deltas.append)
+    assert "".join(deltas) == answer.text and len(deltas) > 1
+    assert answer.first_token_s > 0 and answer.cache_tokens == engine.head.tokens
+    assert answer.capture_range == (0.0, 1.5)
+
+
+# -- bad input ----------------------------------------------------------------------------------------------------
+def test_bad_input_raises_and_leaves_cache_untouched(rt):
+    grid = Grid(56, 56)
+    engine = stream(rt, make_frames(4, grid), grid, 2, 2)
+    head = engine.head
+    before = head.view.kv[:, :, :, : head.tokens].clone()
+    good = make_frames(1, grid)[0]
+    bad_chunks = {
+        "empty": [],
+        "size": [good, np.zeros((28, 56, 3), np.uint8)],
+        "gray": [good, np.zeros((56, 56), np.uint8)],
+        "rgba": [good, np.zeros((56, 56, 4), np.uint8)],
+        "float": [good, np.zeros((56, 56, 3), np.float32)],
+    }
+    for name, chunk in bad_chunks.items():
+        with pytest.raises(FrameError):
+            engine.append(chunk)
+        assert engine.head is head, name
+    with pytest.raises(FrameError, match="capture times"):
+        engine.append([good, good], [0.0], [1, 2])
+    for fps in (0, -1):
+        with pytest.raises(ValueError, match="fps"):
+            StreamSpec("cam", fps, grid)
+    with pytest.raises(QuestionError, match="tokens"):
+        ask(rt, head, "x" * 5000)
+    with pytest.raises(QuestionError, match="empty"):
+        ask(rt, head, "   ")
+    with pytest.raises(QuestionError, match="max_tokens"):
+        GenerationParams(max_tokens=0)
+    with pytest.raises(QuestionError):
+        choose(rt, head, QUESTION, ["only one"])
+    assert engine.head is head
+    assert torch.equal(head.view.kv[:, :, :, : head.tokens], before)
