@@ -107,7 +107,12 @@ class StreamEngine:
         pixels, grid_thw = frames_to_pixels(padded, self.spec.grid)
         with self.rt.gpu_lock:
             embeds = self.rt.vision(pixels, grid_thw)
-            n_patches = grid_thw[0]
+        return self.append_embeddings(embeds, grid_thw[0], (seqs[0], seqs[-1]), (times[0], times[-1]), n_pad)
+
+    def append_embeddings(self, embeds: torch.Tensor, n_patches: int, frame_seqs: tuple[int, int],
+                          capture_range: tuple[float, float], padded_frames: int = 0) -> Version:  # fmt: skip
+        """Prefill already-encoded video tokens (n_patches * tokens per patch, in (t, h, w) order)."""
+        with self.rt.gpu_lock:
             first_patch = self.cache.next_chunk_patch()
             pos = video_positions(self.head.video_start, first_patch, n_patches, *self.grid_hw, self.interval)
             kv, start = self.cache.reserve(embeds.shape[0])
@@ -118,8 +123,8 @@ class StreamEngine:
             tokens=embeds.shape[0],
             first_patch=first_patch,
             n_patches=n_patches,
-            frame_seqs=(seqs[0], seqs[-1]),
-            capture_range=(float(times[0]), float(times[-1])),
-            padded_frames=n_pad,
+            frame_seqs=frame_seqs,
+            capture_range=(float(capture_range[0]), float(capture_range[1])),
+            padded_frames=padded_frames,
         )
         return self.cache.publish_chunk(segment)

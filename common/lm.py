@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from common.model import LoadedModel
 from common.positions import apply_rope, rope_cos_sin
@@ -111,12 +112,14 @@ class LanguageModel:
         return (cols <= rows).repeat(self.n_heads // self.n_kv_heads, 1)
 
     def _sdpa(self, q, k, v, start: int) -> torch.Tensor:
+        """Chunk prefill: lower-right causal alignment lets flash attention skip building a
+        (L, start+L) mask; GQA is native, so the cached K/V are read in place."""
         n_new = q.shape[1]
-        mask = self._causal_mask(n_new, start)
+        mask = causal_lower_right(n_new, start + n_new)
         out = F.scaled_dot_product_attention(
-            self._grouped(q)[:, None], k[:, None], v[:, None], attn_mask=mask, scale=self.head_dim**-0.5
+            q[None], k[None], v[None], attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
         )
-        return self._ungrouped(out[:, 0], n_new)
+        return out[0]
 
     def _two_piece(self, q, base_k, base_v, own_k, own_v, start: int) -> torch.Tensor:
         """Softmax over [base | own] without concatenating K/V: scores are small for the few

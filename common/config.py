@@ -1,0 +1,352 @@
+"""Configuration: one frozen dataclass per service, filled from four layers.
+
+Precedence, lowest first: dataclass defaults < YAML file < environment ``SVQA_<FIELD>`` < CLI
+``--field-name``. The YAML file is named by ``--config PATH`` or ``SVQA_CONFIG``. Flags and
+variable names are derived from the dataclass, so a new setting is one new field. Supported
+field types: int, float, str, bool, Path, Literal[...], X | None, tuple[X, ...]. Strings from
+the environment and the CLI are converted; ``none``/``null``/empty set an optional field to
+None; tuples take comma-separated values. Any bad value raises ``ConfigError`` naming where it
+came from. Field metadata ``help`` becomes the flag's help text.
+
+Also here: the cameras/jobs YAML file (``load_cameras_file``), shared by ingest and qa_worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import math
+import os
+import sys
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from common.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
+
+T = TypeVar("T")
+ENV_PREFIX = "SVQA_"
+CONFIG_FLAG = "config"  # --config / SVQA_CONFIG: the YAML file; reserved, not a field name
+_NONE = {"", "none", "null"}
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or has a bad value; the message says which and where."""
+
+
+# --------------------------------------------------------------------------- value conversion
+
+
+def _convert(tp: Any, v: Any, where: str) -> Any:
+    """Convert ``v`` (a str from env/CLI, or a YAML value) to type ``tp``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        if v is None or (isinstance(v, str) and v.strip().lower() in _NONE):
+            return None
+        if len(inner) != 1:
+            raise TypeError(f"{where}: unsupported type {tp}")
+        return _convert(inner[0], v, where)
+    if origin is Literal:
+        for choice in args:
+            try:
+                if _convert(type(choice), v, where) == choice:
+                    return choice
+            except ConfigError:
+                pass
+        raise ConfigError(f"{where}: {v!r} is not one of {', '.join(map(str, args))}")
+    if origin in (tuple, list):
+        item = args[0]
+        if isinstance(v, str):
+            v = [s.strip() for s in v.split(",") if s.strip()]
+        if not isinstance(v, list | tuple):
+            raise ConfigError(f"{where}: expected a list, got {v!r}")
+        items = [_convert(item, x, f"{where}[{i}]") for i, x in enumerate(v)]
+        return tuple(items) if origin is tuple else items
+    return _scalar(tp, v, where)
+
+
+def _scalar(tp: Any, v: Any, where: str) -> Any:
+    if v is None:
+        raise ConfigError(f"{where}: a value is required (the setting is not optional)")
+    if tp is bool:
+        if isinstance(v, bool):
+            return v
+        s = str(v).strip().lower()
+        if s in _TRUE or s in _FALSE:
+            return s in _TRUE
+        raise ConfigError(f"{where}: expected a boolean (true/false), got {v!r}")
+    if tp is int:
+        try:  # YAML gives int, env/CLI give str; bool and float (1.5) are mistakes
+            if isinstance(v, bool) or not isinstance(v, int | str):
+                raise ValueError
+            return int(v)
+        except ValueError:
+            raise ConfigError(f"{where}: expected an integer, got {v!r}") from None
+    if tp is float:
+        try:
+            if isinstance(v, bool) or not isinstance(v, int | float | str):
+                raise ValueError
+            f = float(v)
+        except ValueError:
+            raise ConfigError(f"{where}: expected a number, got {v!r}") from None
+        if not math.isfinite(f):
+            raise ConfigError(f"{where}: expected a finite number, got {v!r}")
+        return f
+    if tp is str or tp is Path:
+        if not isinstance(v, str):  # e.g. YAML `model: 7`: quote it rather than guess the text
+            raise ConfigError(f"{where}: expected a string, got {type(v).__name__} {v!r} (quote it)")
+        return Path(v) if tp is Path else v
+    raise TypeError(f"{where}: unsupported config type {tp}")
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> typing.NoReturn:  # argparse would print and exit(2)
+        raise ConfigError(f"command line: {message}")
+
+
+def _fields(cls: type) -> list[tuple[dataclasses.Field[Any], Any]]:
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(cls)
+    fs = [(f, hints[f.name]) for f in dataclasses.fields(cls) if f.init]
+    if any(f.name == CONFIG_FLAG for f, _ in fs):
+        raise TypeError(f"{cls.__name__}: field name {CONFIG_FLAG!r} is reserved for the YAML file")
+    return fs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_name(name: str) -> str:
+    return ENV_PREFIX + name.upper()
+
+
+def _parse_cli(cls: type, argv: Sequence[str], prog: str | None) -> dict[str, Any]:
+    p = _Parser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None)
+    p.add_argument("--config", metavar="PATH", help=f"YAML config file (or {env_name(CONFIG_FLAG)})")
+    for f, tp in _fields(cls):
+        default = "required" if f.default is dataclasses.MISSING else f"default {_default(f)!r}"
+        help_ = f"{f.metadata.get('help', '')} [{env_name(f.name)}; {default}]".strip()
+        if tp is bool:
+            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
+        else:
+            p.add_argument(_flag(f.name), dest=f.name, metavar="VALUE", help=help_)
+    ns = p.parse_args(list(argv))
+    return {k: v for k, v in vars(ns).items() if v is not None}
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
+def _read_yaml(path: str | Path) -> Any:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return yaml.safe_load(fh)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+
+
+def _unknown(key: Any, known: Sequence[str], where: str) -> ConfigError:
+    hint = difflib.get_close_matches(str(key), known, n=1)
+    return ConfigError(
+        f"{where}: unknown setting {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+    )
+
+
+def _yaml_layer(path: str | Path, names: Sequence[str]) -> dict[str, Any]:
+    data = _read_yaml(path)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    out = {}
+    for k, v in data.items():
+        name = str(k).replace("-", "_")
+        if name not in names:
+            raise _unknown(k, names, str(path))
+        out[name] = v
+    return out
+
+
+def load_config(
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    env: Mapping[str, str] = os.environ,
+    *,
+    prog: str | None = None,
+) -> T:
+    """Build ``cls`` from defaults < YAML (--config / SVQA_CONFIG) < SVQA_* env < CLI flags."""
+    fields = _fields(cls)
+    names = [f.name for f, _ in fields]
+    cli = _parse_cli(cls, sys.argv[1:] if argv is None else argv, prog)
+    yaml_path = cli.pop(CONFIG_FLAG, None) or env.get(env_name(CONFIG_FLAG)) or None
+    raw: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
+    if yaml_path:
+        raw |= {k: (v, f"{yaml_path}: {k}") for k, v in _yaml_layer(yaml_path, names).items()}
+    raw |= {n: (env[env_name(n)], env_name(n)) for n in names if env_name(n) in env}
+    raw |= {n: (v, _flag(n)) for n, v in cli.items()}
+    values = {}
+    for f, tp in fields:
+        if f.name in raw:
+            v, where = raw[f.name]
+            values[f.name] = _convert(tp, v, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(
+                f"missing required setting {f.name!r} (set {_flag(f.name)}, {env_name(f.name)} "
+                f"or {f.name}: in the config file)"
+            )
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:  # the dataclass's own __post_init__ checks
+        raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------- cameras file
+
+JobKind = Literal["caption", "subtitles", "custom"]
+SubtitleFormat = Literal["vtt", "srt"]
+MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
+MAX_FPS = 240.0
+
+
+def _check_name(field: str, v: str) -> None:
+    try:
+        check_stream_name(field, v)
+    except SchemaError as e:
+        raise ConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class Camera:
+    name: str  # the stream name: keys, logs, questions use it
+    url: str  # file path, rtsp://, http(s)://, or /dev/videoN
+    fps: float  # target sampling rate (by presentation time)
+    realtime: bool | None = None  # drop frames when behind (live) vs backpressure; None = by url
+    max_pixels: int | None = None  # model grid bounds; None = the service default
+    min_pixels: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        if not self.url.strip():
+            raise ConfigError("url: empty")
+        if not 0 < self.fps <= MAX_FPS:
+            raise ConfigError(f"fps: must be in (0, {MAX_FPS:g}], got {self.fps}")
+        for k in ("max_pixels", "min_pixels"):
+            v = getattr(self, k)
+            if v is not None and not MIN_PIXELS_FLOOR <= v <= MAX_FRAME_PIXELS:
+                raise ConfigError(f"{k}: must be in [{MIN_PIXELS_FLOOR}, {MAX_FRAME_PIXELS}], got {v}")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"min_pixels: {self.min_pixels} > max_pixels {self.max_pixels}")
+
+
+@dataclass(frozen=True)
+class Job:
+    name: str
+    stream: str  # a camera name, or "*" for every camera in the file
+    kind: JobKind
+    prompt: str | None = None  # required for kind "custom"; caption/subtitles have defaults
+    every_s: float | None = None  # run every N seconds of capture time ...
+    every_versions: int | None = None  # ... and/or every N new cache versions
+    formats: tuple[SubtitleFormat, ...] = ("vtt",)
+
+    def __post_init__(self) -> None:
+        _check_name("name", self.name)
+        if self.stream != "*":
+            _check_name("stream", self.stream)
+        if self.kind == "custom" and not (self.prompt or "").strip():
+            raise ConfigError("prompt: required for kind 'custom'")
+        if self.prompt is not None and len(self.prompt) > MAX_QUESTION_CHARS:
+            raise ConfigError(f"prompt: longer than {MAX_QUESTION_CHARS} chars")
+        if self.every_s is None and self.every_versions is None:
+            raise ConfigError("every_s: set every_s and/or every_versions")
+        if self.every_s is not None and self.every_s <= 0:
+            raise ConfigError(f"every_s: must be > 0, got {self.every_s}")
+        if self.every_versions is not None and self.every_versions < 1:
+            raise ConfigError(f"every_versions: must be >= 1, got {self.every_versions}")
+        if len(set(self.formats)) != len(self.formats):
+            raise ConfigError(f"formats: duplicates in {list(self.formats)}")
+
+
+@dataclass(frozen=True)
+class CamerasFile:
+    cameras: tuple[Camera, ...] = ()
+    jobs: tuple[Job, ...] = ()
+
+    def __post_init__(self) -> None:
+        _unique("cameras", [c.name for c in self.cameras])
+        _unique("jobs", [j.name for j in self.jobs])
+        names = {c.name for c in self.cameras}
+        for i, j in enumerate(self.jobs):
+            if j.stream != "*" and j.stream not in names:  # a typo would leave a job silently idle
+                raise ConfigError(f"jobs[{i}].stream: {j.stream!r} is not a camera in this file")
+
+    def camera(self, name: str) -> Camera:
+        return next(c for c in self.cameras if c.name == name)
+
+    def jobs_for(self, stream: str) -> list[Job]:
+        return [j for j in self.jobs if j.stream in ("*", stream)]
+
+
+def _unique(where: str, names: list[str]) -> None:
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConfigError(f"{where}: duplicate names {dup}")
+
+
+def _from_mapping(cls: type[T], data: Any, where: str) -> T:
+    """Build a small dataclass from a YAML mapping: unknown keys, missing keys, bad types."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: tp for f, tp in _fields(cls)}
+    for k in data:
+        if k not in fields:
+            raise _unknown(k, list(fields), where)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kw[f.name] = _convert(fields[f.name], data[f.name], f"{where}.{f.name}")
+        elif f.default is dataclasses.MISSING:
+            raise ConfigError(f"{where}.{f.name}: missing")
+    try:
+        return cls(**kw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}.{e}") from None
+
+
+def load_cameras_file(path: str | Path) -> CamerasFile:
+    """Parse and validate a cameras/jobs YAML file; ConfigError names the file and the entry."""
+    data = _read_yaml(path)
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping with 'cameras' and 'jobs'")
+    for k in data:
+        if k not in ("cameras", "jobs"):
+            raise _unknown(k, ["cameras", "jobs"], str(path))
+    parts: dict[str, tuple[Any, ...]] = {}
+    for key, cls in (("cameras", Camera), ("jobs", Job)):
+        items = data.get(key) or []
+        if not isinstance(items, list):
+            raise ConfigError(f"{path}: {key}: expected a list")
+        parts[key] = tuple(_from_mapping(cls, x, f"{path}: {key}[{i}]") for i, x in enumerate(items))
+    try:
+        return CamerasFile(**parts)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None

@@ -1,0 +1,610 @@
+"""Wire schemas: frames, cache manifests, questions and answers.
+
+Frames and manifests are msgpack maps (schema version ``v``) in a single stream field ``m``.
+Questions and answers are plain string fields so that redis-cli alone can ask and read.
+
+Every decoder validates every field (type, range, size) and raises ``SchemaError`` naming the
+field; nothing from the wire reaches a worker unchecked. Unknown keys inside a msgpack map are
+ignored (additive changes need no version bump); unknown question fields are rejected, because
+there they are almost always a client's typo (``max_token``) that would otherwise pass silently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+SCHEMA_VERSION = 1
+FIELD = "m"  # the one stream field that carries a msgpack payload
+
+# Default limits; services override them through their config (see ``Limits``).
+MAX_FRAME_PIXELS = 4096 * 4096
+MAX_QUESTION_CHARS = 4000
+MIN_CHOICES = 2
+MAX_CHOICES = 16
+MAX_CHOICE_CHARS = 200
+MAX_NEW_TOKENS = 2048
+DEFAULT_MAX_TOKENS = 128
+MAX_REPLY_TTL_S = 7 * 24 * 3600
+MAX_MANIFEST_SEGMENTS = 1 << 20
+
+INT64_MAX = 2**63 - 1
+STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Question ids end up in key names (svqa:answer:{id}); no braces (hash tags), spaces or colons.
+QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+# Segment ids end up in file names of the directory store: no leading dot, no separators.
+SEGMENT_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+
+
+class SchemaError(ValueError):
+    """A message failed validation; ``field`` names the offending field."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Size limits applied when decoding; build one from a service config to override."""
+
+    max_frame_pixels: int = MAX_FRAME_PIXELS
+    max_question_chars: int = MAX_QUESTION_CHARS
+    max_choices: int = MAX_CHOICES
+    max_choice_chars: int = MAX_CHOICE_CHARS
+    max_new_tokens: int = MAX_NEW_TOKENS
+
+
+DEFAULT_LIMITS = Limits()
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _int(name: str, v: Any, lo: int | None = None, hi: int | None = INT64_MAX) -> int:
+    # bool is an int subclass in Python; on the wire it is a different type.
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SchemaError(name, f"expected int, got {type(v).__name__}")
+    if lo is not None and v < lo:
+        raise SchemaError(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise SchemaError(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _float(name: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SchemaError(name, f"expected float, got {type(v).__name__}")
+    v = float(v)
+    if not math.isfinite(v):
+        raise SchemaError(name, f"must be finite, got {v}")
+    if lo is not None and v < lo:
+        raise SchemaError(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise SchemaError(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def _opt_float(name: str, v: Any) -> float | None:
+    return None if v is None else _float(name, v)
+
+
+def _str(name: str, v: Any, max_len: int, pattern: re.Pattern[str] | None = None) -> str:
+    if not isinstance(v, str):
+        raise SchemaError(name, f"expected str, got {type(v).__name__}")
+    if len(v) > max_len:
+        raise SchemaError(name, f"longer than {max_len} chars ({len(v)})")
+    if pattern is not None and not pattern.fullmatch(v):
+        raise SchemaError(name, f"invalid value {v[:80]!r} (must match {pattern.pattern})")
+    return v
+
+
+def check_stream_name(name: str, v: Any) -> str:
+    """A camera stream name: [A-Za-z0-9_.-]{1,64}, and not '.' or '..' (they become paths)."""
+    s = _str(name, v, 64, STREAM_NAME_RE)
+    if s in (".", ".."):
+        raise SchemaError(name, f"invalid stream name {s!r}")
+    return s
+
+
+def _require(m: Mapping[str, Any], name: str) -> Any:
+    if name not in m:
+        raise SchemaError(name, "missing")
+    return m[name]
+
+
+def _get_field(fields: Mapping[Any, Any], name: str) -> Any:
+    """Look up a stream field whether the client decoded responses (str keys) or not (bytes)."""
+    if not isinstance(fields, Mapping):
+        raise SchemaError(name, f"expected a field mapping, got {type(fields).__name__}")
+    v = fields.get(name.encode())
+    return fields.get(name) if v is None else v
+
+
+def _unpack(raw: Any, max_bytes: int) -> dict[str, Any]:
+    """Unpack the ``m`` payload and check the schema version."""
+    if not isinstance(raw, bytes | bytearray | memoryview):
+        raise SchemaError(FIELD, "missing" if raw is None else f"expected bytes, got {type(raw).__name__}")
+    if len(raw) > max_bytes:
+        raise SchemaError(FIELD, f"payload too large ({len(raw)} > {max_bytes} bytes)")
+    try:
+        m = msgpack.unpackb(raw, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, UnicodeDecodeError...)
+        raise SchemaError(FIELD, f"invalid msgpack: {type(e).__name__}") from None
+    if not isinstance(m, dict):
+        raise SchemaError(FIELD, f"expected a msgpack map, got {type(m).__name__}")
+    v = _int("v", _require(m, "v"))
+    if v != SCHEMA_VERSION:
+        raise SchemaError("v", f"unsupported schema version {v} (expected {SCHEMA_VERSION})")
+    return m
+
+
+def _pack(m: dict[str, Any]) -> bytes:
+    return msgpack.packb({"v": SCHEMA_VERSION, **m}, use_bin_type=True)
+
+
+# --------------------------------------------------------------------------- frames
+
+
+@dataclass(frozen=True)
+class FrameMsg:
+    """One RGB frame, already resized to the stream's model grid."""
+
+    seq: int  # per-stream frame counter, from 0
+    ts: float  # capture time: unix seconds for live sources, media seconds for files
+    pts: float  # media time
+    h: int
+    w: int
+    data: bytes  # h*w*3 bytes, row-major RGB
+    fmt: str = "rgb24"
+
+    def __post_init__(self) -> None:
+        _int("seq", self.seq, 0)
+        _float("ts", self.ts)
+        _float("pts", self.pts)
+        _int("h", self.h, 1)
+        _int("w", self.w, 1)
+        if self.fmt != "rgb24":
+            raise SchemaError("fmt", f"unsupported format {self.fmt!r} (only 'rgb24')")
+        if not isinstance(self.data, bytes):
+            raise SchemaError("data", f"expected bytes, got {type(self.data).__name__}")
+        if len(self.data) != self.h * self.w * 3:
+            raise SchemaError("data", f"size {len(self.data)} != h*w*3 = {self.h * self.w * 3}")
+
+    def rgb(self) -> np.ndarray:
+        """(h, w, 3) uint8 view of ``data`` (no copy; read-only because bytes are immutable)."""
+        return np.frombuffer(self.data, dtype=np.uint8).reshape(self.h, self.w, 3)
+
+    @classmethod
+    def from_rgb(cls, seq: int, ts: float, pts: float, rgb: np.ndarray) -> FrameMsg:
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
+            raise SchemaError("data", f"expected (h, w, 3) uint8, got {rgb.shape} {rgb.dtype}")
+        h, w, _ = rgb.shape
+        return cls(seq=seq, ts=float(ts), pts=float(pts), h=h, w=w, data=np.ascontiguousarray(rgb).tobytes())
+
+
+@dataclass(frozen=True)
+class EndOfStream:
+    """The source ended (file finished or ingest stopped for good); ``seq`` is the last frame's."""
+
+    seq: int  # -1 when no frame was ever sent
+
+    def __post_init__(self) -> None:
+        _int("seq", self.seq, -1)
+
+
+def encode_frame(msg: FrameMsg | EndOfStream, limits: Limits = DEFAULT_LIMITS) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.frames(cam)``."""
+    if isinstance(msg, EndOfStream):
+        return {FIELD: _pack({"eos": True, "seq": msg.seq})}
+    _check_pixels(msg.h, msg.w, limits)
+    payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": msg.fmt}
+    return {FIELD: _pack({**payload, "data": msg.data})}
+
+
+def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
+    """Validate and decode one frames-stream entry; raises SchemaError naming the field."""
+    m = _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
+    eos = m.get("eos", False)
+    if not isinstance(eos, bool):
+        raise SchemaError("eos", f"expected bool, got {type(eos).__name__}")
+    if eos:
+        return EndOfStream(seq=_int("seq", _require(m, "seq"), -1))
+    h = _int("h", _require(m, "h"), 1)
+    w = _int("w", _require(m, "w"), 1)
+    _check_pixels(h, w, limits)  # before touching data: the size check below trusts h*w
+    fmt = _str("fmt", _require(m, "fmt"), 16)
+    data = _require(m, "data")
+    if not isinstance(data, bytes):
+        raise SchemaError("data", f"expected bytes, got {type(data).__name__}")
+    return FrameMsg(
+        seq=_int("seq", _require(m, "seq"), 0),
+        ts=_float("ts", _require(m, "ts")),
+        pts=_float("pts", _require(m, "pts")),
+        h=h,
+        w=w,
+        data=data,
+        fmt=fmt,
+    )
+
+
+def _check_pixels(h: int, w: int, limits: Limits) -> None:
+    if h * w > limits.max_frame_pixels:
+        raise SchemaError("h", f"h*w = {h}*{w} exceeds the limit of {limits.max_frame_pixels} pixels")
+
+
+# --------------------------------------------------------------------------- cache manifest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One published cache version of a stream (``keys.head`` value, ``keys.versions`` entries).
+
+    ``temporal_deltas[i]`` holds, for segment ``segment_ids[i]``, one position delta per temporal
+    patch (how far that patch's temporal position moved when re-based); the prefix segment has
+    none. ``extra`` is free-form engine metadata (msgpack-able values, str keys).
+    """
+
+    version: int  # strictly increasing per stream
+    stream: str
+    segment_ids: tuple[str, ...]
+    temporal_deltas: tuple[tuple[int, ...], ...]
+    last_frame_seq: int  # -1 before the first frame
+    first_ts: float | None  # capture time of the oldest frame still in the cache; None if none
+    last_ts: float | None  # capture time of the newest frame
+    cache_tokens: int
+    next_patch: int  # next logical temporal patch index (after re-basing)
+    evicted_segments: int = 0  # totals since the stream started
+    evicted_tokens: int = 0
+    evicted_frames: int = 0
+    created_at: float = 0.0  # unix seconds
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Accept lists from callers and from msgpack, store tuples (the manifest is immutable).
+        object.__setattr__(self, "segment_ids", tuple(self.segment_ids))
+        object.__setattr__(self, "temporal_deltas", tuple(tuple(d) for d in self.temporal_deltas))
+        _validate_manifest(self)
+
+
+def _validate_manifest(m: Manifest) -> None:
+    _int("version", m.version, 0)
+    check_stream_name("stream", m.stream)
+    if len(m.segment_ids) > MAX_MANIFEST_SEGMENTS:
+        raise SchemaError("segment_ids", f"more than {MAX_MANIFEST_SEGMENTS} segments")
+    for i, sid in enumerate(m.segment_ids):
+        _str(f"segment_ids[{i}]", sid, 128, SEGMENT_ID_RE)
+    if len(m.temporal_deltas) != len(m.segment_ids):
+        raise SchemaError(
+            "temporal_deltas", f"{len(m.temporal_deltas)} lists for {len(m.segment_ids)} segments"
+        )
+    for i, deltas in enumerate(m.temporal_deltas):
+        for j, d in enumerate(deltas):
+            _int(f"temporal_deltas[{i}][{j}]", d, -INT64_MAX)
+    _int("last_frame_seq", m.last_frame_seq, -1)
+    _opt_float("first_ts", m.first_ts)
+    _opt_float("last_ts", m.last_ts)
+    _int("cache_tokens", m.cache_tokens, 0)
+    _int("next_patch", m.next_patch, 0)
+    _int("evicted_segments", m.evicted_segments, 0)
+    _int("evicted_tokens", m.evicted_tokens, 0)
+    _int("evicted_frames", m.evicted_frames, 0)
+    _float("created_at", m.created_at, 0.0)
+    if not isinstance(m.extra, Mapping) or not all(isinstance(k, str) for k in m.extra):
+        raise SchemaError("extra", "expected a map with str keys")
+
+
+_MANIFEST_FIELDS = (
+    "version", "stream", "segment_ids", "temporal_deltas", "last_frame_seq", "first_ts", "last_ts",
+    "cache_tokens", "next_patch", "evicted_segments", "evicted_tokens", "evicted_frames",
+    "created_at", "extra",
+)  # fmt: skip
+_MANIFEST_OPTIONAL = {"evicted_segments", "evicted_tokens", "evicted_frames", "created_at", "extra"}
+
+
+def manifest_to_bytes(m: Manifest) -> bytes:
+    """Payload for the ``head`` string key (SET)."""
+    d = {k: getattr(m, k) for k in _MANIFEST_FIELDS}
+    d["segment_ids"] = list(m.segment_ids)
+    d["temporal_deltas"] = [list(x) for x in m.temporal_deltas]
+    d["extra"] = dict(m.extra)
+    return _pack(d)
+
+
+def manifest_from_bytes(raw: Any) -> Manifest:
+    """Decode a ``head`` value (GET); raises SchemaError naming the field."""
+    m = _unpack(raw, 1 << 30)
+    for k in _MANIFEST_FIELDS:
+        if k not in _MANIFEST_OPTIONAL:
+            _require(m, k)
+    kw = {k: m[k] for k in _MANIFEST_FIELDS if k in m}  # absent optional ones take the defaults
+    for name in ("segment_ids", "temporal_deltas"):
+        if not isinstance(kw[name], list):
+            raise SchemaError(name, f"expected a list, got {type(kw[name]).__name__}")
+    for i, d in enumerate(kw["temporal_deltas"]):
+        if not isinstance(d, list):
+            raise SchemaError(f"temporal_deltas[{i}]", f"expected a list, got {type(d).__name__}")
+    if not isinstance(kw.get("extra", {}), dict):
+        raise SchemaError("extra", f"expected a map, got {type(kw['extra']).__name__}")
+    return Manifest(**kw)
+
+
+def encode_manifest(m: Manifest) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.versions(cam)``."""
+    return {FIELD: manifest_to_bytes(m)}
+
+
+def decode_manifest(fields: Mapping[Any, Any]) -> Manifest:
+    return manifest_from_bytes(_get_field(fields, FIELD))
+
+
+# --------------------------------------------------------------------------- questions
+
+_QUESTION_FIELDS = {
+    "id", "stream", "question", "max_tokens", "temperature", "top_p", "choices", "at", "reply_ttl",
+}  # fmt: skip
+_INT_RE = re.compile(r"[+-]?[0-9]{1,19}")
+_FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+@dataclass(frozen=True)
+class Question:
+    id: str
+    stream: str
+    question: str
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    choices: tuple[str, ...] | None = None  # multiple choice: answer is one of these
+    at: int | None = None  # cache version to answer against; None = the latest (head)
+    reply_ttl: int | None = None  # seconds; None = the worker's default
+
+
+def _text_fields(fields: Mapping[Any, Any], max_bytes: int) -> dict[str, str]:
+    """Decode a question entry's fields to str, rejecting unknown names and oversized values."""
+    if not isinstance(fields, Mapping):
+        raise SchemaError("fields", f"expected a field mapping, got {type(fields).__name__}")
+    out: dict[str, str] = {}
+    for k, v in fields.items():
+        name = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
+        if name not in _QUESTION_FIELDS:
+            raise SchemaError(name[:64], "unknown field")
+        if isinstance(v, bytes):
+            if len(v) > max_bytes:
+                raise SchemaError(name, f"value too large ({len(v)} bytes)")
+            try:
+                v = v.decode("utf-8")
+            except UnicodeDecodeError:
+                raise SchemaError(name, "not valid UTF-8") from None
+        if not isinstance(v, str):
+            raise SchemaError(name, f"expected str, got {type(v).__name__}")
+        out[name] = v
+    return out
+
+
+def _parse_int(name: str, s: str, lo: int, hi: int) -> int:
+    if not _INT_RE.fullmatch(s.strip()):
+        raise SchemaError(name, f"expected an integer, got {s[:40]!r}")
+    return _int(name, int(s), lo, hi)
+
+
+def _parse_float(name: str, s: str, lo: float, hi: float) -> float:
+    if not _FLOAT_RE.fullmatch(s.strip()):  # float() would also take 'nan', 'inf', '1_0'
+        raise SchemaError(name, f"expected a number, got {s[:40]!r}")
+    return _float(name, float(s), lo, hi)
+
+
+def _parse_choices(s: str, limits: Limits) -> tuple[str, ...]:
+    try:
+        v = json.loads(s)
+    except ValueError:
+        raise SchemaError("choices", "not valid JSON (expected a JSON list of strings)") from None
+    if not isinstance(v, list):
+        raise SchemaError("choices", f"expected a JSON list, got {type(v).__name__}")
+    if not MIN_CHOICES <= len(v) <= limits.max_choices:
+        raise SchemaError("choices", f"need {MIN_CHOICES}..{limits.max_choices} choices, got {len(v)}")
+    for i, c in enumerate(v):
+        _str(f"choices[{i}]", c, limits.max_choice_chars)
+        if not c.strip():
+            raise SchemaError(f"choices[{i}]", "empty")
+    if len(set(v)) != len(v):  # duplicates would make the per-choice scores ambiguous
+        raise SchemaError("choices", "duplicate choices")
+    return tuple(v)
+
+
+def _parse_at(s: str) -> int | None:
+    if s.strip() == "latest":
+        return None
+    return _parse_int("at", s, 0, INT64_MAX)
+
+
+def question_id_of(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> str | None:
+    """The id to reply to, recovered even from an invalid question; None if there is no safe one.
+
+    With no ``id`` field the question's stream entry id is its id (see ``parse_question``).
+    """
+    try:
+        raw = _get_field(fields, "id")
+    except SchemaError:
+        return None
+    if raw is None:
+        raw = entry_id
+    if isinstance(raw, bytes) and len(raw) <= 128:
+        raw = raw.decode("ascii", "replace")
+    if isinstance(raw, str) and QUESTION_ID_RE.fullmatch(raw):
+        return raw
+    return None
+
+
+def parse_question(
+    fields: Mapping[Any, Any], *, entry_id: str | bytes | None = None, limits: Limits = DEFAULT_LIMITS
+) -> Question:
+    """Validate a ``svqa:questions`` entry.
+
+    A question without ``id`` gets the stream entry id (pass ``entry_id``): it is stable across
+    redeliveries, so one question can never produce two answers, and a redis-cli user learns it
+    from XADD's reply. Without ``entry_id`` a random uuid4 hex is used.
+    """
+    f = _text_fields(fields, max_bytes=max(limits.max_question_chars * 4, 16 * 1024))
+    qid = question_id_of(fields, entry_id)
+    if qid is None:
+        if "id" in f:
+            _str("id", f["id"], 128, QUESTION_ID_RE)  # raises with the reason
+        qid = uuid.uuid4().hex
+    stream = check_stream_name("stream", _require(f, "stream"))
+    question = _str("question", _require(f, "question"), limits.max_question_chars)
+    if not question.strip():
+        raise SchemaError("question", "empty")
+    kw: dict[str, Any] = {"id": qid, "stream": stream, "question": question}
+    if "max_tokens" in f:
+        kw["max_tokens"] = _parse_int("max_tokens", f["max_tokens"], 1, limits.max_new_tokens)
+    if "temperature" in f:
+        kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, 2.0)
+    if "top_p" in f:
+        kw["top_p"] = _parse_float("top_p", f["top_p"], 0.0, 1.0)
+        if kw["top_p"] <= 0.0:
+            raise SchemaError("top_p", "must be > 0")
+    if "choices" in f:
+        kw["choices"] = _parse_choices(f["choices"], limits)
+    if "at" in f:
+        kw["at"] = _parse_at(f["at"])
+    if "reply_ttl" in f:
+        kw["reply_ttl"] = _parse_int("reply_ttl", f["reply_ttl"], 1, MAX_REPLY_TTL_S)
+    return Question(**kw)
+
+
+def encode_question(q: Question) -> dict[str, str]:
+    """Fields for XADD to ``keys.QUESTIONS`` (python clients; redis-cli users write them by hand)."""
+    out = {"id": q.id, "stream": q.stream, "question": q.question, "max_tokens": str(q.max_tokens)}
+    out |= {"temperature": repr(q.temperature), "top_p": repr(q.top_p)}
+    if q.choices is not None:
+        out["choices"] = json.dumps(list(q.choices))
+    out["at"] = "latest" if q.at is None else str(q.at)
+    if q.reply_ttl is not None:
+        out["reply_ttl"] = str(q.reply_ttl)
+    return out
+
+
+# --------------------------------------------------------------------------- answers
+
+DELTA = "delta"
+FINAL = "final"
+
+
+@dataclass(frozen=True)
+class AnswerDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class FinalAnswer:
+    """The last entry of ``svqa:answer:{id}`` (also appended to ``svqa:answers`` for audit).
+
+    Exactly one of ``text`` (may be empty) and ``error`` is set. ``stream`` may be None in an
+    error reply to a question whose stream was missing or invalid.
+    """
+
+    id: str
+    stream: str | None
+    text: str | None = None
+    error: str | None = None
+    choice: str | None = None
+    scores: Mapping[str, float] | None = None  # per choice (JSON object on the wire)
+    version: int | None = None  # cache version answered against
+    t_start: float | None = None  # capture-time range covered by that version
+    t_end: float | None = None
+    cache_tokens: int | None = None
+    first_token_s: float | None = None
+    total_s: float | None = None
+    tokens: int | None = None  # generated tokens
+
+    def __post_init__(self) -> None:
+        _str("id", self.id, 128, QUESTION_ID_RE)
+        if (self.text is None) == (self.error is None):
+            raise SchemaError("text", "exactly one of text and error must be set")
+
+
+_FINAL_INTS = ("version", "cache_tokens", "tokens")
+_FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
+_FINAL_STRS = ("stream", "text", "error", "choice")
+
+
+def encode_delta(text: str) -> dict[str, str]:
+    return {"type": DELTA, "text": text}
+
+
+def encode_final(a: FinalAnswer) -> dict[str, str]:
+    """String fields of the final entry; absent (None) values are left out."""
+    out = {"type": FINAL, "id": a.id}
+    for k in _FINAL_STRS + _FINAL_INTS:
+        v = getattr(a, k)
+        if v is not None:
+            out[k] = str(v)
+    for k in _FINAL_FLOATS:
+        v = getattr(a, k)
+        if v is not None:
+            out[k] = repr(float(v))  # repr round-trips exactly
+    if a.scores is not None:
+        try:  # allow_nan=False: the wire is standard JSON; clamp -inf log-probs before this
+            out["scores"] = json.dumps(dict(a.scores), allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise SchemaError("scores", f"not JSON-serialisable: {e}") from None
+    return out
+
+
+def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
+    f = _answer_fields(fields)
+    if f.get("type") != FINAL:
+        raise SchemaError("type", f"expected {FINAL!r}, got {f.get('type')!r}")
+    kw: dict[str, Any] = {"id": _require(f, "id"), "stream": f.get("stream")}
+    for k in ("text", "error", "choice"):
+        kw[k] = f.get(k)
+    for k in _FINAL_INTS:
+        if k in f:
+            kw[k] = _parse_int(k, f[k], -INT64_MAX, INT64_MAX)
+    for k in _FINAL_FLOATS:
+        if k in f:
+            kw[k] = _parse_float(k, f[k], -math.inf, math.inf)
+    if "scores" in f:
+        kw["scores"] = _parse_scores(f["scores"])
+    return FinalAnswer(**kw)
+
+
+def decode_answer(fields: Mapping[Any, Any]) -> AnswerDelta | FinalAnswer:
+    """Decode any entry of an answer stream."""
+    f = _answer_fields(fields)
+    if f.get("type") == DELTA:
+        return AnswerDelta(text=_require(f, "text"))
+    return decode_final(fields)
+
+
+def _answer_fields(fields: Mapping[Any, Any]) -> dict[str, str]:
+    if not isinstance(fields, Mapping):
+        raise SchemaError("fields", f"expected a field mapping, got {type(fields).__name__}")
+    out = {}
+    for k, v in fields.items():
+        name = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
+        try:
+            out[name] = v.decode("utf-8") if isinstance(v, bytes) else _str(name, v, 1 << 24)
+        except UnicodeDecodeError:
+            raise SchemaError(name, "not valid UTF-8") from None
+    return out
+
+
+def _parse_scores(s: str) -> dict[str, float]:
+    try:
+        v = json.loads(s)
+    except ValueError:
+        raise SchemaError("scores", "not valid JSON") from None
+    if not isinstance(v, dict):
+        raise SchemaError("scores", f"expected a JSON object, got {type(v).__name__}")
+    return {k: _float(f"scores[{k[:40]!r}]", x) for k, x in v.items()}

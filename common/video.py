@@ -1,0 +1,284 @@
+"""Decode video sources (RTSP, HLS, V4L2 devices, files) with PyAV and sample frames by time.
+
+Shared by the ingest service (live cameras) and the ``replay`` command (files).
+
+Hang protection, in layers (PyAV #584: ``av.open`` on a server that accepts the TCP connection
+and never answers blocks forever without them):
+
+1. PyAV's ``timeout=(open, read)`` argument installs an FFmpeg interrupt callback: the open, and
+   then every single packet read, is aborted after that many seconds without progress.
+2. For RTSP we also set FFmpeg's own socket ``timeout`` option (µs), so a blocking socket call
+   gives up even where FFmpeg does not poll the interrupt callback.
+3. Callers that must never stall (the ingest service) run open + read loop in a worker thread
+   and watch it from outside with a deadline; ``with_deadline`` below does that for one call.
+   A thread stuck in C cannot be killed, so the last resort is restarting the process.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import av
+import numpy as np
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_LIVE_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "rtp://", "udp://", "srt://", "tcp://")
+# After this many demux errors in a row we stop: the rest of the input is not readable.
+_MAX_CONSECUTIVE_DEMUX_ERRORS = 5
+# A live stream whose timestamps jump back by more than this restarted its clock: re-anchor.
+_REWIND_S = 1.0
+# Slack in "slot" units so 0.7 * 10 == 6.9999999 still lands in slot 7.
+_SLOT_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class DecodedFrame:
+    index: int  # 0-based index among *sampled* frames of this open
+    pts: float  # media time in seconds
+    rgb: np.ndarray  # HxWx3 uint8
+
+
+class SourceError(RuntimeError):
+    """Cannot open the source, it has no video stream, nothing in it is decodable, or reading it
+    failed for a reason other than bad data (read timeout, connection reset)."""
+
+
+def is_live(url: str) -> bool:
+    """True for network streams and capture devices; plain files (and http .mp4 downloads) are not."""
+    lower = url.strip().lower()
+    if lower.startswith(_LIVE_SCHEMES) or lower.startswith("v4l2:"):
+        return True
+    if lower.startswith("/dev/video"):
+        return True
+    if lower.startswith(("http://", "https://")):
+        return lower.split("?", 1)[0].split("#", 1)[0].endswith(".m3u8")
+    return False
+
+
+def open_container(
+    url: str, *, open_timeout_s: float = 10.0, read_timeout_s: float = 10.0
+) -> av.container.InputContainer:
+    """Open ``url`` for reading with timeouts; raise SourceError (with url and reason) on failure."""
+    target, fmt, options = _open_args(url, read_timeout_s)
+    started = time.monotonic()
+    try:
+        container = av.open(
+            target, mode="r", format=fmt, container_options=options, timeout=(open_timeout_s, read_timeout_s)
+        )
+    except (av.FFmpegError, OSError) as exc:
+        raise SourceError(f"cannot open {url}: {_open_failure_reason(exc, started, open_timeout_s)}") from exc
+    if not container.streams.video:
+        container.close()
+        raise SourceError(f"cannot open {url}: no video stream")
+    return container
+
+
+def _open_args(url: str, read_timeout_s: float) -> tuple[str, str | None, dict[str, str]]:
+    lower = url.lower()
+    if lower.startswith(("rtsp://", "rtsps://")):
+        # TCP interleaving: no UDP ports to open through NAT/firewalls, no lost packets.
+        # FFmpeg >= 5 calls the socket I/O timeout "timeout" (µs); "stimeout" is rejected by FFmpeg 8.
+        return url, None, {"rtsp_transport": "tcp", "timeout": str(int(read_timeout_s * 1_000_000))}
+    if lower.startswith("v4l2:"):
+        return url.split(":", 1)[1].removeprefix("//"), "v4l2", {}
+    if lower.startswith("/dev/video"):
+        return url, "v4l2", {}
+    return url, None, {}
+
+
+def _open_failure_reason(exc: BaseException, started: float, open_timeout_s: float) -> str:
+    # When PyAV's interrupt callback fires, FFmpeg reports a generic error (for RTSP:
+    # "Invalid data found when processing input"), so say "timed out" when the clock says so.
+    elapsed = time.monotonic() - started
+    if elapsed >= 0.9 * open_timeout_s:
+        return f"no usable answer within {open_timeout_s:g} s (timed out; {exc})"
+    return str(exc)
+
+
+def sample_frames(
+    container: av.container.InputContainer,
+    fps: float,
+    *,
+    on_error: Callable[[str], None] | None = None,
+    size: tuple[int, int] | None = None,
+) -> Iterator[DecodedFrame]:
+    """Decode every packet of the first video stream and yield frames at ``fps`` by presentation time.
+
+    A frame is kept when its pts reaches the next slot of a 1/fps grid anchored at the first kept
+    pts (VFR-safe; never "every n-th frame"). Corrupt packets are reported to ``on_error`` and
+    skipped. ``size=(height, width)`` resizes with PIL bicubic. Raises SourceError when nothing at
+    all decodes. ``fps`` is validated now, not at the first ``next()``.
+    """
+    if not fps > 0:
+        raise ValueError(f"fps must be > 0, got {fps}")
+    if not container.streams.video:
+        raise SourceError(f"{_name(container)}: no video stream")
+    return _sample(container, fps, on_error or _log_error, size)
+
+
+def _sample(
+    container: av.container.InputContainer,
+    fps: float,
+    on_error: Callable[[str], None],
+    size: tuple[int, int] | None,
+) -> Iterator[DecodedFrame]:
+    stream = container.streams.video[0]
+    stream.thread_type = "AUTO"  # slice+frame threads; frame threading adds ~1 frame of latency
+    sampler = _PtsSampler(fps)
+    fallback_step = 1.0 / float(stream.guessed_rate or stream.average_rate or fps)
+    errors = [0]  # mutable so the decode loop can count
+    decoded, kept, last_t = 0, 0, None
+    for frame in _decode_all(container, stream, on_error, errors):
+        decoded += 1
+        # Some raw/live streams leave pts unset: continue the clock at the nominal rate.
+        t = frame.time if frame.time is not None else (last_t or 0.0) + fallback_step
+        last_t = t
+        if sampler.keep(t):
+            yield DecodedFrame(kept, float(t), _to_rgb(frame, size))
+            kept += 1
+    if decoded == 0:
+        raise SourceError(f"{_name(container)}: nothing decodable ({errors[0]} errors)")
+
+
+class _PtsSampler:
+    """Keeps the first frame in each 1/fps slot of a grid anchored at the first kept pts.
+
+    Slots are integers, so the grid never drifts and a gap in the stream skips slots instead of
+    emitting a burst of catch-up frames.
+    """
+
+    def __init__(self, fps: float) -> None:
+        self.fps = fps
+        self.origin: float | None = None
+        self.next_slot = 0
+        self.last_seen = -math.inf
+
+    def keep(self, t: float) -> bool:
+        if self.origin is None or t < self.last_seen - _REWIND_S:
+            self.origin, self.next_slot = t, 0
+        self.last_seen = t
+        slot = math.floor((t - self.origin) * self.fps + _SLOT_EPS)
+        if slot < self.next_slot:
+            return False
+        self.next_slot = slot + 1
+        return True
+
+
+def _decode_all(
+    container: av.container.InputContainer,
+    stream: av.VideoStream,
+    on_error: Callable[[str], None],
+    errors: list[int],
+) -> Iterator[av.VideoFrame]:
+    """Every decodable frame in presentation order; data errors are reported and skipped.
+
+    Network errors (read timeout, reset) are not data errors: they raise SourceError so the caller
+    reconnects. A live stream whose server closes the connection just ends (EOF): reconnect too.
+    """
+
+    def report(kind: str, exc: BaseException) -> None:
+        errors[0] += 1
+        on_error(f"{_name(container)}: {kind} error #{errors[0]}: {exc}")
+
+    demuxer = container.demux(stream)
+    consecutive = 0
+    while True:
+        try:
+            packet = next(demuxer)
+        except StopIteration:
+            return  # demux already sent the flush packet, the decoder is drained
+        except (av.error.InvalidDataError, av.error.EOFError) as exc:
+            report("demux", exc)
+            consecutive += 1
+            if consecutive >= _MAX_CONSECUTIVE_DEMUX_ERRORS or isinstance(exc, av.error.EOFError):
+                break
+            demuxer = container.demux(stream)  # a failed generator is finished; resume from here
+            continue
+        except av.FFmpegError as exc:
+            # Not the data's fault: timeout (ExitError from PyAV's read timeout), reset, I/O error.
+            # One exception type for "source broke" so callers simply reconnect on SourceError.
+            raise SourceError(f"{_name(container)}: read failed ({type(exc).__name__}): {exc}") from exc
+        consecutive = 0
+        try:
+            yield from packet.decode()
+        except av.FFmpegError as exc:  # any decoder failure is about this packet's data
+            report("decode", exc)
+    yield from _drain(stream, report)
+
+
+def _drain(stream: av.VideoStream, report: Callable[[str, BaseException], None]) -> Iterator[av.VideoFrame]:
+    """Flush frames still held by the decoder (reordering / threading delay) after an aborted demux."""
+    try:
+        yield from stream.codec_context.decode(None)
+    except av.FFmpegError as exc:
+        report("flush", exc)
+
+
+def _to_rgb(frame: av.VideoFrame, size: tuple[int, int] | None) -> np.ndarray:
+    rgb = frame.to_ndarray(format="rgb24")
+    if size is None or rgb.shape[:2] == tuple(size):
+        return rgb
+    height, width = size
+    # PIL bicubic, like the HF image processors, so the model sees the pixels it was trained on.
+    return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
+
+
+def _name(container: av.container.InputContainer) -> str:
+    return str(getattr(container, "name", "") or "video")
+
+
+def _log_error(message: str) -> None:
+    log.warning("%s", message)
+
+
+def iter_file_frames(
+    path: str,
+    fps: float,
+    *,
+    on_error: Callable[[str], None] | None = None,
+    size: tuple[int, int] | None = None,
+    open_timeout_s: float = 10.0,
+    read_timeout_s: float = 10.0,
+) -> Iterator[DecodedFrame]:
+    """Open ``path``, yield sampled frames, and always close the container (also on early exit)."""
+    container = open_container(path, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s)
+    try:
+        yield from sample_frames(container, fps, on_error=on_error, size=size)
+    finally:
+        container.close()
+
+
+def with_deadline(fn: Callable[[], T], deadline_s: float, *, what: str = "call") -> T:
+    """Run ``fn()`` in a daemon thread and return its result, or raise TimeoutError after ``deadline_s``.
+
+    The last line of defence against a PyAV call stuck in C: the stuck thread cannot be killed and
+    is abandoned (daemon, so it does not block interpreter exit). If this fires repeatedly, the
+    process should be restarted by its supervisor.
+    """
+    done = threading.Event()
+    box: dict[str, object] = {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # handed to the caller's thread below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"deadline:{what}", daemon=True).start()
+    if not done.wait(deadline_s):
+        raise TimeoutError(f"{what} did not finish within {deadline_s:g} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["result"]  # type: ignore[return-value]
