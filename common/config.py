@@ -135,7 +135,8 @@ def env_name(name: str) -> str:
 
 
 def _parse_cli(cls: type, argv: Sequence[str], prog: str | None) -> dict[str, Any]:
-    p = _Parser(prog=prog, description=(cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else None)
+    doc = (cls.__doc__ or "").strip()
+    p = _Parser(prog=prog, description=doc.splitlines()[0] if doc else None, allow_abbrev=False)
     p.add_argument("--config", metavar="PATH", help=f"YAML config file (or {env_name(CONFIG_FLAG)})")
     for f, tp in _fields(cls):
         default = "required" if f.default is dataclasses.MISSING else f"default {_default(f)!r}"
@@ -299,7 +300,10 @@ class CamerasFile:
                 raise ConfigError(f"jobs[{i}].stream: {j.stream!r} is not a camera in this file")
 
     def camera(self, name: str) -> Camera:
-        return next(c for c in self.cameras if c.name == name)
+        for c in self.cameras:
+            if c.name == name:
+                return c
+        raise KeyError(name)
 
     def jobs_for(self, stream: str) -> list[Job]:
         return [j for j in self.jobs if j.stream in ("*", stream)]

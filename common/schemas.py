@@ -454,7 +454,7 @@ def parse_question(
     redeliveries, so one question can never produce two answers, and a redis-cli user learns it
     from XADD's reply. Without ``entry_id`` a random uuid4 hex is used.
     """
-    f = _text_fields(fields, max_bytes=max(limits.max_question_chars * 4, 16 * 1024))
+    f = _text_fields(fields, max_bytes=max(limits.max_question_chars * 4, 64 * 1024))
     qid = question_id_of(fields, entry_id)
     if qid is None:
         if "id" in f:

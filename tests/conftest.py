@@ -1,0 +1,132 @@
+"""Shared pytest fixtures.
+
+Redis fixtures start the real ``redis-server`` binary (no mocks): in-memory only
+(``--save "" --appendonly no``), loopback only, on a free port, in a temp dir.
+
+- ``redis_url``: one server per test session, flushed before each test (fast).
+- ``redis_cli``: path of the real redis-cli binary.
+- ``redis_server``: a private server per test that the test may ``stop()``/``start()`` on the
+  same port (reconnect tests). It comes back empty: no persistence.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+REDIS_SERVER = (
+    os.environ.get("SVQA_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
+)
+REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+
+def free_port() -> int:
+    """A port the OS just handed out (binding port 0); tiny race until redis binds it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A redis-server subprocess that can be stopped and restarted on the same port."""
+
+    def __init__(self, workdir: Path, port: int | None = None) -> None:
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        if not os.access(REDIS_SERVER, os.X_OK):
+            pytest.skip(f"redis-server not found at {REDIS_SERVER}")
+        cmd = [
+            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
+            "--logfile", str(self.workdir / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._wait_ping(timeout_s)
+
+    def _wait_ping(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+        try:
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
+                try:
+                    if client.ping():
+                        return
+                except redis.exceptions.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="session")
+def _session_redis() -> Iterator[RedisServer]:
+    with tempfile.TemporaryDirectory(prefix="svqa-redis-") as d:
+        server = RedisServer(Path(d))
+        server.start()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+@pytest.fixture
+def redis_url(_session_redis: RedisServer) -> str:
+    """URL of the session's redis-server, flushed (empty) for this test."""
+    with redis.Redis.from_url(_session_redis.url) as r:
+        r.flushall()
+    return _session_redis.url
+
+
+@pytest.fixture
+def redis_cli() -> str:
+    """Path of the real redis-cli binary."""
+    if not os.access(REDIS_CLI, os.X_OK):
+        pytest.skip(f"redis-cli not found at {REDIS_CLI}")
+    return REDIS_CLI
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private, running redis-server this test may stop and restart."""
+    server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,199 @@
+"""Config layering (default < yaml < env < cli), type conversion, and the cameras file."""
+
+from __future__ import annotations
+
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from common.config import Camera, CamerasFile, ConfigError, Job, load_cameras_file, load_config
+
+
+@dataclass(frozen=True)
+class ExampleConfig:
+    """Example service config (only for these tests)."""
+
+    redis_url: str = "redis://localhost:6379/0"
+    block_ms: int = field(default=5000, metadata={"help": "longest blocking read"})
+    fps: float = 2.0
+    realtime: bool = False
+    max_pixels: int | None = None
+    model_dir: Path | None = None
+    device: Literal["cuda", "cpu"] = "cuda"
+    streams: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_ms < 0:
+            raise ValueError("block_ms must be >= 0")
+
+
+@dataclass(frozen=True)
+class NeedsName:
+    name: str
+    level: str = "INFO"
+
+
+def _write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults():
+    assert load_config(ExampleConfig, [], env={}) == ExampleConfig()
+
+
+def test_precedence_default_yaml_env_cli(tmp_path):
+    y = _write(tmp_path, "block_ms: 100\nfps: 3.5\nrealtime: true\nmax-pixels: 1000\nstreams: [a, b]\n")
+    env = {"SVQA_CONFIG": str(y), "SVQA_BLOCK_MS": "200", "SVQA_FPS": "4", "SVQA_OTHER_SERVICE": "x"}
+    cfg = load_config(ExampleConfig, ["--block-ms", "300"], env=env)
+    assert cfg.block_ms == 300  # cli > env > yaml
+    assert cfg.fps == 4.0  # env > yaml
+    assert cfg.realtime is True and cfg.max_pixels == 1000 and cfg.streams == ("a", "b")  # yaml > default
+    assert cfg.redis_url == "redis://localhost:6379/0"  # default
+    assert load_config(ExampleConfig, ["--config", str(y)], env={}).block_ms == 100  # --config flag
+
+
+def test_env_and_cli_conversions():
+    env = {
+        "SVQA_REALTIME": "yes", "SVQA_MAX_PIXELS": "none", "SVQA_MODEL_DIR": "/models/x",
+        "SVQA_DEVICE": "cpu", "SVQA_STREAMS": "cam1, cam2,",
+    }  # fmt: skip
+    cfg = load_config(ExampleConfig, [], env=env)
+    assert cfg.realtime is True and cfg.max_pixels is None and cfg.model_dir == Path("/models/x")
+    assert cfg.device == "cpu" and cfg.streams == ("cam1", "cam2")
+    cfg = load_config(ExampleConfig, ["--no-realtime", "--max-pixels", "401408", "--fps=0.5"], env=env)
+    assert cfg.realtime is False and cfg.max_pixels == 401408 and cfg.fps == 0.5
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "match"),
+    [
+        ([], {"SVQA_BLOCK_MS": "abc"}, "SVQA_BLOCK_MS: expected an integer, got 'abc'"),
+        ([], {"SVQA_BLOCK_MS": "1.5"}, "SVQA_BLOCK_MS: expected an integer"),
+        (["--fps", "fast"], {}, "--fps: expected a number, got 'fast'"),
+        (["--fps", "nan"], {}, "--fps: expected a finite number"),
+        ([], {"SVQA_REALTIME": "maybe"}, "SVQA_REALTIME: expected a boolean"),
+        ([], {"SVQA_DEVICE": "tpu"}, "SVQA_DEVICE: 'tpu' is not one of cuda, cpu"),
+        (["--block-ms", "-1"], {}, "ExampleConfig: block_ms must be >= 0"),  # the dataclass's own check
+        (["--bogus", "1"], {}, "command line: unrecognized arguments: --bogus"),
+        (["--block-ms"], {}, "command line: argument --block-ms: expected one argument"),
+    ],
+)
+def test_bad_values(argv, env, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(ExampleConfig, argv, env=env)
+
+
+def test_bad_yaml(tmp_path):
+    cases = {
+        "block_ms: [1]\n": r"c.yaml: block_ms: expected an integer",
+        "block_ms: true\n": r"expected an integer, got True",
+        "redis_url: 7\n": r"redis_url: expected a string, got int 7 \(quote it\)",
+        "blok_ms: 5\n": r"unknown setting 'blok_ms' \(did you mean 'block_ms'\?\)",
+        "- a\n- b\n": r"expected a mapping of settings, got list",
+        "a: [\n": r"invalid YAML",
+    }
+    for text, match in cases.items():
+        y = _write(tmp_path, text)
+        with pytest.raises(ConfigError, match=match):
+            load_config(ExampleConfig, ["--config", str(y)], env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(ExampleConfig, [], env={"SVQA_CONFIG": str(tmp_path / "missing.yaml")})
+    assert load_config(ExampleConfig, ["--config", str(_write(tmp_path, ""))], env={}) == ExampleConfig()
+
+
+def test_required_field():
+    with pytest.raises(ConfigError, match=r"missing required setting 'name' \(set --name, SVQA_NAME"):
+        load_config(NeedsName, [], env={})
+    assert load_config(NeedsName, [], env={"SVQA_NAME": "enc-1"}).name == "enc-1"
+
+
+def test_help_mentions_env(capsys):
+    with pytest.raises(SystemExit) as ei:
+        load_config(ExampleConfig, ["--help"], env={})
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    assert "--block-ms" in out and "SVQA_BLOCK_MS" in out and "longest blocking read" in out
+
+
+# --------------------------------------------------------------------------- cameras file
+
+GOOD = """\
+cameras:
+  - {name: cam1, url: "rtsp://10.0.0.5/stream", fps: 2, realtime: true, max_pixels: 401408}
+  - {name: lobby.2, url: /data/lobby.mp4, fps: 1.5}
+jobs:
+  - {name: captions, stream: "*", kind: caption, every_s: 30}
+  - {name: subs, stream: cam1, kind: subtitles, every_versions: 2, formats: [vtt, srt]}
+  - {name: count, stream: lobby.2, kind: custom, prompt: "How many people?", every_s: 10, every_versions: 5}
+"""
+
+
+def test_cameras_file_ok(tmp_path):
+    cf = load_cameras_file(_write(tmp_path, GOOD))
+    assert cf.cameras[0] == Camera("cam1", "rtsp://10.0.0.5/stream", 2.0, True, 401408, None)
+    assert cf.camera("lobby.2").realtime is None and cf.camera("lobby.2").fps == 1.5
+    assert cf.jobs[0] == Job("captions", "*", "caption", every_s=30.0)
+    assert cf.jobs[1].formats == ("vtt", "srt") and cf.jobs[0].formats == ("vtt",)
+    assert [j.name for j in cf.jobs_for("cam1")] == ["captions", "subs"]
+    assert load_cameras_file(_write(tmp_path, "")) == CamerasFile()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            "cameras: [{name: cam1, url: a, fps: 1}, {name: cam1, url: b, fps: 1}]",
+            r"cameras: duplicate names",
+        ),
+        ("cameras: [{name: 'cam 1', url: a, fps: 1}]", r"cameras\[0\]\.name: invalid value 'cam 1'"),
+        ("cameras: [{name: cam1, url: a, fps: 0}]", r"cameras\[0\]\.fps: must be in \(0, 240\]"),
+        ("cameras: [{name: cam1, url: a, fps: -2}]", r"cameras\[0\]\.fps"),
+        ("cameras: [{name: cam1, url: a, fps: x}]", r"cameras\[0\]\.fps: expected a number"),
+        ("cameras: [{name: cam1, url: a}]", r"cameras\[0\]\.fps: missing"),
+        ("cameras: [{name: cam1, url: a, fps: 1, fsp: 2}]", r"unknown setting 'fsp' \(did you mean 'fps'"),
+        ("cameras: [{name: cam1, url: '', fps: 1}]", r"cameras\[0\]\.url: empty"),
+        ("cameras: [{name: c, url: a, fps: 1, min_pixels: 9000, max_pixels: 8000}]", r"min_pixels: 9000 >"),
+        ("cameras: [{name: c, url: a, fps: 1, max_pixels: 10}]", r"max_pixels: must be in"),
+        ("cameras: {name: cam1}", r"cameras: expected a list"),
+        ("cams: []", r"unknown setting 'cams'"),
+    ],
+)
+def test_cameras_file_errors(tmp_path, text, match):
+    with pytest.raises(ConfigError, match=match) as ei:
+        load_cameras_file(_write(tmp_path, text))
+    assert str(ei.value).startswith(str(tmp_path / "c.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("job", "match"),
+    [
+        ("{name: j, stream: c, kind: caption}", r"jobs\[0\]\.every_s: set every_s and/or every_versions"),
+        ("{name: j, stream: c, kind: caption, every_s: 0}", r"every_s: must be > 0"),
+        ("{name: j, stream: c, kind: caption, every_versions: 0}", r"every_versions: must be >= 1"),
+        ("{name: j, stream: c, kind: poem, every_s: 1}", r"jobs\[0\]\.kind: 'poem' is not one of caption"),
+        ("{name: j, stream: c, kind: custom, every_s: 1}", r"prompt: required for kind 'custom'"),
+        (
+            "{name: j, stream: c, kind: caption, every_s: 1, formats: [ass]}",
+            r"formats\[0\]: 'ass' is not one",
+        ),
+        ("{name: j, stream: c, kind: caption, every_s: 1, formats: [vtt, vtt]}", r"formats: duplicates"),
+        ("{name: j, stream: cam9, kind: caption, every_s: 1}", r"jobs\[0\]\.stream: 'cam9' is not a camera"),
+        ("{name: j, stream: 'c/..', kind: caption, every_s: 1}", r"jobs\[0\]\.stream: invalid value"),
+        ("{name: j, stream: c, kind: caption, every_s: 1, prompt: 5}", r"prompt: expected a string"),
+    ],
+)
+def test_job_errors(tmp_path, job, match):
+    text = f"cameras: [{{name: c, url: a, fps: 1}}]\njobs: [{job}]\n"
+    with pytest.raises(ConfigError, match=match):
+        load_cameras_file(_write(tmp_path, text))
+
+
+def test_duplicate_jobs(tmp_path):
+    j = "{name: j, stream: '*', kind: caption, every_s: 1}"
+    with pytest.raises(ConfigError, match=r"jobs: duplicate names \['j'\]"):
+        load_cameras_file(_write(tmp_path, f"jobs: [{j}, {j}]\n"))

@@ -1,0 +1,215 @@
+"""Redis helpers against a real redis-server: groups, crash recovery, reclaim, restarts."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+from common import keys
+from common.redisio import (
+    GroupReader,
+    claim_stale,
+    connect,
+    dead_letter,
+    ensure_group,
+    read_group,
+    redact,
+    wait_for_redis,
+    xadd_capped,
+)
+
+S, G = "svqa:{t}:s", "grp"
+
+
+def _ids(entries) -> list[str]:
+    return [eid for _, eid, _ in entries]
+
+
+def _add(r, n: int, stream: str = S) -> list[str]:
+    return [r.xadd(stream, {"i": str(i)}).decode() for i in range(n)]
+
+
+def test_connect_socket_timeout_above_block(redis_url):
+    r = connect(redis_url, block_ms=8000)
+    kw = r.connection_pool.connection_kwargs
+    assert kw["socket_timeout"] == 13.0 and kw["retry"] is not None and kw["health_check_interval"] > 0
+    assert r.ping() and r.set("k", "v") and r.get("k") == b"v"  # bytes: decode_responses=False
+    ensure_group(r, S, G)
+    with pytest.raises(ValueError, match="socket timeout"):
+        read_group(r, [S], G, "c", block_ms=20_000)
+    t0 = time.monotonic()
+    assert read_group(r, [S], G, "c", block_ms=200) == []  # an empty blocking read just returns
+    assert 0.15 < time.monotonic() - t0 < 2
+
+
+def test_ensure_group_idempotent(redis_url):
+    r = connect(redis_url)
+    assert ensure_group(r, S, G) is True  # MKSTREAM: the stream exists now
+    assert r.exists(S) == 1
+    assert ensure_group(r, S, G) is False
+    r.set("plain", "x")
+    with pytest.raises(redis.ResponseError):
+        ensure_group(r, "plain", G)  # only BUSYGROUP is swallowed
+
+
+def test_read_group_redelivers_after_crash(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    ids = _add(r, 3)
+    got = read_group(r, [S], G, "c1", count=10, block_ms=100)
+    assert _ids(got) == ids and got[0][0] == S and got[0][2] == {b"i": b"0"}
+    r.xack(S, G, ids[0])
+    r.close()  # the consumer "crashes" before acking ids[1:]
+
+    r2 = connect(redis_url)
+    new = _add(r2, 1)
+    again = read_group(r2, [S], G, "c1", count=10, block_ms=100)
+    assert _ids(again) == ids[1:]  # its own pending entries first, not the new one
+    r2.xack(S, G, *ids[1:])
+    assert _ids(read_group(r2, [S], G, "c1", count=10, block_ms=100)) == new
+    assert read_group(r2, [S], G, "c2", count=10, block_ms=100) == []  # c2 has nothing pending
+
+
+def test_read_group_several_streams(redis_url):
+    r = connect(redis_url)
+    s2 = "svqa:{u}:s"
+    for s in (S, s2):
+        ensure_group(r, s, G)
+    a, b = _add(r, 1)[0], _add(r, 1, s2)[0]
+    got = read_group(r, [S, s2], G, "c", block_ms=100)
+    assert sorted((s, e) for s, e, _ in got) == sorted([(S, a), (s2, b)])
+
+
+def test_claim_stale_moves_entries_of_dead_consumer(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    ids = _add(r, 3)
+    assert _ids(read_group(r, [S], G, "dead", block_ms=100)) == ids  # never acked: it died
+    assert claim_stale(r, S, G, "alive", min_idle_ms=60_000) == []  # not idle long enough yet
+    time.sleep(0.05)
+    claimed = claim_stale(r, S, G, "alive", min_idle_ms=20, count=2)
+    assert _ids(claimed) == ids[:2] and claimed[0][2] == {b"i": b"0"}
+    claimed += claim_stale(r, S, G, "alive", min_idle_ms=20)  # the two just claimed are not idle
+    assert _ids(claimed) == ids
+    owners = {p["consumer"] for p in r.xpending_range(S, G, "-", "+", 10)}
+    assert owners == {b"alive"}
+    # The claimed entries are now "alive"'s own pending ones: a restart of it sees them too.
+    assert _ids(read_group(r, [S], G, "alive", block_ms=100)) == ids
+
+
+def test_claim_stale_dead_letters_poison(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    poison, ok = _add(r, 2)
+    read_group(r, [S], G, "c1", block_ms=100)  # delivery 1 of both
+    r.xack(S, G, ok)
+    for n in range(3):  # each claim is one more delivery of the poison entry
+        got = claim_stale(r, S, G, f"c{n + 2}", min_idle_ms=0, max_deliveries=3)
+        assert _ids(got) == ([poison] if n < 2 else [])
+    assert r.xpending(S, G)["pending"] == 0  # acked together with the dead-letter entry
+    ((_, rec),) = r.xrange(keys.DEAD_LETTER)
+    assert rec[b"entry_id"] == poison.encode() and rec[b"f:i"] == b"0" and b"delivered 4" in rec[b"reason"]
+
+
+def test_group_reader_keeps_pending_without_repeating(redis_url):
+    r = connect(redis_url)
+    ids = _add(r, 4)
+    reader = GroupReader(r, [S], G, "enc-1", count=2, block_ms=100)  # creates the group at "0"
+    assert _ids(reader.read()) == ids[:2]
+    assert _ids(reader.read()) == ids[2:]  # entries kept un-acked are not returned again
+    assert reader.read() == []
+    r.xack(S, G, ids[0], ids[1])
+
+    restarted = GroupReader(connect(redis_url), [S], G, "enc-1", count=2, block_ms=100)
+    new = _add(r, 1)
+    assert _ids(restarted.read()) == ids[2:]  # history first (paged by cursor)
+    assert _ids(restarted.read()) == new
+    restarted.reset()
+    assert _ids(restarted.read()) == [*ids[2:], *new][:2]
+
+
+def test_group_reader_recreates_vanished_group(redis_url):
+    r = connect(redis_url)
+    reader = GroupReader(r, [S], G, "c", block_ms=100)
+    r.delete(S)  # what a Redis restart without persistence looks like
+    assert reader.read() == []
+    new = _add(r, 1)
+    assert _ids(reader.read()) == new
+
+
+def test_trimmed_pending_entries_are_acked_and_skipped(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    ids = _add(r, 3)
+    read_group(r, [S], G, "c", block_ms=100)
+    r.xtrim(S, maxlen=1, approximate=False)  # MAXLEN trimmed two entries while they were pending
+    assert _ids(read_group(r, [S], G, "c", block_ms=100)) == ids[2:]
+    assert r.xpending(S, G)["pending"] == 1
+    reader = GroupReader(r, [S], G, "c", block_ms=100)
+    assert _ids(reader.read()) == ids[2:]
+
+
+def test_xadd_capped(redis_url):
+    r = connect(redis_url)
+    for i in range(2000):
+        eid = xadd_capped(r, S, {"i": str(i)}, maxlen=100)
+    assert isinstance(eid, str)
+    assert 100 <= r.xlen(S) < 400  # "~": trimmed in whole macro nodes, never below maxlen
+
+
+def test_dead_letter_truncates_and_acks_atomically(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    (eid,) = _add(r, 1)
+    read_group(r, [S], G, "c", block_ms=100)
+    dl = dead_letter(r, S, eid, {b"m": b"\x00" * 600_000, "k": "v"}, "m: invalid msgpack", group=G)
+    assert isinstance(dl, str) and r.xpending(S, G)["pending"] == 0
+    ((_, rec),) = r.xrange(keys.DEAD_LETTER)
+    assert rec[b"source"] == S.encode() and rec[b"reason"] == b"m: invalid msgpack"
+    assert len(rec[b"f:m"]) == 8192 and rec[b"f:m:truncated_from"] == b"600000" and rec[b"f:k"] == b"v"
+
+
+def test_connect_survives_restart(redis_server):
+    r = connect(redis_server.url)
+    assert r.set("k", "1")
+    redis_server.restart()  # the pooled connection is now dead
+    assert r.set("k", "2") and r.get("k") == b"2"
+
+    redis_server.stop()
+    t = threading.Timer(0.5, redis_server.start)  # down for a while: backoff must bridge the gap
+    t.start()
+    try:
+        assert r.ping()
+    finally:
+        t.join()
+    assert r.get("k") is None  # a fresh server: no persistence
+
+
+def test_blocking_read_survives_restart(redis_server):
+    r = connect(redis_server.url, block_ms=300)
+    reader = GroupReader(r, [S], G, "c", block_ms=300)
+    redis_server.restart()
+    assert reader.read() == []  # reconnects, finds the group gone, recreates it
+    new = _add(r, 1)
+    assert _ids(reader.read()) == new
+
+
+def test_wait_for_redis(redis_url):
+    assert wait_for_redis(redis_url, 2).ping()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=f"127.0.0.1:{port}.*0.5 s"):
+        wait_for_redis(f"redis://:secret@127.0.0.1:{port}/0", 0.5)
+    assert time.monotonic() - t0 < 2
+
+
+def test_redact():
+    assert redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert redact("redis://u:pw@h/0") == "redis://u:***@h/0"
+    assert redact("redis://h:1/0") == "redis://h:1/0"
