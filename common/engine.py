@@ -12,8 +12,9 @@ A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,6 +25,9 @@ from common.kvcache import Segment, StreamCache, Version
 from common.lm import LanguageModel
 from common.model import SYSTEM_PROMPT, LoadedModel
 from common.positions import text_positions, video_positions
+
+if TYPE_CHECKING:
+    from common.versions import ManifestState
 
 
 class Runtime:
@@ -66,18 +70,34 @@ class StreamSpec:
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
 
 
-class StreamEngine:
-    """One stream's writer: append(chunk of frames) -> new Version (the head)."""
+SegmentSink = Callable[[Segment, torch.Tensor], None]
 
-    def __init__(self, runtime: Runtime, spec: StreamSpec, policy: EvictionPolicy | None = None):
+
+class StreamEngine:
+    """One stream's writer: append(chunk of frames) -> new Version (the head).
+
+    `on_segment(segment, kv)` sees each new segment's original K/V (layers, 2, kv_heads, n, hd)
+    before it is published, which is where the encoder worker persists it. `restore` continues
+    a stream from a published manifest instead of starting empty.
+    """
+
+    def __init__(self, runtime: Runtime, spec: StreamSpec, policy: EvictionPolicy | None = None, *,
+                 on_segment: SegmentSink | None = None,
+                 restore: tuple[ManifestState, Callable[[Segment], torch.Tensor]] | None = None):  # fmt: skip
         self.rt = runtime
         self.spec = spec
         self.interval = runtime.loaded.temporal_interval(spec.fps)
         self.grid_hw = (spec.grid.height // 28, spec.grid.width // 28)
         self.cache = StreamCache(runtime.lm, spec.name, policy or EvictionPolicy(),
                                  interval=self.interval, grid_hw=self.grid_hw)  # fmt: skip
-        self._chunk_index = 0
-        self._prefill_prefix()
+        self.on_segment = on_segment
+        if restore is None:
+            self._prefill_prefix()
+        else:
+            state, load = restore
+            with self.rt.gpu_lock:
+                self.cache.apply(state.placements, version_id=state.version_id, video_start=state.video_start,
+                                 next_patch=state.next_patch, stats=state.stats, load=load)  # fmt: skip
 
     @property
     def head(self) -> Version:
@@ -89,7 +109,13 @@ class StreamEngine:
         with self.rt.gpu_lock:
             kv, start = self.cache.reserve(len(ids))
             self.rt.lm.forward(self.rt.lm.embed(ids), text_positions(0, len(ids)), kv, start)
-        self.cache.publish_prefix(Segment(id="prefix", tokens=len(ids)), video_start=len(ids))
+        segment = Segment(id="prefix", tokens=len(ids))
+        self._emit(segment, kv, start)
+        self.cache.publish_prefix(segment, video_start=len(ids))
+
+    def _emit(self, segment: Segment, kv: torch.Tensor, start: int) -> None:
+        if self.on_segment is not None:
+            self.on_segment(segment, kv[:, :, :, start : start + segment.tokens])
 
     def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float] | None = None,
                frame_seqs: Sequence[int] | None = None) -> Version:  # fmt: skip
@@ -100,7 +126,8 @@ class StreamEngine:
         if not frames:
             raise FrameError("empty chunk: no frames")
         times = list(capture_times) if capture_times is not None else [0.0] * len(frames)
-        seqs = list(frame_seqs) if frame_seqs is not None else list(range(len(frames)))
+        first = self.head.last_frame_seq + 1
+        seqs = list(frame_seqs) if frame_seqs is not None else list(range(first, first + len(frames)))
         if len(times) != len(frames) or len(seqs) != len(frames):
             raise FrameError(f"{len(frames)} frames but {len(times)} capture times and {len(seqs)} seqs")
         padded, n_pad = pad_to_temporal(frames, self.rt.loaded.temporal_patch_size)
@@ -117,9 +144,8 @@ class StreamEngine:
             pos = video_positions(self.head.video_start, first_patch, n_patches, *self.grid_hw, self.interval)
             kv, start = self.cache.reserve(embeds.shape[0])
             self.rt.lm.forward(embeds, pos, kv, start)
-        self._chunk_index += 1
         segment = Segment(
-            id=f"c{self._chunk_index:010d}",
+            id=f"f{frame_seqs[0]:012d}",  # frames enter the cache once, so their seq names the chunk
             tokens=embeds.shape[0],
             first_patch=first_patch,
             n_patches=n_patches,
@@ -127,4 +153,5 @@ class StreamEngine:
             capture_range=(float(capture_range[0]), float(capture_range[1])),
             padded_frames=padded_frames,
         )
+        self._emit(segment, kv, start)
         return self.cache.publish_chunk(segment)

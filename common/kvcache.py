@@ -15,6 +15,7 @@ anywhere (the segment store ships segments and versions between processes this w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
@@ -145,15 +146,25 @@ class StreamCache:
                                            [p.segment.tokens for p in version.chunks])  # fmt: skip
         return self._evict(drop) if drop else version
 
-    def restore(self, segments: list[tuple[Segment, torch.Tensor]], placements: list[Placement],
-                video_start: int, next_patch: int, stats: CacheStats) -> Version:  # fmt: skip
-        """Rebuild a version from stored segments (their original K/V) and its placements."""
-        total = sum(p.segment.tokens for p in placements)
-        kv, _ = self.reserve(total)
-        by_id = dict(segments)
-        for p in placements:
-            self._place(kv, p.offset, by_id[p.segment.id], p.t_delta, p.segment.tokens_per_patch)
-        return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats)
+    def apply(self, placements: list[Placement], *, version_id: int, video_start: int, next_patch: int,
+              stats: CacheStats, load: Callable[[Segment], torch.Tensor]) -> Version:  # fmt: skip
+        """Make the cache equal a version described elsewhere (a manifest): segments this cache
+        holds are reused (turned by the change in their deltas), the others come from `load`
+        (their original K/V). Appends in place when the current head is a prefix of it."""
+        head = self.head
+        n_same = 0
+        if head is not None:
+            while (n_same < min(len(head.placements), len(placements))
+                   and head.placements[n_same] == placements[n_same]):  # fmt: skip
+                n_same += 1
+        if head is not None and n_same == len(head.placements):
+            kv, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
+            for p in placements[n_same:]:
+                self._place(kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
+        else:
+            self._repack(placements, load)
+        return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats,
+                             version_id=version_id)  # fmt: skip
 
     def next_chunk_patch(self) -> int:
         return self._require_head().next_patch
@@ -165,11 +176,13 @@ class StreamCache:
         return self.head
 
     def _publish(self, placements: tuple[Placement, ...], *, video_start: int, next_patch: int,
-                 stats: CacheStats) -> Version:  # fmt: skip
+                 stats: CacheStats, version_id: int | None = None) -> Version:  # fmt: skip
         last = placements[-1]
+        if version_id is None:
+            version_id = (self.head.id + 1) if self.head else 0
         version = Version(
             stream=self.stream,
-            id=(self.head.id + 1) if self.head else 0,
+            id=version_id,
             view=KVView(self._kv, last.offset + last.segment.tokens),
             placements=placements,
             video_start=video_start,
@@ -185,19 +198,15 @@ class StreamCache:
         """Repack the retained segments into a fresh arena, re-basing them when the policy says so."""
         head = self._require_head()
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
-        kept = [p for i, p in enumerate(head.placements) if i not in dropped]
-        old_kv = self._kv
-        self._kv = self.lm.new_kv(old_kv.shape[3])
         placements, offset, patch = [], 0, 0
-        for p in kept:
+        for i, p in enumerate(head.placements):
+            if i in dropped:
+                continue
             moved = self._rebased(p, offset, patch) if self.policy.rebase else replace(p, offset=offset)
-            n = p.segment.tokens
-            shift = [new - old for new, old in zip(moved.t_delta, p.t_delta, strict=True)]
-            self._place(self._kv, offset, old_kv[:, :, :, p.offset : p.offset + n], shift,
-                        p.segment.tokens_per_patch)  # fmt: skip
             placements.append(moved)
-            offset += n
+            offset += p.segment.tokens
             patch = moved.first_patch + p.segment.n_patches
+        self._repack(placements, load=None)
         gone = [head.placements[i] for i in sorted(dropped)]
         stats = CacheStats(
             evictions=head.stats.evictions + 1,
@@ -206,6 +215,26 @@ class StreamCache:
         )
         next_patch = patch if self.policy.rebase else head.next_patch
         return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
+
+    def _repack(self, placements: list[Placement], load: Callable[[Segment], torch.Tensor] | None) -> None:
+        """Write `placements` into a fresh arena: segments the current head holds are copied from
+        its arena, turned by the change in their deltas; the rest come from `load` (original K/V).
+        The old arena lives on in the versions that hold it."""
+        held = {p.segment.id: p for p in self.head.placements} if self.head else {}
+        old_kv = self._kv
+        total = sum(p.segment.tokens for p in placements)
+        self._kv = self.lm.new_kv(max(old_kv.shape[3], total))
+        for p in placements:
+            n = p.segment.tokens
+            if p.segment.id in held:
+                src, before = held[p.segment.id], held[p.segment.id].t_delta
+                data = old_kv[:, :, :, src.offset : src.offset + n]
+            elif load is not None:
+                data, before = load(p.segment), (0,) * len(p.t_delta)
+            else:
+                raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
+            shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
+            self._place(self._kv, p.offset, data, shift, p.segment.tokens_per_patch)
 
     def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
         if p.segment.n_patches == 0:
