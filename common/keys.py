@@ -45,3 +45,13 @@ def answer(qid: str) -> str:
 def segment(cam: str, segment_id: str) -> str:
     """Segment bytes when the segment store is Redis (several hosts)."""
     return f"{PREFIX}:{{{cam}}}:seg:{segment_id}"
+
+
+def meta(cam: str) -> str:
+    """Hash written by ingest: fps, height, width (the model grid), live, source url."""
+    return f"{PREFIX}:{{{cam}}}:meta"
+
+
+def job_output(cam: str, job: str) -> str:
+    """Answers of a periodic job (caption, custom prompt) on one stream."""
+    return f"{PREFIX}:{{{cam}}}:job:{job}"
