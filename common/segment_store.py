@@ -1,0 +1,250 @@
+"""Where segments' K/V live between processes (ARCHITECTURE "Transport between processes").
+
+A segment is immutable once put: the encoder puts it before publishing a version that
+references it, QA workers get it when they mirror that version, and the stream's writer
+gc's the segments no version still needs. Three backends, one interface:
+
+- ``DirectoryStore``: one host, a tmpfs or a volume shared by the encoder and qa containers.
+- ``RedisStore``: several hosts; the bytes sit in Redis next to the stream's other keys.
+- ``MemoryStore``: encoder and qa in one process; references only, so nothing is held twice.
+
+K/V are stored exactly as given (dtype included, bfloat16 too), so a mirror is bitwise equal
+to the encoder's cache.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import redis
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load, load_file, save
+
+from common import keys
+from common.redisio import connect
+
+_SUFFIX = ".safetensors"
+_TMP_SUFFIX = ".tmp"
+
+
+class SegmentStoreError(RuntimeError):
+    """A segment is missing, corrupt or cannot be written, or an id or URL is invalid."""
+
+
+@runtime_checkable
+class SegmentStore(Protocol):
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None: ...
+    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor: ...
+    def exists(self, stream: str, segment_id: str) -> bool: ...
+    def gc(self, stream: str, keep: Iterable[str]) -> int: ...
+
+
+def _check_ids(*ids: str) -> None:
+    """Stream and segment ids become file names and key suffixes: nothing that escapes the
+    stream's directory or hides as a dot file (temp files are dot files, so gc never confuses them)."""
+    for value in ids:
+        if not isinstance(value, str) or not value or value[0] == "." or any(c in value for c in "/\\\0"):
+            raise SegmentStoreError(f"invalid stream or segment id {value!r}: empty, leading dot or path separator")
+
+
+def _check_kv(kv: torch.Tensor) -> None:
+    if kv.dim() != 5 or kv.shape[1] != 2 or not kv.is_floating_point():
+        raise ValueError(f"kv must be a float (layers, 2, kv_heads, n_tokens, head_dim) tensor, got "
+                         f"{kv.dtype} {tuple(kv.shape)}")  # fmt: skip
+
+
+def _to_bytes(kv: torch.Tensor) -> bytes:
+    # safetensors wants a contiguous CPU tensor; the encoder passes a strided view of its arena.
+    kv = kv.detach().to("cpu").contiguous()
+    return save({"kv": kv}, metadata={"shape": str(list(kv.shape)), "dtype": str(kv.dtype)})
+
+
+def _unpack(tensors: dict[str, torch.Tensor], where: str, device: torch.device | str) -> torch.Tensor:
+    kv = tensors.get("kv")
+    if kv is None or kv.dim() != 5:
+        raise SegmentStoreError(f"corrupt segment {where}: no 5-d tensor 'kv'")
+    return kv.to(device)
+
+
+class DirectoryStore:
+    """root/<stream>/<segment_id>.safetensors, written atomically (temp file, fsync, rename)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def path(self, stream: str, segment_id: str) -> Path:
+        _check_ids(stream, segment_id)
+        return self.root / stream / (segment_id + _SUFFIX)
+
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+        _check_kv(kv)
+        final = self.path(stream, segment_id)
+        data = _to_bytes(kv)
+        # Same directory so os.replace is a rename within one file system, hence atomic: a reader
+        # sees the old name absent or the whole file. A dot name so gc knows it as a leftover.
+        tmp = final.parent / f".{segment_id}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            # os.open with 0o666, not mkstemp's 0o600: the qa container may run as another user.
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # data on disk before the name points at it
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)  # the rename itself survives a power cut (restart reloads from here)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise SegmentStoreError(f"cannot write segment {final}: {e}") from e
+
+    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        path = self.path(stream, segment_id)
+        try:
+            tensors = load_file(path, device="cpu")
+        except FileNotFoundError as e:
+            raise SegmentStoreError(f"missing segment {path}") from e
+        except (SafetensorError, OSError, ValueError) as e:
+            raise SegmentStoreError(f"corrupt segment {path}: {e}") from e
+        return _unpack(tensors, str(path), device)
+
+    def exists(self, stream: str, segment_id: str) -> bool:
+        return self.path(stream, segment_id).is_file()
+
+    def gc(self, stream: str, keep: Iterable[str]) -> int:
+        """Delete the stream's segments not in keep and any temp files (a writer that crashed);
+        returns the number of segments deleted. Call it from the stream's writer, with keep
+        covering every segment it has put and may still publish."""
+        _check_ids(stream)
+        keep = set(keep)
+        deleted = 0
+        try:
+            entries = list(os.scandir(self.root / stream))
+        except FileNotFoundError:
+            return 0
+        for entry in entries:
+            name = entry.name
+            if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                Path(entry.path).unlink(missing_ok=True)
+            elif name.endswith(_SUFFIX) and name[: -len(_SUFFIX)] not in keep:
+                Path(entry.path).unlink(missing_ok=True)
+                deleted += 1
+        return deleted
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MemoryStore:
+    """Segments held in this process. `put` stores a compact copy: a view would keep the whole
+    arena it points into alive (and every arena an eviction leaves behind)."""
+
+    def __init__(self) -> None:
+        self._data: dict[tuple[str, str], torch.Tensor] = {}
+        self._lock = threading.Lock()  # encoder and qa threads share one instance
+
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+        _check_ids(stream, segment_id)
+        _check_kv(kv)
+        with self._lock:
+            self._data[stream, segment_id] = kv.clone()
+
+    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        _check_ids(stream, segment_id)
+        with self._lock:
+            kv = self._data.get((stream, segment_id))
+        if kv is None:
+            raise SegmentStoreError(f"missing segment memory:{stream}/{segment_id}")
+        return kv.to(device)  # the same object when it already lives there
+
+    def exists(self, stream: str, segment_id: str) -> bool:
+        _check_ids(stream, segment_id)
+        with self._lock:
+            return (stream, segment_id) in self._data
+
+    def gc(self, stream: str, keep: Iterable[str]) -> int:
+        _check_ids(stream)
+        keep = set(keep)
+        with self._lock:
+            drop = [k for k in self._data if k[0] == stream and k[1] not in keep]
+            for k in drop:
+                del self._data[k]
+        return len(drop)
+
+
+class RedisStore:
+    """Safetensors bytes at keys.segment(stream, id); ``ttl_s`` bounds what a dead writer leaves.
+
+    The client must return bytes (decode_responses=False, as common.redisio.connect does).
+    Redis connection errors propagate as they are: callers already retry those.
+    """
+
+    def __init__(self, client: redis.Redis, ttl_s: int | None = None) -> None:
+        self.r = client
+        self.ttl_s = ttl_s
+
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+        _check_kv(kv)
+        self.r.set(self._key(stream, segment_id), _to_bytes(kv), ex=self.ttl_s)
+
+    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+        key = self._key(stream, segment_id)
+        data = self.r.get(key)
+        if data is None:
+            raise SegmentStoreError(f"missing segment {key}")
+        try:
+            tensors = load(data)
+        except (SafetensorError, ValueError) as e:
+            raise SegmentStoreError(f"corrupt segment {key}: {e}") from e
+        return _unpack(tensors, key, device)
+
+    def exists(self, stream: str, segment_id: str) -> bool:
+        return bool(self.r.exists(self._key(stream, segment_id)))
+
+    def gc(self, stream: str, keep: Iterable[str]) -> int:
+        _check_ids(stream)
+        prefix = keys.segment(stream, "")
+        keep_keys = {prefix + s for s in keep}
+        # Escape glob characters: a stream named "cam*" must not match "camX"'s segments.
+        pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
+        drop = [k for k in self.r.scan_iter(match=pattern, count=1000) if k.decode() not in keep_keys]
+        deleted = 0
+        for i in range(0, len(drop), 500):  # one slot (hash tag), so multi-key UNLINK is legal in a cluster
+            deleted += self.r.unlink(*drop[i : i + 500])
+        return deleted
+
+    @staticmethod
+    def _key(stream: str, segment_id: str) -> str:
+        _check_ids(stream, segment_id)
+        return keys.segment(stream, segment_id)
+
+
+_memory_stores: dict[str, MemoryStore] = {}
+_memory_lock = threading.Lock()
+
+
+def open_store(url: str, redis_client: redis.Redis | None = None, *, ttl_s: int | None = None) -> SegmentStore:
+    """memory://[name] (one instance per URL per process, so encoder and qa share it),
+    dir:///path or a plain path, redis://, rediss:// or unix:// (ttl_s applies to Redis only)."""
+    if url.startswith("memory://"):
+        with _memory_lock:
+            return _memory_stores.setdefault(url, MemoryStore())
+    if url.startswith("dir://"):
+        return DirectoryStore(url[len("dir://") :])
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        if redis_client is None:
+            redis_client = connect(url)
+        return RedisStore(redis_client, ttl_s)
+    if "://" in url or not url:
+        raise SegmentStoreError(f"unknown segment store URL {url!r}")
+    return DirectoryStore(url)

@@ -1,0 +1,40 @@
+"""Encoder worker settings: defaults < YAML (--config) < SVQA_* environment < flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from common.model import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    redis_url: str = "redis://localhost:6379/0"
+    streams: tuple[str, ...] = ()  # stream names this worker may encode (leases decide who does)
+    cameras_file: str | None = None  # alternatively: every camera in this file
+    model: str = DEFAULT_MODEL  # hub id, local path, tiny-random, random-3b
+    device: str | None = None  # default: cuda when available
+    segment_store: str = "/var/lib/streamvqa/segments"  # directory, dir://, redis://, memory://
+    chunk_frames: int = 4  # an even number: 2 frames make one temporal patch
+    max_cache_tokens: int | None = 32768  # per stream; None keeps everything
+    sink_chunks: int = 1
+    low_watermark: float = 0.75
+    rebase: bool = True
+    max_lag_s: float = 10.0  # live streams: frames older than this are dropped, not encoded
+    lease_ms: int = 15000
+    block_ms: int = 1000
+    versions_maxlen: int = 1000
+    keep_versions: int = 4  # segments of this many recent versions survive garbage collection
+    consumer: str = f"{socket.gethostname()}-{os.getpid()}"
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.chunk_frames <= 0 or self.chunk_frames % 2:
+            raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
+        if self.lease_ms < 3 * self.block_ms:
+            raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
+        if not self.streams and not self.cameras_file:
+            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")

@@ -1,0 +1,124 @@
+"""`streamvqa encoder`: take leases on streams, read their frames, publish cache versions.
+
+One loop: keep leases, read frames of owned streams (consumer group `enc`, own pending entries
+first after a restart), hand each to its OwnedStream. A bad entry is dead-lettered; nothing a
+message contains can stop the loop.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import redis
+import structlog
+
+from common import keys, redisio
+from common.config import ConfigError, load_cameras_file, load_config
+from common.engine import Runtime
+from common.lease import Lease
+from common.logs import configure_logging
+from common.model import load_model
+from common.schemas import SchemaError, decode_frame
+from common.segment_store import SegmentStore, open_store
+from encoder_worker.config import EncoderConfig
+from encoder_worker.stream import OwnedStream, StreamNotReady, event, open_stream
+
+log = structlog.get_logger()
+
+
+class EncoderService:
+    def __init__(self, cfg: EncoderConfig, rt: Runtime, r: redis.Redis, store: SegmentStore):
+        self.cfg, self.rt, self.r, self.store = cfg, rt, r, store
+        self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
+        self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
+        self.owned: dict[str, OwnedStream] = {}
+        self.reader = redisio.GroupReader(r, [], keys.ENCODER_GROUP, cfg.consumer, count=32, block_ms=cfg.block_ms)
+        self._last_lease_check = 0.0
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("encoder started", streams=self.names, consumer=self.cfg.consumer)
+        while not stop.is_set():
+            self.step()
+        for name in list(self.owned):
+            self._release(name)
+
+    def step(self) -> None:
+        """One round: leases, then one blocking read of frames."""
+        if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
+            self._keep_leases()
+        for frames_key, entry_id, fields in self.reader.read():
+            self._handle(frames_key, entry_id, fields)
+
+    def _keep_leases(self) -> None:
+        self._last_lease_check = time.monotonic()
+        for name, lease in self.leases.items():
+            if name in self.owned:
+                if not lease.renew():
+                    log.warning("lease lost; another encoder owns the stream now", stream=name)
+                    self._drop(name)
+            elif lease.acquire():
+                try:
+                    self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name)
+                except StreamNotReady:
+                    lease.release()  # ingest has not described the stream yet; try again later
+                    continue
+                self.reader.add(keys.frames(name))
+                event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+
+    def _handle(self, frames_key: str, entry_id: str, fields: dict) -> None:
+        owned = self.owned.get(_stream_of(frames_key))
+        if owned is None:
+            return  # lease lost between read and handle: the new owner gets it redelivered
+        bound = log.bind(stream=owned.name, entry=entry_id)
+        try:
+            msg = decode_frame(fields)
+        except SchemaError as e:
+            bound.warning("bad frame dead-lettered", error=str(e))
+            owned.counters.rejected += 1
+            redisio.dead_letter(self.r, frames_key, entry_id, fields, str(e), group=keys.ENCODER_GROUP)
+            return
+        try:
+            owned.add(entry_id, msg)
+        except (ValueError, RuntimeError) as e:  # engine refused the chunk: keep the worker alive
+            bound.error("chunk failed; frames dead-lettered", error=str(e))
+            for eid, _ in owned.pending:
+                redisio.dead_letter(self.r, frames_key, eid, {}, f"chunk failed: {e}", group=keys.ENCODER_GROUP)
+            owned.pending = []
+
+    def _drop(self, name: str) -> None:
+        self.owned.pop(name, None)
+        self.reader.remove(keys.frames(name))
+
+    def _release(self, name: str) -> None:
+        self._drop(name)
+        self.leases[name].release()
+
+
+def _stream_of(frames_key: str) -> str:
+    return frames_key[frames_key.index("{") + 1 : frames_key.index("}")]
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(EncoderConfig, argv[1:], prog="streamvqa encoder")
+    except ConfigError as e:
+        print(f"streamvqa encoder: {e}")
+        return 2
+    configure_logging(cfg.log_level)
+    try:
+        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=cfg.block_ms)
+    except TimeoutError as e:
+        log.error("redis unusable at start", error=str(e))
+        return 3
+    try:
+        rt = Runtime(load_model(cfg.model, device=cfg.device))
+    except (OSError, ValueError) as e:
+        log.error("model unusable at start", model=cfg.model, error=str(e))
+        return 4
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    EncoderService(cfg, rt, r, open_store(cfg.segment_store, r)).run(stop)
+    return 0

@@ -1,0 +1,149 @@
+"""One stream owned by this encoder: frames -> chunks -> engine -> published version -> XACK.
+
+Exactly-once into the cache: a version records the last frame seq it holds, frames are acked
+only after the version containing them is published, and a redelivered frame at or below
+that seq is acked and skipped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import redis
+import structlog
+
+from common import keys, redisio
+from common.engine import Runtime, StreamEngine, StreamSpec
+from common.eviction import EvictionPolicy
+from common.frames import Grid
+from common.kvcache import Segment, Version
+from common.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
+from common.segment_store import SegmentStore
+from common.versions import from_manifest, to_manifest
+from encoder_worker.config import EncoderConfig
+
+log = structlog.get_logger()
+
+
+class StreamNotReady(RuntimeError):
+    """The stream has no meta yet (ingest has not started it)."""
+
+
+@dataclass
+class Counters:
+    frames: int = 0
+    duplicates: int = 0
+    dropped_late: int = 0
+    rejected: int = 0
+    chunks: int = 0
+    encode_s: float = 0.0
+
+
+class OwnedStream:
+    """A stream this worker holds the lease for, with its engine and not-yet-encoded frames."""
+
+    def __init__(self, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, engine: StreamEngine, live: bool):
+        self.r, self.store, self.cfg = r, store, cfg
+        self.engine = engine
+        self.name = engine.spec.name
+        self.live = live
+        self.pending: list[tuple[str, FrameMsg]] = []
+        self.recent_manifests: list[Manifest] = []
+        self.counters = Counters()
+        self.ended = False
+
+    @property
+    def last_seq(self) -> int:
+        cached = self.engine.head.last_frame_seq
+        return max(cached, self.pending[-1][1].seq) if self.pending else cached
+
+    def add(self, entry_id: str, msg: FrameMsg | EndOfStream) -> Version | None:
+        """Take one frames-stream entry; returns the version published because of it, if any."""
+        frames_key = keys.frames(self.name)
+        if isinstance(msg, EndOfStream):
+            version = self.flush()
+            self.ended = True
+            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
+            return version
+        if msg.seq <= self.last_seq:
+            self.counters.duplicates += 1
+            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            return None
+        grid = self.engine.spec.grid
+        if (msg.h, msg.w) != (grid.height, grid.width):
+            self.counters.rejected += 1
+            reason = f"frame is {msg.h}x{msg.w}, the stream's grid is {grid.height}x{grid.width}"
+            redisio.dead_letter(self.r, frames_key, entry_id, {"seq": str(msg.seq)}, reason, group=keys.ENCODER_GROUP)
+            return None
+        if self.live and time.time() - msg.ts > self.cfg.max_lag_s:
+            self.counters.dropped_late += 1  # behind real time: skip rather than fall further behind
+            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            return None
+        self.counters.frames += 1
+        self.pending.append((entry_id, msg))
+        return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
+
+    def flush(self) -> Version | None:
+        """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them."""
+        if not self.pending:
+            return None
+        ids = [eid for eid, _ in self.pending]
+        frames = [m for _, m in self.pending]
+        t0 = time.perf_counter()
+        version = self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
+        self.counters.encode_s += time.perf_counter() - t0
+        self.counters.chunks += 1
+        self.publish(version)
+        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
+        self.pending = []
+        lag = time.time() - frames[-1].ts if self.live else None
+        log.info("version published", stream=self.name, version=version.id, tokens=version.tokens,
+                 last_frame_seq=version.last_frame_seq, evictions=version.stats.evictions, lag_s=lag)  # fmt: skip
+        return version
+
+    def publish(self, version: Version) -> None:
+        """Manifest to `versions` and `head`; segments are already in the store (on_segment)."""
+        manifest = to_manifest(version, self.engine.spec)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen,
+                  approximate=True)  # fmt: skip
+        pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
+        pipe.execute()
+        self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
+        self.store.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
+
+
+def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:
+    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
+    if not meta:
+        raise StreamNotReady(name)
+    grid = Grid(int(meta["height"]), int(meta["width"]))
+    return StreamSpec(name, float(meta["fps"]), grid, chunk_frames), meta.get("live") == "1"
+
+
+def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str) -> OwnedStream:
+    """Continue from the published head (nothing re-encoded, nothing skipped) or start empty."""
+    policy = EvictionPolicy(cfg.max_cache_tokens, cfg.low_watermark, cfg.sink_chunks, cfg.rebase)
+    spec, live = stream_spec(r, name, cfg.chunk_frames)
+
+    def persist(segment: Segment, kv) -> None:
+        store.put(name, segment.id, kv)
+
+    raw = r.get(keys.head(name))
+    if raw is None:
+        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, on_segment=persist), live)
+        owned.publish(owned.engine.head)
+        return owned
+    state = from_manifest(manifest_from_bytes(raw))
+    engine = StreamEngine(rt, state.spec, policy, on_segment=persist,
+                          restore=(state, lambda seg: store.get(name, seg.id, rt.loaded.device)))  # fmt: skip
+    log.info("stream restored", stream=name, version=state.version_id, last_frame_seq=engine.head.last_frame_seq)
+    return OwnedStream(r, store, cfg, engine, live)
+
+
+def event(r: redis.Redis, stream: str, kind: str, **fields: object) -> None:
+    payload = {"type": kind, "source": "encoder", "at": f"{time.time():.3f}"}
+    payload |= {k: str(v) for k, v in fields.items()}
+    redisio.xadd_capped(r, keys.events(stream), payload, maxlen=10_000)

@@ -1,0 +1,306 @@
+"""Segment stores on a real file system and a real redis-server: round trips, atomic writes, gc."""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+from safetensors import safe_open
+
+from common import keys
+from common.segment_store import (
+    DirectoryStore,
+    MemoryStore,
+    RedisStore,
+    SegmentStore,
+    SegmentStoreError,
+    open_store,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ["memory", "dir", "redis"]
+
+
+@pytest.fixture(params=KINDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> SegmentStore:
+    if request.param == "memory":
+        return MemoryStore()
+    if request.param == "dir":
+        return DirectoryStore(tmp_path / "segs")
+    return RedisStore(redis.Redis.from_url(request.getfixturevalue("redis_url")))
+
+
+def arena(dtype: torch.dtype, tokens: int = 16) -> torch.Tensor:
+    """(layers, 2, kv_heads, tokens, head_dim), like the encoder's arena."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(3, 2, 2, tokens, 8, generator=g).to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_bitwise(store: SegmentStore, dtype: torch.dtype) -> None:
+    a = arena(dtype)
+    cases = {
+        "whole": a,
+        "slice": a[:, :, :, 5:11],  # what the encoder passes: non-contiguous
+        "offset_view": a[1:2],  # contiguous, but not at the start of its storage
+    }
+    assert not cases["slice"].is_contiguous()
+    for sid, kv in cases.items():
+        store.put("cam", sid, kv)
+    for sid, kv in cases.items():
+        assert store.exists("cam", sid)
+        got = store.get("cam", sid, device=torch.device("cpu"))
+        assert same_bits(got, kv), sid
+
+
+def test_stores_satisfy_protocol(store: SegmentStore) -> None:
+    assert isinstance(store, SegmentStore)
+
+
+def test_missing_segment(store: SegmentStore) -> None:
+    assert not store.exists("cam", "nope")
+    with pytest.raises(SegmentStoreError, match=r"missing segment.*nope"):
+        store.get("cam", "nope")
+
+
+@pytest.mark.parametrize("bad", ["", ".hidden", "..", "a/b", "/abs", "a\\b", "a\0b"])
+def test_bad_ids_rejected(store: SegmentStore, bad: str) -> None:
+    kv = arena(torch.float32)
+    for call in (
+        lambda: store.put(bad, "s", kv), lambda: store.put("cam", bad, kv),
+        lambda: store.get(bad, "s"), lambda: store.get("cam", bad),
+        lambda: store.exists(bad, "s"), lambda: store.exists("cam", bad),
+        lambda: store.gc(bad, []),
+    ):  # fmt: skip
+        with pytest.raises(SegmentStoreError, match="invalid"):
+            call()
+
+
+def test_bad_kv_rejected(store: SegmentStore) -> None:
+    with pytest.raises(ValueError):
+        store.put("cam", "s", torch.zeros(2, 2, 4, 8))
+    with pytest.raises(ValueError):
+        store.put("cam", "s", torch.zeros(2, 2, 1, 4, 8, dtype=torch.int32))
+
+
+def test_gc_deletes_exactly_the_unkept_of_one_stream(store: SegmentStore) -> None:
+    kv = arena(torch.float32, tokens=2)
+    for i in range(5):
+        store.put("a", f"s{i}", kv)
+    for i in range(2):
+        store.put("b", f"s{i}", kv)
+    assert store.gc("a", iter(["s1", "s3", "never-put"])) == 3
+    assert [store.exists("a", f"s{i}") for i in range(5)] == [False, True, False, True, False]
+    assert store.exists("b", "s0") and store.exists("b", "s1")
+    assert store.gc("a", ["s1", "s3"]) == 0
+    assert store.gc("empty", []) == 0
+
+
+# -- DirectoryStore ------------------------------------------------------------------------
+
+
+def test_directory_layout_and_metadata(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    kv = arena(torch.bfloat16)[:, :, :, 2:6]
+    umask = os.umask(0o022)
+    os.umask(umask)
+    store.put("cam", "seg-1", kv)
+    path = tmp_path / "cam" / "seg-1.safetensors"
+    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["seg-1.safetensors"]
+    # Readable by the qa container's user as the umask allows (not mkstemp's 0600).
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+    with safe_open(path, framework="pt") as f:
+        assert list(f.keys()) == ["kv"]
+        assert f.metadata() == {"shape": "[3, 2, 2, 4, 8]", "dtype": "torch.bfloat16"}
+
+
+def test_directory_fsyncs_before_the_final_name_appears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path)
+    final = tmp_path / "cam" / "s.safetensors"
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        events.append("fsync")
+        real_fsync(fd)
+
+    def replace(src, dst) -> None:
+        assert not final.exists()
+        assert Path(src).parent == final.parent and Path(src).name.startswith(".")
+        events.append("replace")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    store.put("cam", "s", arena(torch.float32))
+    assert events[:2] == ["fsync", "replace"]  # file data durable before it gets its name; then the dir
+
+
+def test_directory_failed_replace_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = DirectoryStore(tmp_path)
+    old = arena(torch.float32)
+    store.put("cam", "kept", old)
+
+    def crash(src, dst) -> None:
+        raise OSError("injected crash")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(SegmentStoreError, match=r"cannot write segment .*new\.safetensors"):
+        store.put("cam", "new", arena(torch.float32))
+    with pytest.raises(SegmentStoreError, match="cannot write"):
+        store.put("cam", "kept", torch.zeros_like(old))  # an overwrite that fails keeps the old file
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["kept.safetensors"]  # no temp left
+    assert not store.exists("cam", "new")
+    with pytest.raises(SegmentStoreError, match="missing"):
+        store.get("cam", "new")
+    assert same_bits(store.get("cam", "kept"), old)
+
+
+def test_directory_hard_crash_leaves_only_a_temp_file_that_gc_removes(tmp_path: Path) -> None:
+    # A real crash: the writer process dies inside os.replace, so no cleanup code runs.
+    code = (
+        "import os, torch\n"
+        "from common.segment_store import DirectoryStore\n"
+        "os.replace = lambda *a: os._exit(3)\n"
+        f"DirectoryStore({str(tmp_path)!r}).put('cam', 's', torch.ones(2, 2, 1, 4, 8))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr.decode()
+    store = DirectoryStore(tmp_path)
+    left = [p.name for p in (tmp_path / "cam").iterdir()]
+    assert len(left) == 1 and left[0].startswith(".s.") and left[0].endswith(".tmp")
+    assert not store.exists("cam", "s")
+    with pytest.raises(SegmentStoreError, match="missing"):
+        store.get("cam", "s")
+    store.put("cam", "other", arena(torch.float32))
+    assert store.gc("cam", ["other"]) == 0  # counts segments; the temp file goes too
+    assert [p.name for p in (tmp_path / "cam").iterdir()] == ["other.safetensors"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "no_kv"])
+def test_directory_corrupt_file_names_the_path(tmp_path: Path, damage: str) -> None:
+    store = DirectoryStore(tmp_path)
+    store.put("cam", "s", arena(torch.float32))
+    path = tmp_path / "cam" / "s.safetensors"
+    data = path.read_bytes()
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a safetensors file" * 10)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    else:
+        from safetensors.torch import save_file
+
+        save_file({"other": torch.zeros(2)}, str(path))
+    with pytest.raises(SegmentStoreError, match=re.escape(f"corrupt segment {path}")):
+        store.get("cam", "s")
+
+
+# -- MemoryStore ---------------------------------------------------------------------------
+
+
+def test_memory_stores_a_compact_copy_not_the_arena() -> None:
+    store = MemoryStore()
+    a = arena(torch.bfloat16)
+    view = a[:, :, :, 4:9]
+    store.put("cam", "s", view)
+    got = store.get("cam", "s")
+    assert torch.equal(got, view)
+    assert got.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert got.untyped_storage().nbytes() == view.numel() * view.element_size()  # the arena is not pinned
+    assert store.get("cam", "s") is got  # reads share the stored tensor
+
+
+# -- RedisStore ----------------------------------------------------------------------------
+
+
+def test_redis_value_ttl_and_corruption(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    store = RedisStore(r, ttl_s=100)
+    store.put("cam", "s", arena(torch.bfloat16))
+    key = keys.segment("cam", "s")
+    assert 0 < r.ttl(key) <= 100
+    r.set(key, r.get(key)[:-10])
+    with pytest.raises(SegmentStoreError, match=re.escape(f"corrupt segment {key}")):
+        store.get("cam", "s")
+    assert RedisStore(r).put("cam", "t", arena(torch.float32)) is None and r.ttl(keys.segment("cam", "t")) == -1
+
+
+def test_redis_gc_touches_only_segment_keys_of_the_stream(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    store = RedisStore(r)
+    kv = arena(torch.float32, tokens=1)
+    for stream in ("cam*", "camX", "cam"):
+        store.put(stream, "s0", kv)
+        store.put(stream, "s1", kv)
+        r.set(keys.head(stream), b"1")
+    assert store.gc("cam*", []) == 2  # a glob character in the name matches only itself
+    assert store.gc("cam", ["s1"]) == 1
+    assert sorted(k.decode() for k in r.keys("*")) == sorted(
+        [keys.head(s) for s in ("cam*", "camX", "cam")]
+        + [keys.segment("camX", "s0"), keys.segment("camX", "s1"), keys.segment("cam", "s1")]
+    )
+
+
+# -- open_store ----------------------------------------------------------------------------
+
+
+def test_open_store_memory_is_one_instance_per_url() -> None:
+    url = f"memory://{uuid.uuid4().hex}"
+    encoder, qa = open_store(url), open_store(url)
+    assert isinstance(encoder, MemoryStore) and encoder is qa
+    assert open_store(f"memory://{uuid.uuid4().hex}") is not encoder
+    kv = arena(torch.float32)[:, :, :, 1:3]
+    encoder.put("cam", "s", kv)
+    assert qa.get("cam", "s") is encoder.get("cam", "s")  # one store shared by both roles
+
+
+def test_open_store_directory(tmp_path: Path) -> None:
+    for url in (f"dir://{tmp_path}", str(tmp_path)):
+        store = open_store(url)
+        assert isinstance(store, DirectoryStore) and store.root == tmp_path
+    open_store(f"dir://{tmp_path}").put("cam", "s", arena(torch.float32))
+    assert open_store(str(tmp_path)).exists("cam", "s")
+
+
+def test_open_store_redis(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    given = open_store(redis_url, redis_client=client, ttl_s=50)
+    assert isinstance(given, RedisStore) and given.r is client and given.ttl_s == 50
+    own = open_store(redis_url)
+    kv = arena(torch.bfloat16)
+    given.put("cam", "s", kv)
+    assert same_bits(own.get("cam", "s"), kv)
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x", "http://host/x", ""])
+def test_open_store_rejects_unknown_urls(url: str) -> None:
+    with pytest.raises(SegmentStoreError, match="unknown segment store URL"):
+        open_store(url)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_get_to_cuda(store: SegmentStore) -> None:
+    kv = arena(torch.bfloat16)
+    store.put("cam", "s", kv)
+    got = store.get("cam", "s", device="cuda")
+    assert got.is_cuda and same_bits(got.cpu(), kv)
