@@ -1,0 +1,111 @@
+"""One question, start to finish: validate, snapshot, stream deltas, write exactly one final answer.
+
+Errors are answers: anything wrong with a question becomes a final entry with `error`, so the
+asker is never left waiting and the worker never stops. The final entry is written before the
+question is acked; a redelivered question whose final answer exists is only acked.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import redis
+import structlog
+
+from common import keys, redisio
+from common.answer import GenerationParams, QuestionError, ask, choose
+from common.engine import Runtime
+from common.kvcache import Version
+from common.schemas import (
+    FinalAnswer,
+    Question,
+    SchemaError,
+    encode_delta,
+    encode_final,
+    parse_question,
+    question_id_of,
+)
+
+log = structlog.get_logger()
+
+VersionLookup = Callable[[str, int | None], Version | None]  # (stream, at) -> version
+
+
+class Answerer:
+    def __init__(self, rt: Runtime, r: redis.Redis, lookup: VersionLookup, serves: Callable[[str], bool], *,
+                 reply_ttl_s: int = 3600, answers_maxlen: int = 10_000):  # fmt: skip
+        self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
+        self.reply_ttl_s, self.answers_maxlen = reply_ttl_s, answers_maxlen
+
+    def handle(self, entry_id: str, fields: dict) -> None:
+        """Answer one `svqa:questions` entry and ack it; never raises for what the entry holds."""
+        qid = question_id_of(fields, entry_id)
+        if qid is None:
+            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, "no usable question id",
+                                group=keys.QA_GROUP)  # fmt: skip
+            return
+        bound = log.bind(qid=qid)
+        if self._already_answered(qid):
+            bound.info("redelivered question already answered")
+        else:
+            final = self._answer(qid, entry_id, fields, bound)
+            self._finish(final, ttl=self.reply_ttl_s)
+        self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
+
+    def _answer(self, qid: str, entry_id: str, fields: dict, bound) -> FinalAnswer:
+        try:
+            q = parse_question(fields, entry_id=entry_id)
+        except SchemaError as e:
+            bound.warning("bad question", error=str(e))
+            return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}")
+        bound = bound.bind(stream=q.stream)
+        if not self.serves(q.stream):
+            return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}")
+        version = self.lookup(q.stream, q.at)
+        if version is None:
+            what = "no frames yet" if q.at is None else f"version {q.at} is not available"
+            return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: {what}")
+        if not version.chunks:
+            return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
+        self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry
+        try:
+            final = self._run(q, version)
+        except QuestionError as e:
+            return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
+        bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
+        return final
+
+    def _run(self, q: Question, version: Version) -> FinalAnswer:
+        t0 = time.perf_counter()
+        t_range = version.capture_range or (None, None)
+        common = dict(id=q.id, stream=q.stream, version=version.id, t_start=t_range[0], t_end=t_range[1],
+                      cache_tokens=version.tokens)  # fmt: skip
+        if q.choices:
+            result = choose(self.rt, version, q.question, list(q.choices))
+            scores = {c: s if math.isfinite(s) else -1e9 for c, s in zip(q.choices, result.scores, strict=True)}
+            return FinalAnswer(text=result.choice, choice=result.choice, scores=scores,
+                               total_s=time.perf_counter() - t0, **common)  # fmt: skip
+        params = GenerationParams(max_tokens=q.max_tokens, temperature=q.temperature, top_p=q.top_p)
+        reply = keys.answer(q.id)
+
+        def delta(text: str) -> None:
+            self.r.xadd(reply, encode_delta(text))
+            self.r.expire(reply, self.reply_ttl_s)
+
+        answer = ask(self.rt, version, q.question, params, on_delta=delta)
+        return FinalAnswer(text=answer.text, first_token_s=answer.first_token_s, total_s=answer.total_s,
+                           tokens=len(answer.token_ids), **common)  # fmt: skip
+
+    def _already_answered(self, qid: str) -> bool:
+        last = self.r.xrevrange(keys.answer(qid), count=1)
+        return bool(last) and last[0][1].get(b"type") == b"final"
+
+    def _finish(self, final: FinalAnswer, ttl: int) -> None:
+        fields = encode_final(final)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.xadd(keys.answer(final.id), fields)
+        pipe.expire(keys.answer(final.id), ttl)
+        pipe.xadd(keys.ANSWERS, fields, maxlen=self.answers_maxlen, approximate=True)
+        pipe.execute()

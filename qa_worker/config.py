@@ -1,0 +1,33 @@
+"""QA worker settings: defaults < YAML (--config) < SVQA_* environment < flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from common.model import DEFAULT_MODEL
+
+
+@dataclass(frozen=True)
+class QAConfig:
+    redis_url: str = "redis://localhost:6379/0"
+    streams: tuple[str, ...] = ()  # streams whose versions this worker mirrors and answers on
+    cameras_file: str | None = None  # alternatively every camera in this file (and its jobs)
+    model: str = DEFAULT_MODEL
+    device: str | None = None
+    segment_store: str = "/var/lib/streamvqa/segments"
+    reply_ttl_s: int = 3600
+    answers_maxlen: int = 10_000
+    claim_idle_ms: int = 60_000  # questions pending this long on a dead worker are taken over
+    block_ms: int = 1000
+    transcript_dir: str | None = None  # where subtitle jobs write .vtt/.srt files
+    consumer: str = f"{socket.gethostname()}-{os.getpid()}"
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.streams and not self.cameras_file:
+            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
+        if self.claim_idle_ms < 5 * self.block_ms:
+            raise ValueError("claim_idle_ms must be well above block_ms")

@@ -1,0 +1,108 @@
+"""Where a QA worker gets versions: mirrored from the encoder through Redis and the segment store.
+
+A background thread tails `versions` of every served stream and applies the newest manifest
+as soon as it appears, loading only segments it does not hold yet. Questions then take the
+head that is already on the GPU: answering never waits on a transfer.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import redis
+import structlog
+
+from common import keys
+from common.engine import Runtime
+from common.eviction import EvictionPolicy
+from common.kvcache import StreamCache, Version
+from common.schemas import Manifest, SchemaError, decode_manifest, manifest_from_bytes
+from common.segment_store import SegmentStore, SegmentStoreError
+from common.versions import from_manifest
+
+log = structlog.get_logger()
+
+RECENT_VERSIONS = 8  # older versions stay answerable by id (`at`) while they are this recent
+
+
+class StreamMirror:
+    def __init__(self, rt: Runtime, store: SegmentStore, name: str):
+        self.rt, self.store, self.name = rt, store, name
+        self.cache: StreamCache | None = None
+        self.recent: dict[int, Version] = {}
+
+    @property
+    def head(self) -> Version | None:
+        return self.cache.head if self.cache else None
+
+    def apply(self, manifest: Manifest) -> Version:
+        state = from_manifest(manifest)
+        if self.cache is None:
+            spec = state.spec
+            self.cache = StreamCache(self.rt.lm, self.name, EvictionPolicy(),
+                                     interval=self.rt.loaded.temporal_interval(spec.fps),
+                                     grid_hw=(spec.grid.height // 28, spec.grid.width // 28))  # fmt: skip
+        version = self.cache.apply(
+            state.placements, version_id=state.version_id, video_start=state.video_start,
+            next_patch=state.next_patch, stats=state.stats,
+            load=lambda seg: self.store.get(self.name, seg.id, self.rt.loaded.device),
+        )  # fmt: skip
+        self.recent[version.id] = version
+        for old in sorted(self.recent)[:-RECENT_VERSIONS]:
+            del self.recent[old]
+        return version
+
+
+class Mirror:
+    """Mirrors every served stream; `get(stream)` is the head, `get(stream, at)` a recent version."""
+
+    def __init__(self, rt: Runtime, r: redis.Redis, store: SegmentStore, streams: list[str], block_ms: int = 1000):
+        self.r, self.block_ms = r, block_ms
+        self.streams = {name: StreamMirror(rt, store, name) for name in streams}
+        self.cursors = dict.fromkeys((keys.versions(n) for n in streams), "$")
+        self.updated = threading.Condition()
+        for name in streams:
+            self._catch_up(name)
+
+    def get(self, stream: str, at: int | None = None) -> Version | None:
+        mirror = self.streams[stream]
+        return mirror.head if at is None else mirror.recent.get(at)
+
+    def serves(self, stream: str) -> bool:
+        return stream in self.streams
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.poll()
+
+    def poll(self) -> None:
+        """One blocking read of new manifests; applies the newest of each stream."""
+        got = self.r.xread(self.cursors, count=100, block=self.block_ms) or []
+        for key, entries in got:
+            key = key.decode() if isinstance(key, bytes) else key
+            self.cursors[key] = entries[-1][0]
+            name = key[key.index("{") + 1 : key.index("}")]
+            try:
+                self._apply(name, decode_manifest(entries[-1][1]))
+            except (SchemaError, SegmentStoreError, KeyError) as e:
+                # A segment already collected (we fell behind) or a bad manifest: take the head instead.
+                log.warning("version not applied; catching up from head", stream=name, error=str(e))
+                self._catch_up(name)
+
+    def _catch_up(self, name: str) -> None:
+        raw = self.r.get(keys.head(name))
+        if raw is None:
+            return
+        try:
+            self._apply(name, manifest_from_bytes(raw))
+        except (SchemaError, SegmentStoreError, KeyError) as e:
+            log.error("head not applicable", stream=name, error=str(e))
+
+    def _apply(self, name: str, manifest: Manifest) -> None:
+        mirror = self.streams[name]
+        if mirror.head is not None and manifest.version <= mirror.head.id:
+            return
+        version = mirror.apply(manifest)
+        log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)
+        with self.updated:
+            self.updated.notify_all()

@@ -1,0 +1,592 @@
+"""On-screen text / subtitle transcription: pure logic (no Redis, no model).
+
+Pipeline used by the QA worker's subtitle job, per camera stream::
+
+    answer = model(SUBTITLE_PROMPT, snapshot)               # capture-time range [t_start, t_end]
+    lines = parse_model_output(answer)
+    closed = tracker.observe(t_start, t_end, lines)           # cues that became final
+    ...
+    closed += tracker.flush()                                 # end of stream
+    to_webvtt(cues, origin=stream_start) / to_srt(cues, origin=stream_start)
+
+Decisions (see the docstrings for details):
+
+* The tracker works line by line: every distinct line of on-screen text is its own cue. Lines seen
+  together get cues with the same start, which players show stacked.
+* Similarity is :class:`difflib.SequenceMatcher` ratio on :func:`normalise`\\ d text (stdlib, no
+  dependency); ``>= similarity`` (default 0.85) means "the same line" (``HELLO W0RLD`` == ``HELLO WORLD``).
+* A new cue starts at the end of the previous observation window, clamped into the current window
+  (the line was not reported then, so it appeared after it); the very first observation has nothing
+  better than its own ``t_start``. A cue ends at the ``t_end`` of the last observation that reported it.
+* Recent-history dedupe: a line that fuzzily matches one of the last ``history`` closed cues is NOT
+  emitted again, however long the gap (the history is counted in cues, not seconds).
+* Writers never emit an invalid file: cue text is cleaned to non-empty lines, ``&``, ``<``, ``>``
+  escaped in WebVTT, ``-->`` never appears in cue text, times are rounded to milliseconds and
+  ``end > start`` is kept after rounding; cues ending at or before ``origin`` are dropped.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+import re
+import unicodedata
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+
+__all__ = [
+    "SUBTITLE_PROMPT",
+    "Cue",
+    "SubtitleTracker",
+    "normalise",
+    "parse_model_output",
+    "parse_srt",
+    "parse_webvtt",
+    "similarity",
+    "to_srt",
+    "to_webvtt",
+    "validate_srt",
+    "validate_webvtt",
+]
+
+SUBTITLE_PROMPT = (
+    "Read all text that is currently visible on screen in the video: subtitles, captions, titles, signs and "
+    "any other written words. Transcribe it verbatim, keeping the original spelling, capitalisation, "
+    "punctuation and language; do not translate, summarise, describe or explain. Write one line of output "
+    "for each line of on-screen text, top to bottom, with nothing else: no numbering, no bullets, no quotes, "
+    "no commentary. If there is no readable text on screen, answer exactly NONE."
+)
+
+MAX_LINE_CHARS = 500
+MAX_LINES = 20
+_MAX_INPUT_CHARS = 100_000  # anything beyond this is garbage for a 20x500 answer; bounds the work
+
+# --------------------------------------------------------------------------------------------
+# Parsing the model's answer
+# --------------------------------------------------------------------------------------------
+
+_FENCE_RE = re.compile(r"^\s*(?:```|~~~)[\w+-]*\s*$")
+_INLINE_FENCE_RE = re.compile(r"^(?:```|~~~)\s*|\s*(?:```|~~~)$")
+# bullets / numbering / blockquote / markdown heading at the start of a line
+_BULLET_RE = re.compile(r"^(?:(?:[-*+•·▪◦‣–—>]|#{1,6}|\(?\d{1,3}[.)])\s+|[•▪◦‣]+)")
+# prefixes such as "Text:", "On-screen text:", "Subtitle 2:", "Line 1 -", "Caption:"
+_PREFIX_RE = re.compile(
+    r"^(?:the\s+)?(?:(?:visible|on[- ]?screen|displayed|detected|recognized|recognised|extracted)\s+)?"
+    r"(?:text|subtitles?|captions?|lines?|transcription|ocr|answer|output)(?:\s*\d{1,3})?\s*[:：]\s*",
+    re.IGNORECASE,
+)
+# a whole line that only introduces the text, e.g. "The text on screen reads:" / "Here is the text:"
+_PREAMBLE_RE = re.compile(
+    r"^(?:(?:here\s+is|here's|here\s+are)\s+)?(?:the\s+)?(?:(?:visible|on[- ]?screen|displayed)\s+)?"
+    r"(?:text|subtitles?|captions?|transcription)(?:\s+(?:visible\s+)?(?:on|in)\s+(?:the\s+)?"
+    r"(?:screen|image|frame|video|scene))?(?:\s+(?:reads|says|is|are|shows?))?\s*[:：]$",
+    re.IGNORECASE,
+)
+# "no text" style answers, matched against normalise(line)
+_NONE_RE = re.compile(
+    r"^(?:none|n/a|(?:i\s+(?:do\s+not|don['’]t|cannot|can['’]t|can\s+not)\s+see\s+any\s+"
+    r"(?:(?:visible|readable|legible|on-?\s?screen)\s+)*(?:text|subtitles?|captions?|writing)"
+    r"(?:\s+(?:on\s+(?:the\s+)?screen|in\s+(?:the|this)\s+(?:image|frame|video|scene)))?)|"
+    r"(?:there\s+(?:is|are)\s+)?no\s+(?:(?:visible|readable|legible|on-?\s?screen|discernible|other)\s+)*"
+    r"(?:text|subtitles?|captions?|writing|words?)"
+    r"(?:\s+(?:is|are|was|were|can\s+be))?"
+    r"(?:\s+(?:visible|present|shown|displayed|detected|found|seen|readable|"
+    r"on\s+(?:the\s+)?screen|in\s+(?:the|this)\s+(?:image|frame|video|scene|screen)))*)$"
+)
+_QUOTE_PAIRS = {'"': '"', "'": "'", "“": "”", "‘": "’", "«": "»", "„": "“", "「": "」", "『": "』", "`": "`"}
+
+
+def _clean_chars(s: str) -> str:
+    """Drop control characters (line breaks kept), lone surrogates and non-characters; tabs become spaces."""
+    out = []
+    for ch in s:
+        cat = unicodedata.category(ch)
+        if ch == "\t":
+            out.append(" ")
+        elif ch in "\n\r\x0b\x0c\x1c\x1d\x1e\x85":  # what str.splitlines() splits on
+            out.append("\n")
+        elif cat in ("Cc", "Cs") or ch in "\ufffe\uffff\ufeff\ufffd":
+            continue
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def _strip_quotes(s: str) -> str:
+    while len(s) >= 2 and _QUOTE_PAIRS.get(s[0]) == s[-1]:
+        s = s[1:-1].strip()
+    return s
+
+
+def _strip_markup(s: str) -> str:
+    """One line of the answer, without list markers, known prefixes, emphasis and quotes."""
+    prev = None
+    while s != prev:
+        prev = s
+        s = s.strip()
+        s = _INLINE_FENCE_RE.sub("", s).strip()
+        for mark in ("**", "__", "*"):  # markdown emphasis around the whole line
+            if len(s) > 2 * len(mark) and s.startswith(mark) and s.endswith(mark):
+                s = s[len(mark) : -len(mark)].strip()
+                break
+        s = _BULLET_RE.sub("", s, count=1)
+        s = _PREFIX_RE.sub("", s, count=1)
+        s = _strip_quotes(s.strip())
+    return s
+
+
+def _truncate(s: str, limit: int = MAX_LINE_CHARS) -> str:
+    if len(s) <= limit:
+        return s
+    cut = s[:limit]
+    space = cut.rfind(" ")
+    if space >= limit // 2:
+        cut = cut[:space]
+    return cut.rstrip()
+
+
+def is_none_answer(line: str) -> bool:
+    """True for NONE / "no text" / "There is no text on screen." style replies."""
+    return bool(_NONE_RE.match(normalise(line)))
+
+
+def parse_model_output(text: str) -> list[str]:
+    """Lines of on-screen text from the model's answer to :data:`SUBTITLE_PROMPT`.
+
+    Strips code fences, bullets/numbering, surrounding quotes, "Text:" style prefixes, intro lines
+    ("The text reads:") and whitespace (runs collapsed); drops empty lines, lines without letters or
+    digits-ish content (``normalise`` empty, e.g. ``---``) and NONE / "no text" replies; dedupes within
+    the answer on :func:`normalise`; keeps the casing and punctuation of kept lines. Robust to garbage:
+    control characters are removed, lines are capped at :data:`MAX_LINE_CHARS` characters and the
+    result at :data:`MAX_LINES` lines.
+    """
+    if not isinstance(text, str) or not text:
+        return []
+    text = _clean_chars(text[:_MAX_INPUT_CHARS])
+    out: list[str] = []
+    seen: set[str] = set()
+    for raw in text.splitlines():
+        if _FENCE_RE.match(raw) or _PREAMBLE_RE.match(raw.strip()):
+            continue
+        line = " ".join(_strip_markup(raw).split())
+        line = _truncate(line)
+        key = normalise(line)
+        if not key or _NONE_RE.match(key) or key in seen:
+            continue
+        seen.add(key)
+        out.append(line)
+        if len(out) >= MAX_LINES:
+            break
+    return out
+
+
+def normalise(line: str) -> str:
+    """Comparison key: NFKC, casefold, whitespace collapsed, punctuation stripped at both ends."""
+    s = " ".join(unicodedata.normalize("NFKC", line).casefold().split())
+    start, end = 0, len(s)
+    while start < end and (s[start].isspace() or unicodedata.category(s[start]).startswith("P")):
+        start += 1
+    while end > start and (s[end - 1].isspace() or unicodedata.category(s[end - 1]).startswith("P")):
+        end -= 1
+    return s[start:end]
+
+
+def similarity(a: str, b: str) -> float:
+    """Similarity in [0, 1] of two *normalised* strings (difflib ratio; 1.0 when equal)."""
+    if a == b:
+        return 1.0
+    if not a or not b:
+        return 0.0
+    m = SequenceMatcher(None, a, b, autojunk=False)
+    return m.ratio()
+
+
+def _at_least(a: str, b: str, threshold: float) -> bool:
+    if a == b:
+        return True
+    if not a or not b:
+        return False
+    m = SequenceMatcher(None, a, b, autojunk=False)
+    # cheap upper bounds first; ratio() is quadratic-ish
+    return m.real_quick_ratio() >= threshold and m.quick_ratio() >= threshold and m.ratio() >= threshold
+
+
+# --------------------------------------------------------------------------------------------
+# Cues and the tracker
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cue:
+    """One subtitle cue. Times are capture times in seconds (media time for files, unix time for live);
+    writers format them relative to an ``origin``."""
+
+    start: float
+    end: float
+    text: str
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.start) and math.isfinite(self.end)):
+            raise ValueError(f"cue times must be finite: {self.start!r}, {self.end!r}")
+        if self.end <= self.start:
+            raise ValueError(f"cue end {self.end!r} must be after start {self.start!r}")
+
+
+@dataclass
+class _Open:
+    start: float
+    end: float
+    text: str
+    key: str
+    misses: int = 0
+
+
+class SubtitleTracker:
+    """Turns successive observations (capture-time range of the cache version, parsed lines) into cues.
+
+    A line already shown and still on screen extends its cue instead of emitting a new one; a line that
+    is a fuzzy duplicate (``similarity(normalise(a), normalise(b)) >= similarity``) of an open cue or of
+    one of the last ``history`` closed cues is not emitted again (even after a long gap).
+
+    Timing:
+
+    * start of a new cue = end of the previous observation window clamped into ``[t_start, t_end]``
+      (it was not reported then, so it appeared after it; clamping covers gaps between windows and
+      cumulative windows); for the first observation (and after a time discontinuity) ``t_start``.
+    * end = ``t_end`` of the last observation that reported it, at least ``start + min_duration``.
+    * a cue closes (becomes final) once it has been missing from ``close_after_misses`` consecutive
+      observations (default 1: the first observation without it), or at :meth:`flush`.
+    * observations are expected in capture-time order; if ``t_end`` goes backwards by more than
+      ``min_duration`` (seek / stream restart) all open cues are closed first.
+
+    The text of a cue is the first spelling seen. ``observe`` returns closed cues sorted by start.
+    """
+
+    def __init__(
+        self,
+        *,
+        similarity: float = 0.85,
+        history: int = 50,
+        min_duration: float = 0.5,
+        close_after_misses: int = 1,
+    ) -> None:
+        if not 0.0 < similarity <= 1.0:
+            raise ValueError("similarity must be in (0, 1]")
+        if history < 0:
+            raise ValueError("history must be >= 0")
+        if not min_duration > 0.0:
+            raise ValueError("min_duration must be > 0")
+        if close_after_misses < 1:
+            raise ValueError("close_after_misses must be >= 1")
+        self.similarity = similarity
+        self.history = history
+        self.min_duration = min_duration
+        self.close_after_misses = close_after_misses
+        self._open: list[_Open] = []
+        self._recent: deque[str] = deque(maxlen=history)  # keys of the last `history` closed cues
+        self._prev_end: float | None = None
+
+    @property
+    def open_cues(self) -> list[Cue]:
+        """Cues still on screen (not final), as they would be closed now."""
+        return [self._make_cue(o) for o in self._open]
+
+    def _make_cue(self, o: _Open) -> Cue:
+        return Cue(o.start, max(o.end, o.start + self.min_duration), o.text)
+
+    def _close(self, opened: Iterable[_Open]) -> list[Cue]:
+        cues = []
+        for o in opened:
+            self._recent.append(o.key)
+            cues.append(self._make_cue(o))
+        cues.sort(key=lambda c: (c.start, c.end))
+        return cues
+
+    def observe(self, t_start: float, t_end: float, lines: Sequence[str]) -> list[Cue]:
+        """Feed one observation; returns the cues that became final with it (sorted by start).
+
+        Raises ValueError for non-finite times or ``t_end < t_start``.
+        """
+        if not (math.isfinite(t_start) and math.isfinite(t_end)):
+            raise ValueError(f"observation times must be finite: {t_start!r}, {t_end!r}")
+        if t_end < t_start:
+            raise ValueError(f"observation ends before it starts: {t_start!r} > {t_end!r}")
+        closed: list[_Open] = []
+        if self._prev_end is not None and t_end < self._prev_end - self.min_duration:
+            closed.extend(self._open)  # time went backwards: discontinuity
+            self._open = []
+            self._prev_end = None
+        start = t_start if self._prev_end is None else min(max(self._prev_end, t_start), t_end)
+
+        seen: set[int] = set()  # ids of open cues reported in this observation
+        batch: list[str] = []  # keys of lines handled in this observation
+        for line in lines:
+            if not isinstance(line, str):
+                continue
+            text = " ".join(line.split())
+            key = normalise(text)
+            if not key or any(_at_least(key, k, self.similarity) for k in batch):
+                continue
+            batch.append(key)
+            match = self._match_open(key)
+            if match is not None:
+                match.end = max(match.end, t_end)
+                match.misses = 0
+                seen.add(id(match))
+            elif any(_at_least(key, k, self.similarity) for k in self._recent):
+                continue  # recent-history duplicate: never emitted again
+            else:
+                new = _Open(start=start, end=t_end, text=text, key=key)
+                self._open.append(new)
+                seen.add(id(new))
+
+        still: list[_Open] = []
+        for o in self._open:
+            if id(o) not in seen:
+                o.misses += 1
+                if o.misses >= self.close_after_misses:
+                    closed.append(o)
+                    continue
+            still.append(o)
+        self._open = still
+        self._prev_end = t_end if self._prev_end is None else max(self._prev_end, t_end)
+        return self._close(closed)
+
+    def _match_open(self, key: str) -> _Open | None:
+        best, best_score = None, 0.0
+        for o in self._open:
+            if o.key == key:
+                return o
+            if _at_least(key, o.key, self.similarity):
+                score = similarity(key, o.key)
+                if score > best_score:
+                    best, best_score = o, score
+        return best
+
+    def flush(self) -> list[Cue]:
+        """Close all open cues (end of stream); returns them sorted by start. The tracker stays usable."""
+        opened, self._open = self._open, []
+        return self._close(opened)
+
+
+# --------------------------------------------------------------------------------------------
+# Writers
+# --------------------------------------------------------------------------------------------
+
+
+def _cue_lines(text: str) -> list[str]:
+    lines = []
+    for raw in _clean_chars(str(text)).splitlines():
+        line = " ".join(raw.split())
+        if line:
+            lines.append(line)
+    return lines
+
+
+def _ms_range(cue: Cue, origin: float) -> tuple[int, int] | None:
+    start = max(0, round((cue.start - origin) * 1000))
+    end = round((cue.end - origin) * 1000)
+    if end <= 0:
+        return None
+    return start, max(end, start + 1)
+
+
+def _fmt(ms: int, sep: str) -> str:
+    h, rem = divmod(ms, 3_600_000)
+    m, rem = divmod(rem, 60_000)
+    s, ms = divmod(rem, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
+
+
+def _prepared(cues: Sequence[Cue], origin: float) -> list[tuple[int, int, list[str]]]:
+    if not math.isfinite(origin):
+        raise ValueError(f"origin must be finite: {origin!r}")
+    out = []
+    for cue in cues:
+        rng = _ms_range(cue, origin)
+        lines = _cue_lines(cue.text)
+        if rng is None or not lines:
+            continue
+        out.append((rng[0], rng[1], lines))
+    out.sort(key=lambda x: (x[0], x[1]))  # stable: equal times keep input order
+    return out
+
+
+def _vtt_escape(line: str) -> str:
+    return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def to_webvtt(cues: Sequence[Cue], origin: float = 0.0) -> str:
+    """A WebVTT file: ``WEBVTT`` header, cues sorted by start, times relative to ``origin`` (``HH:MM:SS.mmm``,
+    hours may exceed 99). ``&``, ``<``, ``>`` are escaped, so ``-->`` never appears in cue text."""
+    parts = ["WEBVTT\n\n"]
+    for start, end, lines in _prepared(cues, origin):
+        body = "\n".join(_vtt_escape(line) for line in lines)
+        parts.append(f"{_fmt(start, '.')} --> {_fmt(end, '.')}\n{body}\n\n")
+    return "".join(parts)
+
+
+def to_srt(cues: Sequence[Cue], origin: float = 0.0) -> str:
+    """A SubRip file: 1-based index, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, text, blank line between cues.
+
+    SRT has no escaping: text is written as is (``-->`` becomes ``→``); players may interpret
+    ``<i>``-like tags. Empty string for no cues."""
+    parts = []
+    for i, (start, end, lines) in enumerate(_prepared(cues, origin), 1):
+        body = "\n".join(line.replace("-->", "\u2192") for line in lines)
+        parts.append(f"{i}\n{_fmt(start, ',')} --> {_fmt(end, ',')}\n{body}\n\n")
+    return "".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# Strict readers / validators
+# --------------------------------------------------------------------------------------------
+
+_VTT_TS = r"(?:(\d{2,}):)?([0-5]\d):([0-5]\d)\.(\d{3})"
+_VTT_TIMING_RE = re.compile(rf"^{_VTT_TS}[ \t]+-->[ \t]+{_VTT_TS}(?:[ \t]+(.*))?$")
+_VTT_SETTING_RE = re.compile(r"^(?:vertical|line|position|size|align|region):\S+$")
+_VTT_TAG_RE = re.compile(r"</?(?:c|i|b|u|v|lang|ruby|rt)(?:[.\s][^<>]*)?>|<(?:\d{2,}:)?[0-5]\d:[0-5]\d\.\d{3}>")
+_VTT_ENTITY_RE = re.compile(r"&(?:amp|lt|gt|nbsp|lrm|rlm|quot|apos|#\d{1,7}|#[xX][0-9a-fA-F]{1,6});")
+_SRT_TS = r"(\d{2,}):([0-5]\d):([0-5]\d),(\d{3})"
+_SRT_TIMING_RE = re.compile(rf"^{_SRT_TS} --> {_SRT_TS}$")
+
+
+def _ts_seconds(h: str | None, m: str, s: str, ms: str) -> float:
+    return int(h or 0) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
+
+
+def _blocks(text: str, what: str) -> list[list[str]]:
+    blocks: list[list[str]] = []
+    cur: list[str] = []
+    for line in text.split("\n"):
+        if line and not line.strip():
+            raise ValueError(f"{what}: whitespace-only line (ambiguous block separator)")
+        if line == "":
+            if cur:
+                blocks.append(cur)
+                cur = []
+        else:
+            cur.append(line)
+    if cur:
+        blocks.append(cur)
+    return blocks
+
+
+def _prep_text(text: str, what: str) -> str:
+    if not isinstance(text, str):
+        raise ValueError(f"{what}: not text")
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    if "\x00" in text:
+        raise ValueError(f"{what}: NUL character")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _check_order(cues: list[Cue], start: float, end: float, where: str) -> None:
+    if not start < end:
+        raise ValueError(f"{where}: cue end is not after start")
+    if cues and start < cues[-1].start:
+        raise ValueError(f"{where}: cue starts before the previous cue")
+
+
+def parse_webvtt(text: str) -> list[Cue]:
+    """Parse a WebVTT file strictly (stricter than the spec) and return its cues (entities decoded).
+
+    Checks: ``WEBVTT`` header line, blocks separated by blank lines, NOTE blocks anywhere and
+    STYLE/REGION blocks before the first cue, optional cue identifier without ``-->``, timestamp syntax
+    (``[HH+:]MM:SS.mmm``, minutes/seconds < 60), known cue settings, start < end, non-decreasing starts,
+    non-empty text without ``-->``, every ``<`` part of a known tag and every ``&`` a character reference.
+    Raises ValueError.
+    """
+    text = _prep_text(text, "WebVTT")
+    first, _, rest = text.partition("\n")
+    if not (first == "WEBVTT" or (first.startswith("WEBVTT") and first[6] in " \t")):
+        raise ValueError("WebVTT: missing 'WEBVTT' header line")
+    if "-->" in first:
+        raise ValueError("WebVTT: '-->' in the header line")
+    blocks = _blocks(rest, "WebVTT")
+    if rest and not rest.startswith("\n") and blocks:
+        # lines directly after the signature are header lines; they must not hold a cue timing
+        header = blocks.pop(0)
+        if any("-->" in line for line in header):
+            raise ValueError("WebVTT: cue timing in the header block (missing blank line after WEBVTT)")
+    cues: list[Cue] = []
+    for n, block in enumerate(blocks, 1):
+        where = f"WebVTT block {n}"
+        head = block[0]
+        if head == "NOTE" or head.startswith(("NOTE ", "NOTE\t")):
+            if any("-->" in line for line in block):
+                raise ValueError(f"{where}: '-->' in a NOTE block")
+            continue
+        if head in ("STYLE", "REGION") and "-->" not in "".join(block):
+            if cues:
+                raise ValueError(f"{where}: {head} block after the first cue")
+            continue
+        if "-->" not in head:
+            block = block[1:]  # cue identifier
+            if not block:
+                raise ValueError(f"{where}: identifier without a cue timing line")
+        m = _VTT_TIMING_RE.match(block[0])
+        if not m:
+            raise ValueError(f"{where}: bad cue timing line {block[0]!r}")
+        g = m.groups()
+        start, end = _ts_seconds(*g[0:4]), _ts_seconds(*g[4:8])
+        for setting in (g[8] or "").split():
+            if not _VTT_SETTING_RE.match(setting):
+                raise ValueError(f"{where}: bad cue setting {setting!r}")
+        _check_order(cues, start, end, where)
+        body = block[1:]
+        if not body:
+            raise ValueError(f"{where}: empty cue text")
+        for line in body:
+            if "-->" in line:
+                raise ValueError(f"{where}: '-->' in cue text")
+            stripped = _VTT_TAG_RE.sub("", line)
+            if "<" in stripped:
+                raise ValueError(f"{where}: unescaped '<' in cue text")
+            if "&" in _VTT_ENTITY_RE.sub("", stripped):
+                raise ValueError(f"{where}: unescaped '&' in cue text")
+        cues.append(Cue(start, end, html.unescape("\n".join(body))))
+    return cues
+
+
+def parse_srt(text: str) -> list[Cue]:
+    """Parse a SubRip file strictly and return its cues.
+
+    Checks: blocks separated by blank lines; each block = index (1, 2, 3, ... in order), timing line
+    ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, at least one text line without ``-->``; start < end,
+    non-decreasing starts. An empty file is valid (no cues). Raises ValueError.
+    """
+    text = _prep_text(text, "SRT")
+    cues: list[Cue] = []
+    for n, block in enumerate(_blocks(text, "SRT"), 1):
+        where = f"SRT block {n}"
+        if block[0].strip() != str(n):
+            raise ValueError(f"{where}: expected index {n}, got {block[0]!r}")
+        if len(block) < 2:
+            raise ValueError(f"{where}: missing timing line")
+        m = _SRT_TIMING_RE.match(block[1].strip())
+        if not m:
+            raise ValueError(f"{where}: bad timing line {block[1]!r}")
+        g = m.groups()
+        start, end = _ts_seconds(*g[0:4]), _ts_seconds(*g[4:8])
+        _check_order(cues, start, end, where)
+        body = block[2:]
+        if not body:
+            raise ValueError(f"{where}: empty cue text")
+        if any("-->" in line for line in body):
+            raise ValueError(f"{where}: '-->' in cue text")
+        cues.append(Cue(start, end, "\n".join(body)))
+    return cues
+
+
+def validate_webvtt(text: str) -> None:
+    """Raise ValueError unless ``text`` is a WebVTT file that :func:`parse_webvtt` accepts."""
+    parse_webvtt(text)
+
+
+def validate_srt(text: str) -> None:
+    """Raise ValueError unless ``text`` is a SubRip file that :func:`parse_srt` accepts."""
+    parse_srt(text)
