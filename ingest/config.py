@@ -1,0 +1,37 @@
+"""Ingest settings: defaults < YAML (--config) < SVQA_* environment < flags.
+
+Either one source (`url` + `stream`) or a cameras file with several.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class IngestConfig:
+    redis_url: str = "redis://localhost:6379/0"
+    url: str | None = None  # a file, rtsp://, http(s):// (HLS), /dev/videoN
+    stream: str | None = None  # the stream (camera) name
+    fps: float = 2.0
+    realtime: bool | None = None  # pace a file at media speed like a camera; None = live sources only
+    cameras_file: str | None = None
+    min_pixels: int = 128 * 28 * 28
+    max_pixels: int = 256 * 28 * 28
+    frames_maxlen: int = 2000  # MAXLEN ~ of the frames stream
+    max_backlog: int = 64  # files: wait while this many frames are not yet encoded
+    open_timeout_s: float = 10.0
+    read_timeout_s: float = 10.0
+    reconnect_min_s: float = 0.5
+    reconnect_max_s: float = 30.0
+    max_reconnects: int | None = None  # live sources: give up after this many; None = never
+    metrics_port: int | None = None
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.cameras_file is None and not (self.url and self.stream):
+            raise ValueError("set url and stream (one source) or cameras_file")
+        if not self.fps > 0:
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
+            raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")

@@ -1,0 +1,65 @@
+"""`streamvqa ingest`: publish frames of one source, or of every camera in a cameras file."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import structlog
+
+from common import redisio
+from common.config import ConfigError, load_cameras_file, load_config
+from common.logs import configure_logging
+from common.video import is_live
+from ingest.config import IngestConfig
+from ingest.source import Source, SourceSpec
+
+log = structlog.get_logger()
+
+
+def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
+    if cfg.cameras_file is None:
+        assert cfg.url and cfg.stream
+        realtime = cfg.realtime if cfg.realtime is not None else is_live(cfg.url)
+        return [SourceSpec(cfg.stream, cfg.url, cfg.fps, realtime, cfg.min_pixels, cfg.max_pixels)]
+    return [
+        SourceSpec(c.name, c.url, c.fps, c.realtime if c.realtime is not None else is_live(c.url),
+                   c.min_pixels or cfg.min_pixels, c.max_pixels or cfg.max_pixels)  # fmt: skip
+        for c in load_cameras_file(cfg.cameras_file).cameras
+    ]
+
+
+def run(cfg: IngestConfig, stop: threading.Event) -> int:
+    r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30)
+    sources = [Source(r, spec, cfg, stop) for spec in source_specs(cfg)]
+    results: dict[str, int] = {}
+
+    def one(source: Source) -> None:
+        results[source.spec.stream] = source.run()
+
+    threads = [threading.Thread(target=one, args=(s,), name=f"ingest:{s.spec.stream}") for s in sources]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [name for name, rc in results.items() if rc]
+    if failed:
+        log.error("no usable frames", streams=failed)
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        cfg = load_config(IngestConfig, argv[1:], prog="streamvqa ingest")
+    except ConfigError as e:
+        print(f"streamvqa ingest: {e}")
+        return 2
+    configure_logging(cfg.log_level)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        return run(cfg, stop)
+    except TimeoutError as e:
+        log.error("redis unusable at start", error=str(e))
+        return 3

@@ -1,0 +1,188 @@
+"""One camera or file -> `svqa:{cam}:frames`: decode, sample by time, resize once, publish.
+
+Live sources reconnect forever (exponential backoff with jitter) and are watched: a source that
+stops delivering frames for `read_timeout_s` is declared stalled and reopened, even if PyAV is
+stuck inside a read. Files run to the end, then publish an end-of-stream marker; they wait for
+the encoder (backpressure) instead of growing the stream without bound.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+import structlog
+
+from common import keys, redisio
+from common.frames import Grid, choose_grid
+from common.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
+from common.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
+
+log = structlog.get_logger()
+
+_END = object()  # the decode thread finished the source
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    stream: str
+    url: str
+    fps: float
+    realtime: bool
+    min_pixels: int
+    max_pixels: int
+
+
+@dataclass
+class SourceStats:
+    published: int = 0
+    decode_errors: int = 0
+    reconnects: int = 0
+    stalls: int = 0
+
+
+class Source:
+    def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event):
+        self.r, self.spec, self.cfg, self.stop = r, spec, cfg, stop
+        self.live = is_live(spec.url)
+        self.stats = SourceStats()
+        self.log = log.bind(stream=spec.stream)
+        self.next_seq, self.resume_pts = self._resume_point()
+
+    # -- the loop ------------------------------------------------------------------------------
+    def run(self) -> int:
+        """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
+        delay = self.cfg.reconnect_min_s
+        while not self.stop.is_set():
+            try:
+                self._run_once()
+                if not self.live:
+                    break
+                delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
+            except SourceError as e:
+                self.event("error", error=str(e))
+                if not self.live:
+                    break
+            self.stats.reconnects += 1
+            if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
+                self.event("gave_up", reconnects=self.stats.reconnects)
+                break
+            wait = delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
+            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self.stats.reconnects)
+            self.stop.wait(wait)
+            delay = min(delay * 2, self.cfg.reconnect_max_s)
+        if not self.live:
+            self._publish(EndOfStream(self.next_seq - 1))
+            self.event("eof", frames=self.stats.published, decode_errors=self.stats.decode_errors)
+        return 0 if self.stats.published or self.next_seq > 0 else 1
+
+    def _run_once(self) -> None:
+        container = open_container(self.spec.url, open_timeout_s=self.cfg.open_timeout_s,
+                                   read_timeout_s=self.cfg.read_timeout_s)  # fmt: skip
+        try:
+            grid = self._grid(container)
+            self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
+            frames: queue.Queue = queue.Queue(maxsize=8)
+            threading.Thread(target=self._decode, args=(container, grid, frames), daemon=True,
+                             name=f"decode:{self.spec.stream}").start()  # fmt: skip
+            self._pump(frames)
+        finally:
+            container.close()
+
+    def _decode(self, container, grid: Grid, out: queue.Queue) -> None:
+        """Decode thread: PyAV may block in C; the pump watches it from outside."""
+        try:
+            for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error,
+                                       size=(grid.height, grid.width)):  # fmt: skip
+                out.put(frame)
+                if self.stop.is_set():
+                    break
+            out.put(_END)
+        except Exception as e:  # handed over to the pump, which reports it
+            out.put(e)
+
+    def _pump(self, frames: queue.Queue) -> None:
+        wall0 = pts0 = None
+        while not self.stop.is_set():
+            try:
+                item = frames.get(timeout=self.cfg.read_timeout_s)
+            except queue.Empty:
+                self.stats.stalls += 1
+                self.event("stalled", after_s=self.cfg.read_timeout_s)
+                raise SourceError(f"{self.spec.url}: no frame for {self.cfg.read_timeout_s:g} s") from None
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item if isinstance(item, SourceError) else SourceError(str(item))
+            frame: DecodedFrame = item
+            if not self.live and frame.pts <= self.resume_pts:
+                continue  # already published before a restart
+            if self.spec.realtime:
+                wall0, pts0 = (wall0, pts0) if wall0 is not None else (time.monotonic(), frame.pts)
+                self.stop.wait(max(0.0, (frame.pts - pts0) - (time.monotonic() - wall0)))
+            else:
+                self._wait_for_encoder()
+            ts = time.time() if (self.live or self.spec.realtime) else frame.pts
+            self._publish(FrameMsg.from_rgb(self.next_seq, ts, frame.pts, frame.rgb))
+
+    # -- helpers ---------------------------------------------------------------------------------
+    def _publish(self, msg: FrameMsg | EndOfStream) -> None:
+        redisio.xadd_capped(self.r, keys.frames(self.spec.stream), encode_frame(msg), self.cfg.frames_maxlen)
+        if isinstance(msg, FrameMsg):
+            self.next_seq += 1
+            self.stats.published += 1
+
+    def _grid(self, container) -> Grid:
+        """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
+        meta = {k.decode(): v.decode() for k, v in self.r.hgetall(keys.meta(self.spec.stream)).items()}
+        if "height" in meta:
+            return Grid(int(meta["height"]), int(meta["width"]))
+        ctx = container.streams.video[0].codec_context
+        grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+        self.r.hset(keys.meta(self.spec.stream), mapping={
+            "fps": self.spec.fps, "height": grid.height, "width": grid.width,
+            "live": int(self.live or self.spec.realtime), "url": self.spec.url,
+        })  # fmt: skip
+        return grid
+
+    def _wait_for_encoder(self) -> None:
+        """Files: hold back while the encoder has `max_backlog` frames still to take."""
+        while not self.stop.is_set() and self._backlog() >= self.cfg.max_backlog:
+            time.sleep(0.05)
+
+    def _backlog(self) -> int:
+        try:
+            groups = self.r.xinfo_groups(keys.frames(self.spec.stream))
+        except redis.ResponseError:  # no stream yet
+            return 0
+        enc = next((g for g in groups if g["name"] in (keys.ENCODER_GROUP, keys.ENCODER_GROUP.encode())), None)
+        if enc is None:
+            return self.r.xlen(keys.frames(self.spec.stream))
+        return int(enc.get("lag") or 0) + int(enc["pending"])
+
+    def _resume_point(self) -> tuple[int, float]:
+        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file."""
+        last = self.r.xrevrange(keys.frames(self.spec.stream), count=1)
+        if not last:
+            return 0, -1.0
+        try:
+            msg = decode_frame(last[0][1])
+        except SchemaError:
+            return 0, -1.0
+        if isinstance(msg, EndOfStream):
+            return msg.seq + 1, float("inf")  # the file was finished
+        return msg.seq + 1, msg.pts
+
+    def _decode_error(self, message: str) -> None:
+        self.stats.decode_errors += 1
+        self.event("decode_error", error=message[:500])
+
+    def event(self, kind: str, **fields: object) -> None:
+        self.log.info(kind, **fields)
+        payload = {"type": kind, "source": "ingest", "at": f"{time.time():.3f}"}
+        payload |= {k: str(v) for k, v in fields.items()}
+        redisio.xadd_capped(self.r, keys.events(self.spec.stream), payload, maxlen=10_000)
