@@ -24,7 +24,7 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
         return [SourceSpec(cfg.stream, cfg.url, cfg.fps, realtime, cfg.min_pixels, cfg.max_pixels)]
     return [
         SourceSpec(c.name, c.url, c.fps, c.realtime if c.realtime is not None else is_live(c.url),
-                   c.min_pixels or cfg.min_pixels, c.max_pixels or cfg.max_pixels)  # fmt: skip
+                   c.min_pixels or cfg.min_pixels, c.max_pixels or cfg.max_pixels)
         for c in load_cameras_file(cfg.cameras_file).cameras
     ]
 

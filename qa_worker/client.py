@@ -1,0 +1,103 @@
+"""Asking from Python or the shell: `streamvqa ask` and `streamvqa transcript`.
+
+The protocol is plain Redis: XADD a question to `svqa:questions`, read `svqa:answer:{id}` until
+the entry with type=final. Nothing here is needed to use it (redis-cli works the same).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+import redis
+
+from common import keys, redisio
+from common.schemas import AnswerDelta, FinalAnswer, Question, decode_answer, encode_question
+
+
+class Client:
+    def __init__(self, r: redis.Redis):
+        self.r = r
+
+    def submit(self, stream: str, question: str, **options) -> str:
+        q = Question(id=options.pop("id", None) or uuid.uuid4().hex, stream=stream, question=question, **options)
+        self.r.xadd(keys.QUESTIONS, encode_question(q))
+        return q.id
+
+    def replies(self, qid: str, timeout_s: float = 120.0) -> Iterator[AnswerDelta | FinalAnswer]:
+        """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
+        deadline, last = time.monotonic() + timeout_s, "0"
+        while (left := deadline - time.monotonic()) > 0:
+            got = self.r.xread({keys.answer(qid): last}, block=int(min(left, 1.0) * 1000)) or []
+            for _, entries in got:
+                for entry_id, fields in entries:
+                    last = entry_id
+                    reply = decode_answer(fields)
+                    yield reply
+                    if isinstance(reply, FinalAnswer):
+                        return
+        raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
+
+    def ask(self, stream: str, question: str, on_delta: Callable[[str], None] | None = None,
+            timeout_s: float = 120.0, **options) -> FinalAnswer:  # fmt: skip
+        qid = self.submit(stream, question, **options)
+        for reply in self.replies(qid, timeout_s):
+            if isinstance(reply, FinalAnswer):
+                return reply
+            if on_delta:
+                on_delta(reply.text)
+        raise AssertionError("unreachable")
+
+    def transcript(self, stream: str) -> list[dict[str, str]]:
+        return [{k.decode(): v.decode() for k, v in f.items()} for _, f in self.r.xrange(keys.transcript(stream))]
+
+
+def main(argv: list[str]) -> int:
+    command, rest = argv[0], argv[1:]
+    p = argparse.ArgumentParser(prog=f"streamvqa {command}")
+    p.add_argument("--redis-url", default="redis://localhost:6379/0")
+    p.add_argument("--stream", required=True)
+    if command == "ask":
+        p.add_argument("question")
+        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--choices", nargs="+", default=None, help="multiple choice options")
+        p.add_argument("--timeout", type=float, default=120.0)
+    else:
+        p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
+    ns = p.parse_args(rest)
+    client = Client(redisio.connect(ns.redis_url))
+    if command == "ask":
+        return _ask(client, ns)
+    return _transcript(client, ns)
+
+
+def _ask(client: Client, ns: argparse.Namespace) -> int:
+    options = {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
+    final = client.ask(ns.stream, ns.question, on_delta=lambda t: print(t, end="", flush=True),
+                       timeout_s=ns.timeout, **options)  # fmt: skip
+    if final.error:
+        print(f"error: {final.error}", file=sys.stderr)
+        return 1
+    if final.choice is not None:
+        print(final.choice)
+    else:
+        print()
+    print(json.dumps({k: v for k, v in vars(final).items() if k != "text"}, default=str), file=sys.stderr)
+    return 0
+
+
+def _transcript(client: Client, ns: argparse.Namespace) -> int:
+    from qa_worker.subtitles import Cue, to_srt, to_webvtt
+
+    entries = client.transcript(ns.stream)
+    if ns.format == "json":
+        print(json.dumps(entries, indent=1))
+        return 0
+    cues = [Cue(float(e["start"]), float(e["end"]), e["text"]) for e in entries]
+    origin = cues[0].start if cues and cues[0].start > 1e8 else 0.0  # live: times are unix seconds
+    print(to_srt(cues, origin) if ns.format == "srt" else to_webvtt(cues, origin), end="")
+    return 0
