@@ -11,22 +11,45 @@ stream with eviction.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime
 
 import numpy as np
 import torch
 
-from common.answer import GenerationParams, ask
+from common.answer import GenerationParams, ask, question_suffix
 from common.engine import Runtime, StreamEngine, StreamSpec
 from common.eviction import EvictionPolicy
 from common.frames import Grid, frames_to_pixels
 from common.model import load_model
 
-QUESTION = "What is he doing?"  # 32 tokens with the question template, as in the reference numbers
+QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
+
+
+def log(msg: str) -> None:
+    """Progress on stderr, so a run cut short still shows how far it got."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def gpu_info() -> str:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def free_gpu() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def sync() -> None:
@@ -53,7 +76,9 @@ def bench_vision(rt: Runtime, side: int) -> dict:
     frames = np.random.default_rng(0).integers(0, 256, (4, side, side, 3), dtype=np.uint8)
     pixels, grid_thw = frames_to_pixels(frames, grid)
     ms = timed(lambda: rt.vision(pixels, grid_thw))
-    return {"side": side, "tokens": grid.tokens_per_patch * 2, "vision_ms": round(ms, 1)}
+    out = {"side": side, "tokens": grid.tokens_per_patch * 2, "vision_ms": round(ms, 1)}
+    log(f"vision {out}")
+    return out
 
 
 def filled_engine(rt: Runtime, n_tokens: int, slab: int = 4096) -> StreamEngine:
@@ -69,7 +94,17 @@ def filled_engine(rt: Runtime, n_tokens: int, slab: int = 4096) -> StreamEngine:
     return engine
 
 
-def bench_cache_size(rt: Runtime, n_tokens: int, decode_tokens: int) -> dict:
+def bench_cache_size(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = False) -> dict:
+    out = engine_side(rt, n_tokens, decode_tokens, profile)
+    free_gpu()  # the engine's arena is gone before the baseline runs
+    out["stateless_first_token_ms"] = round(stateless_first_token_ms(rt, out["cache_tokens"]), 1)
+    out["speedup"] = round(out["stateless_first_token_ms"] / out["first_token_ms"], 1)
+    log(f"cache {out}")
+    free_gpu()
+    return out
+
+
+def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = False) -> dict:
     engine = filled_engine(rt, n_tokens)
     chunk = torch.randn(512, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
     base = engine.head
@@ -79,24 +114,42 @@ def bench_cache_size(rt: Runtime, n_tokens: int, decode_tokens: int) -> dict:
         engine.cache.head = base  # roll back so every repeat sees the same cache size
 
     prefill_ms = timed(prefill_chunk)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     first = [ask(rt, base, QUESTION, GenerationParams(max_tokens=1)).first_token_s * 1000 for _ in range(7)][2:]
     decode = ask(rt, base, QUESTION, GenerationParams(max_tokens=decode_tokens))
+    if profile:
+        profile_question(rt, base)
     return {
         "cache_tokens": base.tokens,
         "chunk_prefill_ms": round(prefill_ms, 1),
         "first_token_ms": round(statistics.median(first), 1),
         "decode_tok_s": round(decode.tokens_per_s, 1),
         "decoded_tokens": len(decode.token_ids),
-        "question_tokens": len(rt.encode(QUESTION)),
-        "stateless_first_token_ms": round(stateless_first_token_ms(rt, base.tokens), 1),
+        "question_tokens": len(rt.encode(question_suffix(QUESTION))),
+        "question_peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if torch.cuda.is_available() else None,
     }
+
+
+def profile_question(rt: Runtime, version) -> None:
+    """Where a question's time goes (question prefill + 9 one-token forwards): top ops on stderr."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            ask(rt, version, QUESTION, GenerationParams(max_tokens=9))
+        key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=18), file=sys.stderr, flush=True)
+    except Exception as e:  # diagnostics only: never fail the benchmark
+        log(f"profiler failed: {e!r}")
 
 
 @torch.inference_mode()
 def stateless_first_token_ms(rt: Runtime, n_tokens: int) -> float:
     """Baseline without a persistent cache: transformers re-prefills context + question."""
     text = rt.loaded.model.model.language_model
-    n = n_tokens + len(rt.encode(QUESTION)) + 20
+    n = n_tokens + len(rt.encode(question_suffix(QUESTION)))
     embeds = torch.randn(1, n, text.config.hidden_size, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
     pos = torch.arange(n, device=rt.lm.device).view(1, 1, n).expand(3, 1, n)
 
@@ -108,15 +161,37 @@ def stateless_first_token_ms(rt: Runtime, n_tokens: int) -> float:
 
 
 def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
+    free_gpu()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    baseline_mib = torch.cuda.memory_allocated() >> 20 if torch.cuda.is_available() else None
+    t0 = time.perf_counter()
     engine = StreamEngine(rt, StreamSpec("long", 2.0, Grid(448, 448), 4), EvictionPolicy(max_cache_tokens=budget))
     chunk = torch.randn(512, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
     samples = []
     for i in range(chunks):
         v = engine.append_embeddings(chunk, 2, (i, i), (float(i), float(i)))
         if i % max(1, chunks // 20) == 0 and torch.cuda.is_available():
-            samples.append({"chunk": i, "cache_tokens": v.tokens, "gpu_mib": torch.cuda.memory_allocated() >> 20})
-    return {"budget_tokens": budget, "chunks": chunks, "text_start_final": engine.head.text_start,
-            "evictions": engine.head.stats.evictions, "memory": samples}  # fmt: skip
+            samples.append({"chunk": i, "cache_tokens": v.tokens, "gpu_mib": torch.cuda.memory_allocated() >> 20,
+                            "reserved_mib": torch.cuda.memory_reserved() >> 20})  # fmt: skip
+    sync()
+    head = engine.head
+    cuda = torch.cuda.is_available()
+    out = {
+        "budget_tokens": budget,
+        "chunks": chunks,
+        "chunk_tokens": 512,
+        "cache_tokens_final": head.tokens,
+        "text_start_final": head.text_start,
+        "evictions": head.stats.evictions,
+        "chunks_evicted": head.stats.chunks_evicted,
+        "mean_chunk_ms": round((time.perf_counter() - t0) * 1000 / chunks, 1),
+        "baseline_gpu_mib": baseline_mib,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if cuda else None,
+        "memory": samples,
+    }
+    log(f"long stream {dict((k, v) for k, v in out.items() if k != 'memory')}")
+    return out
 
 
 def main() -> None:
@@ -126,17 +201,22 @@ def main() -> None:
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--long-chunks", type=int, default=400)
     p.add_argument("--long-budget", type=int, default=32768)
+    p.add_argument("--profile", action="store_true", help="profile one question at the largest cache size")
     args = p.parse_args()
+    sizes = [int(n) for n in args.sizes.split(",")]
+    t0 = time.perf_counter()
     rt = Runtime(load_model(args.model))
+    log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": args.model,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "nvidia_smi": gpu_info() if torch.cuda.is_available() else "",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "dtype": str(rt.lm.dtype),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
-        "cache": [bench_cache_size(rt, int(n), args.decode_tokens) for n in args.sizes.split(",")],
+        "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),
     }
     print(json.dumps(result, indent=1))

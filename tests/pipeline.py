@@ -1,0 +1,73 @@
+"""Helpers for end-to-end tests: run the real services as processes against a real redis-server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import redis
+
+from common import keys
+from common.schemas import Manifest, decode_manifest, manifest_from_bytes
+
+
+class Services:
+    """Starts `streamvqa <service>` processes with one shared environment; kills them at the end."""
+
+    def __init__(self, redis_url: str, workdir: Path, **env: str):
+        self.workdir = workdir
+        self.env = {
+            **os.environ, "PYTHONUNBUFFERED": "1", "SVQA_REDIS_URL": redis_url, "SVQA_MODEL": "tiny-random",
+            "SVQA_DEVICE": "cpu", "SVQA_SEGMENT_STORE": str(workdir / "segments"), "SVQA_BLOCK_MS": "200",
+            "SVQA_LOG_LEVEL": "INFO", **env,
+        }  # fmt: skip
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, service: str, *args: str, **env: str) -> subprocess.Popen:
+        log = open(self.workdir / f"{service}-{len(self.procs)}.log", "w")  # noqa: SIM115 (lives with the process)
+        proc = subprocess.Popen([sys.executable, "-m", "common.cli", service, *args], env={**self.env, **env},
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.procs.append(proc)
+        return proc
+
+    def logs(self) -> str:
+        return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.workdir.glob("*.log")))
+
+    def stop_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def wait_for(cond: Callable[[], object], timeout_s: float, what: str, services: Services | None = None):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := cond():
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}\n{services.logs() if services else ''}")
+
+
+def head(r: redis.Redis, stream: str) -> Manifest | None:
+    raw = r.get(keys.head(stream))
+    return manifest_from_bytes(raw) if raw else None
+
+
+def manifests(r: redis.Redis, stream: str) -> list[Manifest]:
+    return [decode_manifest(f) for _, f in r.xrange(keys.versions(stream))]
+
+
+def manifest_of(r: redis.Redis, stream: str, version: int) -> Manifest:
+    found = [m for m in manifests(r, stream) if m.version == version]
+    assert found, f"version {version} not on the versions stream"
+    return found[0]

@@ -1,0 +1,185 @@
+"""The live pipeline end to end: generated H.264 -> ingest -> encoder -> qa, over a real Redis.
+
+Oracle: the answer a client reads back equals offline one-shot inference over exactly the frames
+of the cache version the answer reports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import redis
+
+from common import keys
+from common.engine import Runtime
+from common.frames import Grid
+from common.model import load_model
+from common.offline import offline_answer
+from common.samplevideo import write_sample_video
+from common.schemas import FinalAnswer, decode_answer
+from common.video import iter_file_frames
+from qa_worker.client import Client
+from tests.pipeline import Services, head, manifest_of, manifests, wait_for
+
+FPS = 2.0
+CAM = "cam1"
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+@pytest.fixture
+def video(tmp_path):
+    return write_sample_video(str(tmp_path / "clip.mp4"), seconds=6, fps=10, width=160, height=120)
+
+
+@pytest.fixture
+def services(redis_url, tmp_path):
+    s = Services(redis_url, tmp_path, SVQA_STREAMS=CAM)
+    yield s
+    s.stop_all()
+
+
+def file_frames(video: str, r: redis.Redis) -> list:
+    meta = r.hgetall(keys.meta(CAM))
+    size = (int(meta[b"height"]), int(meta[b"width"]))
+    return [f.rgb for f in iter_file_frames(video, FPS, size=size)]
+
+
+def assert_matches_offline(rt: Runtime, r: redis.Redis, video: str, final: FinalAnswer, question: str, n: int):
+    assert final.error is None, final.error
+    m = manifest_of(r, CAM, final.version)
+    frames = file_frames(video, r)[: m.last_frame_seq + 1]
+    grid = Grid(*m.extra["grid"])
+    offline = offline_answer(rt, frames, grid, FPS, question, max_tokens=n)
+    assert final.text == offline.text
+    assert final.tokens == len(offline.token_ids) > 0
+
+
+def ingest(services: Services, video: str, *args: str) -> subprocess.Popen:
+    return services.start("ingest", "--url", video, "--stream", CAM, "--fps", str(FPS), "--max-backlog", "8", *args)
+
+
+def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_cli, services, video):
+    r = redis.Redis.from_url(redis_url)
+    services.start("encoder")
+    services.start("qa")
+    assert ingest(services, video).wait(timeout=120) == 0, services.logs()
+    wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 120, "all 12 frames encoded", services)
+
+    # a real client that is not ours: redis-cli
+    question = "What is written on the screen?"
+    qid = subprocess.run([redis_cli, "-u", redis_url, "XADD", keys.QUESTIONS, "*", "stream", CAM,
+                          "question", question, "max_tokens", "8"], capture_output=True, text=True,
+                         check=True).stdout.strip()  # fmt: skip
+    reply = subprocess.run([redis_cli, "-u", redis_url, "--no-raw", "XREAD", "BLOCK", "60000", "STREAMS",
+                            keys.answer(qid), "0"], capture_output=True, text=True, check=True)  # fmt: skip
+    assert reply.stdout.strip(), "redis-cli read no answer"
+    final = wait_for(lambda: _final(r, qid), 60, "final answer", services)
+    assert_matches_offline(rt, r, video, final, question, 8)
+    assert final.t_start == 0.0 and final.t_end == pytest.approx(5.5)
+
+    # our Python client, streaming deltas
+    deltas: list[str] = []
+    final = Client(r).ask(CAM, "Which shape moves?", on_delta=deltas.append, max_tokens=8)
+    assert "".join(deltas) == final.text
+    assert_matches_offline(rt, r, video, final, "Which shape moves?", 8)
+    audit = [decode_answer(f) for _, f in r.xrange(keys.ANSWERS)]
+    assert {a.id for a in audit} >= {qid, final.id}
+
+    # the CLI
+    out = subprocess.run([str(Path(sys.executable).parent / "streamvqa"), "ask", "--redis-url", redis_url, "--stream", CAM, "--max-tokens", "4",
+                          "Is it raining?"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stderr.strip().splitlines()[-1])["version"] == head(r, CAM).version
+
+
+def test_hostile_input_gets_error_replies_and_workers_survive(redis_url, redis_cli, services, video):
+    r = redis.Redis.from_url(redis_url)
+    encoder, qa = services.start("encoder"), services.start("qa")
+    client = Client(r)
+    # before any frame: "no frames yet" is an answer, not a hang
+    assert "unknown stream" in client.ask("nope", "anything?", timeout_s=60).error
+    early = client.ask(CAM, "anything?", timeout_s=60)
+    assert early.error and "no frames yet" in early.error
+    # malformed frames on the stream are dead-lettered, the encoder keeps going
+    r.xadd(keys.frames(CAM), {"m": b"\xc1 not msgpack"})
+    r.xadd(keys.frames(CAM), {"wrong": b"field"})
+    assert ingest(services, video).wait(timeout=120) == 0, services.logs()
+    wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 120, "frames encoded", services)
+    dead = r.xrange(keys.DEAD_LETTER)
+    assert len(dead) >= 2
+    # malformed questions: each gets a final error reply
+    bad = {
+        "huge": {"stream": CAM, "question": "x" * 100_000},
+        "no question": {"stream": CAM},
+        "bad max_tokens": {"stream": CAM, "question": "hi", "max_tokens": "many"},
+        "bad choices": {"stream": CAM, "question": "hi", "choices": "[1"},
+        "bad stream name": {"stream": "a b/c", "question": "hi"},
+    }
+    for name, fields in bad.items():
+        qid = r.xadd(keys.QUESTIONS, fields).decode()
+        final = wait_for(lambda q=qid: _final(r, q), 60, f"error reply to {name}", services)
+        assert final.error, name
+    # and the workers still answer
+    assert client.ask(CAM, "still there?", max_tokens=4, timeout_s=60).error is None
+    assert encoder.poll() is None and qa.poll() is None, services.logs()
+
+
+def test_encoder_kill9_and_restart_encodes_every_frame_once(rt, redis_url, services, video):
+    r = redis.Redis.from_url(redis_url)
+    encoder = services.start("encoder", "--chunk-frames", "2")
+    services.start("qa")
+    feeder = ingest(services, video, "--max-backlog", "2")
+    wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 3, 120, "a few chunks", services)
+    encoder.kill()  # SIGKILL: no cleanup, frames pending, lease still held
+    encoder.wait()
+    services.start("encoder", "--chunk-frames", "2", "--lease-ms", "3000")
+    assert feeder.wait(timeout=180) == 0, services.logs()
+    wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 180, "the rest after restart", services)
+    # every frame of the file in exactly one chunk of the cache's history
+    chunks: dict[str, tuple[int, int]] = {}
+    for m in manifests(r, CAM):
+        for sid, seg in zip(m.segment_ids, m.extra["segments"], strict=True):
+            if sid != "prefix":
+                assert chunks.setdefault(sid, tuple(seg["frame_seqs"])) == tuple(seg["frame_seqs"])
+    covered = sorted(s for lo, hi in chunks.values() for s in range(lo, hi + 1))
+    assert covered == list(range(12)), chunks
+    final = Client(r).ask(CAM, "What happened?", max_tokens=6)
+    assert_matches_offline(rt, r, video, final, "What happened?", 6)
+
+
+def test_qa_kill9_with_question_in_flight_is_answered_exactly_once(rt, redis_url, services, video):
+    r = redis.Redis.from_url(redis_url)
+    services.start("encoder")
+    qa = services.start("qa", "--consumer", "qa-a")
+    assert ingest(services, video).wait(timeout=120) == 0, services.logs()
+    wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 120, "frames encoded", services)
+    client = Client(r)
+    question = "Tell me everything about the video in great detail."
+    qid = client.submit(CAM, question, max_tokens=2048)
+    wait_for(lambda: r.xlen(keys.answer(qid)) > 0, 60, "the first delta", services)
+    qa.kill()
+    qa.wait()
+    assert _final(r, qid) is None, "the killed worker had already finished"
+    # a different worker takes over the dead one's pending question
+    services.start("qa", "--consumer", "qa-b", "--claim-idle-ms", "2000")
+    final = wait_for(lambda: _final(r, qid), 180, "the answer after takeover", services)
+    finals = [f for _, f in r.xrange(keys.answer(qid)) if f[b"type"] == b"final"]
+    audit = [f for _, f in r.xrange(keys.ANSWERS) if f[b"id"] == qid.encode()]
+    assert len(finals) == 1 and len(audit) == 1
+    assert_matches_offline(rt, r, video, final, question, 2048)
+
+
+def _final(r: redis.Redis, qid: str) -> FinalAnswer | None:
+    for _, fields in r.xrange(keys.answer(qid)):
+        reply = decode_answer(fields)
+        if isinstance(reply, FinalAnswer):
+            return reply
+    return None
