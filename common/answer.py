@@ -116,11 +116,13 @@ def iter_tokens(rt: Runtime, version: Version, question: str, params: Generation
         hidden = session.feed(ids, pos)
     pos += len(ids)
     stops = {rt.ids.im_end, rt.ids.endoftext}
-    for _ in range(params.max_tokens):
+    for step in range(params.max_tokens):
         token = _sample(rt.lm.logits(hidden[-1]), params, gen)
         if token in stops:
             return
         yield token
+        if step == params.max_tokens - 1:
+            return  # no forward for a token nobody will read
         with rt.gpu_lock:
             hidden = session.feed([token], pos)
         pos += 1

@@ -69,9 +69,10 @@ class LanguageModel:
         if start + n_new > kv.shape[3]:
             raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
+        own_mask = self._causal_mask(n_new, start) if base is not None else None
         x = embeds.to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, kv, start, base)
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, kv, start, base, own_mask)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.norm(x)
 
@@ -79,7 +80,7 @@ class LanguageModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, kv, start, base) -> torch.Tensor:
+    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, kv, start, base, own_mask) -> torch.Tensor:
         attn = layer.self_attn
         n_new = h.shape[0]
         q = attn.q_proj(h).view(n_new, self.n_heads, self.head_dim).transpose(0, 1)
@@ -94,7 +95,7 @@ class LanguageModel:
             out = self._sdpa(q, own_k, own_v, start)
         else:
             base_k, base_v = base.layer(i)
-            out = self._two_piece(q, base_k, base_v, own_k, own_v, start)
+            out = self._two_piece(q, base_k, base_v, own_k, own_v, own_mask)
         return attn.o_proj(out.transpose(0, 1).reshape(n_new, self.n_heads * self.head_dim))
 
     def _grouped(self, q: torch.Tensor) -> torch.Tensor:
@@ -121,14 +122,30 @@ class LanguageModel:
         )
         return out[0]
 
-    def _two_piece(self, q, base_k, base_v, own_k, own_v, start: int) -> torch.Tensor:
-        """Softmax over [base | own] without concatenating K/V: scores are small for the few
-        tokens of a question, the cached K/V are large and stay where they are."""
+    def _two_piece(self, q, base_k, base_v, own_k, own_v, own_mask: torch.Tensor) -> torch.Tensor:
+        """Softmax over [base | own] without concatenating K/V. The cached base (large) goes through
+        flash attention in place; the question's own tokens (few) through plain maths with the
+        causal mask; the two partial results merge by their log-sum-exp, as flash-decoding does."""
         n_new = q.shape[1]
-        qg = self._grouped(q) * self.head_dim**-0.5
-        s_base = (qg @ base_k.transpose(1, 2)).float()
-        s_own = (qg @ own_k.transpose(1, 2)).float().masked_fill(~self._causal_mask(n_new, start), -torch.inf)
-        p = torch.softmax(torch.cat([s_base, s_own], dim=-1), dim=-1).to(self.dtype)
-        n_base = base_k.shape[1]
-        out = p[..., :n_base] @ base_v + p[..., n_base:] @ own_v
-        return self._ungrouped(out, n_new)
+        scale = self.head_dim**-0.5
+        qg = self._grouped(q)
+        out_b, lse_b = _attention_with_lse(qg[:, None], base_k[:, None], base_v[:, None], scale)
+        s_own = ((qg @ own_k.transpose(1, 2)).float() * scale).masked_fill(~own_mask, -torch.inf)
+        lse_o = torch.logsumexp(s_own, dim=-1)
+        out_o = torch.exp(s_own - lse_o[..., None]).to(self.dtype) @ own_v
+        m = torch.maximum(lse_b[:, 0], lse_o)
+        w_b, w_o = torch.exp(lse_b[:, 0] - m)[..., None], torch.exp(lse_o - m)[..., None]
+        out = (out_b[:, 0].float() * w_b + out_o.float() * w_o) / (w_b + w_o)
+        return self._ungrouped(out.to(self.dtype), n_new)
+
+
+def _attention_with_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, H, L, D) attention with no mask, returning the output and its log-sum-exp (B, H, L)."""
+    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
+        return out, lse
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse[..., None]).to(v.dtype) @ v), lse

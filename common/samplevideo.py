@@ -69,8 +69,13 @@ def _add_video_stream(
     options = {}
     if codec == "libx264":
         # Short GOP so damaged files recover at the next keyframe; B-frames on so decoders must
-        # reorder (exercises "decode every packet"); one thread so the output is reproducible.
-        options = {"preset": "veryfast", "crf": "23", "g": str(2 * fps), "bf": "2", "threads": "1"}
+        # reorder (exercises "decode every packet"). Reproducible bytes need one thread AND
+        # mbtree off: x264's macroblock-tree pass reads uninitialised memory (seen with VFR input),
+        # so the first IDR frame came out differently from run to run.
+        options = {
+            "preset": "veryfast", "crf": "23", "g": str(2 * fps), "bf": "2",
+            "threads": "1", "x264-params": "mbtree=0",
+        }  # fmt: skip
     stream = out.add_stream(codec, rate=fps, options=options)
     stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     stream.codec_context.thread_count = 1

@@ -64,6 +64,10 @@ class EncoderService:
                 except StreamNotReady:
                     lease.release()  # ingest has not described the stream yet; try again later
                     continue
+                # Frames another consumer read but never acked belong to a dead owner: take them over
+                # before reading on, so nothing is skipped and the file source is not held back.
+                redisio.ensure_group(self.r, keys.frames(name), keys.ENCODER_GROUP)
+                redisio.claim_stale(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
                 self.reader.add(keys.frames(name))
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
 
