@@ -14,7 +14,7 @@ import time
 import redis
 import structlog
 
-from common import keys, redisio
+from common import keys, metrics, redisio
 from common.config import ConfigError, load_cameras_file, load_config
 from common.engine import Runtime
 from common.lease import Lease
@@ -80,7 +80,7 @@ class EncoderService:
             msg = decode_frame(fields)
         except SchemaError as e:
             bound.warning("bad frame dead-lettered", error=str(e))
-            owned.counters.rejected += 1
+            metrics.FRAMES_DROPPED.labels(owned.name, "bad").inc()
             redisio.dead_letter(self.r, frames_key, entry_id, fields, str(e), group=keys.ENCODER_GROUP)
             return
         try:
@@ -111,6 +111,7 @@ def main(argv: list[str]) -> int:
         print(f"streamvqa encoder: {e}")
         return 2
     configure_logging(cfg.log_level)
+    metrics.serve(cfg.metrics_port)
     try:
         r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=cfg.block_ms)
     except TimeoutError as e:

@@ -8,12 +8,11 @@ that seq is acked and skipped.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import redis
 import structlog
 
-from common import keys, redisio
+from common import keys, metrics, redisio
 from common.engine import Runtime, StreamEngine, StreamSpec
 from common.eviction import EvictionPolicy
 from common.frames import Grid
@@ -30,16 +29,6 @@ class StreamNotReady(RuntimeError):
     """The stream has no meta yet (ingest has not started it)."""
 
 
-@dataclass
-class Counters:
-    frames: int = 0
-    duplicates: int = 0
-    dropped_late: int = 0
-    rejected: int = 0
-    chunks: int = 0
-    encode_s: float = 0.0
-
-
 class OwnedStream:
     """A stream this worker holds the lease for, with its engine and not-yet-encoded frames."""
 
@@ -50,7 +39,6 @@ class OwnedStream:
         self.live = live
         self.pending: list[tuple[str, FrameMsg]] = []
         self.recent_manifests: list[Manifest] = []
-        self.counters = Counters()
         self.ended = False
 
     @property
@@ -68,20 +56,19 @@ class OwnedStream:
             event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
             return version
         if msg.seq <= self.last_seq:
-            self.counters.duplicates += 1
+            metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
             self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
             return None
         grid = self.engine.spec.grid
         if (msg.h, msg.w) != (grid.height, grid.width):
-            self.counters.rejected += 1
+            metrics.FRAMES_DROPPED.labels(self.name, "bad").inc()
             reason = f"frame is {msg.h}x{msg.w}, the stream's grid is {grid.height}x{grid.width}"
             redisio.dead_letter(self.r, frames_key, entry_id, {"seq": str(msg.seq)}, reason, group=keys.ENCODER_GROUP)
             return None
         if self.live and time.time() - msg.ts > self.cfg.max_lag_s:
-            self.counters.dropped_late += 1  # behind real time: skip rather than fall further behind
+            metrics.FRAMES_DROPPED.labels(self.name, "late").inc()  # behind real time: skip, don't fall further behind
             self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
             return None
-        self.counters.frames += 1
         self.pending.append((entry_id, msg))
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
 
@@ -93,12 +80,14 @@ class OwnedStream:
         frames = [m for _, m in self.pending]
         t0 = time.perf_counter()
         version = self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
-        self.counters.encode_s += time.perf_counter() - t0
-        self.counters.chunks += 1
+        metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
+        metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
         self.publish(version)
         self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
         self.pending = []
         lag = time.time() - frames[-1].ts if self.live else None
+        if lag is not None:
+            metrics.ENCODER_LAG.labels(self.name).set(lag)
         log.info("version published", stream=self.name, version=version.id, tokens=version.tokens,
                  last_frame_seq=version.last_frame_seq, evictions=version.stats.evictions, lag_s=lag)  # fmt: skip
         return version
@@ -111,6 +100,7 @@ class OwnedStream:
                   approximate=True)  # fmt: skip
         pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
         pipe.execute()
+        metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
         self.store.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
 

@@ -7,7 +7,7 @@ import threading
 
 import structlog
 
-from common import redisio
+from common import metrics, redisio
 from common.config import ConfigError, load_cameras_file, load_config
 from common.logs import configure_logging
 from common.video import is_live
@@ -55,6 +55,7 @@ def main(argv: list[str]) -> int:
         print(f"streamvqa ingest: {e}")
         return 2
     configure_logging(cfg.log_level)
+    metrics.serve(cfg.metrics_port)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

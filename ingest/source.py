@@ -12,12 +12,13 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import redis
 import structlog
 
-from common import keys, redisio
+from common import keys, metrics, redisio
 from common.frames import Grid, choose_grid
 from common.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
 from common.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
@@ -52,6 +53,7 @@ class Source:
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
+        self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -68,6 +70,7 @@ class Source:
                 if not self.live:
                     break
             self.stats.reconnects += 1
+            metrics.RECONNECTS.labels(self.spec.stream).inc()
             if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
                 self.event("gave_up", reconnects=self.stats.reconnects)
                 break
@@ -112,6 +115,7 @@ class Source:
                 item = frames.get(timeout=self.cfg.read_timeout_s)
             except queue.Empty:
                 self.stats.stalls += 1
+                metrics.STALLS.labels(self.spec.stream).inc()
                 self.event("stalled", after_s=self.cfg.read_timeout_s)
                 raise SourceError(f"{self.spec.url}: no frame for {self.cfg.read_timeout_s:g} s") from None
             if item is _END:
@@ -135,6 +139,11 @@ class Source:
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
             self.stats.published += 1
+            metrics.FRAMES_IN.labels(self.spec.stream).inc()
+            self._recent.append(time.monotonic())
+            if len(self._recent) > 1:
+                metrics.INGEST_FPS.labels(self.spec.stream).set((len(self._recent) - 1) /
+                                                                max(self._recent[-1] - self._recent[0], 1e-6))
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
@@ -179,6 +188,7 @@ class Source:
 
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1
+        metrics.DECODE_ERRORS.labels(self.spec.stream).inc()
         self.event("decode_error", error=message[:500])
 
     def event(self, kind: str, **fields: object) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from common import keys, redisio
+from common import keys, metrics, redisio
 from common.answer import GenerationParams, QuestionError, ask, choose
 from common.engine import Runtime
 from common.kvcache import Version
@@ -50,8 +50,14 @@ class Answerer:
         if self._already_answered(qid):
             bound.info("redelivered question already answered")
         else:
-            final = self._answer(qid, entry_id, fields, bound)
+            t0 = time.perf_counter()
+            with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
+                final = self._answer(qid, entry_id, fields, bound)
             self._finish(final, ttl=self.reply_ttl_s)
+            metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
+            metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
+            if final.first_token_s is not None:
+                metrics.FIRST_TOKEN_SECONDS.observe(final.first_token_s)
         self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
 
     def _answer(self, qid: str, entry_id: str, fields: dict, bound) -> FinalAnswer:

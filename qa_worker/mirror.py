@@ -12,7 +12,7 @@ import threading
 import redis
 import structlog
 
-from common import keys
+from common import keys, metrics
 from common.engine import Runtime
 from common.eviction import EvictionPolicy
 from common.kvcache import StreamCache, Version
@@ -103,6 +103,7 @@ class Mirror:
         if mirror.head is not None and manifest.version <= mirror.head.id:
             return
         version = mirror.apply(manifest)
+        metrics.record_version(name, version)
         log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)
         with self.updated:
             self.updated.notify_all()

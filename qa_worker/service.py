@@ -14,7 +14,7 @@ import time
 import redis
 import structlog
 
-from common import keys, redisio
+from common import keys, metrics, redisio
 from common.config import ConfigError, load_cameras_file, load_config
 from common.engine import Runtime
 from common.logs import configure_logging
@@ -65,6 +65,7 @@ def main(argv: list[str]) -> int:
         print(f"streamvqa qa: {e}")
         return 2
     configure_logging(cfg.log_level)
+    metrics.serve(cfg.metrics_port)
     try:
         r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=cfg.block_ms)
     except TimeoutError as e:

@@ -13,8 +13,9 @@ Decisions (see the docstrings for details):
 
 * The tracker works line by line: every distinct line of on-screen text is its own cue. Lines seen
   together get cues with the same start, which players show stacked.
-* Similarity is :class:`difflib.SequenceMatcher` ratio on :func:`normalise`\\ d text (stdlib, no
-  dependency); ``>= similarity`` (default 0.85) means "the same line" (``HELLO W0RLD`` == ``HELLO WORLD``).
+* Similarity is ``2 * LCS / (len(a) + len(b))`` on :func:`normalise` keys (normalised Indel
+  similarity, as ``rapidfuzz.fuzz.ratio``; exact bit-parallel LCS, no dependency); ``>= similarity``
+  (default 0.85) means "the same line" (``HELLO W0RLD`` vs ``HELLO WORLD``: 0.91).
 * A new cue starts at the end of the previous observation window, clamped into the current window
   (the line was not reported then, so it appeared after it); the very first observation has nothing
   better than its own ``t_start``. A cue ends at the ``t_end`` of the last observation that reported it.
@@ -34,12 +35,12 @@ import unicodedata
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from difflib import SequenceMatcher
 
 __all__ = [
     "SUBTITLE_PROMPT",
     "Cue",
     "SubtitleTracker",
+    "is_none_answer",
     "normalise",
     "parse_model_output",
     "parse_srt",
@@ -156,9 +157,9 @@ def parse_model_output(text: str) -> list[str]:
     """Lines of on-screen text from the model's answer to :data:`SUBTITLE_PROMPT`.
 
     Strips code fences, bullets/numbering, surrounding quotes, "Text:" style prefixes, intro lines
-    ("The text reads:") and whitespace (runs collapsed); drops empty lines, lines without letters or
-    digits-ish content (``normalise`` empty, e.g. ``---``) and NONE / "no text" replies; dedupes within
-    the answer on :func:`normalise`; keeps the casing and punctuation of kept lines. Robust to garbage:
+    ("The text reads:") and whitespace (runs collapsed); drops empty lines, lines that are only
+    punctuation (``---``) and NONE / "no text" replies (:func:`is_none_answer`); dedupes within the
+    answer on :func:`normalise`; keeps the casing and punctuation of kept lines. Robust to garbage:
     control characters are removed, lines are capped at :data:`MAX_LINE_CHARS` characters and the
     result at :data:`MAX_LINES` lines.
     """
@@ -193,24 +194,41 @@ def normalise(line: str) -> str:
     return s[start:end]
 
 
+def _lcs_len(a: str, b: str) -> int:
+    """Length of the longest common subsequence: bit-parallel (Allison-Dix / Hyyrö), O(len(a)*len(b)/wordsize)."""
+    if len(a) < len(b):
+        a, b = b, a
+    masks: dict[str, int] = {}
+    for i, ch in enumerate(a):
+        masks[ch] = masks.get(ch, 0) | (1 << i)
+    full = (1 << len(a)) - 1
+    v = full
+    for ch in b:
+        u = v & masks.get(ch, 0)
+        v = ((v + u) | (v - u)) & full
+    return len(a) - v.bit_count()
+
+
 def similarity(a: str, b: str) -> float:
-    """Similarity in [0, 1] of two *normalised* strings (difflib ratio; 1.0 when equal)."""
+    """Similarity in [0, 1] of two strings (pass :func:`normalise` keys): ``2 * LCS / (len(a) + len(b))``.
+
+    The normalised Indel similarity (what ``difflib.SequenceMatcher.ratio`` approximates and
+    ``rapidfuzz.fuzz.ratio`` computes), exact and fast even for 500-character lines.
+    """
     if a == b:
         return 1.0
     if not a or not b:
         return 0.0
-    m = SequenceMatcher(None, a, b, autojunk=False)
-    return m.ratio()
+    return 2 * _lcs_len(a, b) / (len(a) + len(b))
 
 
 def _at_least(a: str, b: str, threshold: float) -> bool:
     if a == b:
         return True
-    if not a or not b:
+    total = len(a) + len(b)
+    if not a or not b or 2 * min(len(a), len(b)) < threshold * total:  # length bound first
         return False
-    m = SequenceMatcher(None, a, b, autojunk=False)
-    # cheap upper bounds first; ratio() is quadratic-ish
-    return m.real_quick_ratio() >= threshold and m.quick_ratio() >= threshold and m.ratio() >= threshold
+    return 2 * _lcs_len(a, b) >= threshold * total
 
 
 # --------------------------------------------------------------------------------------------

@@ -94,8 +94,8 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
     assert {a.id for a in audit} >= {qid, final.id}
 
     # the CLI
-    out = subprocess.run([str(Path(sys.executable).parent / "streamvqa"), "ask", "--redis-url", redis_url, "--stream", CAM, "--max-tokens", "4",
-                          "Is it raining?"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    cli = [str(Path(sys.executable).parent / "streamvqa"), "ask", "--redis-url", redis_url, "--stream", CAM]
+    out = subprocess.run([*cli, "--max-tokens", "4", "Is it raining?"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stderr.strip().splitlines()[-1])["version"] == head(r, CAM).version
 
