@@ -7,19 +7,16 @@ message contains can stop the loop.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 
 import redis
 import structlog
 
-from common import keys, metrics, redisio
-from common.config import ConfigError, load_cameras_file, load_config
+from common import boot, keys, metrics, redisio
+from common.config import load_cameras_file
 from common.engine import Runtime
 from common.lease import Lease
-from common.logs import configure_logging
-from common.model import load_model
 from common.schemas import SchemaError, decode_frame
 from common.segment_store import SegmentStore, open_store
 from encoder_worker.config import EncoderConfig
@@ -105,25 +102,7 @@ def _stream_of(frames_key: str) -> str:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(EncoderConfig, argv[1:], prog="streamvqa encoder")
-    except ConfigError as e:
-        print(f"streamvqa encoder: {e}")
-        return 2
-    configure_logging(cfg.log_level)
-    metrics.serve(cfg.metrics_port)
-    try:
-        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=cfg.block_ms)
-    except TimeoutError as e:
-        log.error("redis unusable at start", error=str(e))
-        return 3
-    try:
-        rt = Runtime(load_model(cfg.model, device=cfg.device))
-    except (OSError, ValueError) as e:
-        log.error("model unusable at start", model=cfg.model, error=str(e))
-        return 4
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    EncoderService(cfg, rt, r, open_store(cfg.segment_store, r)).run(stop)
+    cfg, r = boot.start(EncoderConfig, argv, "streamvqa encoder")
+    rt = boot.load_runtime(cfg.model, cfg.device)
+    EncoderService(cfg, rt, r, open_store(cfg.segment_store, r)).run(boot.stop_on_signals())
     return 0

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import signal
 import threading
 
+import redis
 import structlog
 
-from common import metrics, redisio
-from common.config import ConfigError, load_cameras_file, load_config
-from common.logs import configure_logging
+from common import boot
+from common.config import load_cameras_file
 from common.video import is_live
 from ingest.config import IngestConfig
 from ingest.source import Source, SourceSpec
@@ -29,8 +28,7 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
     ]
 
 
-def run(cfg: IngestConfig, stop: threading.Event) -> int:
-    r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30)
+def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
     sources = [Source(r, spec, cfg, stop) for spec in source_specs(cfg)]
     results: dict[str, int] = {}
 
@@ -49,18 +47,5 @@ def run(cfg: IngestConfig, stop: threading.Event) -> int:
 
 
 def main(argv: list[str]) -> int:
-    try:
-        cfg = load_config(IngestConfig, argv[1:], prog="streamvqa ingest")
-    except ConfigError as e:
-        print(f"streamvqa ingest: {e}")
-        return 2
-    configure_logging(cfg.log_level)
-    metrics.serve(cfg.metrics_port)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        return run(cfg, stop)
-    except TimeoutError as e:
-        log.error("redis unusable at start", error=str(e))
-        return 3
+    cfg, r = boot.start(IngestConfig, argv, "streamvqa ingest")
+    return run(cfg, r, boot.stop_on_signals())

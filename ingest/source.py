@@ -86,27 +86,44 @@ class Source:
     def _run_once(self) -> None:
         container = open_container(self.spec.url, open_timeout_s=self.cfg.open_timeout_s,
                                    read_timeout_s=self.cfg.read_timeout_s)  # fmt: skip
+        decoder: threading.Thread | None = None
         try:
             grid = self._grid(container)
             self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
-            threading.Thread(target=self._decode, args=(container, grid, frames), daemon=True,
-                             name=f"decode:{self.spec.stream}").start()  # fmt: skip
+            decoder = threading.Thread(target=self._decode, args=(container, grid, frames), daemon=True,
+                                       name=f"decode:{self.spec.stream}")  # fmt: skip
+            decoder.start()
             self._pump(frames)
         finally:
-            container.close()
+            # Closing a container while another thread reads it is unsafe: wait for the decoder
+            # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the process.
+            if decoder is not None:
+                decoder.join(timeout=2 * self.cfg.read_timeout_s + 1)
+            if decoder is None or not decoder.is_alive():
+                container.close()
 
     def _decode(self, container, grid: Grid, out: queue.Queue) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
             for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error,
                                        size=(grid.height, grid.width)):  # fmt: skip
-                out.put(frame)
-                if self.stop.is_set():
-                    break
-            out.put(_END)
+                if not self._offer(out, frame):
+                    return  # the pump gave up on this session
+            self._offer(out, _END)
         except Exception as e:  # handed over to the pump, which reports it
-            out.put(e)
+            self._offer(out, e)
+
+    def _offer(self, out: queue.Queue, item: object) -> bool:
+        """Put unless nobody takes it any more (pump stalled out or stopping)."""
+        deadline = time.monotonic() + self.cfg.read_timeout_s + 1
+        while not self.stop.is_set() and time.monotonic() < deadline:
+            try:
+                out.put(item, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def _pump(self, frames: queue.Queue) -> None:
         wall0 = pts0 = None

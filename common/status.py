@@ -1,0 +1,96 @@
+"""`streamvqa status`: what a person looks at first when something seems wrong.
+
+Per stream: its source and grid (from ingest's meta), the head version (tokens, capture-time
+range, age), frames waiting for the encoder, the lease holder; then the question queue.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import redis
+
+from common import keys, redisio
+from common.schemas import SchemaError, manifest_from_bytes
+
+
+def streams(r: redis.Redis) -> list[str]:
+    found = {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
+    found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
+    return sorted(found)
+
+
+def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
+    try:
+        groups = r.xinfo_groups(stream_key)
+    except redis.ResponseError:
+        return {"length": 0}
+    info = {"length": r.xlen(stream_key)}
+    for g in groups:
+        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
+        if name == group:
+            info |= {"pending": int(g["pending"]), "lag": int(g.get("lag") or 0), "consumers": int(g["consumers"])}
+    return info
+
+
+def stream_status(r: redis.Redis, name: str, now: float) -> dict:
+    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
+    out: dict = {"stream": name, "source": meta.get("url"), "fps": meta.get("fps"),
+                 "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None}  # fmt: skip
+    raw = r.get(keys.head(name))
+    if raw:
+        try:
+            m = manifest_from_bytes(raw)
+            out["head"] = {"version": m.version, "tokens": m.cache_tokens, "last_frame_seq": m.last_frame_seq,
+                           "time_range": [m.first_ts, m.last_ts], "age_s": round(now - m.created_at, 1),
+                           "evicted_tokens": m.evicted_tokens}  # fmt: skip
+        except SchemaError as e:
+            out["head"] = {"error": str(e)}
+    out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
+    holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
+    out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
+    return out
+
+
+def collect(r: redis.Redis) -> dict:
+    now = time.time()
+    return {
+        "at": now,
+        "streams": [stream_status(r, name, now) for name in streams(r)],
+        "questions": group_info(r, keys.QUESTIONS, keys.QA_GROUP),
+        "dead_letters": r.xlen(keys.DEAD_LETTER),
+    }
+
+
+def render(status: dict) -> str:
+    lines = []
+    for s in status["streams"]:
+        head = s.get("head") or {}
+        lease = s["lease"]["holder"] if s["lease"] else "-"
+        frames = s["frames"]
+        lines.append(
+            f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
+            f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s  "
+            f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
+        )
+    q = status["questions"]
+    lines.append(f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
+                 f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamvqa status", description=__doc__.splitlines()[0])
+    p.add_argument("--redis-url", default="redis://localhost:6379/0")
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv[1:])
+    try:
+        r = redisio.wait_for_redis(ns.redis_url, timeout_s=5)
+    except TimeoutError as e:
+        print(f"streamvqa status: {e}")
+        return 3
+    status = collect(r)
+    print(json.dumps(status, indent=1) if ns.json else render(status))
+    return 0
