@@ -87,15 +87,17 @@ class Source:
         container = open_container(self.spec.url, open_timeout_s=self.cfg.open_timeout_s,
                                    read_timeout_s=self.cfg.read_timeout_s)  # fmt: skip
         decoder: threading.Thread | None = None
+        session_over = threading.Event()
         try:
             grid = self._grid(container)
             self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
-            decoder = threading.Thread(target=self._decode, args=(container, grid, frames), daemon=True,
-                                       name=f"decode:{self.spec.stream}")  # fmt: skip
+            decoder = threading.Thread(target=self._decode, args=(container, grid, frames, session_over),
+                                       daemon=True, name=f"decode:{self.spec.stream}")  # fmt: skip
             decoder.start()
             self._pump(frames)
         finally:
+            session_over.set()
             # Closing a container while another thread reads it is unsafe: wait for the decoder
             # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the process.
             if decoder is not None:
@@ -103,27 +105,16 @@ class Source:
             if decoder is None or not decoder.is_alive():
                 container.close()
 
-    def _decode(self, container, grid: Grid, out: queue.Queue) -> None:
+    def _decode(self, container, grid: Grid, out: queue.Queue, session_over: threading.Event) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
             for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error,
                                        size=(grid.height, grid.width)):  # fmt: skip
-                if not self._offer(out, frame):
+                if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
-            self._offer(out, _END)
+            _offer(out, _END, session_over)
         except Exception as e:  # handed over to the pump, which reports it
-            self._offer(out, e)
-
-    def _offer(self, out: queue.Queue, item: object) -> bool:
-        """Put unless nobody takes it any more (pump stalled out or stopping)."""
-        deadline = time.monotonic() + self.cfg.read_timeout_s + 1
-        while not self.stop.is_set() and time.monotonic() < deadline:
-            try:
-                out.put(item, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
+            _offer(out, e, session_over)
 
     def _pump(self, frames: queue.Queue) -> None:
         wall0 = pts0 = None
@@ -213,3 +204,14 @@ class Source:
         payload = {"type": kind, "source": "ingest", "at": f"{time.time():.3f}"}
         payload |= {k: str(v) for k, v in fields.items()}
         redisio.xadd_capped(self.r, keys.events(self.spec.stream), payload, maxlen=10_000)
+
+
+def _offer(out: queue.Queue, item: object, session_over: threading.Event) -> bool:
+    """Put, waiting as long as the pump may still take it (files wait on the encoder)."""
+    while not session_over.is_set():
+        try:
+            out.put(item, timeout=0.2)
+            return True
+        except queue.Full:
+            continue
+    return False
