@@ -62,6 +62,7 @@ SUBTITLE_PROMPT = (
 
 MAX_LINE_CHARS = 500
 MAX_LINES = 20
+MAX_OBSERVED_LINES = 100  # SubtitleTracker.observe looks at no more lines than this per observation
 _MAX_INPUT_CHARS = 100_000  # anything beyond this is garbage for a 20x500 answer; bounds the work
 
 # --------------------------------------------------------------------------------------------
@@ -325,25 +326,26 @@ class SubtitleTracker:
     def observe(self, t_start: float, t_end: float, lines: Sequence[str]) -> list[Cue]:
         """Feed one observation; returns the cues that became final with it (sorted by start).
 
+        ``lines`` are normally :func:`parse_model_output`'s result; at most :data:`MAX_OBSERVED_LINES`
+        of them are looked at, each cut to :data:`MAX_LINE_CHARS` characters (bounds the fuzzy matching).
         Raises ValueError for non-finite times or ``t_end < t_start``.
         """
         if not (math.isfinite(t_start) and math.isfinite(t_end)):
             raise ValueError(f"observation times must be finite: {t_start!r}, {t_end!r}")
         if t_end < t_start:
             raise ValueError(f"observation ends before it starts: {t_start!r} > {t_end!r}")
-        closed: list[_Open] = []
+        done: list[Cue] = []
         if self._prev_end is not None and t_end < self._prev_end - self.min_duration:
-            closed.extend(self._open)  # time went backwards: discontinuity
-            self._open = []
+            done = self.flush()  # time went backwards: discontinuity; the closed cues join the history
             self._prev_end = None
         start = t_start if self._prev_end is None else min(max(self._prev_end, t_start), t_end)
 
         seen: set[int] = set()  # ids of open cues reported in this observation
         batch: list[str] = []  # keys of lines handled in this observation
-        for line in lines:
+        for line in list(lines)[:MAX_OBSERVED_LINES]:
             if not isinstance(line, str):
                 continue
-            text = " ".join(line.split())
+            text = _truncate(" ".join(_clean_chars(line).split()))
             key = normalise(text)
             if not key or any(_at_least(key, k, self.similarity) for k in batch):
                 continue
@@ -360,6 +362,7 @@ class SubtitleTracker:
                 self._open.append(new)
                 seen.add(id(new))
 
+        closed: list[_Open] = []
         still: list[_Open] = []
         for o in self._open:
             if id(o) not in seen:
@@ -370,7 +373,7 @@ class SubtitleTracker:
             still.append(o)
         self._open = still
         self._prev_end = t_end if self._prev_end is None else max(self._prev_end, t_end)
-        return self._close(closed)
+        return sorted(done + self._close(closed), key=lambda c: (c.start, c.end))
 
     def _match_open(self, key: str) -> _Open | None:
         best, best_score = None, 0.0

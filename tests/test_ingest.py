@@ -1,0 +1,152 @@
+"""Ingest against real sources: generated H.264 files and GStreamer's RTSP server, real Redis."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+import redis
+
+from common import keys
+from common.samplevideo import truncate_file, write_garbage_file, write_sample_video
+from common.schemas import EndOfStream, FrameMsg, decode_frame
+from tests.pipeline import Services, wait_for
+from tests.rtsp_server import RtspServer, gst_available
+
+CAM = "cam1"
+
+
+@pytest.fixture
+def services(redis_url, tmp_path):
+    s = Services(redis_url, tmp_path)
+    yield s
+    s.stop_all()
+
+
+def frames(r: redis.Redis) -> list[FrameMsg | EndOfStream]:
+    return [decode_frame(f) for _, f in r.xrange(keys.frames(CAM))]
+
+
+def events(r: redis.Redis) -> list[str]:
+    return [f[b"type"].decode() for _, f in r.xrange(keys.events(CAM))]
+
+
+def ingest(services: Services, url: str, *args: str):
+    return services.start("ingest", "--url", url, "--stream", CAM, *args)
+
+
+def test_file_frames_at_target_fps_on_the_grid_then_eos(redis_url, services, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=4, fps=10, width=320, height=240)
+    assert ingest(services, video, "--fps", "2.5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    got = frames(r)
+    assert isinstance(got[-1], EndOfStream) and got[-1].seq == 9
+    body = got[:-1]
+    assert [f.seq for f in body] == list(range(10))
+    assert [f.pts for f in body] == pytest.approx([i * 0.4 for i in range(10)])
+    meta = r.hgetall(keys.meta(CAM))
+    h, w = int(meta[b"height"]), int(meta[b"width"])
+    assert h % 28 == 0 and w % 28 == 0 and float(meta[b"fps"]) == 2.5 and meta[b"live"] == b"0"
+    assert all((f.h, f.w) == (h, w) for f in body)
+    assert events(r)[0] == "connected" and events(r)[-1] == "eof"
+
+
+def test_file_backpressure_bounds_the_stream_and_interrupted_file_resumes(redis_url, services, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=4, fps=10, width=160, height=120)
+    proc = ingest(services, video, "--fps", "5", "--max-backlog", "4")
+    wait_for(lambda: r.xlen(keys.frames(CAM)) >= 4, 30, "first frames", services)
+    time.sleep(1.5)
+    assert r.xlen(keys.frames(CAM)) == 4, "no encoder consumed: ingest must wait, not grow the stream"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0
+    assert not any(isinstance(f, EndOfStream) for f in frames(r)), "an interrupted file is not ended"
+    # a consumer takes frames; a restarted ingest continues where it stopped, no seq twice
+    r.xgroup_create(keys.frames(CAM), keys.ENCODER_GROUP, id="0")
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            for _, entries in r.xreadgroup(keys.ENCODER_GROUP, "t", {keys.frames(CAM): ">"}, block=100) or []:
+                r.xack(keys.frames(CAM), keys.ENCODER_GROUP, *[eid for eid, _ in entries])
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        assert ingest(services, video, "--fps", "5", "--max-backlog", "4").wait(timeout=60) == 0, services.logs()
+    finally:
+        stop.set()
+        consumer.join()
+    got = frames(r)
+    assert [f.seq for f in got if isinstance(f, FrameMsg)] == list(range(20))
+    assert [f.pts for f in got if isinstance(f, FrameMsg)] == pytest.approx([i * 0.2 for i in range(20)])
+    assert isinstance(got[-1], EndOfStream)
+
+
+def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=3, fps=10, width=160, height=120)
+    t0 = time.monotonic()
+    assert ingest(services, video, "--fps", "4", "--realtime", "true").wait(timeout=60) == 0, services.logs()
+    assert time.monotonic() - t0 >= 2.7
+    body = [f for f in frames(r) if isinstance(f, FrameMsg)]
+    assert abs(body[-1].ts - time.time()) < 30, "a simulated camera stamps wall-clock capture times"
+    assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_truncated_file_decodes_what_it_can(redis_url, services, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=6, fps=10, width=160, height=120)
+    truncate_file(video, 0.5)
+    assert ingest(services, video, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    n = len([f for f in frames(r) if isinstance(f, FrameMsg)])
+    assert 0 < n < 30
+
+
+def test_garbage_file_exits_nonzero_with_an_error_event(redis_url, services, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    bad = write_garbage_file(str(tmp_path / "bad.mp4"))
+    assert ingest(services, bad, "--fps", "5").wait(timeout=60) == 1
+    assert "error" in events(r)
+    assert not [f for f in frames(r) if isinstance(f, FrameMsg)]
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_reconnects_after_server_is_killed_and_restarted(redis_url, services):
+    r = redis.Redis.from_url(redis_url)
+    server = RtspServer(fps=10, width=320, height=240).start()
+    try:
+        proc = ingest(services, server.url, "--fps", "5", "--read-timeout-s", "2", "--open-timeout-s", "5",
+                      "--reconnect-min-s", "0.2", "--reconnect-max-s", "1")  # fmt: skip
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 10, 60, "frames from RTSP", services)
+        server.stop(kill=True)
+        wait_for(lambda: "reconnecting" in events(r), 30, "a reconnect attempt", services)
+        before = r.xlen(keys.frames(CAM))
+        server.start()
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= before + 10, 60, "frames after restart", services)
+        assert events(r).count("connected") >= 2
+        assert proc.poll() is None
+        body = [f for f in frames(r) if isinstance(f, FrameMsg)]
+        assert [f.seq for f in body] == list(range(len(body))), "seqs continue across reconnects"
+        assert r.hget(keys.meta(CAM), "live") == b"1"
+    finally:
+        server.stop(kill=True)
+
+
+def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, services):
+    r = redis.Redis.from_url(redis_url)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    port = listener.getsockname()[1]
+    try:
+        proc = ingest(services, f"rtsp://127.0.0.1:{port}/cam", "--fps", "5", "--open-timeout-s", "1",
+                      "--read-timeout-s", "1", "--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5",
+                      "--max-reconnects", "2")  # fmt: skip
+        assert proc.wait(timeout=60) == 1  # gave up with nothing usable
+        kinds = events(r)
+        assert kinds.count("error") == 3 and "gave_up" in kinds
+    finally:
+        listener.close()
