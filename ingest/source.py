@@ -59,9 +59,10 @@ class Source:
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
         delay = self.cfg.reconnect_min_s
+        finished = False
         while not self.stop.is_set():
             try:
-                self._run_once()
+                finished = self._run_once()
                 if not self.live:
                     break
                 delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
@@ -78,12 +79,13 @@ class Source:
             self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self.stats.reconnects)
             self.stop.wait(wait)
             delay = min(delay * 2, self.cfg.reconnect_max_s)
-        if not self.live:
+        if not self.live and finished:  # interrupted files resume later instead of ending
             self._publish(EndOfStream(self.next_seq - 1))
             self.event("eof", frames=self.stats.published, decode_errors=self.stats.decode_errors)
         return 0 if self.stats.published or self.next_seq > 0 else 1
 
-    def _run_once(self) -> None:
+    def _run_once(self) -> bool:
+        """One open-to-close session; True when the source reached its end."""
         container = open_container(self.spec.url, open_timeout_s=self.cfg.open_timeout_s,
                                    read_timeout_s=self.cfg.read_timeout_s)  # fmt: skip
         decoder: threading.Thread | None = None
@@ -95,7 +97,7 @@ class Source:
             decoder = threading.Thread(target=self._decode, args=(container, grid, frames, session_over),
                                        daemon=True, name=f"decode:{self.spec.stream}")  # fmt: skip
             decoder.start()
-            self._pump(frames)
+            return self._pump(frames)
         finally:
             session_over.set()
             # Closing a container while another thread reads it is unsafe: wait for the decoder
@@ -116,7 +118,7 @@ class Source:
         except Exception as e:  # handed over to the pump, which reports it
             _offer(out, e, session_over)
 
-    def _pump(self, frames: queue.Queue) -> None:
+    def _pump(self, frames: queue.Queue) -> bool:
         wall0 = pts0 = None
         while not self.stop.is_set():
             try:
@@ -127,7 +129,7 @@ class Source:
                 self.event("stalled", after_s=self.cfg.read_timeout_s)
                 raise SourceError(f"{self.spec.url}: no frame for {self.cfg.read_timeout_s:g} s") from None
             if item is _END:
-                return
+                return True
             if isinstance(item, Exception):
                 raise item if isinstance(item, SourceError) else SourceError(str(item))
             frame: DecodedFrame = item
@@ -140,6 +142,7 @@ class Source:
                 self._wait_for_encoder()
             ts = time.time() if (self.live or self.spec.realtime) else frame.pts
             self._publish(FrameMsg.from_rgb(self.next_seq, ts, frame.pts, frame.rgb))
+        return False
 
     # -- helpers ---------------------------------------------------------------------------------
     def _publish(self, msg: FrameMsg | EndOfStream) -> None:
