@@ -17,6 +17,7 @@ SERVICES = {
     "ingest": "ingest.service",
     "encoder": "encoder_worker.service",
     "qa": "qa_worker.service",
+    "worker": "qa_worker.combined",
     "ask": "qa_worker.client",
     "transcript": "qa_worker.client",
     "status": "common.status",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import redis
@@ -83,7 +84,7 @@ def render(status: dict) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamvqa status", description=__doc__.splitlines()[0])
-    p.add_argument("--redis-url", default="redis://localhost:6379/0")
+    p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv[1:])
     try:

@@ -58,6 +58,9 @@ class Source:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
+        if self.resume_pts == float("inf"):
+            self.log.info("file already published to its end", url=self.spec.url)
+            return 0
         delay = self.cfg.reconnect_min_s
         finished = False
         while not self.stop.is_set():

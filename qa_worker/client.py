@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import uuid
@@ -59,7 +60,7 @@ class Client:
 def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
     p = argparse.ArgumentParser(prog=f"streamvqa {command}")
-    p.add_argument("--redis-url", default="redis://localhost:6379/0")
+    p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
     p.add_argument("--stream", required=True)
     if command == "ask":
         p.add_argument("question")

@@ -21,6 +21,7 @@ from common.kvcache import Version
 from common.segment_store import open_store
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
+from qa_worker.jobs import JobRunner, model_answer
 from qa_worker.mirror import Mirror
 
 log = structlog.get_logger()
@@ -44,6 +45,8 @@ class QAService:
         self.versions = versions
         self.answerer = Answerer(rt, r, versions.get, versions.serves, reply_ttl_s=cfg.reply_ttl_s,
                                  answers_maxlen=cfg.answers_maxlen)  # fmt: skip
+        jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
+        self.jobs = JobRunner(r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir)
         self.reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=1,
                                           block_ms=cfg.block_ms)  # fmt: skip
         self._last_claim = 0.0
@@ -54,6 +57,7 @@ class QAService:
         versions.start()
         while not stop.is_set():
             self.step()
+        self.jobs.flush()
         versions.join(timeout=30)
 
     def step(self) -> None:
@@ -65,6 +69,7 @@ class QAService:
                 self.answerer.handle(entry_id, fields)
         for _, entry_id, fields in self.reader.read():
             self.answerer.handle(entry_id, fields)
+        self.jobs.run_due()  # questions first: a person is waiting on those
 
 
 def main(argv: list[str]) -> int:

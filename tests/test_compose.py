@@ -1,0 +1,502 @@
+"""The deployment files (compose.yaml, Dockerfile, .dockerignore, .env.example, the cameras example).
+
+Docker does not run here, so these tests check what `docker compose config` and `docker build`
+would, plus what they cannot: compose.yaml against the vendored Compose Specification schema,
+every SVQA_* variable against the config dataclasses, ports, volumes, profiles, and that the
+image's entrypoint and each service's subcommand exist.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from common import cli
+from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, load_cameras_file, load_config
+from encoder_worker.config import EncoderConfig
+from ingest.config import IngestConfig
+from qa_worker.config import QAConfig
+
+REPO = Path(__file__).resolve().parent.parent
+COMPOSE = REPO / "compose.yaml"
+DOCKERFILE = REPO / "Dockerfile"
+DOCKERIGNORE = REPO / ".dockerignore"
+ENV_EXAMPLE = REPO / ".env.example"
+CAMERAS_EXAMPLE = REPO / "deploy" / "cameras.example.yaml"
+SCHEMA = Path(__file__).resolve().parent / "data" / "compose-spec.json"
+
+CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses it reads
+    "ingest": (IngestConfig,),
+    "encoder": (EncoderConfig,),
+    "qa": (QAConfig,),
+    "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= qa_worker.combined.WorkerConfig)
+}
+GPU_COMMANDS = {"encoder", "qa", "worker"}
+METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104}
+# Compose defaults that differ from the dataclass default on purpose.
+DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
+HF_CACHE = "/home/streamvqa/.cache/huggingface"
+SEGMENTS = "/var/lib/streamvqa/segments"
+COPY_STEP = "cp deploy/cameras.example.yaml deploy/cameras.yaml"
+
+# ----------------------------------------------------------------------------- interpolation
+
+# $$ (a literal $), ${NAME}, ${NAME:-default} / -, :?, ?, :+, + , and $NAME
+_INTERP = re.compile(
+    r"\$\$|\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}|\$(?P<bare>[A-Za-z_][A-Za-z0-9_]*)"
+)
+
+
+def _strings(node: Any) -> Iterator[str]:
+    if isinstance(node, str):
+        yield node
+    elif isinstance(node, dict):
+        for k, v in node.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(node, list):
+        for v in node:
+            yield from _strings(v)
+
+
+def interpolations(node: Any) -> Iterator[tuple[str, str | None, str | None]]:
+    """(name, operator, argument) of every ${...} / $NAME in a parsed YAML tree."""
+    for s in _strings(node):
+        for m in _INTERP.finditer(s):
+            if m.group(0) == "$$":
+                continue
+            if m.group("bare"):
+                yield m.group("bare"), None, None
+            else:
+                yield m.group("braced"), m.group("op"), m.group("arg")
+
+
+def _resolve_str(s: str, env: dict[str, str]) -> str:
+    def sub(m: re.Match[str]) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group("bare") or m.group("braced")
+        op, arg = m.group("op"), m.group("arg") or ""
+        value = env.get(name)
+        if op in (":-", "-"):
+            use_default = value is None or (op == ":-" and value == "")
+            return arg if use_default else value  # type: ignore[return-value]
+        if op in (":?", "?"):
+            if value is None or (op == ":?" and value == ""):
+                raise KeyError(f"{name} is required: {arg}")
+            return value
+        if op in (":+", "+"):
+            return arg if value is not None and (op == "+" or value != "") else ""
+        return value or ""
+
+    return _INTERP.sub(sub, s)
+
+
+def resolve(node: Any, env: dict[str, str]) -> Any:
+    """What compose sees after interpolation with the variables ``env`` (unset: the defaults)."""
+    if isinstance(node, str):
+        return _resolve_str(node, env)
+    if isinstance(node, dict):
+        return {resolve(k, env): resolve(v, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [resolve(v, env) for v in node]
+    return node
+
+
+# ----------------------------------------------------------------------------- fixtures / helpers
+
+
+@pytest.fixture(scope="module")
+def raw() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())  # anchors and `<<` merge keys resolved, as compose does
+
+
+@pytest.fixture(scope="module")
+def compose(raw) -> dict[str, Any]:
+    return resolve(raw, {})  # every variable at its default
+
+
+@pytest.fixture(scope="module")
+def env_example() -> dict[str, str]:
+    out: dict[str, str] = {}
+    lines = ENV_EXAMPLE.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        name, sep, value = line.partition("=")
+        assert sep and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name), f".env.example line {i + 1}: {line!r}"
+        assert name not in out, f".env.example: {name} twice"
+        assert i > 0 and lines[i - 1].strip(), f".env.example: {name} needs a comment line above (its group's)"
+        out[name] = value
+    return out
+
+
+def _command(svc: dict[str, Any]) -> list[str]:
+    cmd = svc.get("command") or []
+    return cmd.split() if isinstance(cmd, str) else [str(c) for c in cmd]
+
+
+def python_services(compose) -> dict[str, tuple[str, dict[str, Any]]]:
+    """Services running our image: name -> (subcommand, service)."""
+    return {
+        name: (_command(svc)[0], svc)
+        for name, svc in compose["services"].items()
+        if "build" in svc or str(svc.get("image", "")).startswith("streamvqa")
+    }
+
+
+def environment(svc: dict[str, Any]) -> dict[str, str]:
+    env = svc.get("environment") or {}
+    if isinstance(env, list):
+        env = dict(e.split("=", 1) if "=" in e else (e, "") for e in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def mounts(svc: dict[str, Any]) -> list[dict[str, Any]]:
+    """Volumes of a service in long syntax: type, source, target, bind options."""
+    out = []
+    for v in svc.get("volumes") or []:
+        if isinstance(v, dict):
+            out.append(v)
+            continue
+        parts = v.split(":")
+        src, dst = (parts[0], parts[1]) if len(parts) > 1 else (None, parts[0])
+        kind = "bind" if src and src.startswith((".", "/", "~")) else "volume"
+        out.append({"type": kind, "source": src, "target": dst, "read_only": parts[2:] == ["ro"]})
+    return out
+
+
+def field_names(classes: tuple[type, ...]) -> set[str]:
+    return {f.name for cls in classes for f in dataclasses.fields(cls) if f.init}
+
+
+def metrics_port_in(healthcheck: dict[str, Any]) -> int | None:
+    test = healthcheck.get("test")
+    text = test if isinstance(test, str) else " ".join(test)
+    m = re.search(r"https?://(?:127\.0\.0\.1|localhost):(\d+)/metrics", text)
+    return int(m.group(1)) if m else None
+
+
+# ----------------------------------------------------------------------------- schema
+
+
+def test_compose_validates_against_the_compose_specification(raw, compose):
+    schema = json.loads(SCHEMA.read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    validator = jsonschema.Draft7Validator(schema)
+    for doc, what in ((raw, "as written"), (compose, "interpolated")):
+        errors = sorted(validator.iter_errors(doc), key=lambda e: list(e.absolute_path))
+        assert not errors, f"compose.yaml {what}:\n" + "\n".join(
+            f"  {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
+        )
+    assert not list(interpolations(compose)), "an interpolation was left unresolved"
+
+
+# ----------------------------------------------------------------------------- variables
+
+
+def test_env_example_lists_every_interpolated_variable_with_its_default(raw, env_example):
+    defaults: dict[str, set[str]] = {}
+    for name, op, arg in interpolations(raw):
+        assert op in (":-", None), f"${{{name}}}: use ${{{name}:-default}} (documented default)"
+        defaults.setdefault(name, set()).add(arg if op else "")
+    for name, values in defaults.items():
+        assert len(values) == 1, f"{name} has different defaults in compose.yaml: {sorted(values)}"
+    assert set(defaults) == set(env_example), (
+        f"missing from .env.example: {sorted(set(defaults) - set(env_example))}; "
+        f"not used by compose.yaml: {sorted(set(env_example) - set(defaults))}"
+    )
+    for name, values in defaults.items():
+        assert env_example[name] == next(iter(values)), f".env.example {name}: not the compose default"
+
+
+def test_svqa_variables_are_config_fields_of_the_service(raw):
+    """Every SVQA_* a service sets or interpolates is read by that service's config dataclass."""
+    for name, (sub, svc) in python_services(raw).items():
+        assert sub in CONFIG_CLASSES, f"{name}: no config dataclass known for `streamvqa {sub}`"
+        known = {env_name(f) for f in field_names(CONFIG_CLASSES[sub])} | {env_name(CONFIG_FLAG)}
+        env = environment(svc)
+        for key, value in env.items():
+            if key.startswith(ENV_PREFIX):
+                assert key in known, f"{name}: {key} is not a field of {[c.__name__ for c in CONFIG_CLASSES[sub]]}"
+            for var, _, _ in interpolations(value):
+                if var.startswith(ENV_PREFIX) or key.startswith(ENV_PREFIX):
+                    assert var == key, f"{name}: {key} takes its value from {var}"
+        for var, _, _ in interpolations(svc):
+            if var.startswith(ENV_PREFIX):
+                assert var in env, f"{name}: {var} is interpolated outside `environment`"
+
+
+def test_services_load_their_config_from_the_compose_environment(raw, compose):
+    """The defaults compose passes convert and validate, and equal the dataclass defaults."""
+    for name, (sub, svc) in python_services(compose).items():
+        env = environment(svc)
+        interpolated = {var for var, _, _ in interpolations(environment(raw["services"][name]))}
+        for cls in CONFIG_CLASSES[sub]:
+            cfg = load_config(cls, [], env=env, prog=f"streamvqa {sub}")
+            for f in dataclasses.fields(cls):
+                if env_name(f.name) in interpolated and f.name not in DELIBERATE_DEFAULTS:
+                    assert getattr(cfg, f.name) == f.default, (
+                        f"{name}: {env_name(f.name)} default {env[env_name(f.name)]!r} != {cls.__name__} "
+                        f"default {f.default!r}"
+                    )
+            assert cfg.metrics_port == METRICS_PORTS[sub], f"{name}: SVQA_METRICS_PORT"
+            assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
+            assert cfg.redis_url == "redis://redis:6379/0", f"{name}: SVQA_REDIS_URL"
+
+
+# ----------------------------------------------------------------------------- services
+
+
+def test_every_service_has_an_image_or_a_build_that_exists(compose):
+    for name, svc in compose["services"].items():
+        assert "image" in svc or "build" in svc, f"{name}: neither image nor build"
+        build = svc.get("build")
+        if build is None:
+            continue
+        build = {"context": build} if isinstance(build, str) else build
+        context = (REPO / build.get("context", ".")).resolve()
+        assert context.is_dir() and (context == REPO or REPO in context.parents), f"{name}: build context {context}"
+        assert (context / build.get("dockerfile", "Dockerfile")).is_file(), f"{name}: Dockerfile missing"
+
+
+def test_commands_are_real_subcommands(compose):
+    known = set(cli.SERVICES) | {"replay"}
+    for name, (sub, _) in python_services(compose).items():
+        assert sub in known, f"{name}: `streamvqa {sub}` is not a subcommand"
+    assert {sub for sub, _ in python_services(compose).values()} >= set(CONFIG_CLASSES)
+
+
+def test_default_profile_runs_a_whole_pipeline_and_split_adds_encoder_and_qa(compose):
+    services = compose["services"]
+    default = {n for n, s in services.items() if not s.get("profiles")}
+    commands = {n: sub for n, (sub, _) in python_services(compose).items()}
+    assert "redis" in default
+    assert {commands.get(n) for n in default} >= {"ingest", "worker"}, "`docker compose up` needs ingest + worker"
+    split = {n for n, s in services.items() if "split" in (s.get("profiles") or [])}
+    assert {commands[n] for n in split} == {"encoder", "qa"}
+    for name, svc in services.items():  # a default service must not wait for one that is off
+        deps = svc.get("depends_on") or {}
+        for target in deps:
+            if name in default:
+                assert target in default, f"{name} depends on {target}, which is only in a profile"
+
+
+def test_depends_on_targets_exist_and_are_healthchecked(compose):
+    services = compose["services"]
+    for name, svc in services.items():
+        deps = svc.get("depends_on") or {}
+        deps = {d: {"condition": "service_started"} for d in deps} if isinstance(deps, list) else deps
+        for target, spec in deps.items():
+            assert target in services, f"{name}: depends on unknown service {target}"
+            if spec.get("condition") == "service_healthy":
+                assert "healthcheck" in services[target], f"{name}: waits for {target}, which has no healthcheck"
+        if name != "redis":
+            assert deps.get("redis", {}).get("condition") == "service_healthy", f"{name}: depends_on redis healthy"
+
+
+def test_metrics_ports_healthchecks_and_restart(compose):
+    seen: dict[int, str] = {}
+    for name, (sub, svc) in python_services(compose).items():
+        port = int(environment(svc)["SVQA_METRICS_PORT"])
+        assert port == METRICS_PORTS[sub], f"{name}: metrics port {port}"
+        assert port not in seen, f"{name} and {seen.get(port)} share metrics port {port}"
+        seen[port] = name
+        assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
+        assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
+        # ingest restarts on failure only: a finished file source must not be replayed forever
+        expected = "on-failure" if sub == "ingest" else "unless-stopped"
+        assert svc.get("restart") == expected, f"{name}: restart policy"
+    redis = compose["services"]["redis"]
+    assert redis.get("restart") == "unless-stopped"
+
+
+def test_redis_is_durable_and_healthchecked(compose):
+    redis = compose["services"]["redis"]
+    assert re.fullmatch(r"redis:7\.\d+(\.\d+)?(-\w+)?", redis["image"])
+    cmd = " ".join(_command(redis))
+    assert "--appendonly yes" in cmd and "--appendfsync everysec" in cmd
+    (data,) = [m for m in mounts(redis) if m["target"] == "/data"]
+    assert data["type"] == "volume" and data["source"] in compose["volumes"]
+    assert " ".join(redis["healthcheck"]["test"]) == "CMD redis-cli ping"
+    for port in redis.get("ports", []):
+        assert str(port).startswith("127.0.0.1:"), "publish Redis on loopback only"
+
+
+def test_gpu_services_reserve_a_gpu_and_share_caches(compose):
+    volumes_of: dict[str, dict[str, str]] = {}
+    for name, (sub, svc) in python_services(compose).items():
+        devices = svc.get("deploy", {}).get("resources", {}).get("reservations", {}).get("devices", [])
+        if sub not in GPU_COMMANDS:
+            assert not devices, f"{name}: no GPU for a CPU service"
+            continue
+        assert len(devices) == 1, f"{name}: one GPU reservation"
+        (dev,) = devices
+        assert dev.get("driver") == "nvidia" and "gpu" in dev["capabilities"], name
+        assert ("count" in dev) != ("device_ids" in dev), f"{name}: count or device_ids (not both)"
+        assert int(dev.get("count", len(dev.get("device_ids", [])))) == 1, f"{name}: one GPU per process"
+        by_target = {m["target"]: m for m in mounts(svc)}
+        assert by_target[HF_CACHE]["type"] == "volume", f"{name}: Hugging Face cache volume"
+        assert by_target[SEGMENTS]["type"] == "volume", f"{name}: segment store volume"
+        store = environment(svc)["SVQA_SEGMENT_STORE"]
+        assert store == SEGMENTS or store.startswith(SEGMENTS + "/"), f"{name}: segment store off its volume"
+        volumes_of[sub] = {t: m["source"] for t, m in by_target.items() if m["type"] == "volume"}
+    assert volumes_of["encoder"][SEGMENTS] == volumes_of["qa"][SEGMENTS] == "segments"
+    assert volumes_of["encoder"][HF_CACHE] == volumes_of["qa"][HF_CACHE] == volumes_of["worker"][HF_CACHE]
+    # GPU ids must not collide by default in split mode (count: 1 would give both GPU 0)
+    ids = [
+        tuple(compose["services"][n]["deploy"]["resources"]["reservations"]["devices"][0].get("device_ids", ()))
+        for n, (sub, _) in python_services(compose).items()
+        if sub in ("encoder", "qa")
+    ]
+    assert len(set(ids)) == 2, f"split encoder and qa default to the same GPU: {ids}"
+
+
+def test_named_volumes_are_declared_and_used(compose):
+    declared = set(compose.get("volumes") or {})
+    used = set()
+    for name, svc in compose["services"].items():
+        for m in mounts(svc):
+            if m["type"] == "volume" and m.get("source"):
+                assert m["source"] in declared, f"{name}: volume {m['source']} is not declared at top level"
+                used.add(m["source"])
+    assert declared == used, f"declared but unused: {sorted(declared - used)}"
+
+
+def test_bind_mounts_exist_or_are_documented(compose):
+    compose_text, env_text = COMPOSE.read_text(), ENV_EXAMPLE.read_text()
+    for name, svc in compose["services"].items():
+        for m in mounts(svc):
+            if m["type"] != "bind":
+                continue
+            src = (REPO / m["source"]).resolve()
+            if REPO not in src.parents or src.exists():
+                continue
+            create = (m.get("bind") or {}).get("create_host_path")
+            if create is True:  # a directory compose creates, explicitly
+                continue
+            # a file the user creates from its example: compose must refuse to start without it
+            # (otherwise Docker mounts an empty directory in its place)
+            assert create is False, f"{name}: {m['source']} missing; set bind.create_host_path: false"
+            example = src.with_name(src.stem + ".example" + src.suffix)
+            assert example.is_file(), f"{name}: {m['source']} has no example {example.name}"
+            copy = f"cp {example.relative_to(REPO)} {src.relative_to(REPO)}"
+            assert copy in compose_text and copy in env_text, f"document `{copy}` in compose.yaml and .env.example"
+            assert m.get("read_only"), f"{name}: mount {m['source']} read-only"
+
+
+def test_cameras_file_is_mounted_where_services_read_it(compose):
+    for name, (_, svc) in python_services(compose).items():
+        target = environment(svc)["SVQA_CAMERAS_FILE"]
+        (m,) = [m for m in mounts(svc) if m["target"] == target]
+        assert m["type"] == "bind" and m["source"] == "./deploy/cameras.yaml" and m.get("read_only"), name
+        assert m.get("bind", {}).get("create_host_path") is False, f"{name}: a missing cameras file must stop compose"
+
+
+# ----------------------------------------------------------------------------- cameras example
+
+
+def test_cameras_example_loads(compose):
+    cams = load_cameras_file(CAMERAS_EXAMPLE)
+    rtsp = [c for c in cams.cameras if c.url.startswith("rtsp://")]
+    files = [c for c in cams.cameras if c.url.startswith("/")]
+    assert len(rtsp) == 2 and len(files) == 1
+    subtitles = [j for j in cams.jobs if j.kind == "subtitles"]
+    captions = [j for j in cams.jobs if j.kind == "caption"]
+    assert subtitles and subtitles[0].every_s == 10 and set(subtitles[0].formats) == {"vtt", "srt"}
+    assert captions and captions[0].every_versions == 30
+    ingest = next(svc for sub, svc in python_services(compose).values() if sub == "ingest")
+    targets = [m["target"] for m in mounts(ingest)]
+    for c in files:  # the file source lies on a mount of the ingest container
+        assert any(c.url.startswith(t.rstrip("/") + "/") for t in targets), f"{c.url} is on no ingest mount"
+
+
+# ----------------------------------------------------------------------------- Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = re.sub(r"\\\n", " ", DOCKERFILE.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            op, _, rest = line.partition(" ")
+            out.append((op.upper(), rest.strip()))
+    return out
+
+
+def test_dockerfile_runtime_stage():
+    instructions = dockerfile_instructions()
+    last_from = max(i for i, (op, _) in enumerate(instructions) if op == "FROM")
+    final = {op: rest for op, rest in instructions[last_from:]}  # the last of each wins, as in Docker
+    assert json.loads(final["ENTRYPOINT"]) == ["streamvqa"]
+    assert json.loads(final["CMD"]) == ["worker"]
+    assert final["HEALTHCHECK"] == "NONE"
+    assert final["USER"].split(":")[0] in ("10001", "streamvqa")
+    runtime = " ".join(rest for _, rest in instructions[last_from:])
+    assert "--uid 10001" in runtime
+    for d in (SEGMENTS, "/var/lib/streamvqa/transcripts", HF_CACHE):  # volumes start owned by streamvqa
+        assert d in runtime, f"Dockerfile: create {d} for the streamvqa user"
+    assert f"HF_HOME={HF_CACHE}" in final["ENV"]
+    assert "pip install" in " ".join(rest for op, rest in instructions if op == "RUN")
+    assert re.search(r"download\.pytorch\.org/whl/cu\d+", DOCKERFILE.read_text()), "torch from a CUDA index"
+
+
+def test_compose_mount_targets_match_the_image(compose):
+    """The transcript directory the qa role writes to is a volume owned by the image's user."""
+    for name, (sub, svc) in python_services(compose).items():
+        if sub in ("qa", "worker"):
+            target = environment(svc)["SVQA_TRANSCRIPT_DIR"]
+            assert any(m["target"] == target and m["type"] == "volume" for m in mounts(svc)), name
+
+
+def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out)
+
+
+def dockerignored(path: str, patterns: list[str]) -> bool:
+    """Docker's rule: the last matching pattern wins; a pattern matching a parent directory counts."""
+    parts = path.split("/")
+    candidates = ["/".join(parts[: n + 1]) for n in range(len(parts))]
+    excluded = False
+    for p in patterns:
+        negate = p.startswith("!")
+        rx = _dockerignore_regex(p.lstrip("!").strip("/"))
+        if any(rx.fullmatch(c) for c in candidates):
+            excluded = not negate
+    return excluded
+
+
+def test_dockerignore_sends_the_package_and_no_secrets():
+    patterns = [
+        line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    needed = ["pyproject.toml", pyproject["project"]["readme"]]
+    for pkg in pyproject["tool"]["setuptools"]["packages"]:
+        needed += [p.relative_to(REPO).as_posix() for p in (REPO / pkg).rglob("*.py") if "__pycache__" not in p.parts]
+    kept_out = [p for p in needed if dockerignored(p, patterns)]
+    assert not kept_out, f".dockerignore excludes what `pip install .` needs: {kept_out}"
+    for secret in (".env", "deploy/cameras.yaml", ".git/config", ".venv/bin/python", "tests/test_compose.py"):
+        assert dockerignored(secret, patterns), f".dockerignore lets {secret} into the build context"

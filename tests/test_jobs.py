@@ -1,0 +1,138 @@
+"""Periodic jobs: scheduling, subtitle dedupe and cue times, WebVTT/SRT files, and the whole wiring
+through `streamvqa worker` (one process: encoder + qa) with metrics scraped while it runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+
+from common import keys
+from common.config import Job
+from common.engine import Runtime, StreamEngine, StreamSpec
+from common.frames import choose_grid
+from common.model import load_model
+from common.samplevideo import caption_at, write_sample_video
+from common.video import iter_file_frames
+from qa_worker.jobs import JobRunner
+from qa_worker.subtitles import parse_srt, parse_webvtt, validate_srt, validate_webvtt
+from tests.conftest import free_port
+from tests.pipeline import Services, head, wait_for
+
+CAPTIONS = ((0.0, "RED BALL"), (3.0, "BLUE BOX"), (6.0, "GREEN STAR"))
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def reader_of_screen(version, prompt: str) -> str:
+    """Stands in for a model that can read (tiny-random cannot): the caption burned in at the
+    newest frame, with OCR-like jitter on odd versions so dedupe has work to do."""
+    text = caption_at(version.capture_range[1], CAPTIONS)
+    return text.replace("O", "0") if version.id % 2 else f"```\n{text}\n```"
+
+
+def test_subtitle_job_schedule_dedupe_cues_and_files(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "v.mp4"), seconds=9, fps=10, captions=CAPTIONS)
+    frames = list(iter_file_frames(video, 2.0))
+    grid = choose_grid(*frames[0].rgb.shape[:2], min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_s=1.0, formats=("vtt", "srt"))
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], reader_of_screen, str(tmp_path / "subs"))
+    runs = []
+    for i in range(0, len(frames), 2):
+        chunk = frames[i : i + 2]
+        engine.append([f.rgb for f in chunk], [f.pts for f in chunk], [f.index for f in chunk])
+        runs.append(runner.run_due())
+    runner.flush()
+    assert runs == [1] * len(runs), "every chunk adds 1 s of video: the 1 s job runs every time"
+    cues = [(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode()) for _, f in r.xrange(keys.transcript("cam1"))]
+    assert [c[2] for c in cues] == ["RED BALL", "BLUE BOX", "GREEN STAR"], cues
+    (red, blue, green) = cues
+    assert red[0] == 0.0 and blue[0] == pytest.approx(2.5) and green[0] == pytest.approx(5.5)
+    assert red[1] == pytest.approx(2.5) and blue[1] == pytest.approx(5.5) and green[1] == pytest.approx(8.5)
+    vtt = (tmp_path / "subs" / "cam1.vtt").read_text()
+    srt = (tmp_path / "subs" / "cam1.srt").read_text()
+    validate_webvtt(vtt)
+    validate_srt(srt)
+    assert [c.text for c in parse_webvtt(vtt)] == [c.text for c in parse_srt(srt)] == [c[2] for c in cues]
+    for path in ("cam1.vtt", "cam1.srt"):  # a real, independent parser reads them
+        ffmpeg = subprocess.run(["ffmpeg", "-v", "error", "-i", str(tmp_path / "subs" / path), "-f", "srt", "-"],
+                                capture_output=True, text=True)  # fmt: skip
+        assert ffmpeg.returncode == 0 and ffmpeg.stdout.count("-->") == 3, ffmpeg.stderr
+
+
+def test_every_versions_schedule_and_caption_output(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="cap", stream="*", kind="caption", every_versions=3)
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: f"caption of v{v.id}")
+    assert runner.run_due() == 0, "no frames yet: nothing to caption"
+    import numpy as np
+
+    ran = []
+    for i in range(7):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5], [2 * i, 2 * i + 1])
+        ran.append(runner.run_due())
+    assert ran == [1, 0, 0, 1, 0, 0, 1]
+    texts = [f[b"text"].decode() for _, f in r.xrange(keys.job_output("cam1", "cap"))]
+    assert texts == ["caption of v1", "caption of v4", "caption of v7"]
+
+
+def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "v.mp4"), seconds=6, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(yaml.safe_dump({
+        "cameras": [{"name": "cam1", "url": video, "fps": 2}],
+        "jobs": [
+            {"name": "subs", "stream": "cam1", "kind": "subtitles", "every_versions": 1, "formats": ["vtt", "srt"]},
+            {"name": "cap", "stream": "*", "kind": "caption", "every_versions": 2},
+        ],
+    }))  # fmt: skip
+    services = Services(redis_url, tmp_path, SVQA_CAMERAS_FILE=str(cameras))
+    try:
+        port = free_port()
+        services.start("worker", "--metrics-port", str(port), "--transcript-dir", str(tmp_path / "subs"))
+        ingest = services.start("ingest", "--max-backlog", "8", "--metrics-port", str(free_port()))
+        assert ingest.wait(timeout=120) == 0, services.logs()
+        wait_for(lambda: (h := head(r, "cam1")) and h.last_frame_seq == 11, 120, "frames encoded", services)
+        wait_for(lambda: r.xlen(keys.job_output("cam1", "cap")) >= 1, 120, "a caption job run", services)
+        from qa_worker.client import Client
+
+        final = Client(r).ask("cam1", "What is on screen?", max_tokens=4, timeout_s=120)
+        assert final.error is None and final.version is not None
+        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        assert _metric(scraped, 'svqa_cache_tokens{stream="cam1"}') > 0
+        assert _metric(scraped, 'svqa_encoder_frames_total{stream="cam1"}') == 12
+        assert _metric(scraped, 'svqa_qa_job_runs_total{job="cap",outcome="ok",stream="cam1"}') >= 1
+        assert _metric(scraped, 'svqa_qa_job_runs_total{job="subs",outcome="ok",stream="cam1"}') >= 1
+        assert _metric(scraped, 'svqa_qa_questions_total{outcome="ok"}') >= 1
+        assert _metric(scraped, "svqa_qa_first_token_seconds_count") >= 1
+        services.stop_all()  # the worker flushes open cues on the way out
+        transcript = subprocess.run([str(Path(sys.executable).parent / "streamvqa"), "transcript", "--redis-url",
+                                     redis_url, "--stream", "cam1", "--format", "vtt"], capture_output=True,
+                                    text=True, timeout=60)  # fmt: skip
+        assert transcript.returncode == 0, transcript.stderr
+        validate_webvtt(transcript.stdout)
+        if r.xlen(keys.transcript("cam1")):  # tiny-random may answer NONE-like text: then there are no cues
+            validate_webvtt((tmp_path / "subs" / "cam1.vtt").read_text())
+            validate_srt((tmp_path / "subs" / "cam1.srt").read_text())
+    finally:
+        services.stop_all()
+
+
+def _metric(text: str, name: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"{name} not exported")
