@@ -1,5 +1,7 @@
 import torch
+
 from common.lm import _attention_with_lse
+
 torch.manual_seed(0)
 for n in (45, 99885):
     q = torch.randn(2, 1, 8 * 31, 128, device="cuda", dtype=torch.bfloat16)
