@@ -69,12 +69,13 @@ class LanguageModel:
         if start + n_new > kv.shape[3]:
             raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        own_mask = self._causal_mask(n_new, start) if base is not None else None
+        # A single new token sees every key: only multi-token steps need the causal mask.
+        own_mask = self._causal_mask(n_new, start) if base is not None and n_new > 1 else None
         x = embeds.to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, kv, start, base, own_mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.norm(x)
+            x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, kv, start, base, own_mask)
+            x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
+        return _rms_norm(self.norm, x)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,21 +123,30 @@ class LanguageModel:
         )
         return out[0]
 
-    def _two_piece(self, q, base_k, base_v, own_k, own_v, own_mask: torch.Tensor) -> torch.Tensor:
+    def _two_piece(self, q, base_k, base_v, own_k, own_v, own_mask: torch.Tensor | None) -> torch.Tensor:
         """Softmax over [base | own] without concatenating K/V. The cached base (large) goes through
-        flash attention in place; the question's own tokens (few) through plain maths with the
-        causal mask; the two partial results merge by their log-sum-exp, as flash-decoding does."""
+        flash attention in place, the question's own tokens (few) through a second small attention;
+        the two partial results merge by their log-sum-exp, as flash-decoding does."""
         n_new = q.shape[1]
         scale = self.head_dim**-0.5
-        qg = self._grouped(q)
-        out_b, lse_b = _attention_with_lse(qg[:, None], base_k[:, None], base_v[:, None], scale)
-        s_own = ((qg @ own_k.transpose(1, 2)).float() * scale).masked_fill(~own_mask, -torch.inf)
-        lse_o = torch.logsumexp(s_own, dim=-1)
-        out_o = torch.exp(s_own - lse_o[..., None]).to(self.dtype) @ own_v
-        m = torch.maximum(lse_b[:, 0], lse_o)
-        w_b, w_o = torch.exp(lse_b[:, 0] - m)[..., None], torch.exp(lse_o - m)[..., None]
-        out = (out_b[:, 0].float() * w_b + out_o.float() * w_o) / (w_b + w_o)
-        return self._ungrouped(out.to(self.dtype), n_new)
+        qg = self._grouped(q)[:, None]
+        out_b, lse_b = _attention_with_lse(qg, base_k[:, None], base_v[:, None], scale)
+        if own_mask is None:
+            out_o, lse_o = _attention_with_lse(qg, own_k[:, None], own_v[:, None], scale)
+        else:
+            s_own = ((qg @ own_k[:, None].transpose(-1, -2)).float() * scale).masked_fill(~own_mask, -torch.inf)
+            lse_o = torch.logsumexp(s_own, dim=-1)
+            out_o = torch.exp(s_own - lse_o[..., None]).to(self.dtype) @ own_v[:, None]
+        # softmax over both pieces = out_b + (out_o - out_b) * share of the own piece
+        share = torch.sigmoid(lse_o - lse_b)[..., None]
+        out = torch.lerp(out_b.float(), out_o.float(), share).to(self.dtype)
+        return self._ungrouped(out[:, 0], n_new)
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    """Qwen2.5-VL's RMSNorm (fp32 statistics, weight applied in the model dtype) in one fused op."""
+    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
+    return norm.weight * normed.to(x.dtype)
 
 
 def _attention_with_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
