@@ -52,21 +52,26 @@ class Answerer:
         else:
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
-                final = self._answer(qid, entry_id, fields, bound)
-            self._finish(final, ttl=self.reply_ttl_s)
+                final, ttl = self._answer(qid, entry_id, fields, bound)
+            self._finish(final, ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
             if final.first_token_s is not None:
                 metrics.FIRST_TOKEN_SECONDS.observe(final.first_token_s)
         self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
 
-    def _answer(self, qid: str, entry_id: str, fields: dict, bound) -> FinalAnswer:
+    def _answer(self, qid: str, entry_id: str, fields: dict, bound) -> tuple[FinalAnswer, int]:
+        """The final answer and how long its reply stream lives."""
         try:
             q = parse_question(fields, entry_id=entry_id)
         except SchemaError as e:
             bound.warning("bad question", error=str(e))
-            return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}")
-        bound = bound.bind(stream=q.stream)
+            return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}"), self.reply_ttl_s
+        ttl = q.reply_ttl or self.reply_ttl_s
+        return self._answer_valid(q, bound.bind(stream=q.stream), ttl), ttl
+
+    def _answer_valid(self, q: Question, bound, ttl: int) -> FinalAnswer:
+        qid = q.id
         if not self.serves(q.stream):
             return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}")
         version = self.lookup(q.stream, q.at)
@@ -77,13 +82,13 @@ class Answerer:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry
         try:
-            final = self._run(q, version)
+            final = self._run(q, version, ttl)
         except QuestionError as e:
             return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
         bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
         return final
 
-    def _run(self, q: Question, version: Version) -> FinalAnswer:
+    def _run(self, q: Question, version: Version, ttl: int) -> FinalAnswer:
         t0 = time.perf_counter()
         t_range = version.capture_range or (None, None)
         common = dict(id=q.id, stream=q.stream, version=version.id, t_start=t_range[0], t_end=t_range[1],
@@ -98,7 +103,7 @@ class Answerer:
 
         def delta(text: str) -> None:
             self.r.xadd(reply, encode_delta(text))
-            self.r.expire(reply, self.reply_ttl_s)
+            self.r.expire(reply, ttl)
 
         answer = ask(self.rt, version, q.question, params, on_delta=delta)
         return FinalAnswer(text=answer.text, first_token_s=answer.first_token_s, total_s=answer.total_s,

@@ -128,7 +128,9 @@ def test_hostile_input_gets_error_replies_and_workers_survive(redis_url, redis_c
         final = wait_for(lambda q=qid: _final(r, q), 60, f"error reply to {name}", services)
         assert final.error, name
     # and the workers still answer
-    assert client.ask(CAM, "still there?", max_tokens=4, timeout_s=60).error is None
+    alive = client.ask(CAM, "still there?", max_tokens=4, timeout_s=60, reply_ttl=120)
+    assert alive.error is None
+    assert 0 < r.ttl(keys.answer(alive.id)) <= 120, "every reply stream expires, per question when asked"
     assert encoder.poll() is None and qa.poll() is None, services.logs()
 
 
