@@ -71,3 +71,14 @@ def manifest_of(r: redis.Redis, stream: str, version: int) -> Manifest:
     found = [m for m in manifests(r, stream) if m.version == version]
     assert found, f"version {version} not on the versions stream"
     return found[0]
+
+
+def chunk_frames_in_history(r: redis.Redis, stream: str) -> list[int]:
+    """Frame seqs of every chunk any version of the stream ever held, one entry per chunk membership:
+    a frame encoded twice would appear twice. A segment id must mean the same frames everywhere."""
+    chunks: dict[str, tuple[int, int]] = {}
+    for m in manifests(r, stream):
+        for sid, seg in zip(m.segment_ids, m.extra["segments"], strict=True):
+            if sid != "prefix":
+                assert chunks.setdefault(sid, tuple(seg["frame_seqs"])) == tuple(seg["frame_seqs"]), sid
+    return sorted(s for lo, hi in chunks.values() for s in range(lo, hi + 1))

@@ -23,7 +23,7 @@ from common.samplevideo import write_sample_video
 from common.schemas import FinalAnswer, decode_answer
 from common.video import iter_file_frames
 from qa_worker.client import Client
-from tests.pipeline import Services, head, manifest_of, manifests, wait_for
+from tests.pipeline import Services, chunk_frames_in_history, head, manifest_of, manifests, wait_for
 
 FPS = 2.0
 CAM = "cam1"
@@ -146,13 +146,7 @@ def test_encoder_kill9_and_restart_encodes_every_frame_once(rt, redis_url, servi
     assert feeder.wait(timeout=180) == 0, services.logs()
     wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 180, "the rest after restart", services)
     # every frame of the file in exactly one chunk of the cache's history
-    chunks: dict[str, tuple[int, int]] = {}
-    for m in manifests(r, CAM):
-        for sid, seg in zip(m.segment_ids, m.extra["segments"], strict=True):
-            if sid != "prefix":
-                assert chunks.setdefault(sid, tuple(seg["frame_seqs"])) == tuple(seg["frame_seqs"])
-    covered = sorted(s for lo, hi in chunks.values() for s in range(lo, hi + 1))
-    assert covered == list(range(12)), chunks
+    assert chunk_frames_in_history(r, CAM) == list(range(12))
     final = Client(r).ask(CAM, "What happened?", max_tokens=6)
     assert_matches_offline(rt, r, video, final, "What happened?", 6)
 
@@ -185,3 +179,24 @@ def _final(r: redis.Redis, qid: str) -> FinalAnswer | None:
         if isinstance(reply, FinalAnswer):
             return reply
     return None
+
+
+def test_two_encoders_share_two_streams_through_leases_without_double_writes(redis_url, tmp_path, video):
+    r = redis.Redis.from_url(redis_url)
+    services = Services(redis_url, tmp_path, SVQA_STREAMS="cam1,cam2")
+    try:
+        services.start("encoder", "--consumer", "enc-a")
+        services.start("encoder", "--consumer", "enc-b")
+        feeders = [services.start("ingest", "--url", video, "--stream", cam, "--fps", str(FPS), "--max-backlog", "4")
+                   for cam in ("cam1", "cam2")]  # fmt: skip
+        assert [f.wait(timeout=180) for f in feeders] == [0, 0], services.logs()
+        for cam in ("cam1", "cam2"):
+            wait_for(lambda c=cam: (h := head(r, c)) and h.last_frame_seq == 11, 180, f"{cam} encoded", services)
+            history = manifests(r, cam)
+            ids = [m.version for m in history]
+            assert ids == sorted(set(ids)), f"{cam}: versions written twice or out of order: {ids}"
+            assert chunk_frames_in_history(r, cam) == list(range(12))
+        holders = {r.get(keys.lease(cam)) for cam in ("cam1", "cam2")}
+        assert holders <= {b"enc-a", b"enc-b"} and None not in holders
+    finally:
+        services.stop_all()
