@@ -150,3 +150,29 @@ def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, s
         assert kinds.count("error") == 3 and "gave_up" in kinds
     finally:
         listener.close()
+
+
+def test_hls_over_http(redis_url, services, tmp_path):
+    """HTTP/HLS through a real HTTP server: an ffmpeg-segmented playlist served from a directory."""
+    import functools
+    import subprocess
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=4, fps=10, width=160, height=120)
+    hls = tmp_path / "hls"
+    hls.mkdir()
+    subprocess.run(["ffmpeg", "-v", "error", "-i", video, "-c", "copy", "-f", "hls", "-hls_time", "1",
+                    "-hls_list_size", "0", str(hls / "live.m3u8")], check=True)  # fmt: skip
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(hls))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/live.m3u8"
+        proc = ingest(services, url, "--fps", "5", "--max-reconnects", "0", "--reconnect-min-s", "0.1")
+        assert proc.wait(timeout=60) == 0, services.logs()
+    finally:
+        server.shutdown()
+    body = [f for f in frames(r) if isinstance(f, FrameMsg)]
+    assert len(body) >= 15 and [f.seq for f in body] == list(range(len(body)))
+    assert r.hget(keys.meta(CAM), "live") == b"1"
