@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402  (after choosing the headless backend)
+import matplotlib.pyplot as plt  # after choosing the headless backend
 
 
 def main(src: str, dst: str) -> None:
-    result = json.load(open(src))
+    result = json.loads(Path(src).read_text())
     cache = result["cache"]
     sizes = [c["cache_tokens"] / 1000 for c in cache]
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
