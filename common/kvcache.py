@@ -132,19 +132,15 @@ class StreamCache:
         return self._publish((placement,), video_start=video_start, next_patch=0, stats=CacheStats())
 
     def publish_chunk(self, segment: Segment) -> Version:
-        """The chunk's K/V were written by the caller at reserve()'s start; make them visible,
-        then evict if over budget."""
+        """The chunk's K/V were written by the caller at reserve()'s start; publish the version that
+        holds it, evicting first when it would go over budget (no over-budget version is ever seen)."""
         head = self._require_head()
-        placement = Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches)
-        version = self._publish(
-            (*head.placements, placement),
-            video_start=head.video_start,
-            next_patch=segment.first_patch + segment.n_patches,
-            stats=head.stats,
-        )
-        drop = self.policy.chunks_to_evict(version.placements[0].segment.tokens,
-                                           [p.segment.tokens for p in version.chunks])  # fmt: skip
-        return self._evict(drop) if drop else version
+        placements = (*head.placements, Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches))
+        next_patch = segment.first_patch + segment.n_patches
+        drop = self.policy.chunks_to_evict(placements[0].segment.tokens, [p.segment.tokens for p in placements[1:]])
+        if drop:
+            return self._evict(placements, drop, next_patch)
+        return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
 
     def apply(self, placements: list[Placement], *, version_id: int, video_start: int, next_patch: int,
               stats: CacheStats, load: Callable[[Segment], torch.Tensor]) -> Version:  # fmt: skip
@@ -162,7 +158,7 @@ class StreamCache:
             for p in placements[n_same:]:
                 self._place(kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
         else:
-            self._repack(placements, load)
+            self._repack(placements, head.placements if head else (), load)
         return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats,
                              version_id=version_id)  # fmt: skip
 
@@ -194,33 +190,35 @@ class StreamCache:
         self.head = version
         return version
 
-    def _evict(self, drop: list[int]) -> Version:
-        """Repack the retained segments into a fresh arena, re-basing them when the policy says so."""
+    def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version:
+        """Repack the retained segments of `candidate` into a fresh arena, re-basing them when the
+        policy says so."""
         head = self._require_head()
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
         placements, offset, patch = [], 0, 0
-        for i, p in enumerate(head.placements):
+        for i, p in enumerate(candidate):
             if i in dropped:
                 continue
             moved = self._rebased(p, offset, patch) if self.policy.rebase else replace(p, offset=offset)
             placements.append(moved)
             offset += p.segment.tokens
             patch = moved.first_patch + p.segment.n_patches
-        self._repack(placements, load=None)
-        gone = [head.placements[i] for i in sorted(dropped)]
+        self._repack(placements, candidate, load=None)
+        gone = [candidate[i] for i in sorted(dropped)]
         stats = CacheStats(
             evictions=head.stats.evictions + 1,
             chunks_evicted=head.stats.chunks_evicted + len(gone),
             tokens_evicted=head.stats.tokens_evicted + sum(p.segment.tokens for p in gone),
         )
-        next_patch = patch if self.policy.rebase else head.next_patch
+        next_patch = patch if self.policy.rebase else next_patch
         return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
 
-    def _repack(self, placements: list[Placement], load: Callable[[Segment], torch.Tensor] | None) -> None:
-        """Write `placements` into a fresh arena: segments the current head holds are copied from
-        its arena, turned by the change in their deltas; the rest come from `load` (original K/V).
-        The old arena lives on in the versions that hold it."""
-        held = {p.segment.id: p for p in self.head.placements} if self.head else {}
+    def _repack(self, placements: list[Placement], source: tuple[Placement, ...],
+                load: Callable[[Segment], torch.Tensor] | None) -> None:  # fmt: skip
+        """Write `placements` into a fresh arena: segments in `source` (placed in the current arena)
+        are copied from it, turned by the change in their deltas; the rest come from `load`
+        (original K/V). The old arena lives on in the versions that hold it."""
+        held = {p.segment.id: p for p in source}
         old_kv = self._kv
         total = sum(p.segment.tokens for p in placements)
         self._kv = self.lm.new_kv(max(old_kv.shape[3], total))
