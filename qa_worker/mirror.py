@@ -22,7 +22,7 @@ from common.versions import from_manifest
 
 log = structlog.get_logger()
 
-RECENT_VERSIONS = 8  # older versions stay answerable by id (`at`) while they are this recent
+RECENT_VERSIONS = 8  # versions answerable by id (`at`): this many, since the last eviction
 
 
 class StreamMirror:
@@ -47,6 +47,9 @@ class StreamMirror:
             next_patch=state.next_patch, stats=state.stats,
             load=lambda seg: self.store.get(self.name, seg.id, self.rt.loaded.device),
         )  # fmt: skip
+        # Keep recent versions answerable by id, but only those in the head's arena: an older one
+        # would pin a whole arena that an eviction already replaced.
+        self.recent = {vid: v for vid, v in self.recent.items() if v.view.kv is version.view.kv}
         self.recent[version.id] = version
         for old in sorted(self.recent)[:-RECENT_VERSIONS]:
             del self.recent[old]

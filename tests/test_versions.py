@@ -88,3 +88,16 @@ def test_restarted_encoder_continues_exactly_like_an_uninterrupted_one(rt, tmp_p
     for i in range(24, 48, 4):
         a, b = append(steady, video, i), append(resumed, video, i)
         assert a.id == b.id and a.stats == b.stats and same_cache(a, b)
+
+
+def test_mirror_keeps_recent_versions_answerable_without_pinning_evicted_arenas(rt, tmp_path):
+    store = DirectoryStore(tmp_path)
+    engine = writer(rt, store)
+    mirror = StreamMirror(rt, store, "cam")
+    video = frames(48)
+    for i in range(0, len(video), 4):
+        mirror.apply(wire(append(engine, video, i), engine.spec))
+        head = mirror.head
+        assert head.id in mirror.recent
+        assert all(v.view.kv is head.view.kv for v in mirror.recent.values()), "an old arena is pinned"
+    assert engine.head.stats.evictions >= 2
