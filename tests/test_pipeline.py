@@ -130,6 +130,9 @@ def test_hostile_input_gets_error_replies_and_workers_survive(redis_url, redis_c
     # and the workers still answer
     alive = client.ask(CAM, "still there?", max_tokens=4, timeout_s=60, reply_ttl=120)
     assert alive.error is None
+    pinned = client.ask(CAM, "and at that version?", max_tokens=4, timeout_s=60, at=alive.version)
+    assert pinned.error is None and pinned.version == alive.version
+    assert "not available" in client.ask(CAM, "long ago?", timeout_s=60, at=10_000).error
     assert 0 < r.ttl(keys.answer(alive.id)) <= 120, "every reply stream expires, per question when asked"
     assert encoder.poll() is None and qa.poll() is None, services.logs()
 
