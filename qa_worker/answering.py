@@ -85,6 +85,9 @@ class Answerer:
             final = self._run(q, version, ttl)
         except QuestionError as e:
             return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
+        except (RuntimeError, ValueError) as e:  # e.g. out of GPU memory: this question fails, the worker goes on
+            bound.exception("answering failed")
+            return FinalAnswer(id=qid, stream=q.stream, error=f"internal error: {e}"[:500], version=version.id)
         bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
         return final
 

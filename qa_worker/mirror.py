@@ -76,7 +76,11 @@ class Mirror:
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            self.poll()
+            try:
+                self.poll()
+            except (redis.RedisError, RuntimeError) as e:  # keep mirroring once Redis or the GPU recovers
+                log.error("mirror poll failed; retrying", error=str(e))
+                stop.wait(1.0)
 
     def poll(self) -> None:
         """One blocking read of new manifests; applies the newest of each stream."""
