@@ -33,7 +33,12 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
     results: dict[str, int] = {}
 
     def one(source: Source) -> None:
-        results[source.spec.stream] = source.run()
+        try:
+            results[source.spec.stream] = source.run()
+        except redis.RedisError as e:  # Redis gone past the client's retries: exit non-zero, get restarted
+            log.error("redis failed; source stopped", stream=source.spec.stream, error=str(e))
+            results[source.spec.stream] = 1
+            stop.set()
 
     threads = [threading.Thread(target=one, args=(s,), name=f"ingest:{s.spec.stream}") for s in sources]
     for t in threads:
