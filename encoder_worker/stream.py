@@ -24,6 +24,8 @@ from encoder_worker.config import EncoderConfig
 
 log = structlog.get_logger()
 
+DROP_EVENT_EVERY_S = 5.0
+
 
 class StreamNotReady(RuntimeError):
     """The stream has no meta yet (ingest has not started it)."""
@@ -39,6 +41,8 @@ class OwnedStream:
         self.live = live
         self.pending: list[tuple[str, FrameMsg]] = []
         self.recent_manifests: list[Manifest] = []
+        self.dropped_late = 0
+        self._last_drop_event = -DROP_EVENT_EVERY_S
         self.ended = False
 
     @property
@@ -66,11 +70,18 @@ class OwnedStream:
             redisio.dead_letter(self.r, frames_key, entry_id, {"seq": str(msg.seq)}, reason, group=keys.ENCODER_GROUP)
             return None
         if self.live and time.time() - msg.ts > self.cfg.max_lag_s:
-            metrics.FRAMES_DROPPED.labels(self.name, "late").inc()  # behind real time: skip, don't fall further behind
-            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            self._drop_late(entry_id)  # behind real time: skip rather than fall further behind
             return None
         self.pending.append((entry_id, msg))
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
+
+    def _drop_late(self, entry_id: str) -> None:
+        metrics.FRAMES_DROPPED.labels(self.name, "late").inc()
+        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
+        self.dropped_late += 1
+        if time.monotonic() - self._last_drop_event > DROP_EVENT_EVERY_S:  # tell operators, without flooding
+            self._last_drop_event = time.monotonic()
+            event(self.r, self.name, "dropped", reason="late", total=self.dropped_late, max_lag_s=self.cfg.max_lag_s)
 
     def flush(self) -> Version | None:
         """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them."""

@@ -203,3 +203,21 @@ def test_two_encoders_share_two_streams_through_leases_without_double_writes(red
         assert holders <= {b"enc-a", b"enc-b"} and None not in holders
     finally:
         services.stop_all()
+
+
+def test_live_stream_behind_real_time_drops_frames_and_says_so_while_a_file_waits(redis_url, tmp_path, video):
+    r = redis.Redis.from_url(redis_url)
+    services = Services(redis_url, tmp_path, SVQA_STREAMS="live,file", SVQA_MAX_LAG_S="0.000001")
+    try:
+        services.start("encoder")
+        live = services.start("ingest", "--url", video, "--stream", "live", "--fps", "2", "--realtime", "true")
+        file = services.start("ingest", "--url", video, "--stream", "file", "--fps", "2", "--max-backlog", "4")
+        assert live.wait(timeout=120) == 0 and file.wait(timeout=120) == 0, services.logs()
+        wait_for(lambda: (h := head(r, "file")) and h.last_frame_seq == 11, 120, "the file encoded", services)
+        assert chunk_frames_in_history(r, "file") == list(range(12)), "files wait: nothing dropped"
+        wait_for(lambda: r.xinfo_groups(keys.frames("live"))[0]["pending"] == 0, 60, "live frames handled", services)
+        dropped = [f for _, f in r.xrange(keys.events("live")) if f[b"type"] == b"dropped"]
+        assert dropped and dropped[0][b"reason"] == b"late"
+        assert chunk_frames_in_history(r, "live") == [], "every live frame was late: none encoded"
+    finally:
+        services.stop_all()
