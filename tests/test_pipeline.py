@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import redis
+import yaml
 
 from common import keys
 from common.engine import Runtime
@@ -98,6 +99,12 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
     out = subprocess.run([*cli, "--max-tokens", "4", "Is it raining?"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stderr.strip().splitlines()[-1])["version"] == head(r, CAM).version
+    out = subprocess.run([*cli, "Is the door open?", "--choices", "yes", "no"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    final = json.loads(out.stderr.strip().splitlines()[-1])
+    assert out.stdout.strip() in ("yes", "no") and final["choice"] == out.stdout.strip()
+    assert set(final["scores"]) == {"yes", "no"}
 
 
 def test_hostile_input_gets_error_replies_and_workers_survive(redis_url, redis_cli, services, video):
@@ -190,9 +197,11 @@ def test_two_encoders_share_two_streams_through_leases_without_double_writes(red
     try:
         services.start("encoder", "--consumer", "enc-a")
         services.start("encoder", "--consumer", "enc-b")
-        feeders = [services.start("ingest", "--url", video, "--stream", cam, "--fps", str(FPS), "--max-backlog", "4")
-                   for cam in ("cam1", "cam2")]  # fmt: skip
-        assert [f.wait(timeout=180) for f in feeders] == [0, 0], services.logs()
+        cameras = tmp_path / "cameras.yaml"  # one ingest process serving both sources
+        sources = [{"name": cam, "url": video, "fps": FPS} for cam in ("cam1", "cam2")]
+        cameras.write_text(yaml.safe_dump({"cameras": sources}))
+        feeder = services.start("ingest", "--cameras-file", str(cameras), "--max-backlog", "4")
+        assert feeder.wait(timeout=180) == 0, services.logs()
         for cam in ("cam1", "cam2"):
             wait_for(lambda c=cam: (h := head(r, c)) and h.last_frame_seq == 11, 180, f"{cam} encoded", services)
             history = manifests(r, cam)
