@@ -18,6 +18,7 @@ from common.positions import text_positions
 
 MAX_QUESTION_TOKENS = 2048
 MAX_NEW_TOKENS = 2048
+CUDA_GRAPHS = True  # replay decode steps as CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
 
 class QuestionError(ValueError):
@@ -74,7 +75,7 @@ class _Session:
 
     def __init__(self, rt: Runtime, version: Version, capacity: int):
         self.rt, self.version = rt, version
-        self.scratch = rt.lm.new_kv(capacity)
+        self.scratch = rt.lm.new_kv(capacity, zeroed=True)  # decode steps read all of it, masked
         self.length = 0
 
     def feed(self, ids: list[int], pos0: int) -> torch.Tensor:
@@ -84,6 +85,51 @@ class _Session:
                             base=self.version.view)  # fmt: skip
         self.length += len(ids)
         return hidden
+
+
+class _Decoder:
+    """One-token decode steps with fixed shapes (position and length live in device tensors). On
+    CUDA the step is captured once per question as a graph and replayed for every token: eagerly
+    a step is some two thousand small kernel launches from Python, which is what bounds decode."""
+
+    def __init__(self, session: _Session):
+        self.session = session
+        dev = session.rt.lm.device
+        self.token, self.pos, self.at = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))
+        self.logits: torch.Tensor | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.use_graph = CUDA_GRAPHS and dev.type == "cuda"
+
+    @torch.inference_mode()
+    def __call__(self, token: int, pos: int) -> torch.Tensor:
+        """Logits after feeding `token` at text position `pos` (valid until the next call)."""
+        self.token.fill_(token)
+        self.pos.fill_(pos)
+        self.at.fill_(self.session.length)
+        if self.use_graph and self.graph is None:
+            self._capture()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._step()
+        self.session.length += 1
+        return self.logits
+
+    def _step(self) -> None:
+        lm = self.session.rt.lm
+        hidden = lm.forward(lm.embed_tokens(self.token), self.pos.expand(3, 1), self.session.scratch, self.at,
+                            base=self.session.version.view)  # fmt: skip
+        self.logits = lm.lm_head(hidden[0]).float()
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()  # warm-up outside the graph (allocations, kernel selection); same inputs
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self._step()
 
 
 def _question_ids(rt: Runtime, question: str) -> list[int]:
@@ -116,15 +162,16 @@ def iter_tokens(rt: Runtime, version: Version, question: str, params: Generation
         hidden = session.feed(ids, pos)
     pos += len(ids)
     stops = {rt.ids.im_end, rt.ids.endoftext}
+    logits, decoder = rt.lm.logits(hidden[-1]), _Decoder(session)
     for step in range(params.max_tokens):
-        token = _sample(rt.lm.logits(hidden[-1]), params, gen)
+        token = _sample(logits, params, gen)
         if token in stops:
             return
         yield token
         if step == params.max_tokens - 1:
             return  # no forward for a token nobody will read
         with rt.gpu_lock:
-            hidden = session.feed([token], pos)
+            logits = decoder(token, pos)
         pos += 1
 
 

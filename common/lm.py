@@ -51,26 +51,36 @@ class LanguageModel:
         self.device = loaded.device
         self.dtype = loaded.dtype
 
-    def new_kv(self, capacity: int) -> torch.Tensor:
+    def new_kv(self, capacity: int, zeroed: bool = False) -> torch.Tensor:
+        """Zeroed where masked-out slots are read (0 x uninitialised NaN would still be NaN)."""
         shape = (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return (torch.zeros if zeroed else torch.empty)(shape, dtype=self.dtype, device=self.device)
 
     @torch.inference_mode()
     def embed(self, ids: list[int]) -> torch.Tensor:
         return self.embed_tokens(torch.tensor(ids, device=self.device))
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, start: int,
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, start: int | torch.Tensor,
                 base: KVView | None = None) -> torch.Tensor:  # fmt: skip
         """Run `embeds` (L, D) at `positions` (3, L); write their K/V into kv[..., start:start+L]
         and attend to kv[..., :start+L] causally, after all of `base` when given.
-        Returns the final-norm hidden states (L, D)."""
+        Returns the final-norm hidden states (L, D).
+
+        `start` may be a one-element tensor on the device for a single token over a base: every
+        shape is then fixed whatever the position, so the step can be captured as a CUDA graph."""
         n_new = embeds.shape[0]
-        if start + n_new > kv.shape[3]:
-            raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        # A single new token sees every key: only multi-token steps need the causal mask.
-        own_mask = self._causal_mask(n_new, start) if base is not None and n_new > 1 else None
+        if isinstance(start, torch.Tensor):
+            if n_new != 1 or base is None:
+                raise ValueError("a device-side start is for one token over a base")
+            visible = torch.arange(kv.shape[3], device=self.device) <= start  # this token and the ones before
+            own_mask = visible.expand(self.n_heads // self.n_kv_heads, -1)
+        else:
+            if start + n_new > kv.shape[3]:
+                raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
+            # A single new token sees every key: only multi-token steps need the causal mask.
+            own_mask = self._causal_mask(n_new, start) if base is not None and n_new > 1 else None
         x = embeds.to(self.dtype)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, kv, start, base, own_mask)
@@ -87,11 +97,17 @@ class LanguageModel:
         q = attn.q_proj(h).view(n_new, self.n_heads, self.head_dim).transpose(0, 1)
         k = attn.k_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
         v = attn.v_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        end = start + n_new
-        kv[i, 0, :, start:end] = apply_rope(k, cos, sin)
-        kv[i, 1, :, start:end] = v
+        k = apply_rope(k, cos, sin)
         q = apply_rope(q, cos, sin)
-        own_k, own_v = kv[i, 0, :, :end], kv[i, 1, :, :end]
+        if isinstance(start, torch.Tensor):  # fixed shapes: write at a device index, attend to all, masked
+            kv[i, 0].index_copy_(1, start, k)
+            kv[i, 1].index_copy_(1, start, v)
+            own_k, own_v = kv[i, 0], kv[i, 1]
+        else:
+            end = start + n_new
+            kv[i, 0, :, start:end] = k
+            kv[i, 1, :, start:end] = v
+            own_k, own_v = kv[i, 0, :, :end], kv[i, 1, :, :end]
         if base is None:
             out = self._sdpa(q, own_k, own_v, start)
         else:

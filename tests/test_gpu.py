@@ -23,3 +23,23 @@ def test_flash_attention_log_sum_exp_matches_maths_on_a_strided_cache_view(n):
     scores = (q.float() @ k.float().transpose(-1, -2)) * 128**-0.5
     assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-3)
     assert torch.allclose(out.float(), torch.softmax(scores, -1) @ v.float(), atol=2e-2)
+
+
+def test_decode_as_cuda_graph_equals_the_same_steps_launched_eagerly(monkeypatch):
+    import numpy as np
+
+    from common import answer
+    from common.engine import Runtime, StreamEngine, StreamSpec
+    from common.frames import Grid
+    from common.model import load_model
+
+    rt = Runtime(load_model("tiny-random", device="cuda"))
+    engine = StreamEngine(rt, StreamSpec("cam", 2.0, Grid(56, 84), 4))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        engine.append([rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(4)])
+    params = answer.GenerationParams(max_tokens=48)
+    graphed = answer.ask(rt, engine.head, "What happens?", params)
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    eager = answer.ask(rt, engine.head, "What happens?", params)
+    assert graphed.token_ids == eager.token_ids and len(graphed.token_ids) > 1
