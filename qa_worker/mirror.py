@@ -42,11 +42,12 @@ class StreamMirror:
             self.cache = StreamCache(self.rt.lm, self.name, EvictionPolicy(),
                                      interval=self.rt.loaded.temporal_interval(spec.fps),
                                      grid_hw=(spec.grid.height // 28, spec.grid.width // 28))  # fmt: skip
-        version = self.cache.apply(
-            state.placements, version_id=state.version_id, video_start=state.video_start,
-            next_patch=state.next_patch, stats=state.stats,
-            load=lambda seg: self.store.get(self.name, seg.id, self.rt.loaded.device),
-        )  # fmt: skip
+        with self.rt.gpu_lock:  # GPU copies never run while a question's decode graph is being captured
+            version = self.cache.apply(
+                state.placements, version_id=state.version_id, video_start=state.video_start,
+                next_patch=state.next_patch, stats=state.stats,
+                load=lambda seg: self.store.get(self.name, seg.id, self.rt.loaded.device),
+            )  # fmt: skip
         # Keep recent versions answerable by id, but only those in the head's arena: an older one
         # would pin a whole arena that an eviction already replaced.
         self.recent = {vid: v for vid, v in self.recent.items() if v.view.kv is version.view.kv}
