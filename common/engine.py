@@ -109,13 +109,21 @@ class StreamEngine:
         with self.rt.gpu_lock:
             kv, start = self.cache.reserve(len(ids))
             self.rt.lm.forward(self.rt.lm.embed(ids), text_positions(0, len(ids)), kv, start)
-        segment = Segment(id="prefix", tokens=len(ids))
-        self._emit(segment, kv, start)
+            segment = Segment(id="prefix", tokens=len(ids))
+            original = self._read_out(segment, kv, start)
+        self._emit(segment, original)
         self.cache.publish_prefix(segment, video_start=len(ids))
 
-    def _emit(self, segment: Segment, kv: torch.Tensor, start: int) -> None:
-        if self.on_segment is not None:
-            self.on_segment(segment, kv[:, :, :, start : start + segment.tokens])
+    def _read_out(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The segment's original K/V, copied to host memory for `on_segment` (slow storage I/O then
+        happens outside the GPU lock)."""
+        if self.on_segment is None:
+            return None
+        return kv[:, :, :, start : start + segment.tokens].to("cpu", copy=True)
+
+    def _emit(self, segment: Segment, original: torch.Tensor | None) -> None:
+        if self.on_segment is not None and original is not None:
+            self.on_segment(segment, original)
 
     def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float] | None = None,
                frame_seqs: Sequence[int] | None = None) -> Version:  # fmt: skip
@@ -153,5 +161,8 @@ class StreamEngine:
             capture_range=(float(capture_range[0]), float(capture_range[1])),
             padded_frames=padded_frames,
         )
-        self._emit(segment, kv, start)
-        return self.cache.publish_chunk(segment)
+        with self.rt.gpu_lock:  # reading the segment out and evicting are GPU work too
+            original = self._read_out(segment, kv, start)
+            version = self.cache.publish_chunk(segment)
+        self._emit(segment, original)
+        return version
