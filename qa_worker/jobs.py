@@ -61,6 +61,10 @@ class JobRunner:
         self.r, self.lookup, self.answer = r, lookup, answer
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
+        for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
+            if sched.job.kind == "subtitles":
+                recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
+                sched.tracker.remember(f[b"text"].decode() for _, f in reversed(recent))
 
     def run_due(self) -> int:
         """Run every job whose time has come; returns how many ran."""

@@ -35,6 +35,9 @@ class StreamMirror:
     def head(self) -> Version | None:
         return self.cache.head if self.cache else None
 
+    def reset(self) -> None:
+        self.cache, self.recent = None, {}
+
     def apply(self, manifest: Manifest) -> Version:
         state = from_manifest(manifest)
         if self.cache is None:
@@ -108,8 +111,14 @@ class Mirror:
 
     def _apply(self, name: str, manifest: Manifest) -> None:
         mirror = self.streams[name]
-        if mirror.head is not None and manifest.version <= mirror.head.id:
-            return
+        head = mirror.head
+        if head is not None and manifest.version == head.id:
+            return  # already applied (the head we caught up from is also the newest entry)
+        if head is not None and manifest.version < head.id:
+            # Entries arrive in order, so a lower id means the stream started over (its Redis lost
+            # its data): follow it rather than keep answering from a cache that no longer exists.
+            log.warning("stream restarted; following it", stream=name, was=head.id, now=manifest.version)
+            mirror.reset()  # its segment ids restart too: nothing cached may be reused
         version = mirror.apply(manifest)
         metrics.record_version(name, version)
         log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)

@@ -307,6 +307,12 @@ class SubtitleTracker:
         self._recent: deque[str] = deque(maxlen=history)  # keys of the last `history` closed cues
         self._prev_end: float | None = None
 
+    def remember(self, texts: Iterable[str]) -> None:
+        """Seed the history with cues emitted before (e.g. by this job before a restart), so they
+        are not emitted again."""
+        for text in texts:
+            self._recent.append(normalise(text))
+
     @property
     def open_cues(self) -> list[Cue]:
         """Cues still on screen (not final), as they would be closed now."""

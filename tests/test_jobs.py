@@ -8,6 +8,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 import yaml
@@ -77,8 +78,6 @@ def test_every_versions_schedule_and_caption_output(rt, redis_url, tmp_path):
     job = Job(name="cap", stream="*", kind="caption", every_versions=3)
     runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: f"caption of v{v.id}")
     assert runner.run_due() == 0, "no frames yet: nothing to caption"
-    import numpy as np
-
     ran = []
     for i in range(7):
         engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5], [2 * i, 2 * i + 1])
@@ -136,3 +135,22 @@ def _metric(text: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not exported")
+
+
+def test_a_restarted_subtitle_job_does_not_repeat_cues(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1)
+
+    def screen(version, prompt: str) -> str:
+        return "EXIT ONLY" if version.id < 4 else "EXIT ONLY\nNO PARKING"
+
+    for _restart in range(2):  # the worker restarts between the two runs
+        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], screen)
+        for i in range(3):
+            engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [0.0, 0.5])
+            runner.run_due()
+        runner.flush()
+    texts = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("cam1"))]
+    assert texts == ["EXIT ONLY", "NO PARKING"]

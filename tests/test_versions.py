@@ -101,3 +101,24 @@ def test_mirror_keeps_recent_versions_answerable_without_pinning_evicted_arenas(
         assert head.id in mirror.recent
         assert all(v.view.kv is head.view.kv for v in mirror.recent.values()), "an old arena is pinned"
     assert engine.head.stats.evictions >= 2
+
+
+def test_mirror_follows_a_stream_that_started_over(rt, tmp_path, redis_url):
+    """Redis lost its data and the encoder began again at version 0 with new frames under the same
+    segment ids: the mirror must rebuild from the store, not reuse what it cached."""
+    import redis
+
+    from qa_worker.mirror import Mirror
+
+    store = DirectoryStore(tmp_path)
+    old, video = writer(rt, store), frames(48)
+    mirror = Mirror(rt, redis.Redis.from_url(redis_url), store, ["cam"])
+    for i in range(0, 24, 4):
+        mirror._apply("cam", wire(append(old, video, i), old.spec))
+    new = writer(rt, store)
+    reversed_video = video[::-1]
+    for i in range(0, 8, 4):
+        version = append(new, reversed_video, i)
+    mirror._apply("cam", wire(version, new.spec))
+    assert mirror.get("cam").id == version.id < 6
+    assert same_cache(version, mirror.get("cam"))
