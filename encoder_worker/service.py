@@ -42,11 +42,16 @@ class EncoderService:
             self._release(name)
 
     def step(self) -> None:
-        """One round: leases, then one blocking read of frames."""
+        """One blocking read of frames; leases are kept between entries, since encoding a batch of
+        chunks can outlast a lease on a slow device."""
+        self._keep_leases_if_due()
+        for frames_key, entry_id, fields in self.reader.read():
+            self._keep_leases_if_due()
+            self._handle(frames_key, entry_id, fields)
+
+    def _keep_leases_if_due(self) -> None:
         if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
             self._keep_leases()
-        for frames_key, entry_id, fields in self.reader.read():
-            self._handle(frames_key, entry_id, fields)
 
     def _keep_leases(self) -> None:
         self._last_lease_check = time.monotonic()
