@@ -20,7 +20,7 @@ from common.lease import Lease
 from common.schemas import SchemaError, decode_frame
 from common.segment_store import SegmentStore, open_store
 from encoder_worker.config import EncoderConfig
-from encoder_worker.stream import OwnedStream, StreamNotReady, event, open_stream
+from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, event, open_stream
 
 log = structlog.get_logger()
 
@@ -87,6 +87,9 @@ class EncoderService:
             return
         try:
             owned.add(entry_id, msg)
+        except LeaseLost:
+            bound.warning("lease lost while publishing; the stream's new owner continues from its head")
+            self._drop(owned.name)
         except (ValueError, RuntimeError) as e:  # engine refused the chunk: keep the worker alive
             bound.error("chunk failed; frames dead-lettered", error=str(e))
             for eid, _ in owned.pending:

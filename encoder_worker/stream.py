@@ -31,6 +31,10 @@ class StreamNotReady(RuntimeError):
     """The stream has no meta yet (ingest has not started it)."""
 
 
+class LeaseLost(RuntimeError):
+    """Another encoder owns the stream now; this one must stop writing it."""
+
+
 class OwnedStream:
     """A stream this worker holds the lease for, with its engine and not-yet-encoded frames."""
 
@@ -106,11 +110,21 @@ class OwnedStream:
     def publish(self, version: Version) -> None:
         """Manifest to `versions` and `head`; segments are already in the store (on_segment)."""
         manifest = to_manifest(version, self.engine.spec)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen,
-                  approximate=True)  # fmt: skip
-        pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
-        pipe.execute()
+        lease = keys.lease(self.name)
+        with self.r.pipeline(transaction=True) as pipe:
+            # Fenced by the lease: if it expired and another encoder owns the stream now, this
+            # write must not land (WATCH aborts the transaction when the lease key changes).
+            pipe.watch(lease)
+            if pipe.get(lease) != self.cfg.consumer.encode():
+                raise LeaseLost(self.name)
+            pipe.multi()
+            pipe.xadd(keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen,
+                      approximate=True)  # fmt: skip
+            pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
+            try:
+                pipe.execute()
+            except redis.WatchError:
+                raise LeaseLost(self.name) from None
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
         self.store.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
