@@ -187,8 +187,10 @@ def ask(rt: Runtime, version: Version, question: str, params: GenerationParams |
         if not tokens:
             first_token_s = time.perf_counter() - t0
         tokens.append(token)
+        if on_delta is None:
+            continue
         text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
-        if on_delta and not text.endswith("\ufffd") and len(text) > len(emitted):
+        if not text.endswith("\ufffd") and len(text) > len(emitted):  # never half a UTF-8 character
             on_delta(text[len(emitted) :])
             emitted = text
     total = time.perf_counter() - t0
