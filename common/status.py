@@ -44,8 +44,10 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
     if raw:
         try:
             m = manifest_from_bytes(raw)
+            live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
             out["head"] = {"version": m.version, "tokens": m.cache_tokens, "last_frame_seq": m.last_frame_seq,
                            "time_range": [m.first_ts, m.last_ts], "age_s": round(now - m.created_at, 1),
+                           "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
                            "evicted_tokens": m.evicted_tokens}  # fmt: skip
         except SchemaError as e:
             out["head"] = {"error": str(e)}
@@ -73,7 +75,7 @@ def render(status: dict) -> str:
         frames = s["frames"]
         lines.append(
             f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
-            f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s  "
+            f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
     q = status["questions"]
