@@ -54,6 +54,7 @@ class Source:
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
         self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
+        self._meta: dict[str, object] = {}  # the stream's description, once the source is open
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -149,7 +150,11 @@ class Source:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _publish(self, msg: FrameMsg | EndOfStream) -> None:
-        redisio.xadd_capped(self.r, keys.frames(self.spec.stream), encode_frame(msg), self.cfg.frames_maxlen)
+        pipe = self.r.pipeline(transaction=False)
+        if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
+            pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
+        pipe.xadd(keys.frames(self.spec.stream), encode_frame(msg), maxlen=self.cfg.frames_maxlen, approximate=True)
+        pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
             self.stats.published += 1
@@ -163,13 +168,14 @@ class Source:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
         meta = {k.decode(): v.decode() for k, v in self.r.hgetall(keys.meta(self.spec.stream)).items()}
         if "height" in meta:
-            return Grid(int(meta["height"]), int(meta["width"]))
-        ctx = container.streams.video[0].codec_context
-        grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
-        self.r.hset(keys.meta(self.spec.stream), mapping={
-            "fps": self.spec.fps, "height": grid.height, "width": grid.width,
-            "live": int(self.live or self.spec.realtime), "url": self.spec.url,
-        })  # fmt: skip
+            grid = Grid(int(meta["height"]), int(meta["width"]))
+        else:
+            ctx = container.streams.video[0].codec_context
+            grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels,
+                               max_pixels=self.spec.max_pixels)  # fmt: skip
+        self._meta = {"fps": self.spec.fps, "height": grid.height, "width": grid.width,
+                      "live": int(self.live or self.spec.realtime), "url": self.spec.url}  # fmt: skip
+        self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
 
     def _wait_for_encoder(self) -> None:

@@ -230,3 +230,24 @@ def test_live_stream_behind_real_time_drops_frames_and_says_so_while_a_file_wait
         assert chunk_frames_in_history(r, "live") == [], "every live frame was late: none encoded"
     finally:
         services.stop_all()
+
+
+def test_services_ride_out_a_redis_restart(redis_server, tmp_path):
+    """Redis restarts empty (no persistence) while a live source streams: ingest, encoder and qa keep
+    running, reconnect, rebuild their groups and leases, and answer about the video after it."""
+    url = redis_server.url
+    r = redis.Redis.from_url(url)
+    video = write_sample_video(str(tmp_path / "long.mp4"), seconds=20, fps=10, width=160, height=120)
+    services = Services(url, tmp_path, SVQA_STREAMS=CAM, SVQA_LEASE_MS="3000", SVQA_CLAIM_IDLE_MS="2000")
+    try:
+        live = ("--url", video, "--stream", CAM, "--fps", "2", "--realtime", "true")
+        procs = [services.start("encoder"), services.start("qa"), services.start("ingest", *live)]
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 5, 60, "frames before the restart", services)
+        redis_server.restart()  # comes back empty
+        r = redis.Redis.from_url(url)
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 15, 60, "frames after the restart", services)
+        final = Client(r).ask(CAM, "What now?", max_tokens=4, timeout_s=60)
+        assert final.error is None and final.t_end > 7.0
+        assert all(p.poll() is None for p in procs), services.logs()
+    finally:
+        services.stop_all()
