@@ -25,7 +25,7 @@ import yaml
 from common import redisio
 from common.boot import load_runtime
 from common.logs import configure_logging
-from common.model import DEFAULT_MODEL
+from common.model import DEFAULT_MODEL, RANDOM_MODELS
 from common.samplevideo import write_sample_video
 
 STREAM = "demo"
@@ -73,7 +73,7 @@ def pick_model(name: str, device: str | None):
     """The real model when its weights can be loaded; otherwise tiny-random, said loudly."""
     if name != "tiny-random":
         try:
-            if not (Path(name).is_dir() or _cached(name) or _hub_reachable()):
+            if not (name in RANDOM_MODELS or Path(name).is_dir() or _cached(name) or _hub_reachable()):
                 raise SystemExit(4)  # skip transformers' minute of retries against an unreachable hub
             return load_runtime(name, device)
         except SystemExit:

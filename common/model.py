@@ -21,6 +21,7 @@ from transformers import (
 )
 
 DEFAULT_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
+RANDOM_MODELS = ("tiny-random", "random-3b")  # built here from config: no weights to download
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen2.5-VL special tokens, in id order from <|endoftext|> (151643) in the real vocabulary.
@@ -158,7 +159,7 @@ def load_model(name: str = DEFAULT_MODEL, *, device: str | None = None, dtype: s
     """`tiny-random`, `random-3b`, a hub id or a local directory. bf16 on GPU, fp32 on CPU."""
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-    if name in ("tiny-random", "random-3b"):
+    if name in RANDOM_MODELS:
         config = tiny_config() if name == "tiny-random" else qwen3b_config()
         config._attn_implementation = "sdpa"
         torch.manual_seed(seed)
