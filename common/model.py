@@ -75,10 +75,6 @@ class LoadedModel:
         seconds_per_grid = Fraction(self.temporal_patch_size) / Fraction(fps).limit_denominator(1000)
         return Fraction(self.vision_config.tokens_per_second) * seconds_per_grid
 
-    def kv_bytes_per_token(self) -> int:
-        c = self.text_config
-        head_dim = c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * self.dtype.itemsize
 
 
 def build_byte_tokenizer(vocab_size: int, first_special_id: int) -> PreTrainedTokenizerFast:

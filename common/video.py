@@ -9,8 +9,8 @@ and never answers blocks forever without them):
    then every single packet read, is aborted after that many seconds without progress.
 2. For RTSP we also set FFmpeg's own socket ``timeout`` option (µs), so a blocking socket call
    gives up even where FFmpeg does not poll the interrupt callback.
-3. Callers that must never stall (the ingest service) run open + read loop in a worker thread
-   and watch it from outside with a deadline; ``with_deadline`` below does that for one call.
+3. Callers that must never stall (the ingest service, ``ingest/source.py``) decode in a worker
+   thread and watch it from outside: no frame within the read timeout means the source stalled.
    A thread stuck in C cannot be killed, so the last resort is restarting the process.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -256,29 +255,3 @@ def iter_file_frames(
         yield from sample_frames(container, fps, on_error=on_error, size=size)
     finally:
         container.close()
-
-
-def with_deadline(fn: Callable[[], T], deadline_s: float, *, what: str = "call") -> T:
-    """Run ``fn()`` in a daemon thread and return its result, or raise TimeoutError after ``deadline_s``.
-
-    The last line of defence against a PyAV call stuck in C: the stuck thread cannot be killed and
-    is abandoned (daemon, so it does not block interpreter exit). If this fires repeatedly, the
-    process should be restarted by its supervisor.
-    """
-    done = threading.Event()
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["result"] = fn()
-        except BaseException as exc:  # handed to the caller's thread below
-            box["error"] = exc
-        finally:
-            done.set()
-
-    threading.Thread(target=target, name=f"deadline:{what}", daemon=True).start()
-    if not done.wait(deadline_s):
-        raise TimeoutError(f"{what} did not finish within {deadline_s:g} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["result"]  # type: ignore[return-value]

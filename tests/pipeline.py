@@ -6,14 +6,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 
 from common import keys
 from common.schemas import Manifest, decode_manifest, manifest_from_bytes
+
+T = TypeVar("T")
 
 
 class Services:
@@ -82,3 +86,24 @@ def chunk_frames_in_history(r: redis.Redis, stream: str) -> list[int]:
             if sid != "prefix":
                 assert chunks.setdefault(sid, tuple(seg["frame_seqs"])) == tuple(seg["frame_seqs"]), sid
     return sorted(s for lo, hi in chunks.values() for s in range(lo, hi + 1))
+
+
+def with_deadline(fn: Callable[[], T], deadline_s: float, *, what: str = "call") -> T:
+    """Run `fn()` in a daemon thread; TimeoutError after `deadline_s` (a hung PyAV call fails the
+    test instead of hanging the suite: a thread stuck in C cannot be killed, only abandoned)."""
+    done, box = threading.Event(), {}
+
+    def target() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # re-raised in the test's thread
+            box["error"] = exc
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name=f"deadline:{what}", daemon=True).start()
+    if not done.wait(deadline_s):
+        raise TimeoutError(f"{what} did not finish within {deadline_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]

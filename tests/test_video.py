@@ -21,13 +21,9 @@ from common.video import (
     iter_file_frames,
     open_container,
     sample_frames,
-    with_deadline,
 )
-
-try:  # pytest puts tests/ on sys.path (rootdir without __init__.py); python -m pytest adds the root
-    from tests.rtsp_server import RtspServer, gst_available
-except ImportError:
-    from rtsp_server import RtspServer, gst_available
+from tests.pipeline import with_deadline
+from tests.rtsp_server import RtspServer, gst_available
 
 GST_OK, GST_WHY = gst_available()
 needs_gst = pytest.mark.skipif(not GST_OK, reason=f"GStreamer RTSP server unavailable: {GST_WHY}")
@@ -169,16 +165,6 @@ def test_missing_file_raises_source_error(tmp_path: Path) -> None:
 )
 def test_is_live(url: str, live: bool) -> None:
     assert is_live(url) is live
-
-
-def test_with_deadline() -> None:
-    assert with_deadline(lambda: 42, 1.0) == 42
-    with pytest.raises(KeyError):
-        with_deadline(lambda: {}["x"], 1.0)
-    started = time.monotonic()
-    with pytest.raises(TimeoutError):
-        with_deadline(lambda: time.sleep(5), 0.2, what="sleep")
-    assert time.monotonic() - started < 1.0
 
 
 # ------------------------------------------------------------------------------------------ RTSP
