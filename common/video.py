@@ -21,7 +21,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TypeVar
 
 import av
 import numpy as np
@@ -29,7 +28,6 @@ from PIL import Image
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 
 _LIVE_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "rtp://", "udp://", "srt://", "tcp://")
 # After this many demux errors in a row we stop: the rest of the input is not readable.
