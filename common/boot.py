@@ -40,8 +40,8 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
 
 
 def load_runtime(model: str, device: str | None):
-    from common.engine import Runtime  # torch/transformers only where a model is needed
-    from common.model import load_model
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
 
     try:
         return Runtime(load_model(model, device=device))

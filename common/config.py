@@ -28,7 +28,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from common.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
+from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
 
 T = TypeVar("T")
 ENV_PREFIX = "SVQA_"
@@ -167,9 +167,7 @@ def _read_yaml(path: str | Path) -> Any:
 
 def _unknown(key: Any, known: Sequence[str], where: str) -> ConfigError:
     hint = difflib.get_close_matches(str(key), known, n=1)
-    return ConfigError(
-        f"{where}: unknown setting {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
-    )
+    return ConfigError(f"{where}: unknown setting {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
 
 
 def _yaml_layer(path: str | Path, names: Sequence[str]) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from common import keys
+from common.wire import keys
 
 # Renew or release only if we still own it: another encoder may have taken over after expiry.
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"

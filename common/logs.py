@@ -25,9 +25,7 @@ _SHARED = [
     structlog.processors.TimeStamper(fmt="iso", utc=True),
 ]
 # Structured tracebacks without local variables: locals can be huge (tensors) or secret (URLs).
-_JSON_EXC = structlog.processors.ExceptionRenderer(
-    structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
-)
+_JSON_EXC = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
 
 
 def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | None = None) -> None:
@@ -36,9 +34,7 @@ def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | N
     if num is None:
         raise ValueError(f"unknown log level {level!r}")
     out = stream or sys.stderr
-    renderer = (
-        structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=out.isatty())
-    )
+    renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=out.isatty())
     exc = _JSON_EXC if json else structlog.processors.format_exc_info
     structlog.configure(
         processors=[*_SHARED, structlog.processors.StackInfoRenderer(), exc, renderer],

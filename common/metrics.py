@@ -19,12 +19,15 @@ INGEST_FPS = Gauge("svqa_ingest_fps", "Frames published per second, recent", ["s
 
 # encoder
 FRAMES_ENCODED = Counter("svqa_encoder_frames_total", "Frames encoded into the cache", ["stream"])
-FRAMES_DROPPED = Counter("svqa_encoder_frames_dropped_total", "Frames dropped (late, duplicate, bad)",
-                         ["stream", "reason"])  # fmt: skip
-CHUNK_SECONDS = Histogram("svqa_encoder_chunk_seconds", "Vision + prefill time per chunk", ["stream"],
-                          buckets=_LATENCY_BUCKETS)  # fmt: skip
-ENCODER_LAG = Gauge("svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication",
-                    ["stream"])  # fmt: skip
+FRAMES_DROPPED = Counter(
+    "svqa_encoder_frames_dropped_total", "Frames dropped (late, duplicate, bad)", ["stream", "reason"]
+)
+CHUNK_SECONDS = Histogram(
+    "svqa_encoder_chunk_seconds", "Vision + prefill time per chunk", ["stream"], buckets=_LATENCY_BUCKETS
+)
+ENCODER_LAG = Gauge(
+    "svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication", ["stream"]
+)
 CACHE_TOKENS = Gauge("svqa_cache_tokens", "Tokens in the stream's head version", ["stream"])
 CACHE_BYTES = Gauge("svqa_cache_bytes", "KV bytes of the stream's head version", ["stream"])
 EVICTIONS = Gauge("svqa_cache_evictions", "Evictions since the stream started", ["stream"])
@@ -34,8 +37,9 @@ VERSION = Gauge("svqa_cache_version", "Head version id", ["stream"])
 # qa
 QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answered now")
 QUESTIONS = Counter("svqa_qa_questions_total", "Questions finished", ["outcome"])
-FIRST_TOKEN_SECONDS = Histogram("svqa_qa_first_token_seconds", "Question start to first answer token",
-                                buckets=_LATENCY_BUCKETS)  # fmt: skip
+FIRST_TOKEN_SECONDS = Histogram(
+    "svqa_qa_first_token_seconds", "Question start to first answer token", buckets=_LATENCY_BUCKETS
+)
 ANSWER_SECONDS = Histogram("svqa_qa_answer_seconds", "Question start to final answer", buckets=_LATENCY_BUCKETS)
 JOB_RUNS = Counter("svqa_qa_job_runs_total", "Periodic job runs", ["job", "stream", "outcome"])
 

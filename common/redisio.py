@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from common import keys
+from common.wire import keys
 
 log = structlog.get_logger(__name__)
 
@@ -73,9 +73,11 @@ def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis
         left = deadline - time.monotonic()
         # A probe without retries: connect()'s own backoff would overshoot the deadline.
         probe = redis.Redis.from_url(
-            url, socket_timeout=max(0.1, min(2.0, left)), socket_connect_timeout=max(0.1, min(2.0, left)),
+            url,
+            socket_timeout=max(0.1, min(2.0, left)),
+            socket_connect_timeout=max(0.1, min(2.0, left)),
             retry=Retry(NoBackoff(), 0),
-        )  # fmt: skip
+        )
         try:
             probe.ping()
             return connect(url, block_ms=block_ms)
@@ -126,18 +128,21 @@ def _check_block(r: redis.Redis, block_ms: int) -> None:
 
 
 def read_group(
-    r: redis.Redis, stream_keys: Iterable[str], group: str, consumer: str, *, count: int = 10,
+    r: redis.Redis,
+    stream_keys: Iterable[str],
+    group: str,
+    consumer: str,
+    *,
+    count: int = 10,
     block_ms: int = 5000,
-) -> list[Entry]:  # fmt: skip
+) -> list[Entry]:
     """This consumer's pending entries if it has any (after a crash), else new ones (blocking).
 
     Stateless: entries left un-acked come back on every call. A consumer that keeps entries
     pending across reads on purpose (the encoder, until a chunk is complete) uses GroupReader.
     """
     streams = list(stream_keys)
-    pending = _drop_trimmed(
-        r, group, _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, "0"), count))
-    )
+    pending = _drop_trimmed(r, group, _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, "0"), count)))
     if pending:
         return pending
     _check_block(r, block_ms)
@@ -154,9 +159,16 @@ class GroupReader:
     """
 
     def __init__(
-        self, r: redis.Redis, streams: Iterable[str], group: str, consumer: str, *, count: int = 10,
-        block_ms: int = 5000, start_id: str = "0",
-    ) -> None:  # fmt: skip
+        self,
+        r: redis.Redis,
+        streams: Iterable[str],
+        group: str,
+        consumer: str,
+        *,
+        count: int = 10,
+        block_ms: int = 5000,
+        start_id: str = "0",
+    ) -> None:
         _check_block(r, block_ms)
         self.r, self.group, self.consumer = r, group, consumer
         self.count, self.block_ms, self.start_id = count, block_ms, start_id
@@ -200,15 +212,19 @@ class GroupReader:
             if got:
                 return got
         streams = dict.fromkeys(self.cursors, ">")
-        return _entries(
-            self.r.xreadgroup(self.group, self.consumer, streams, self.count, block=self.block_ms)
-        )
+        return _entries(self.r.xreadgroup(self.group, self.consumer, streams, self.count, block=self.block_ms))
 
 
 def claim_stale(
-    r: redis.Redis, stream: str, group: str, consumer: str, min_idle_ms: int, *, count: int = 100,
+    r: redis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    min_idle_ms: int,
+    *,
+    count: int = 100,
     max_deliveries: int | None = None,
-) -> list[Entry]:  # fmt: skip
+) -> list[Entry]:
     """Move entries idle for ``min_idle_ms`` (their consumer died) to ``consumer`` and return them.
 
     Scans the whole pending list (XAUTOCLAIM pages) but returns at most ``count`` entries. With
@@ -233,9 +249,7 @@ def _dead_letter_redelivered(
 ) -> list[Entry]:
     stream = entries[0][0]
     first, last = entries[0][1], entries[-1][1]  # XAUTOCLAIM returns entries in id order
-    pend = r.xpending_range(
-        stream, group, min=first, max=last, count=len(entries) + 1000, consumername=consumer
-    )
+    pend = r.xpending_range(stream, group, min=first, max=last, count=len(entries) + 1000, consumername=consumer)
     counts = {_str(p["message_id"]): p["times_delivered"] for p in pend}
     keep = []
     for e in entries:
@@ -253,9 +267,15 @@ def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int
 
 
 def dead_letter(
-    r: redis.Redis, source_stream: str, entry_id: str, fields: Mapping[Any, Any] | None, reason: str, *,
-    group: str | None = None, maxlen: int = DEAD_LETTER_MAXLEN,
-) -> str:  # fmt: skip
+    r: redis.Redis,
+    source_stream: str,
+    entry_id: str,
+    fields: Mapping[Any, Any] | None,
+    reason: str,
+    *,
+    group: str | None = None,
+    maxlen: int = DEAD_LETTER_MAXLEN,
+) -> str:
     """Record an unprocessable entry on ``keys.DEAD_LETTER``; with ``group``, ack it atomically.
 
     Original field values are truncated to DEAD_LETTER_MAX_VALUE bytes (stored as ``f:<name>``).

@@ -26,8 +26,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save
 
-from common import keys
 from common.redisio import connect
+from common.wire import keys
 
 _SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
@@ -55,8 +55,9 @@ def _check_ids(*ids: str) -> None:
 
 def _check_kv(kv: torch.Tensor) -> None:
     if kv.dim() != 5 or kv.shape[1] != 2 or not kv.is_floating_point():
-        raise ValueError(f"kv must be a float (layers, 2, kv_heads, n_tokens, head_dim) tensor, got "
-                         f"{kv.dtype} {tuple(kv.shape)}")  # fmt: skip
+        raise ValueError(
+            f"kv must be a float (layers, 2, kv_heads, n_tokens, head_dim) tensor, got {kv.dtype} {tuple(kv.shape)}"
+        )
 
 
 def _to_bytes(kv: torch.Tensor) -> bytes:

@@ -13,12 +13,13 @@ import time
 import redis
 import structlog
 
-from common import boot, keys, metrics, redisio
+from common import boot, metrics, redisio
 from common.config import load_cameras_file
-from common.engine import Runtime
+from common.engine.runtime import Runtime
 from common.lease import Lease
-from common.schemas import SchemaError, decode_frame
 from common.segment_store import SegmentStore, open_store
+from common.wire import keys
+from common.wire.schemas import SchemaError, decode_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, event, open_stream
 

@@ -12,14 +12,16 @@ import time
 import redis
 import structlog
 
-from common import keys, metrics, redisio
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.eviction import EvictionPolicy
-from common.frames import Grid
-from common.kvcache import Segment, Version
-from common.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
+from common import metrics, redisio
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import Grid, StreamSpec
+from common.engine.kvcache import Segment, Version
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
 from common.segment_store import SegmentStore
-from common.versions import from_manifest, to_manifest
+from common.wire import keys
+from common.wire.manifest import from_manifest, to_manifest
+from common.wire.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
 from encoder_worker.config import EncoderConfig
 
 log = structlog.get_logger()
@@ -103,8 +105,15 @@ class OwnedStream:
         lag = time.time() - frames[-1].ts if self.live else None
         if lag is not None:
             metrics.ENCODER_LAG.labels(self.name).set(lag)
-        log.info("version published", stream=self.name, version=version.id, tokens=version.tokens,
-                 last_frame_seq=version.last_frame_seq, evictions=version.stats.evictions, lag_s=lag)  # fmt: skip
+        log.info(
+            "version published",
+            stream=self.name,
+            version=version.id,
+            tokens=version.tokens,
+            last_frame_seq=version.last_frame_seq,
+            evictions=version.stats.evictions,
+            lag_s=lag,
+        )
         return version
 
     def publish(self, version: Version) -> None:
@@ -118,8 +127,9 @@ class OwnedStream:
             if pipe.get(lease) != self.cfg.consumer.encode():
                 raise LeaseLost(self.name)
             pipe.multi()
-            pipe.xadd(keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen,
-                      approximate=True)  # fmt: skip
+            pipe.xadd(
+                keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen, approximate=True
+            )
             pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
             try:
                 pipe.execute()
@@ -152,9 +162,14 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
         owned.publish(owned.engine.head)
         return owned
     state = from_manifest(manifest_from_bytes(raw))
-    engine = StreamEngine(rt, state.spec, policy, on_segment=persist,
-                          restore=(state, lambda seg: store.get(name, seg.id, rt.loaded.device)))  # fmt: skip
-    log.info("stream restored", stream=name, version=state.version_id, last_frame_seq=engine.head.last_frame_seq)
+    engine = StreamEngine(
+        rt,
+        state.spec,
+        policy,
+        on_segment=persist,
+        restore=(state.cache, lambda seg: store.get(name, seg.id, rt.loaded.device)),
+    )
+    log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
     return OwnedStream(r, store, cfg, engine, live)
 
 

@@ -9,9 +9,9 @@ import structlog
 
 from common import boot
 from common.config import load_cameras_file
-from common.video import is_live
 from ingest.config import IngestConfig
 from ingest.source import Source, SourceSpec
+from ingest.video import is_live
 
 log = structlog.get_logger()
 
@@ -22,8 +22,14 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
         realtime = cfg.realtime if cfg.realtime is not None else is_live(cfg.url)
         return [SourceSpec(cfg.stream, cfg.url, cfg.fps, realtime, cfg.min_pixels, cfg.max_pixels)]
     return [
-        SourceSpec(c.name, c.url, c.fps, c.realtime if c.realtime is not None else is_live(c.url),
-                   c.min_pixels or cfg.min_pixels, c.max_pixels or cfg.max_pixels)
+        SourceSpec(
+            c.name,
+            c.url,
+            c.fps,
+            c.realtime if c.realtime is not None else is_live(c.url),
+            c.min_pixels or cfg.min_pixels,
+            c.max_pixels or cfg.max_pixels,
+        )
         for c in load_cameras_file(cfg.cameras_file).cameras
     ]
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 import redis
 import structlog
 
-from common import keys, metrics, redisio
-from common.frames import Grid, choose_grid
-from common.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
-from common.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
+from common import metrics, redisio
+from common.engine.frames import Grid, choose_grid
+from common.wire import keys
+from common.wire.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
+from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
 
 log = structlog.get_logger()
 
@@ -90,16 +91,21 @@ class Source:
 
     def _run_once(self) -> bool:
         """One open-to-close session; True when the source reached its end."""
-        container = open_container(self.spec.url, open_timeout_s=self.cfg.open_timeout_s,
-                                   read_timeout_s=self.cfg.read_timeout_s)  # fmt: skip
+        container = open_container(
+            self.spec.url, open_timeout_s=self.cfg.open_timeout_s, read_timeout_s=self.cfg.read_timeout_s
+        )
         decoder: threading.Thread | None = None
         session_over = threading.Event()
         try:
             grid = self._grid(container)
             self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
-            decoder = threading.Thread(target=self._decode, args=(container, grid, frames, session_over),
-                                       daemon=True, name=f"decode:{self.spec.stream}")  # fmt: skip
+            decoder = threading.Thread(
+                target=self._decode,
+                args=(container, grid, frames, session_over),
+                daemon=True,
+                name=f"decode:{self.spec.stream}",
+            )
             decoder.start()
             return self._pump(frames)
         finally:
@@ -114,8 +120,9 @@ class Source:
     def _decode(self, container, grid: Grid, out: queue.Queue, session_over: threading.Event) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
-            for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error,
-                                       size=(grid.height, grid.width)):  # fmt: skip
+            for frame in sample_frames(
+                container, self.spec.fps, on_error=self._decode_error, size=(grid.height, grid.width)
+            ):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
@@ -161,8 +168,9 @@ class Source:
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
             self._recent.append(time.monotonic())
             if len(self._recent) > 1:
-                metrics.INGEST_FPS.labels(self.spec.stream).set((len(self._recent) - 1) /
-                                                                max(self._recent[-1] - self._recent[0], 1e-6))
+                metrics.INGEST_FPS.labels(self.spec.stream).set(
+                    (len(self._recent) - 1) / max(self._recent[-1] - self._recent[0], 1e-6)
+                )
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
@@ -171,10 +179,14 @@ class Source:
             grid = Grid(int(meta["height"]), int(meta["width"]))
         else:
             ctx = container.streams.video[0].codec_context
-            grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels,
-                               max_pixels=self.spec.max_pixels)  # fmt: skip
-        self._meta = {"fps": self.spec.fps, "height": grid.height, "width": grid.width,
-                      "live": int(self.live or self.spec.realtime), "url": self.spec.url}  # fmt: skip
+            grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+        self._meta = {
+            "fps": self.spec.fps,
+            "height": grid.height,
+            "width": grid.width,
+            "live": int(self.live or self.spec.realtime),
+            "url": self.spec.url,
+        }
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
 

@@ -14,11 +14,12 @@ from collections.abc import Callable
 import redis
 import structlog
 
-from common import keys, metrics, redisio
-from common.answer import GenerationParams, QuestionError, ask, choose
-from common.engine import Runtime
-from common.kvcache import Version
-from common.schemas import (
+from common import metrics, redisio
+from common.engine.answer import GenerationParams, QuestionError, ask, choose
+from common.engine.kvcache import Version
+from common.engine.runtime import Runtime
+from common.wire import keys
+from common.wire.schemas import (
     FinalAnswer,
     Question,
     SchemaError,
@@ -34,8 +35,16 @@ VersionLookup = Callable[[str, int | None], Version | None]  # (stream, at) -> v
 
 
 class Answerer:
-    def __init__(self, rt: Runtime, r: redis.Redis, lookup: VersionLookup, serves: Callable[[str], bool], *,
-                 reply_ttl_s: int = 3600, answers_maxlen: int = 10_000):  # fmt: skip
+    def __init__(
+        self,
+        rt: Runtime,
+        r: redis.Redis,
+        lookup: VersionLookup,
+        serves: Callable[[str], bool],
+        *,
+        reply_ttl_s: int = 3600,
+        answers_maxlen: int = 10_000,
+    ):
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
         self.reply_ttl_s, self.answers_maxlen = reply_ttl_s, answers_maxlen
 
@@ -43,8 +52,7 @@ class Answerer:
         """Answer one `svqa:questions` entry and ack it; never raises for what the entry holds."""
         qid = question_id_of(fields, entry_id)
         if qid is None:
-            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, "no usable question id",
-                                group=keys.QA_GROUP)  # fmt: skip
+            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, "no usable question id", group=keys.QA_GROUP)
             return
         bound = log.bind(qid=qid)
         if self._already_answered(qid):
@@ -94,13 +102,20 @@ class Answerer:
     def _run(self, q: Question, version: Version, ttl: int) -> FinalAnswer:
         t0 = time.perf_counter()
         t_range = version.capture_range or (None, None)
-        common = dict(id=q.id, stream=q.stream, version=version.id, t_start=t_range[0], t_end=t_range[1],
-                      cache_tokens=version.tokens)  # fmt: skip
+        common = dict(
+            id=q.id,
+            stream=q.stream,
+            version=version.id,
+            t_start=t_range[0],
+            t_end=t_range[1],
+            cache_tokens=version.tokens,
+        )
         if q.choices:
             result = choose(self.rt, version, q.question, list(q.choices))
             scores = {c: s if math.isfinite(s) else -1e9 for c, s in zip(q.choices, result.scores, strict=True)}
-            return FinalAnswer(text=result.choice, choice=result.choice, scores=scores,
-                               total_s=time.perf_counter() - t0, **common)  # fmt: skip
+            return FinalAnswer(
+                text=result.choice, choice=result.choice, scores=scores, total_s=time.perf_counter() - t0, **common
+            )
         params = GenerationParams(max_tokens=q.max_tokens, temperature=q.temperature, top_p=q.top_p)
         reply = keys.answer(q.id)
 
@@ -109,8 +124,13 @@ class Answerer:
             self.r.expire(reply, ttl)
 
         answer = ask(self.rt, version, q.question, params, on_delta=delta)
-        return FinalAnswer(text=answer.text, first_token_s=answer.first_token_s, total_s=answer.total_s,
-                           tokens=len(answer.token_ids), **common)  # fmt: skip
+        return FinalAnswer(
+            text=answer.text,
+            first_token_s=answer.first_token_s,
+            total_s=answer.total_s,
+            tokens=len(answer.token_ids),
+            **common,
+        )
 
     def _already_answered(self, qid: str) -> bool:
         last = self.r.xrevrange(keys.answer(qid), count=1)

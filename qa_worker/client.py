@@ -16,8 +16,9 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from common import keys, redisio
-from common.schemas import AnswerDelta, FinalAnswer, Question, decode_answer, encode_question
+from common import redisio
+from common.wire import keys
+from common.wire.schemas import AnswerDelta, FinalAnswer, Question, decode_answer, encode_question
 
 
 class Client:
@@ -43,8 +44,14 @@ class Client:
                         return
         raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
 
-    def ask(self, stream: str, question: str, on_delta: Callable[[str], None] | None = None,
-            timeout_s: float = 120.0, **options) -> FinalAnswer:  # fmt: skip
+    def ask(
+        self,
+        stream: str,
+        question: str,
+        on_delta: Callable[[str], None] | None = None,
+        timeout_s: float = 120.0,
+        **options,
+    ) -> FinalAnswer:
         qid = self.submit(stream, question, **options)
         for reply in self.replies(qid, timeout_s):
             if isinstance(reply, FinalAnswer):
@@ -78,8 +85,9 @@ def main(argv: list[str]) -> int:
 
 def _ask(client: Client, ns: argparse.Namespace) -> int:
     options = {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
-    final = client.ask(ns.stream, ns.question, on_delta=lambda t: print(t, end="", flush=True),
-                       timeout_s=ns.timeout, **options)  # fmt: skip
+    final = client.ask(
+        ns.stream, ns.question, on_delta=lambda t: print(t, end="", flush=True), timeout_s=ns.timeout, **options
+    )
     if final.error:
         print(f"error: {final.error}", file=sys.stderr)
         return 1

@@ -17,11 +17,12 @@ from pathlib import Path
 import redis
 import structlog
 
-from common import keys, metrics, redisio
-from common.answer import GenerationParams, QuestionError, ask
+from common import metrics, redisio
 from common.config import Job
-from common.engine import Runtime
-from common.kvcache import Version
+from common.engine.answer import GenerationParams, QuestionError, ask
+from common.engine.kvcache import Version
+from common.engine.runtime import Runtime
+from common.wire import keys
 from qa_worker.subtitles import SUBTITLE_PROMPT, Cue, SubtitleTracker, parse_model_output, to_srt, to_webvtt
 
 log = structlog.get_logger()
@@ -56,8 +57,15 @@ def model_answer(rt: Runtime, max_tokens: int = 128) -> Answer:
 
 
 class JobRunner:
-    def __init__(self, r: redis.Redis, lookup: Callable[[str], Version | None], jobs: list[Job], streams: list[str],
-                 answer: Answer, transcript_dir: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        r: redis.Redis,
+        lookup: Callable[[str], Version | None],
+        jobs: list[Job],
+        streams: list[str],
+        answer: Answer,
+        transcript_dir: str | None = None,
+    ):
         self.r, self.lookup, self.answer = r, lookup, answer
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
@@ -91,8 +99,13 @@ class JobRunner:
         if job.kind == "subtitles":
             self._emit_cues(sched, sched.tracker.observe(t0, t1, parse_model_output(text)), version)
         else:
-            fields = {"job": job.name, "version": str(version.id), "t_start": f"{t0:.3f}", "t_end": f"{t1:.3f}",
-                      "text": text}  # fmt: skip
+            fields = {
+                "job": job.name,
+                "version": str(version.id),
+                "t_start": f"{t0:.3f}",
+                "t_end": f"{t1:.3f}",
+                "text": text,
+            }
             redisio.xadd_capped(self.r, keys.job_output(sched.stream, job.name), fields, TRANSCRIPT_MAXLEN)
         metrics.JOB_RUNS.labels(job.name, sched.stream, "ok").inc()
         bound.info("job ran", chars=len(text))
@@ -107,15 +120,22 @@ class JobRunner:
         if not cues:
             return
         for cue in cues:
-            fields = {"start": f"{cue.start:.3f}", "end": f"{cue.end:.3f}", "text": cue.text, "job": sched.job.name,
-                      "version": str(version.id if version else -1)}  # fmt: skip
+            fields = {
+                "start": f"{cue.start:.3f}",
+                "end": f"{cue.end:.3f}",
+                "text": cue.text,
+                "job": sched.job.name,
+                "version": str(version.id if version else -1),
+            }
             redisio.xadd_capped(self.r, keys.transcript(sched.stream), fields, TRANSCRIPT_MAXLEN)
         if self.transcript_dir is not None:
             self._write_files(sched)
 
     def _write_files(self, sched: Schedule) -> None:
-        cues = [Cue(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode())
-                for _, f in self.r.xrange(keys.transcript(sched.stream))]  # fmt: skip
+        cues = [
+            Cue(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode())
+            for _, f in self.r.xrange(keys.transcript(sched.stream))
+        ]
         cues.sort(key=lambda c: c.start)
         origin = cues[0].start if cues[0].start > 1e8 else 0.0  # live streams carry unix times
         self.transcript_dir.mkdir(parents=True, exist_ok=True)

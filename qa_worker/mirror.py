@@ -12,13 +12,14 @@ import threading
 import redis
 import structlog
 
-from common import keys, metrics
-from common.engine import Runtime
-from common.eviction import EvictionPolicy
-from common.kvcache import StreamCache, Version
-from common.schemas import Manifest, SchemaError, decode_manifest, manifest_from_bytes
+from common import metrics
+from common.engine.eviction import EvictionPolicy
+from common.engine.kvcache import StreamCache, Version
+from common.engine.runtime import Runtime
 from common.segment_store import SegmentStore, SegmentStoreError
-from common.versions import from_manifest
+from common.wire import keys
+from common.wire.manifest import from_manifest
+from common.wire.schemas import Manifest, SchemaError, decode_manifest, manifest_from_bytes
 
 log = structlog.get_logger()
 
@@ -41,16 +42,9 @@ class StreamMirror:
     def apply(self, manifest: Manifest) -> Version:
         state = from_manifest(manifest)
         if self.cache is None:
-            spec = state.spec
-            self.cache = StreamCache(self.rt.lm, self.name, EvictionPolicy(),
-                                     interval=self.rt.loaded.temporal_interval(spec.fps),
-                                     grid_hw=(spec.grid.height // 28, spec.grid.width // 28))  # fmt: skip
+            self.cache = self.rt.new_cache(state.spec, EvictionPolicy())
         with self.rt.gpu_lock:  # GPU copies never run while a question's decode graph is being captured
-            version = self.cache.apply(
-                state.placements, version_id=state.version_id, video_start=state.video_start,
-                next_patch=state.next_patch, stats=state.stats,
-                load=lambda seg: self.store.get(self.name, seg.id, self.rt.loaded.device),
-            )  # fmt: skip
+            version = self.cache.apply(state.cache, lambda seg: self.store.get(self.name, seg.id, self.rt.device))
         # Keep recent versions answerable by id, but only those in the head's arena: an older one
         # would pin a whole arena that an eviction already replaced.
         self.recent = {vid: v for vid, v in self.recent.items() if v.view.kv is version.view.kv}

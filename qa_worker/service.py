@@ -14,11 +14,12 @@ from typing import Protocol
 import redis
 import structlog
 
-from common import boot, keys, redisio
+from common import boot, redisio
 from common.config import load_cameras_file
-from common.engine import Runtime
-from common.kvcache import Version
+from common.engine.kvcache import Version
+from common.engine.runtime import Runtime
 from common.segment_store import open_store
+from common.wire import keys
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
 from qa_worker.jobs import JobRunner, model_answer
@@ -43,12 +44,14 @@ class QAService:
     def __init__(self, cfg: QAConfig, rt: Runtime, r: redis.Redis, versions: VersionSource):
         self.cfg, self.rt, self.r = cfg, rt, r
         self.versions = versions
-        self.answerer = Answerer(rt, r, versions.get, versions.serves, reply_ttl_s=cfg.reply_ttl_s,
-                                 answers_maxlen=cfg.answers_maxlen)  # fmt: skip
+        self.answerer = Answerer(
+            rt, r, versions.get, versions.serves, reply_ttl_s=cfg.reply_ttl_s, answers_maxlen=cfg.answers_maxlen
+        )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
         self.jobs = JobRunner(r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir)
-        self.reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=1,
-                                          block_ms=cfg.block_ms)  # fmt: skip
+        self.reader = redisio.GroupReader(
+            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=1, block_ms=cfg.block_ms
+        )
         self._last_claim = 0.0
 
     def run(self, stop: threading.Event) -> None:
@@ -63,8 +66,9 @@ class QAService:
     def step(self) -> None:
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
-            stale = redisio.claim_stale(self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer,
-                                        self.cfg.claim_idle_ms)  # fmt: skip
+            stale = redisio.claim_stale(
+                self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms
+            )
             for _, entry_id, fields in stale:
                 self.answerer.handle(entry_id, fields)
         for _, entry_id, fields in self.reader.read():

@@ -23,11 +23,12 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from common.answer import GenerationParams, ask, question_suffix
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.eviction import EvictionPolicy
-from common.frames import Grid, frames_to_pixels
-from common.model import load_model
+from common.engine.answer import GenerationParams, ask, question_suffix
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import Grid, StreamSpec, frames_to_pixels
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
 
 QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
 
@@ -39,8 +40,12 @@ def log(msg: str) -> None:
 
 def gpu_info() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return ""
@@ -88,8 +93,10 @@ def filled_engine(rt: Runtime, n_tokens: int, slab: int = 4096) -> StreamEngine:
     per_patch = 256
     while (room := (n_tokens - engine.head.tokens) // per_patch * per_patch) > 0:
         n_patches = min(slab, room) // per_patch
-        embeds = torch.randn(n_patches * per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device,
-                             dtype=rt.lm.dtype) * 0.02  # fmt: skip
+        embeds = (
+            torch.randn(n_patches * per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype)
+            * 0.02
+        )
         engine.append_embeddings(embeds, n_patches, (0, 0), (0.0, 0.0))
     return engine
 
@@ -172,8 +179,14 @@ def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
     for i in range(chunks):
         v = engine.append_embeddings(chunk, 2, (i, i), (float(i), float(i)))
         if i % max(1, chunks // 20) == 0 and torch.cuda.is_available():
-            samples.append({"chunk": i, "cache_tokens": v.tokens, "gpu_mib": torch.cuda.memory_allocated() >> 20,
-                            "reserved_mib": torch.cuda.memory_reserved() >> 20})  # fmt: skip
+            samples.append(
+                {
+                    "chunk": i,
+                    "cache_tokens": v.tokens,
+                    "gpu_mib": torch.cuda.memory_allocated() >> 20,
+                    "reserved_mib": torch.cuda.memory_reserved() >> 20,
+                }
+            )
     sync()
     head = engine.head
     cuda = torch.cuda.is_available()

@@ -1,7 +1,7 @@
 """Draw docs/bench/*.png from a bench_engine.py JSON result.
 
-    pip install matplotlib   # a tool for the docs, not a dependency of the services
-    python scripts/plot_bench.py docs/bench/engine-h200-2026-11-21.json docs/bench/first-token.png
+pip install matplotlib   # a tool for the docs, not a dependency of the services
+python scripts/plot_bench.py docs/bench/engine-h200-2026-11-21.json docs/bench/first-token.png
 """
 
 from __future__ import annotations
@@ -28,10 +28,22 @@ def main(src: str, dst: str) -> None:
     ax.set_ylabel("time to first answer token (ms, log)")
     ax.set_title(f"{result['model']} on {result['device']}, {result['dtype'].removeprefix('torch.')}")
     for c, x in zip(cache, sizes, strict=True):
-        ax.annotate(f"{c['first_token_ms']:.0f} ms", (x, c["first_token_ms"]), textcoords="offset points",
-                    xytext=(0, -14), ha="center", fontsize=8)  # fmt: skip
-        ax.annotate(f"{c['stateless_first_token_ms']:.0f} ms", (x, c["stateless_first_token_ms"]),
-                    textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)  # fmt: skip
+        ax.annotate(
+            f"{c['first_token_ms']:.0f} ms",
+            (x, c["first_token_ms"]),
+            textcoords="offset points",
+            xytext=(0, -14),
+            ha="center",
+            fontsize=8,
+        )
+        ax.annotate(
+            f"{c['stateless_first_token_ms']:.0f} ms",
+            (x, c["stateless_first_token_ms"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+            fontsize=8,
+        )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(loc="center right")
     fig.tight_layout()

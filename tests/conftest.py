@@ -23,9 +23,7 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_SERVER = (
-    os.environ.get("SVQA_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
-)
+REDIS_SERVER = os.environ.get("SVQA_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
 REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
 
 
@@ -52,10 +50,22 @@ class RedisServer:
         if not os.access(REDIS_SERVER, os.X_OK):
             pytest.skip(f"redis-server not found at {REDIS_SERVER}")
         cmd = [
-            REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-            "--appendonly", "no", "--dir", str(self.workdir), "--daemonize", "no",
-            "--logfile", str(self.workdir / "redis.log"),
-        ]  # fmt: skip
+            REDIS_SERVER,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(self.workdir),
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.workdir / "redis.log"),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping(timeout_s)
 

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import redis
 
-from common import keys
-from common.schemas import Manifest, decode_manifest, manifest_from_bytes
+from common.wire import keys
+from common.wire.schemas import Manifest, decode_manifest, manifest_from_bytes
 
 T = TypeVar("T")
 
@@ -26,16 +26,26 @@ class Services:
     def __init__(self, redis_url: str, workdir: Path, **env: str):
         self.workdir = workdir
         self.env = {
-            **os.environ, "PYTHONUNBUFFERED": "1", "SVQA_REDIS_URL": redis_url, "SVQA_MODEL": "tiny-random",
-            "SVQA_DEVICE": "cpu", "SVQA_SEGMENT_STORE": str(workdir / "segments"), "SVQA_BLOCK_MS": "200",
-            "SVQA_LOG_LEVEL": "INFO", **env,
-        }  # fmt: skip
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "SVQA_REDIS_URL": redis_url,
+            "SVQA_MODEL": "tiny-random",
+            "SVQA_DEVICE": "cpu",
+            "SVQA_SEGMENT_STORE": str(workdir / "segments"),
+            "SVQA_BLOCK_MS": "200",
+            "SVQA_LOG_LEVEL": "INFO",
+            **env,
+        }
         self.procs: list[subprocess.Popen] = []
 
     def start(self, service: str, *args: str, **env: str) -> subprocess.Popen:
         log = open(self.workdir / f"{service}-{len(self.procs)}.log", "w")  # noqa: SIM115 (lives with the process)
-        proc = subprocess.Popen([sys.executable, "-m", "common.cli", service, *args], env={**self.env, **env},
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apps.cli", service, *args],
+            env={**self.env, **env},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         self.procs.append(proc)
         return proc
 

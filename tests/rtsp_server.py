@@ -79,8 +79,20 @@ class RtspServer:
         """Spawn the server and wait until it printed READY and its port accepts connections."""
         if self.proc is not None and self.proc.poll() is None:
             return self
-        cmd = [SYSTEM_PYTHON, os.path.abspath(__file__), "--port", str(self.port), "--path", self.path,
-               "--fps", str(self.fps), "--width", str(self.width), "--height", str(self.height)]  # fmt: skip
+        cmd = [
+            SYSTEM_PYTHON,
+            os.path.abspath(__file__),
+            "--port",
+            str(self.port),
+            "--path",
+            self.path,
+            "--fps",
+            str(self.fps),
+            "--width",
+            str(self.width),
+            "--height",
+            str(self.height),
+        ]
         if self.file:
             cmd += ["--file", os.path.abspath(self.file)]
         # Own session: a kill never reaches the test runner; stderr inherited so failures show in pytest.

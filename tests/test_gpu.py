@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.lm import _attention_with_lse
+from common.engine.lm import _attention_with_lse
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -28,10 +28,11 @@ def test_flash_attention_log_sum_exp_matches_maths_on_a_strided_cache_view(n):
 def test_decode_as_cuda_graph_equals_the_same_steps_launched_eagerly(monkeypatch):
     import numpy as np
 
-    from common import answer
-    from common.engine import Runtime, StreamEngine, StreamSpec
-    from common.frames import Grid
-    from common.model import load_model
+    from common.engine import answer
+    from common.engine.frames import Grid, StreamSpec
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime
+    from common.engine.stream import StreamEngine
 
     rt = Runtime(load_model("tiny-random", device="cuda"))
     engine = StreamEngine(rt, StreamSpec("cam", 2.0, Grid(56, 84), 4))

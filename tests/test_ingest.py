@@ -9,9 +9,9 @@ import time
 import pytest
 import redis
 
-from common import keys
-from common.samplevideo import truncate_file, write_garbage_file, write_sample_video
-from common.schemas import EndOfStream, FrameMsg, decode_frame
+from apps.samplevideo import truncate_file, write_garbage_file, write_sample_video
+from common.wire import keys
+from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 
@@ -118,8 +118,20 @@ def test_rtsp_reconnects_after_server_is_killed_and_restarted(redis_url, service
     r = redis.Redis.from_url(redis_url)
     server = RtspServer(fps=10, width=320, height=240).start()
     try:
-        proc = ingest(services, server.url, "--fps", "5", "--read-timeout-s", "2", "--open-timeout-s", "5",
-                      "--reconnect-min-s", "0.2", "--reconnect-max-s", "1")  # fmt: skip
+        proc = ingest(
+            services,
+            server.url,
+            "--fps",
+            "5",
+            "--read-timeout-s",
+            "2",
+            "--open-timeout-s",
+            "5",
+            "--reconnect-min-s",
+            "0.2",
+            "--reconnect-max-s",
+            "1",
+        )
         wait_for(lambda: r.xlen(keys.frames(CAM)) >= 10, 60, "frames from RTSP", services)
         server.stop(kill=True)
         wait_for(lambda: "reconnecting" in events(r), 30, "a reconnect attempt", services)
@@ -142,9 +154,22 @@ def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, s
     listener.listen(8)
     port = listener.getsockname()[1]
     try:
-        proc = ingest(services, f"rtsp://127.0.0.1:{port}/cam", "--fps", "5", "--open-timeout-s", "1",
-                      "--read-timeout-s", "1", "--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5",
-                      "--max-reconnects", "2")  # fmt: skip
+        proc = ingest(
+            services,
+            f"rtsp://127.0.0.1:{port}/cam",
+            "--fps",
+            "5",
+            "--open-timeout-s",
+            "1",
+            "--read-timeout-s",
+            "1",
+            "--reconnect-min-s",
+            "0.2",
+            "--reconnect-max-s",
+            "0.5",
+            "--max-reconnects",
+            "2",
+        )
         assert proc.wait(timeout=60) == 1  # gave up with nothing usable
         kinds = events(r)
         assert kinds.count("error") == 3 and "gave_up" in kinds
@@ -162,8 +187,25 @@ def test_hls_over_http(redis_url, services, tmp_path):
     video = write_sample_video(str(tmp_path / "a.mp4"), seconds=4, fps=10, width=160, height=120)
     hls = tmp_path / "hls"
     hls.mkdir()
-    subprocess.run(["ffmpeg", "-v", "error", "-i", video, "-c", "copy", "-f", "hls", "-hls_time", "1",
-                    "-hls_list_size", "0", str(hls / "live.m3u8")], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "ffmpeg",
+            "-v",
+            "error",
+            "-i",
+            video,
+            "-c",
+            "copy",
+            "-f",
+            "hls",
+            "-hls_time",
+            "1",
+            "-hls_list_size",
+            "0",
+            str(hls / "live.m3u8"),
+        ],
+        check=True,
+    )
     handler = functools.partial(SimpleHTTPRequestHandler, directory=str(hls))
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()

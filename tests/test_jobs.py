@@ -13,13 +13,14 @@ import pytest
 import redis
 import yaml
 
-from common import keys
+from apps.samplevideo import caption_at, write_sample_video
 from common.config import Job
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.frames import choose_grid
-from common.model import load_model
-from common.samplevideo import caption_at, write_sample_video
-from common.video import iter_file_frames
+from common.engine.frames import StreamSpec, choose_grid
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
+from common.wire import keys
+from ingest.video import iter_file_frames
 from qa_worker.jobs import JobRunner
 from qa_worker.subtitles import parse_srt, parse_webvtt, validate_srt, validate_webvtt
 from tests.conftest import free_port
@@ -66,8 +67,11 @@ def test_subtitle_job_schedule_dedupe_cues_and_files(rt, redis_url, tmp_path):
     validate_srt(srt)
     assert [c.text for c in parse_webvtt(vtt)] == [c.text for c in parse_srt(srt)] == [c[2] for c in cues]
     for path in ("cam1.vtt", "cam1.srt"):  # a real, independent parser reads them
-        ffmpeg = subprocess.run(["ffmpeg", "-v", "error", "-i", str(tmp_path / "subs" / path), "-f", "srt", "-"],
-                                capture_output=True, text=True)  # fmt: skip
+        ffmpeg = subprocess.run(
+            ["ffmpeg", "-v", "error", "-i", str(tmp_path / "subs" / path), "-f", "srt", "-"],
+            capture_output=True,
+            text=True,
+        )
         assert ffmpeg.returncode == 0 and ffmpeg.stdout.count("-->") == 3, ffmpeg.stderr
 
 
@@ -91,13 +95,23 @@ def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "v.mp4"), seconds=6, fps=10, width=160, height=120)
     cameras = tmp_path / "cameras.yaml"
-    cameras.write_text(yaml.safe_dump({
-        "cameras": [{"name": "cam1", "url": video, "fps": 2}],
-        "jobs": [
-            {"name": "subs", "stream": "cam1", "kind": "subtitles", "every_versions": 1, "formats": ["vtt", "srt"]},
-            {"name": "cap", "stream": "*", "kind": "caption", "every_versions": 2},
-        ],
-    }))  # fmt: skip
+    cameras.write_text(
+        yaml.safe_dump(
+            {
+                "cameras": [{"name": "cam1", "url": video, "fps": 2}],
+                "jobs": [
+                    {
+                        "name": "subs",
+                        "stream": "cam1",
+                        "kind": "subtitles",
+                        "every_versions": 1,
+                        "formats": ["vtt", "srt"],
+                    },
+                    {"name": "cap", "stream": "*", "kind": "caption", "every_versions": 2},
+                ],
+            }
+        )
+    )
     services = Services(redis_url, tmp_path, SVQA_CAMERAS_FILE=str(cameras))
     try:
         port = free_port()
@@ -118,9 +132,21 @@ def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):
         assert _metric(scraped, 'svqa_qa_questions_total{outcome="ok"}') >= 1
         assert _metric(scraped, "svqa_qa_first_token_seconds_count") >= 1
         services.stop_all()  # the worker flushes open cues on the way out
-        transcript = subprocess.run([str(Path(sys.executable).parent / "streamvqa"), "transcript", "--redis-url",
-                                     redis_url, "--stream", "cam1", "--format", "vtt"], capture_output=True,
-                                    text=True, timeout=60)  # fmt: skip
+        transcript = subprocess.run(
+            [
+                str(Path(sys.executable).parent / "streamvqa"),
+                "transcript",
+                "--redis-url",
+                redis_url,
+                "--stream",
+                "cam1",
+                "--format",
+                "vtt",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert transcript.returncode == 0, transcript.stderr
         validate_webvtt(transcript.stdout)
         if r.xlen(keys.transcript("cam1")):  # tiny-random may answer NONE-like text: then there are no cues

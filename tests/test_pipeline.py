@@ -15,14 +15,14 @@ import pytest
 import redis
 import yaml
 
-from common import keys
-from common.engine import Runtime
-from common.frames import Grid
-from common.model import load_model
-from common.offline import offline_answer
-from common.samplevideo import write_sample_video
-from common.schemas import FinalAnswer, decode_answer
-from common.video import iter_file_frames
+from apps.samplevideo import write_sample_video
+from common.engine.frames import Grid
+from common.engine.model import load_model
+from common.engine.offline import offline_answer
+from common.engine.runtime import Runtime
+from common.wire import keys
+from common.wire.schemas import FinalAnswer, decode_answer
+from ingest.video import iter_file_frames
 from qa_worker.client import Client
 from tests.pipeline import Services, chunk_frames_in_history, head, manifest_of, manifests, wait_for
 
@@ -76,11 +76,31 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
 
     # a real client that is not ours: redis-cli
     question = "What is written on the screen?"
-    qid = subprocess.run([redis_cli, "-u", redis_url, "XADD", keys.QUESTIONS, "*", "stream", CAM,
-                          "question", question, "max_tokens", "8"], capture_output=True, text=True,
-                         check=True).stdout.strip()  # fmt: skip
-    reply = subprocess.run([redis_cli, "-u", redis_url, "--no-raw", "XREAD", "BLOCK", "60000", "STREAMS",
-                            keys.answer(qid), "0"], capture_output=True, text=True, check=True)  # fmt: skip
+    qid = subprocess.run(
+        [
+            redis_cli,
+            "-u",
+            redis_url,
+            "XADD",
+            keys.QUESTIONS,
+            "*",
+            "stream",
+            CAM,
+            "question",
+            question,
+            "max_tokens",
+            "8",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    reply = subprocess.run(
+        [redis_cli, "-u", redis_url, "--no-raw", "XREAD", "BLOCK", "60000", "STREAMS", keys.answer(qid), "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert reply.stdout.strip(), "redis-cli read no answer"
     final = wait_for(lambda: _final(r, qid), 60, "final answer", services)
     assert_matches_offline(rt, r, video, final, question, 8)
@@ -99,8 +119,9 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
     out = subprocess.run([*cli, "--max-tokens", "4", "Is it raining?"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stderr.strip().splitlines()[-1])["version"] == head(r, CAM).version
-    out = subprocess.run([*cli, "Is the door open?", "--choices", "yes", "no"], capture_output=True, text=True,
-                         timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [*cli, "Is the door open?", "--choices", "yes", "no"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     final = json.loads(out.stderr.strip().splitlines()[-1])
     assert out.stdout.strip() in ("yes", "no") and final["choice"] == out.stdout.strip()

@@ -6,7 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
-from common import cli
+from apps import cli
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig

@@ -9,7 +9,6 @@ import time
 import pytest
 import redis
 
-from common import keys
 from common.redisio import (
     GroupReader,
     claim_stale,
@@ -21,6 +20,7 @@ from common.redisio import (
     wait_for_redis,
     xadd_capped,
 )
+from common.wire import keys
 
 S, G = "svqa:{t}:s", "grp"
 

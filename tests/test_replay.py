@@ -6,18 +6,32 @@ import json
 import subprocess
 import sys
 
-from common.samplevideo import write_sample_video
+from apps.samplevideo import write_sample_video
 
 
 def replay(*args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "common.cli", "replay", *args, "--model", "tiny-random", "--device", "cpu"]
+    cmd = [sys.executable, "-m", "apps.cli", "replay", *args, "--model", "tiny-random", "--device", "cpu"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 def test_replay_matches_offline_for_every_question(tmp_path):
     video = write_sample_video(str(tmp_path / "clip.mp4"), seconds=5, fps=10, width=160, height=120)
-    out = replay(video, "--fps", "3", "--chunk-frames", "4", "--ask", "What is written on screen?",
-                 "--ask", "Which shape moves?", "--ask-every", "2", "--compare-offline", "--max-tokens", "10")
+    out = replay(
+        video,
+        "--fps",
+        "3",
+        "--chunk-frames",
+        "4",
+        "--ask",
+        "What is written on screen?",
+        "--ask",
+        "Which shape moves?",
+        "--ask-every",
+        "2",
+        "--compare-offline",
+        "--max-tokens",
+        "10",
+    )
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert {line["trigger"] for line in lines} == {"periodic", "end"}

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import redis
 
-from common import keys
-from common.schemas import (
+from common.wire import keys
+from common.wire.schemas import (
     AnswerDelta,
     EndOfStream,
     FinalAnswer,
@@ -156,11 +156,21 @@ def test_unknown_frame_keys_are_ignored():
 
 def _manifest(**kw) -> Manifest:
     base = dict(
-        version=5, stream="cam1", segment_ids=["prefix", "c0001", "c0002"],
-        temporal_deltas=[[], [0, 0], [-4, -4]], last_frame_seq=11, first_ts=100.0, last_ts=102.5,
-        cache_tokens=1234, next_patch=6, evicted_segments=1, evicted_tokens=512, evicted_frames=4,
-        created_at=1700000000.5, extra={"policy": "rebase"},
-    )  # fmt: skip
+        version=5,
+        stream="cam1",
+        segment_ids=["prefix", "c0001", "c0002"],
+        temporal_deltas=[[], [0, 0], [-4, -4]],
+        last_frame_seq=11,
+        first_ts=100.0,
+        last_ts=102.5,
+        cache_tokens=1234,
+        next_patch=6,
+        evicted_segments=1,
+        evicted_tokens=512,
+        evicted_frames=4,
+        created_at=1700000000.5,
+        extra={"policy": "rebase"},
+    )
     return Manifest(**{**base, **kw})
 
 
@@ -176,9 +186,7 @@ def test_manifest_round_trip(redis_url):
 
 
 def test_manifest_empty_stream_and_defaults():
-    m = _manifest(
-        segment_ids=["prefix"], temporal_deltas=[[]], last_frame_seq=-1, first_ts=None, last_ts=None
-    )
+    m = _manifest(segment_ids=["prefix"], temporal_deltas=[[]], last_frame_seq=-1, first_ts=None, last_ts=None)
     assert manifest_from_bytes(manifest_to_bytes(m)) == m
     d = msgpack.unpackb(manifest_to_bytes(m))
     for k in ("evicted_segments", "evicted_tokens", "evicted_frames", "created_at", "extra"):
@@ -246,9 +254,14 @@ def test_question_defaults_and_ids():
 
 def test_question_all_fields_round_trip():
     fields = _q(
-        id="q-1", max_tokens="64", temperature="0.7", top_p="0.9", choices='["red", "blue", "green"]',
-        at="42", reply_ttl="600",
-    )  # fmt: skip
+        id="q-1",
+        max_tokens="64",
+        temperature="0.7",
+        top_p="0.9",
+        choices='["red", "blue", "green"]',
+        at="42",
+        reply_ttl="600",
+    )
     q = parse_question(fields)
     assert q == Question("q-1", "cam1", "what is red?", 64, 0.7, 0.9, ("red", "blue", "green"), 42, 600)
     assert parse_question({k.encode(): v.encode() for k, v in encode_question(q).items()}) == q
@@ -328,13 +341,32 @@ def test_redis_cli_question_accepted(redis_url, redis_cli):
     cli = [redis_cli, "-u", redis_url]
     eid = subprocess.run(
         [*cli, "XADD", keys.QUESTIONS, "*", "stream", "cam1", "question", "what is red?"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     subprocess.run(
-        [*cli, "XADD", keys.QUESTIONS, "*", "id", "mc1", "stream", "cam1", "question", "which colour?",
-         "choices", '["red","blue"]', "max_tokens", "16", "temperature", "0"],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        [
+            *cli,
+            "XADD",
+            keys.QUESTIONS,
+            "*",
+            "id",
+            "mc1",
+            "stream",
+            "cam1",
+            "question",
+            "which colour?",
+            "choices",
+            '["red","blue"]',
+            "max_tokens",
+            "16",
+            "temperature",
+            "0",
+        ],
+        check=True,
+        capture_output=True,
+    )
     r = redis.Redis.from_url(redis_url)
     (id1, f1), (_, f2) = r.xrange(keys.QUESTIONS)
     q1 = parse_question(f1, entry_id=id1)
@@ -349,9 +381,19 @@ def test_redis_cli_question_accepted(redis_url, redis_cli):
 def test_answer_round_trip(redis_url):
     r = redis.Redis.from_url(redis_url)
     final = FinalAnswer(
-        id="q1", stream="cam1", text="red", choice="red", scores={"red": -0.1, "blue": -2.5}, version=9,
-        t_start=100.0, t_end=130.25, cache_tokens=4096, first_token_s=0.047, total_s=0.31, tokens=3,
-    )  # fmt: skip
+        id="q1",
+        stream="cam1",
+        text="red",
+        choice="red",
+        scores={"red": -0.1, "blue": -2.5},
+        version=9,
+        t_start=100.0,
+        t_end=130.25,
+        cache_tokens=4096,
+        first_token_s=0.047,
+        total_s=0.31,
+        tokens=3,
+    )
     r.xadd(keys.answer("q1"), encode_delta("re"))
     r.xadd(keys.answer("q1"), encode_delta("d"))
     r.xadd(keys.answer("q1"), encode_final(final))

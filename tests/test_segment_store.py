@@ -15,7 +15,6 @@ import redis
 import torch
 from safetensors import safe_open
 
-from common import keys
 from common.segment_store import (
     DirectoryStore,
     MemoryStore,
@@ -24,6 +23,7 @@ from common.segment_store import (
     SegmentStoreError,
     open_store,
 )
+from common.wire import keys
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ["memory", "dir", "redis"]
@@ -83,11 +83,14 @@ def test_missing_segment(store: SegmentStore) -> None:
 def test_bad_ids_rejected(store: SegmentStore, bad: str) -> None:
     kv = arena(torch.float32)
     for call in (
-        lambda: store.put(bad, "s", kv), lambda: store.put("cam", bad, kv),
-        lambda: store.get(bad, "s"), lambda: store.get("cam", bad),
-        lambda: store.exists(bad, "s"), lambda: store.exists("cam", bad),
+        lambda: store.put(bad, "s", kv),
+        lambda: store.put("cam", bad, kv),
+        lambda: store.get(bad, "s"),
+        lambda: store.get("cam", bad),
+        lambda: store.exists(bad, "s"),
+        lambda: store.exists("cam", bad),
         lambda: store.gc(bad, []),
-    ):  # fmt: skip
+    ):
         with pytest.raises(SegmentStoreError, match="invalid"):
             call()
 

@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from common.answer import GenerationParams, ask
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.eviction import EvictionPolicy
-from common.frames import Grid
-from common.model import load_model
-from common.schemas import decode_manifest, encode_manifest
+from common.engine.answer import GenerationParams, ask
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import Grid, StreamSpec
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
 from common.segment_store import DirectoryStore
-from common.versions import from_manifest, to_manifest
+from common.wire.manifest import from_manifest, to_manifest
+from common.wire.schemas import decode_manifest, encode_manifest
 from qa_worker.mirror import StreamMirror
 
 GRID = Grid(56, 84)
@@ -83,7 +84,7 @@ def test_restarted_encoder_continues_exactly_like_an_uninterrupted_one(rt, tmp_p
     manifest = wire(head, first.spec)
     del first  # the process dies; the manifest and the store remain
     state = from_manifest(manifest)
-    resumed = writer(rt, store, restore=(state, lambda seg: store.get("cam", seg.id)))
+    resumed = writer(rt, store, restore=(state.cache, lambda seg: store.get("cam", seg.id)))
     assert resumed.head.id == head.id and resumed.head.last_frame_seq == 23
     for i in range(24, 48, 4):
         a, b = append(steady, video, i), append(resumed, video, i)

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from common.samplevideo import corrupt_bytes, truncate_file, write_garbage_file, write_sample_video
-from common.video import (
+from apps.samplevideo import corrupt_bytes, truncate_file, write_garbage_file, write_sample_video
+from ingest.video import (
     DecodedFrame,
     SourceError,
     is_live,

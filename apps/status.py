@@ -13,8 +13,9 @@ import time
 
 import redis
 
-from common import keys, redisio
-from common.schemas import SchemaError, manifest_from_bytes
+from common import redisio
+from common.wire import keys
+from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
 def streams(r: redis.Redis) -> list[str]:
@@ -38,17 +39,26 @@ def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
 
 def stream_status(r: redis.Redis, name: str, now: float) -> dict:
     meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
-    out: dict = {"stream": name, "source": meta.get("url"), "fps": meta.get("fps"),
-                 "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None}  # fmt: skip
+    out: dict = {
+        "stream": name,
+        "source": meta.get("url"),
+        "fps": meta.get("fps"),
+        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
+    }
     raw = r.get(keys.head(name))
     if raw:
         try:
             m = manifest_from_bytes(raw)
             live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
-            out["head"] = {"version": m.version, "tokens": m.cache_tokens, "last_frame_seq": m.last_frame_seq,
-                           "time_range": [m.first_ts, m.last_ts], "age_s": round(now - m.created_at, 1),
-                           "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
-                           "evicted_tokens": m.evicted_tokens}  # fmt: skip
+            out["head"] = {
+                "version": m.version,
+                "tokens": m.cache_tokens,
+                "last_frame_seq": m.last_frame_seq,
+                "time_range": [m.first_ts, m.last_ts],
+                "age_s": round(now - m.created_at, 1),
+                "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
+                "evicted_tokens": m.evicted_tokens,
+            }
         except SchemaError as e:
             out["head"] = {"error": str(e)}
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
@@ -79,8 +89,10 @@ def render(status: dict) -> str:
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
     q = status["questions"]
-    lines.append(f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
-                 f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}")  # fmt: skip
+    lines.append(
+        f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
+        f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}"
+    )
     return "\n".join(lines)
 
 

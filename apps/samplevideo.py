@@ -73,9 +73,13 @@ def _add_video_stream(
         # mbtree off: x264's macroblock-tree pass reads uninitialised memory (seen with VFR input),
         # so the first IDR frame came out differently from run to run.
         options = {
-            "preset": "veryfast", "crf": "23", "g": str(2 * fps), "bf": "2",
-            "threads": "1", "x264-params": "mbtree=0",
-        }  # fmt: skip
+            "preset": "veryfast",
+            "crf": "23",
+            "g": str(2 * fps),
+            "bf": "2",
+            "threads": "1",
+            "x264-params": "mbtree=0",
+        }
     stream = out.add_stream(codec, rate=fps, options=options)
     stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
     stream.codec_context.thread_count = 1
@@ -186,7 +190,7 @@ def write_garbage_file(path: str, size: int = 64 * 1024, seed: int = 0) -> str:
     return path
 
 
-if __name__ == "__main__":  # python -m common.samplevideo out.mp4 [seconds]
+if __name__ == "__main__":  # python -m apps.samplevideo out.mp4 [seconds]
     import sys
 
     out_path = sys.argv[1] if len(sys.argv) > 1 else "sample.mp4"

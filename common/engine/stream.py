@@ -11,64 +11,16 @@ A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from common.eviction import EvictionPolicy
-from common.frames import FrameError, Grid, frames_to_pixels, pad_to_temporal
-from common.kvcache import Segment, StreamCache, Version
-from common.lm import LanguageModel
-from common.model import SYSTEM_PROMPT, LoadedModel
-from common.positions import text_positions, video_positions
-
-if TYPE_CHECKING:
-    from common.versions import ManifestState
-
-
-class Runtime:
-    """A loaded model plus our language-model runner; shared by every stream on a device."""
-
-    def __init__(self, loaded: LoadedModel):
-        self.loaded = loaded
-        self.lm = LanguageModel(loaded)
-        self.tokenizer = loaded.tokenizer
-        self.ids = loaded.ids
-        # One GPU does one forward at a time; the lock keeps encoder and QA threads from
-        # interleaving inside a forward (cheaper than the memory of concurrent activations).
-        self.gpu_lock = threading.RLock()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
-        return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
-
-    @torch.inference_mode()
-    def vision(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        visual = self.loaded.model.model.visual
-        grid = torch.tensor([grid_thw], device=self.loaded.device)
-        out = visual(pixels.to(self.loaded.device, visual.dtype), grid_thw=grid)
-        return out.pooler_output.to(self.lm.dtype)
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    name: str
-    fps: float
-    grid: Grid
-    chunk_frames: int = 4
-
-    def __post_init__(self) -> None:
-        if not (self.fps > 0):
-            raise ValueError(f"fps must be positive, got {self.fps}")
-        if self.chunk_frames <= 0 or self.chunk_frames % 2:
-            raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
-
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import FrameError, StreamSpec, frames_to_pixels, pad_to_temporal
+from common.engine.kvcache import CacheState, Segment, Version
+from common.engine.positions import text_positions, video_positions
+from common.engine.runtime import Runtime
 
 SegmentSink = Callable[[Segment, torch.Tensor], None]
 
@@ -81,23 +33,25 @@ class StreamEngine:
     a stream from a published manifest instead of starting empty.
     """
 
-    def __init__(self, runtime: Runtime, spec: StreamSpec, policy: EvictionPolicy | None = None, *,
-                 on_segment: SegmentSink | None = None,
-                 restore: tuple[ManifestState, Callable[[Segment], torch.Tensor]] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        runtime: Runtime,
+        spec: StreamSpec,
+        policy: EvictionPolicy | None = None,
+        *,
+        on_segment: SegmentSink | None = None,
+        restore: tuple[CacheState, Callable[[Segment], torch.Tensor]] | None = None,
+    ):
         self.rt = runtime
         self.spec = spec
-        self.interval = runtime.loaded.temporal_interval(spec.fps)
-        self.grid_hw = (spec.grid.height // 28, spec.grid.width // 28)
-        self.cache = StreamCache(runtime.lm, spec.name, policy or EvictionPolicy(),
-                                 interval=self.interval, grid_hw=self.grid_hw)  # fmt: skip
+        self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
         self.on_segment = on_segment
         if restore is None:
             self._prefill_prefix()
         else:
             state, load = restore
             with self.rt.gpu_lock:
-                self.cache.apply(state.placements, version_id=state.version_id, video_start=state.video_start,
-                                 next_patch=state.next_patch, stats=state.stats, load=load)  # fmt: skip
+                self.cache.apply(state, load)
 
     @property
     def head(self) -> Version:
@@ -125,8 +79,12 @@ class StreamEngine:
         if self.on_segment is not None and original is not None:
             self.on_segment(segment, original)
 
-    def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float] | None = None,
-               frame_seqs: Sequence[int] | None = None) -> Version:  # fmt: skip
+    def append(
+        self,
+        frames: Sequence[np.ndarray],
+        capture_times: Sequence[float] | None = None,
+        frame_seqs: Sequence[int] | None = None,
+    ) -> Version:
         """Encode one chunk (any positive count; an odd tail is padded by repeating the last
         frame) and publish the version that contains it. Bad input raises before any state
         changes."""
@@ -144,12 +102,19 @@ class StreamEngine:
             embeds = self.rt.vision(pixels, grid_thw)
         return self.append_embeddings(embeds, grid_thw[0], (seqs[0], seqs[-1]), (times[0], times[-1]), n_pad)
 
-    def append_embeddings(self, embeds: torch.Tensor, n_patches: int, frame_seqs: tuple[int, int],
-                          capture_range: tuple[float, float], padded_frames: int = 0) -> Version:  # fmt: skip
+    def append_embeddings(
+        self,
+        embeds: torch.Tensor,
+        n_patches: int,
+        frame_seqs: tuple[int, int],
+        capture_range: tuple[float, float],
+        padded_frames: int = 0,
+    ) -> Version:
         """Prefill already-encoded video tokens (n_patches * tokens per patch, in (t, h, w) order)."""
         with self.rt.gpu_lock:
             first_patch = self.cache.next_chunk_patch()
-            pos = video_positions(self.head.video_start, first_patch, n_patches, *self.grid_hw, self.interval)
+            cache = self.cache
+            pos = video_positions(self.head.video_start, first_patch, n_patches, *cache.grid_hw, cache.interval)
             kv, start = self.cache.reserve(embeds.shape[0])
             self.rt.lm.forward(embeds, pos, kv, start)
         segment = Segment(

@@ -32,8 +32,9 @@ def temporal_offset(g: int, interval: Fraction) -> int:
     return math.floor(g * interval)
 
 
-def video_positions(start: int, first_patch: int, n_patches: int, grid_h: int, grid_w: int,
-                    interval: Fraction) -> torch.Tensor:  # fmt: skip
+def video_positions(
+    start: int, first_patch: int, n_patches: int, grid_h: int, grid_w: int, interval: Fraction
+) -> torch.Tensor:
     """(3, n_patches*grid_h*grid_w) positions of merged video tokens in (t, h, w) order.
 
     `grid_h`, `grid_w` count merged tokens (pixels / 28); `first_patch` is the logical index
@@ -54,8 +55,9 @@ def next_text_position(video_start: int, n_patches: int, grid_h: int, grid_w: in
     return max(t_max, video_start + grid_h - 1, video_start + grid_w - 1) + 1
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int],
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (L, head_dim) for (3, L) positions, computed as Qwen2.5-VL does:
     frequency k takes its angle from axis t, h or w by `mrope_section`, then both halves."""
     freqs = positions.to(inv_freq.device)[..., None].float() * inv_freq.float()  # (3, L, hd/2)
@@ -75,8 +77,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotate_half(x) * sin
 
 
-def shift_temporal(keys: torch.Tensor, delta_t: torch.Tensor, inv_freq: torch.Tensor,
-                   mrope_section: list[int]) -> torch.Tensor:  # fmt: skip
+def shift_temporal(
+    keys: torch.Tensor, delta_t: torch.Tensor, inv_freq: torch.Tensor, mrope_section: list[int]
+) -> torch.Tensor:
     """Keys (..., L, head_dim) already rotated at positions p, returned as if rotated at
     p + (delta_t, 0, 0). Only the temporal band turns; h and w bands are untouched.
     Computed in fp32 so repeated re-basing does not accumulate bf16 rounding."""

@@ -21,9 +21,9 @@ from fractions import Fraction
 
 import torch
 
-from common.eviction import EvictionPolicy
-from common.lm import KVView, LanguageModel
-from common.positions import next_text_position, shift_temporal, temporal_offset
+from common.engine.eviction import EvictionPolicy
+from common.engine.lm import KVView, LanguageModel
+from common.engine.positions import next_text_position, shift_temporal, temporal_offset
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,18 @@ class CacheStats:
     evictions: int = 0
     chunks_evicted: int = 0
     tokens_evicted: int = 0
+
+
+@dataclass(frozen=True)
+class CacheState:
+    """A version described without its K/V (decoded from a manifest, say): what `StreamCache.apply`
+    rebuilds exactly, given each segment's original K/V."""
+
+    placements: tuple[Placement, ...]
+    version_id: int
+    video_start: int
+    next_patch: int
+    stats: CacheStats
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,16 @@ class Version:
 class StreamCache:
     """The writer side: appends chunks, evicts, publishes versions. One writer per stream."""
 
-    def __init__(self, lm: LanguageModel, stream: str, policy: EvictionPolicy, *, interval: Fraction,
-                 grid_hw: tuple[int, int], initial_capacity: int = 4096):  # fmt: skip
+    def __init__(
+        self,
+        lm: LanguageModel,
+        stream: str,
+        policy: EvictionPolicy,
+        *,
+        interval: Fraction,
+        grid_hw: tuple[int, int],
+        initial_capacity: int = 4096,
+    ):
         self.lm = lm
         self.stream = stream
         self.policy = policy
@@ -142,16 +162,15 @@ class StreamCache:
             return self._evict(placements, drop, next_patch)
         return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
 
-    def apply(self, placements: list[Placement], *, version_id: int, video_start: int, next_patch: int,
-              stats: CacheStats, load: Callable[[Segment], torch.Tensor]) -> Version:  # fmt: skip
+    def apply(self, state: CacheState, load: Callable[[Segment], torch.Tensor]) -> Version:
         """Make the cache equal a version described elsewhere (a manifest): segments this cache
         holds are reused (turned by the change in their deltas), the others come from `load`
         (their original K/V). Appends in place when the current head is a prefix of it."""
+        placements = list(state.placements)
         head = self.head
         n_same = 0
         if head is not None:
-            while (n_same < min(len(head.placements), len(placements))
-                   and head.placements[n_same] == placements[n_same]):  # fmt: skip
+            while n_same < min(len(head.placements), len(placements)) and head.placements[n_same] == placements[n_same]:
                 n_same += 1
         if head is not None and n_same == len(head.placements):
             kv, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
@@ -159,8 +178,13 @@ class StreamCache:
                 self._place(kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
         else:
             self._repack(placements, head.placements if head else (), load)
-        return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats,
-                             version_id=version_id)  # fmt: skip
+        return self._publish(
+            tuple(placements),
+            video_start=state.video_start,
+            next_patch=state.next_patch,
+            stats=state.stats,
+            version_id=state.version_id,
+        )
 
     def next_chunk_patch(self) -> int:
         return self._require_head().next_patch
@@ -171,8 +195,15 @@ class StreamCache:
             raise RuntimeError("the prefix must be published before any chunk")
         return self.head
 
-    def _publish(self, placements: tuple[Placement, ...], *, video_start: int, next_patch: int,
-                 stats: CacheStats, version_id: int | None = None) -> Version:  # fmt: skip
+    def _publish(
+        self,
+        placements: tuple[Placement, ...],
+        *,
+        video_start: int,
+        next_patch: int,
+        stats: CacheStats,
+        version_id: int | None = None,
+    ) -> Version:
         last = placements[-1]
         if version_id is None:
             version_id = (self.head.id + 1) if self.head else 0
@@ -213,8 +244,9 @@ class StreamCache:
         next_patch = patch if self.policy.rebase else next_patch
         return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
 
-    def _repack(self, placements: list[Placement], source: tuple[Placement, ...],
-                load: Callable[[Segment], torch.Tensor] | None) -> None:  # fmt: skip
+    def _repack(
+        self, placements: list[Placement], source: tuple[Placement, ...], load: Callable[[Segment], torch.Tensor] | None
+    ) -> None:
         """Write `placements` into a fresh arena: segments in `source` (placed in the current arena)
         are copied from it, turned by the change in their deltas; the rest come from `load`
         (original K/V). The old arena lives on in the versions that hold it."""
@@ -251,7 +283,8 @@ class StreamCache:
         kv[:, 1, :, offset : offset + n] = src[:, 1]
         if any(t_shift):
             per_token = torch.tensor(t_shift, device=kv.device).repeat_interleave(tokens_per_patch)
-            kv[:, 0, :, offset : offset + n] = shift_temporal(src[:, 0], per_token, self.lm.inv_freq,
-                                                              self.lm.mrope_section)  # fmt: skip
+            kv[:, 0, :, offset : offset + n] = shift_temporal(
+                src[:, 0], per_token, self.lm.inv_freq, self.lm.mrope_section
+            )
         else:
             kv[:, 0, :, offset : offset + n] = src[:, 0]

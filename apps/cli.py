@@ -10,18 +10,18 @@ import argparse
 import importlib
 import sys
 
-from common import replay
+from apps import replay
 
 # subcommand -> module with `main(argv: list[str]) -> int`
 SERVICES = {
     "ingest": "ingest.service",
     "encoder": "encoder_worker.service",
     "qa": "qa_worker.service",
-    "worker": "qa_worker.combined",
+    "worker": "apps.worker",
     "ask": "qa_worker.client",
     "transcript": "qa_worker.client",
-    "status": "common.status",
-    "demo": "common.demo",
+    "status": "apps.status",
+    "demo": "apps.demo",
 }
 
 

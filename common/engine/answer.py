@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from common.engine import Runtime
-from common.kvcache import Version
-from common.positions import text_positions
+from common.engine.kvcache import Version
+from common.engine.positions import text_positions
+from common.engine.runtime import Runtime
 
 MAX_QUESTION_TOKENS = 2048
 MAX_NEW_TOKENS = 2048
@@ -81,8 +81,9 @@ class _Session:
     def feed(self, ids: list[int], pos0: int) -> torch.Tensor:
         """Run tokens at text positions pos0.. ; returns final hidden states (L, D)."""
         lm = self.rt.lm
-        hidden = lm.forward(lm.embed(ids), text_positions(pos0, len(ids)), self.scratch, self.length,
-                            base=self.version.view)  # fmt: skip
+        hidden = lm.forward(
+            lm.embed(ids), text_positions(pos0, len(ids)), self.scratch, self.length, base=self.version.view
+        )
         self.length += len(ids)
         return hidden
 
@@ -117,8 +118,13 @@ class _Decoder:
 
     def _step(self) -> None:
         lm = self.session.rt.lm
-        hidden = lm.forward(lm.embed_tokens(self.token), self.pos.expand(3, 1), self.session.scratch, self.at,
-                            base=self.session.version.view)  # fmt: skip
+        hidden = lm.forward(
+            lm.embed_tokens(self.token),
+            self.pos.expand(3, 1),
+            self.session.scratch,
+            self.at,
+            base=self.session.version.view,
+        )
         self.logits = lm.lm_head(hidden[0]).float()
 
     def _capture(self) -> None:
@@ -175,8 +181,13 @@ def iter_tokens(rt: Runtime, version: Version, question: str, params: Generation
         pos += 1
 
 
-def ask(rt: Runtime, version: Version, question: str, params: GenerationParams | None = None,
-        on_delta: Callable[[str], None] | None = None) -> Answer:  # fmt: skip
+def ask(
+    rt: Runtime,
+    version: Version,
+    question: str,
+    params: GenerationParams | None = None,
+    on_delta: Callable[[str], None] | None = None,
+) -> Answer:
     """Answer `question` against `version`, calling `on_delta(text)` as text becomes printable."""
     params = params or GenerationParams()
     t0 = time.perf_counter()

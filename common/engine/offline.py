@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.answer import question_suffix
-from common.engine import Runtime
-from common.frames import Grid, frames_to_pixels, pad_to_temporal
-from common.positions import next_text_position, text_positions, video_positions
+from common.engine.answer import question_suffix
+from common.engine.frames import Grid, frames_to_pixels, pad_to_temporal
+from common.engine.positions import next_text_position, text_positions, video_positions
+from common.engine.runtime import Runtime
 
 
 @dataclass
@@ -41,18 +41,25 @@ def offline_prompt(rt: Runtime, frames: Sequence[np.ndarray], grid: Grid, fps: f
     interval = rt.loaded.temporal_interval(fps)
     s = len(prefix)
     text_at = next_text_position(s, t, h, w, interval)
-    pos = torch.cat([text_positions(0, s), video_positions(s, 0, t, h, w, interval),
-                     text_positions(text_at, len(suffix))], dim=1)  # fmt: skip
+    pos = torch.cat(
+        [text_positions(0, s), video_positions(s, 0, t, h, w, interval), text_positions(text_at, len(suffix))], dim=1
+    )
     return torch.tensor([ids]), pixels, torch.tensor([grid_thw]), pos[:, None, :], text_at + len(suffix)
 
 
 @torch.inference_mode()
-def offline_answer(rt: Runtime, frames: Sequence[np.ndarray], grid: Grid, fps: float, question: str,
-                   max_tokens: int = 32) -> OfflineResult:  # fmt: skip
+def offline_answer(
+    rt: Runtime, frames: Sequence[np.ndarray], grid: Grid, fps: float, question: str, max_tokens: int = 32
+) -> OfflineResult:
     model, dev = rt.loaded.model, rt.loaded.device
     ids, pixels, grid_thw, pos, next_pos = offline_prompt(rt, frames, grid, fps, question)
-    out = model(input_ids=ids.to(dev), pixel_values_videos=pixels.to(dev), video_grid_thw=grid_thw.to(dev),
-                position_ids=pos.to(dev), use_cache=True)  # fmt: skip
+    out = model(
+        input_ids=ids.to(dev),
+        pixel_values_videos=pixels.to(dev),
+        video_grid_thw=grid_thw.to(dev),
+        position_ids=pos.to(dev),
+        use_cache=True,
+    )
     logits, cache = out.logits[0, -1].float(), out.past_key_values
     first_logits = logits
     tokens: list[int] = []
@@ -63,8 +70,9 @@ def offline_answer(rt: Runtime, frames: Sequence[np.ndarray], grid: Grid, fps: f
             break
         tokens.append(token)
         step_pos = torch.full((3, 1, 1), next_pos, device=dev)
-        out = model(input_ids=torch.tensor([[token]], device=dev), past_key_values=cache,
-                    position_ids=step_pos, use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, position_ids=step_pos, use_cache=True
+        )
         logits, cache = out.logits[0, -1].float(), out.past_key_values
         next_pos += 1
     text = rt.tokenizer.decode(tokens, skip_special_tokens=True)

@@ -16,14 +16,15 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from common.answer import GenerationParams, ask
-from common.engine import Runtime, StreamEngine, StreamSpec
-from common.eviction import EvictionPolicy
-from common.frames import Grid, choose_grid, resize_to_grid
-from common.kvcache import Version
-from common.model import DEFAULT_MODEL, load_model
-from common.offline import offline_answer
-from common.video import DecodedFrame, SourceError, iter_file_frames
+from common.engine.answer import GenerationParams, ask
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import Grid, StreamSpec, choose_grid, resize_to_grid
+from common.engine.kvcache import Version
+from common.engine.model import DEFAULT_MODEL, load_model
+from common.engine.offline import offline_answer
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
+from ingest.video import DecodedFrame, SourceError, iter_file_frames
 
 
 @dataclass
@@ -112,11 +113,18 @@ class Replay:
         for question in self.args.questions:
             answer = ask(self.rt, version, question, GenerationParams(max_tokens=self.args.max_tokens))
             line = {
-                "type": "answer", "trigger": trigger, "question": question, "text": answer.text,
-                "version": answer.version, "video_time": answer.capture_range, "cache_tokens": answer.cache_tokens,
-                "tokens": len(answer.token_ids), "first_token_s": round(answer.first_token_s, 4),
-                "total_s": round(answer.total_s, 4), "tokens_per_s": round(answer.tokens_per_s, 1),
-            }  # fmt: skip
+                "type": "answer",
+                "trigger": trigger,
+                "question": question,
+                "text": answer.text,
+                "version": answer.version,
+                "video_time": answer.capture_range,
+                "cache_tokens": answer.cache_tokens,
+                "tokens": len(answer.token_ids),
+                "first_token_s": round(answer.first_token_s, 4),
+                "total_s": round(answer.total_s, 4),
+                "tokens_per_s": round(answer.tokens_per_s, 1),
+            }
             match = None
             if self.args.compare_offline:
                 match = self._compare(version, question, answer.token_ids, line)

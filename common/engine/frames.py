@@ -44,7 +44,27 @@ class Grid:
     @property
     def tokens_per_patch(self) -> int:
         """Merged LLM tokens per temporal patch (= 2 frames)."""
-        return (self.height // 28) * (self.width // 28)
+        rows, cols = self.merged_hw
+        return rows * cols
+
+    @property
+    def merged_hw(self) -> tuple[int, int]:
+        """Merged LLM tokens per temporal patch as (rows, cols)."""
+        return self.height // 28, self.width // 28
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    fps: float
+    grid: Grid
+    chunk_frames: int = 4
+
+    def __post_init__(self) -> None:
+        if not (self.fps > 0):
+            raise ValueError(f"fps must be positive, got {self.fps}")
+        if self.chunk_frames <= 0 or self.chunk_frames % 2:
+            raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
 
 
 def choose_grid(

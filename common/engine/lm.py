@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from common.model import LoadedModel
-from common.positions import apply_rope, rope_cos_sin
+from common.engine.model import LoadedModel
+from common.engine.positions import apply_rope, rope_cos_sin
 
 
 @dataclass(frozen=True)
@@ -61,8 +61,14 @@ class LanguageModel:
         return self.embed_tokens(torch.tensor(ids, device=self.device))
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, start: int | torch.Tensor,
-                base: KVView | None = None) -> torch.Tensor:  # fmt: skip
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        positions: torch.Tensor,
+        kv: torch.Tensor,
+        start: int | torch.Tensor,
+        base: KVView | None = None,
+    ) -> torch.Tensor:
         """Run `embeds` (L, D) at `positions` (3, L); write their K/V into kv[..., start:start+L]
         and attend to kv[..., :start+L] causally, after all of `base` when given.
         Returns the final-norm hidden states (L, D).

@@ -284,9 +284,7 @@ def _validate_manifest(m: Manifest) -> None:
     for i, sid in enumerate(m.segment_ids):
         _str(f"segment_ids[{i}]", sid, 128, SEGMENT_ID_RE)
     if len(m.temporal_deltas) != len(m.segment_ids):
-        raise SchemaError(
-            "temporal_deltas", f"{len(m.temporal_deltas)} lists for {len(m.segment_ids)} segments"
-        )
+        raise SchemaError("temporal_deltas", f"{len(m.temporal_deltas)} lists for {len(m.segment_ids)} segments")
     for i, deltas in enumerate(m.temporal_deltas):
         for j, d in enumerate(deltas):
             _int(f"temporal_deltas[{i}][{j}]", d, -INT64_MAX)
@@ -304,10 +302,21 @@ def _validate_manifest(m: Manifest) -> None:
 
 
 _MANIFEST_FIELDS = (
-    "version", "stream", "segment_ids", "temporal_deltas", "last_frame_seq", "first_ts", "last_ts",
-    "cache_tokens", "next_patch", "evicted_segments", "evicted_tokens", "evicted_frames",
-    "created_at", "extra",
-)  # fmt: skip
+    "version",
+    "stream",
+    "segment_ids",
+    "temporal_deltas",
+    "last_frame_seq",
+    "first_ts",
+    "last_ts",
+    "cache_tokens",
+    "next_patch",
+    "evicted_segments",
+    "evicted_tokens",
+    "evicted_frames",
+    "created_at",
+    "extra",
+)
 _MANIFEST_OPTIONAL = {"evicted_segments", "evicted_tokens", "evicted_frames", "created_at", "extra"}
 
 
@@ -350,8 +359,16 @@ def decode_manifest(fields: Mapping[Any, Any]) -> Manifest:
 # --------------------------------------------------------------------------- questions
 
 _QUESTION_FIELDS = {
-    "id", "stream", "question", "max_tokens", "temperature", "top_p", "choices", "at", "reply_ttl",
-}  # fmt: skip
+    "id",
+    "stream",
+    "question",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "choices",
+    "at",
+    "reply_ttl",
+}
 _INT_RE = re.compile(r"[+-]?[0-9]{1,19}")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 

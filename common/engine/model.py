@@ -26,10 +26,21 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen2.5-VL special tokens, in id order from <|endoftext|> (151643) in the real vocabulary.
 SPECIAL_TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
-    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
-    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
-]  # fmt: skip
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
 QWEN_FIRST_SPECIAL_ID = 151643
 
 
@@ -76,7 +87,6 @@ class LoadedModel:
         return Fraction(self.vision_config.tokens_per_second) * seconds_per_grid
 
 
-
 def build_byte_tokenizer(vocab_size: int, first_special_id: int) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer (one token per byte, no merges) with Qwen's special tokens at
     `first_special_id`.. . Any text round-trips, so tests can ask real questions offline."""
@@ -99,15 +109,26 @@ def tiny_config(vocab_size: int = 320) -> Qwen2_5_VLConfig:
     return _config(
         ids,
         text=dict(
-            vocab_size=vocab_size, initializer_range=0.2, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
+            vocab_size=vocab_size,
+            initializer_range=0.2,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=32768,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         ),
         vision=dict(
-            depth=4, hidden_size=32, num_heads=4, intermediate_size=64, out_hidden_size=64,
-            window_size=56, fullatt_block_indexes=[1, 3],
+            depth=4,
+            hidden_size=32,
+            num_heads=4,
+            intermediate_size=64,
+            out_hidden_size=64,
+            window_size=56,
+            fullatt_block_indexes=[1, 3],
         ),
-    )  # fmt: skip
+    )
 
 
 def qwen3b_config() -> Qwen2_5_VLConfig:
@@ -115,24 +136,39 @@ def qwen3b_config() -> Qwen2_5_VLConfig:
     return _config(
         ids,
         text=dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
-            num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=128000,
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=11008,
+            num_hidden_layers=36,
+            num_attention_heads=16,
+            num_key_value_heads=2,
+            max_position_embeddings=128000,
             rms_norm_eps=1e-6,
             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [16, 24, 24]},
         ),
         vision=dict(
-            depth=32, hidden_size=1280, num_heads=16, intermediate_size=3420, out_hidden_size=2048,
-            window_size=112, fullatt_block_indexes=[7, 15, 23, 31],
+            depth=32,
+            hidden_size=1280,
+            num_heads=16,
+            intermediate_size=3420,
+            out_hidden_size=2048,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
         ),
-    )  # fmt: skip
+    )
 
 
 def _config(ids: dict[str, int], *, text: dict, vision: dict) -> Qwen2_5_VLConfig:
     vision = dict(
         patch_size=14, temporal_patch_size=2, spatial_merge_size=2, tokens_per_second=2, in_channels=3, **vision
     )
-    text = dict(hidden_act="silu", tie_word_embeddings=True, bos_token_id=ids["<|endoftext|>"],
-                eos_token_id=ids["<|im_end|>"], **text)  # fmt: skip
+    text = dict(
+        hidden_act="silu",
+        tie_word_embeddings=True,
+        bos_token_id=ids["<|endoftext|>"],
+        eos_token_id=ids["<|im_end|>"],
+        **text,
+    )
     return Qwen2_5_VLConfig(
         text_config=text,
         vision_config=vision,
@@ -150,8 +186,9 @@ def pick_device(device: str | None = None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_model(name: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None,
-               seed: int = 0) -> LoadedModel:  # fmt: skip
+def load_model(
+    name: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None, seed: int = 0
+) -> LoadedModel:
     """`tiny-random`, `random-3b`, a hub id or a local directory. bf16 on GPU, fp32 on CPU."""
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
@@ -179,6 +216,10 @@ def _special_ids(tokenizer: PreTrainedTokenizerFast) -> SpecialIds:
         return int(i)
 
     return SpecialIds(
-        im_start=tid("<|im_start|>"), im_end=tid("<|im_end|>"), endoftext=tid("<|endoftext|>"),
-        vision_start=tid("<|vision_start|>"), vision_end=tid("<|vision_end|>"), video_pad=tid("<|video_pad|>"),
-    )  # fmt: skip
+        im_start=tid("<|im_start|>"),
+        im_end=tid("<|im_end|>"),
+        endoftext=tid("<|endoftext|>"),
+        vision_start=tid("<|vision_start|>"),
+        vision_end=tid("<|vision_end|>"),
+        video_pad=tid("<|video_pad|>"),
+    )

@@ -11,33 +11,33 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from common.engine import StreamSpec
-from common.frames import Grid
-from common.kvcache import CacheStats, Placement, Segment, Version
-from common.schemas import Manifest
+from common.engine.frames import Grid, StreamSpec
+from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version
+from common.wire.schemas import Manifest
 
 
 @dataclass(frozen=True)
 class ManifestState:
-    """Everything `StreamCache.apply` needs, decoded from a manifest."""
+    """A manifest decoded: the stream it describes and the cache state `StreamCache.apply` rebuilds."""
 
     spec: StreamSpec
-    placements: list[Placement]
-    video_start: int
-    next_patch: int
-    stats: CacheStats
-    version_id: int
+    cache: CacheState
 
 
 def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
     segments = [
         {
-            "tokens": p.segment.tokens, "first_patch": p.segment.first_patch, "n_patches": p.segment.n_patches,
-            "frame_seqs": list(p.segment.frame_seqs), "capture_range": list(p.segment.capture_range),
-            "padded_frames": p.segment.padded_frames, "offset": p.offset, "patch_now": p.first_patch,
+            "tokens": p.segment.tokens,
+            "first_patch": p.segment.first_patch,
+            "n_patches": p.segment.n_patches,
+            "frame_seqs": list(p.segment.frame_seqs),
+            "capture_range": list(p.segment.capture_range),
+            "padded_frames": p.segment.padded_frames,
+            "offset": p.offset,
+            "patch_now": p.first_patch,
         }
         for p in version.placements
-    ]  # fmt: skip
+    ]
     capture = version.capture_range
     return Manifest(
         version=version.id,
@@ -53,8 +53,12 @@ def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
         evicted_tokens=version.stats.tokens_evicted,
         created_at=time.time(),
         extra={
-            "segments": segments, "video_start": version.video_start, "evictions": version.stats.evictions,
-            "fps": spec.fps, "grid": [spec.grid.height, spec.grid.width], "chunk_frames": spec.chunk_frames,
+            "segments": segments,
+            "video_start": version.video_start,
+            "evictions": version.stats.evictions,
+            "fps": spec.fps,
+            "grid": [spec.grid.height, spec.grid.width],
+            "chunk_frames": spec.chunk_frames,
         },
     )
 
@@ -64,11 +68,15 @@ def from_manifest(m: Manifest) -> ManifestState:
     placements = []
     for sid, deltas, meta in zip(m.segment_ids, m.temporal_deltas, extra["segments"], strict=True):
         segment = Segment(
-            id=sid, tokens=meta["tokens"], first_patch=meta["first_patch"], n_patches=meta["n_patches"],
-            frame_seqs=tuple(meta["frame_seqs"]), capture_range=tuple(meta["capture_range"]),
+            id=sid,
+            tokens=meta["tokens"],
+            first_patch=meta["first_patch"],
+            n_patches=meta["n_patches"],
+            frame_seqs=tuple(meta["frame_seqs"]),
+            capture_range=tuple(meta["capture_range"]),
             padded_frames=meta["padded_frames"],
-        )  # fmt: skip
+        )
         placements.append(Placement(segment, meta["offset"], meta["patch_now"], tuple(deltas)))
     spec = StreamSpec(m.stream, extra["fps"], Grid(*extra["grid"]), extra["chunk_frames"])
     stats = CacheStats(extra["evictions"], m.evicted_segments, m.evicted_tokens)
-    return ManifestState(spec, placements, extra["video_start"], m.next_patch, stats, m.version)
+    return ManifestState(spec, CacheState(tuple(placements), m.version, extra["video_start"], m.next_patch, stats))

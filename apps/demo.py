@@ -22,11 +22,11 @@ from pathlib import Path
 
 import yaml
 
+from apps.samplevideo import write_sample_video
 from common import redisio
 from common.boot import load_runtime
+from common.engine.model import DEFAULT_MODEL, RANDOM_MODELS
 from common.logs import configure_logging
-from common.model import DEFAULT_MODEL, RANDOM_MODELS
-from common.samplevideo import write_sample_video
 
 STREAM = "demo"
 CAPTIONS = ((0.0, "RED BALL"), (4.0, "BLUE BOX"), (8.0, "GREEN STAR"))
@@ -58,8 +58,22 @@ def embedded_redis(workdir: Path) -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            redis_server_binary(),
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(workdir),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     url = f"redis://127.0.0.1:{port}/0"
     try:
         redisio.wait_for_redis(url, timeout_s=15)
@@ -125,8 +139,9 @@ class Demo:
         from ingest.config import IngestConfig
         from ingest.service import run as run_ingest
 
-        video = write_sample_video(str(self.workdir / "sample.mp4"), seconds=self.ns.seconds, fps=10,
-                                   width=448, height=336, captions=CAPTIONS)  # fmt: skip
+        video = write_sample_video(
+            str(self.workdir / "sample.mp4"), seconds=self.ns.seconds, fps=10, width=448, height=336, captions=CAPTIONS
+        )
         say(f"sample video written: {video} ({self.ns.seconds:g} s, captions {[c for _, c in CAPTIONS]})")
         cameras = self._cameras_file(video)
         rt = pick_model(self.ns.model, self.ns.device)
@@ -150,22 +165,41 @@ class Demo:
 
     def _cameras_file(self, video: str) -> Path:
         path = self.workdir / "cameras.yaml"
-        path.write_text(yaml.safe_dump({
-            "cameras": [{"name": STREAM, "url": video, "fps": 2, "realtime": True}],
-            "jobs": [{"name": "subtitles", "stream": STREAM, "kind": "subtitles", "every_versions": 2,
-                      "formats": ["vtt", "srt"]}],
-        }))  # fmt: skip
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "cameras": [{"name": STREAM, "url": video, "fps": 2, "realtime": True}],
+                    "jobs": [
+                        {
+                            "name": "subtitles",
+                            "stream": STREAM,
+                            "kind": "subtitles",
+                            "every_versions": 2,
+                            "formats": ["vtt", "srt"],
+                        }
+                    ],
+                }
+            )
+        )
         return path
 
     def _worker(self, rt, r, cameras: Path) -> None:
+        from apps.worker import LocalVersions, WorkerConfig
         from common.segment_store import open_store
         from encoder_worker.service import EncoderService
-        from qa_worker.combined import LocalVersions, WorkerConfig
         from qa_worker.service import QAService
 
-        cfg = WorkerConfig(redis_url=self.redis_url, cameras_file=str(cameras), model=rt.loaded.name,
-                           segment_store="memory://demo", transcript_dir=str(self.workdir / "subtitles"),
-                           chunk_frames=4, max_lag_s=60, block_ms=200, lease_ms=3000)  # fmt: skip
+        cfg = WorkerConfig(
+            redis_url=self.redis_url,
+            cameras_file=str(cameras),
+            model=rt.loaded.name,
+            segment_store="memory://demo",
+            transcript_dir=str(self.workdir / "subtitles"),
+            chunk_frames=4,
+            max_lag_s=60,
+            block_ms=200,
+            lease_ms=3000,
+        )
         encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store))
         QAService(cfg, rt, r, LocalVersions(encoder)).run(self.stop)
 
@@ -177,16 +211,24 @@ class Demo:
             self.stop.wait(max(0.0, fraction * self.ns.seconds + 1.0 - (time.monotonic() - t0)))
             say(f"\nQ [{time.monotonic() - t0:4.1f} s] {question}" + (f"  options: {list(choices)}" if choices else ""))
             print("A: ", end="", flush=True)
-            final = client.ask(STREAM, question, on_delta=lambda t: print(t, end="", flush=True), timeout_s=600,
-                               max_tokens=self.ns.max_tokens, choices=choices)  # fmt: skip
+            final = client.ask(
+                STREAM,
+                question,
+                on_delta=lambda t: print(t, end="", flush=True),
+                timeout_s=600,
+                max_tokens=self.ns.max_tokens,
+                choices=choices,
+            )
             if final.error:
                 say(f"(error: {final.error})")
                 continue
             if final.choice is not None:
                 print(final.choice, end="")
             first = f"first token {final.first_token_s * 1000:.0f} ms, " if final.first_token_s else ""
-            say(f"\n   cache version {final.version} covering {final.t_end - final.t_start:.1f} s of video, "
-                f"{final.cache_tokens} cached tokens, {first}total {final.total_s * 1000:.0f} ms")  # fmt: skip
+            say(
+                f"\n   cache version {final.version} covering {final.t_end - final.t_start:.1f} s of video, "
+                f"{final.cache_tokens} cached tokens, {first}total {final.total_s * 1000:.0f} ms"
+            )
 
     def _print_transcript(self, r) -> None:
         from qa_worker.client import Client

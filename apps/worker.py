@@ -11,7 +11,7 @@ import threading
 from dataclasses import dataclass
 
 from common import boot
-from common.kvcache import Version
+from common.engine.kvcache import Version
 from common.segment_store import open_store
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
