@@ -10,6 +10,10 @@ gc's the segments no version still needs. Three backends, one interface:
 
 K/V are stored exactly as given (dtype included, bfloat16 too), so a mirror is bitwise equal
 to the encoder's cache.
+
+Beside a chunk's segments, exact eviction stores the chunk's vision embeddings (L, D) under
+``embeds_id(chunk_id)``: put and get take them like K/V, and gc keeps them as long as any
+segment of that chunk (the original or a re-prefilled ``<chunk>.rN``) is kept.
 """
 
 from __future__ import annotations
@@ -26,11 +30,18 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, load_file, save
 
+from common.engine.kvcache import chunk_id
 from common.redisio import connect
 from common.wire import keys
 
 _SUFFIX = ".safetensors"
 _TMP_SUFFIX = ".tmp"
+_EMBEDS = ".emb"
+
+
+def embeds_id(chunk: str) -> str:
+    """Where a chunk's vision embeddings are stored, next to its segments."""
+    return chunk + _EMBEDS
 
 
 class SegmentStoreError(RuntimeError):
@@ -53,24 +64,41 @@ def _check_ids(*ids: str) -> None:
             raise SegmentStoreError(f"invalid stream or segment id {value!r}: empty, leading dot or path separator")
 
 
-def _check_kv(kv: torch.Tensor) -> None:
-    if kv.dim() != 5 or kv.shape[1] != 2 or not kv.is_floating_point():
+def _kind(segment_id: str) -> tuple[str, int]:
+    """The tensor an id holds: ("kv", 5 dims) for a segment, ("embeds", 2 dims) for embeddings."""
+    return ("embeds", 2) if segment_id.endswith(_EMBEDS) else ("kv", 5)
+
+
+def _check_kv(segment_id: str, kv: torch.Tensor) -> None:
+    name, dims = _kind(segment_id)
+    if name == "embeds" and (kv.dim() != 2 or not kv.is_floating_point()):
+        raise ValueError(f"embeddings must be a float (n_tokens, hidden) tensor, got {kv.dtype} {tuple(kv.shape)}")
+    if name == "kv" and (kv.dim() != dims or kv.shape[1] != 2 or not kv.is_floating_point()):
         raise ValueError(
             f"kv must be a float (layers, 2, kv_heads, n_tokens, head_dim) tensor, got {kv.dtype} {tuple(kv.shape)}"
         )
 
 
-def _to_bytes(kv: torch.Tensor) -> bytes:
+def _to_bytes(segment_id: str, kv: torch.Tensor) -> bytes:
     # safetensors wants a contiguous CPU tensor; the encoder passes a strided view of its arena.
     kv = kv.detach().to("cpu").contiguous()
-    return save({"kv": kv}, metadata={"shape": str(list(kv.shape)), "dtype": str(kv.dtype)})
+    return save({_kind(segment_id)[0]: kv}, metadata={"shape": str(list(kv.shape)), "dtype": str(kv.dtype)})
 
 
-def _unpack(tensors: dict[str, torch.Tensor], where: str, device: torch.device | str) -> torch.Tensor:
-    kv = tensors.get("kv")
-    if kv is None or kv.dim() != 5:
-        raise SegmentStoreError(f"corrupt segment {where}: no 5-d tensor 'kv'")
+def _unpack(tensors: dict[str, torch.Tensor], segment_id: str, where: str, device: torch.device | str) -> torch.Tensor:
+    name, dims = _kind(segment_id)
+    kv = tensors.get(name)
+    if kv is None or kv.dim() != dims:
+        raise SegmentStoreError(f"corrupt segment {where}: no {dims}-d tensor {name!r}")
     return kv.to(device)
+
+
+def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
+    """Ids among `stored` that gc deletes: segments not in `keep`, embeddings of chunks none of
+    whose segments are in `keep`."""
+    keep = set(keep)
+    chunks = {embeds_id(chunk_id(s)) for s in keep}
+    return {s for s in stored if s not in keep and not (s.endswith(_EMBEDS) and s in chunks)}
 
 
 class DirectoryStore:
@@ -84,9 +112,9 @@ class DirectoryStore:
         return self.root / stream / (segment_id + _SUFFIX)
 
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
-        _check_kv(kv)
+        _check_kv(segment_id, kv)
         final = self.path(stream, segment_id)
-        data = _to_bytes(kv)
+        data = _to_bytes(segment_id, kv)
         # Same directory so os.replace is a rename within one file system, hence atomic: a reader
         # sees the old name absent or the whole file. A dot name so gc knows it as a leftover.
         tmp = final.parent / f".{segment_id}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
@@ -112,7 +140,7 @@ class DirectoryStore:
             raise SegmentStoreError(f"missing segment {path}") from e
         except (SafetensorError, OSError, ValueError) as e:
             raise SegmentStoreError(f"corrupt segment {path}: {e}") from e
-        return _unpack(tensors, str(path), device)
+        return _unpack(tensors, segment_id, str(path), device)
 
     def exists(self, stream: str, segment_id: str) -> bool:
         return self.path(stream, segment_id).is_file()
@@ -122,20 +150,18 @@ class DirectoryStore:
         returns the number of segments deleted. Call it from the stream's writer, with keep
         covering every segment it has put and may still publish."""
         _check_ids(stream)
-        keep = set(keep)
-        deleted = 0
         try:
             entries = list(os.scandir(self.root / stream))
         except FileNotFoundError:
             return 0
         for entry in entries:
-            name = entry.name
-            if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+            if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):
                 Path(entry.path).unlink(missing_ok=True)
-            elif name.endswith(_SUFFIX) and name[: -len(_SUFFIX)] not in keep:
-                Path(entry.path).unlink(missing_ok=True)
-                deleted += 1
-        return deleted
+        stored = [e.name[: -len(_SUFFIX)] for e in entries if e.name.endswith(_SUFFIX) and not e.name.startswith(".")]
+        drop = _unkept(stored, keep)
+        for segment_id in drop:
+            self.path(stream, segment_id).unlink(missing_ok=True)
+        return len(drop)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -156,7 +182,7 @@ class MemoryStore:
 
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
         _check_ids(stream, segment_id)
-        _check_kv(kv)
+        _check_kv(segment_id, kv)
         with self._lock:
             self._data[stream, segment_id] = kv.clone()
 
@@ -175,11 +201,10 @@ class MemoryStore:
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
-        keep = set(keep)
         with self._lock:
-            drop = [k for k in self._data if k[0] == stream and k[1] not in keep]
-            for k in drop:
-                del self._data[k]
+            drop = _unkept((sid for s, sid in self._data if s == stream), keep)
+            for segment_id in drop:
+                del self._data[stream, segment_id]
         return len(drop)
 
 
@@ -195,8 +220,8 @@ class RedisStore:
         self.ttl_s = ttl_s
 
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
-        _check_kv(kv)
-        self.r.set(self._key(stream, segment_id), _to_bytes(kv), ex=self.ttl_s)
+        _check_kv(segment_id, kv)
+        self.r.set(self._key(stream, segment_id), _to_bytes(segment_id, kv), ex=self.ttl_s)
 
     def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
         key = self._key(stream, segment_id)
@@ -207,7 +232,7 @@ class RedisStore:
             tensors = load(data)
         except (SafetensorError, ValueError) as e:
             raise SegmentStoreError(f"corrupt segment {key}: {e}") from e
-        return _unpack(tensors, key, device)
+        return _unpack(tensors, segment_id, key, device)
 
     def exists(self, stream: str, segment_id: str) -> bool:
         return bool(self.r.exists(self._key(stream, segment_id)))
@@ -215,10 +240,10 @@ class RedisStore:
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
         prefix = keys.segment(stream, "")
-        keep_keys = {prefix + s for s in keep}
         # Escape glob characters: a stream named "cam*" must not match "camX"'s segments.
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
-        drop = [k for k in self.r.scan_iter(match=pattern, count=1000) if k.decode() not in keep_keys]
+        stored = [k.decode()[len(prefix) :] for k in self.r.scan_iter(match=pattern, count=1000)]
+        drop = [prefix + s for s in _unkept(stored, keep)]
         deleted = 0
         for i in range(0, len(drop), 500):  # one slot (hash tag), so multi-key UNLINK is legal in a cluster
             deleted += self.r.unlink(*drop[i : i + 500])

@@ -20,26 +20,12 @@ from common.engine.offline import offline_answer, offline_prompt
 from common.engine.positions import next_text_position, text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
-
-QUESTION = "What is happening in the video?"
+from tests.engine_helpers import QUESTION, kept_frames, make_frames, stream
 
 
 @pytest.fixture(scope="module")
 def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
-
-
-def make_frames(n: int, grid: Grid, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, (grid.height, grid.width, 3), dtype=np.uint8) for _ in range(n)]
-
-
-def stream(rt: Runtime, frames, grid: Grid, fps: float, chunk: int, policy: EvictionPolicy | None = None):
-    engine = StreamEngine(rt, StreamSpec("cam", fps, grid, chunk), policy)
-    for i in range(0, len(frames), chunk):
-        part = frames[i : i + chunk]
-        engine.append(part, [(i + k) / fps for k in range(len(part))], list(range(i, i + len(part))))
-    return engine
 
 
 # -- streamed == offline ---------------------------------------------------------------------------
@@ -190,14 +176,13 @@ def test_rebased_keys_equal_fresh_encode_of_retained_frames(rt, fps):
     head = evicted.head
     assert head.stats.evictions > 0
     assert any(any(p.t_delta) for p in head.chunks), "nothing was re-based"
-    kept = [f for p in head.chunks for f in frames[p.segment.frame_seqs[0] : p.segment.frame_seqs[1] + 1]]
-    fresh = stream(rt, kept, grid, fps, chunk).head
+    fresh = stream(rt, kept_frames(head, frames), grid, fps, chunk).head
     assert fresh.tokens == head.tokens and fresh.text_start == head.text_start
     n = head.tokens
     assert torch.allclose(head.view.kv[0, 0, :, :n], fresh.view.kv[0, 0, :, :n], atol=1e-5)
     assert torch.allclose(head.view.kv[0, 1, :, :n], fresh.view.kv[0, 1, :, :n], atol=1e-6)
     # the oracle is sensitive: un-rotated (absolute) keys differ
-    absolute = stream(rt, frames, grid, fps, chunk, EvictionPolicy(**{**policy.__dict__, "rebase": False})).head
+    absolute = stream(rt, frames, grid, fps, chunk, EvictionPolicy(**{**policy.__dict__, "mode": "absolute"})).head
     assert not torch.allclose(absolute.view.kv[0, 0, :, :n], fresh.view.kv[0, 0, :, :n], atol=1e-3)
 
 
@@ -215,7 +200,7 @@ def test_positions_bounded_and_memory_flat_over_10000_chunks(rt):
     assert len(capacities) == 1, "the arena was reallocated to a new size"
     assert max(text_starts) <= prefix + 64 + 2, "positions grew with the stream"
     assert engine.head.stats.chunks_evicted + len(engine.head.chunks) == 10_000
-    absolute = StreamEngine(rt, StreamSpec("cam", 4, grid, 2), EvictionPolicy(prefix + 64, rebase=False))
+    absolute = StreamEngine(rt, StreamSpec("cam", 4, grid, 2), EvictionPolicy(prefix + 64, mode="absolute"))
     for i in range(200):
         v = absolute.append(frame, [0.0, 0.0], [2 * i, 2 * i + 1])
     assert v.text_start == prefix + 200, "absolute positions keep counting"

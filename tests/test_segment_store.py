@@ -21,6 +21,7 @@ from common.segment_store import (
     RedisStore,
     SegmentStore,
     SegmentStoreError,
+    embeds_id,
     open_store,
 )
 from common.wire import keys
@@ -113,6 +114,25 @@ def test_gc_deletes_exactly_the_unkept_of_one_stream(store: SegmentStore) -> Non
     assert store.exists("b", "s0") and store.exists("b", "s1")
     assert store.gc("a", ["s1", "s3"]) == 0
     assert store.gc("empty", []) == 0
+
+
+def test_embeddings_round_trip_and_live_as_long_as_a_segment_of_their_chunk(store: SegmentStore) -> None:
+    """Exact eviction keeps a chunk's vision embeddings beside its segments; re-prefilled segments
+    (`<chunk>.rN`) keep them alive, and they go with the chunk's last segment."""
+    embeds = torch.randn(12, 64).to(torch.bfloat16)
+    kv = arena(torch.float32, tokens=2)
+    for chunk in ("f000000000004", "f000000000008"):
+        store.put("a", chunk, kv)
+        store.put("a", embeds_id(chunk), embeds)
+    store.put("a", "f000000000008.r2", kv)
+    assert same_bits(store.get("a", embeds_id("f000000000004")), embeds)
+    with pytest.raises(ValueError, match="embeddings"):
+        store.put("a", embeds_id("f1"), kv)
+    assert store.gc("a", ["f000000000004", "f000000000008.r2"]) == 1  # f000000000008 itself
+    assert store.exists("a", embeds_id("f000000000004")) and store.exists("a", embeds_id("f000000000008"))
+    assert store.gc("a", ["f000000000008.r2"]) == 2  # f000000000004 and its embeddings
+    assert not store.exists("a", embeds_id("f000000000004")) and store.exists("a", embeds_id("f000000000008"))
+    assert store.gc("a", []) == 2
 
 
 # -- DirectoryStore ------------------------------------------------------------------------

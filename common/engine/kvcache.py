@@ -11,6 +11,10 @@ so positions stay bounded for an unbounded stream. Each placement records how fa
 have been turned in the temporal band relative to when the segment was encoded (`t_delta`,
 one per temporal patch); that, with the segment's original K/V, rebuilds the exact cache
 anywhere (the segment store ships segments and versions between processes this way).
+
+Exact eviction (see eviction.py) instead prefills the chunks after the first evicted one again,
+from their kept vision embeddings (`rebuild`). Their K/V are new, so they become new segments
+(`rebuilt_id`) with zero deltas, and travel between processes like any other segment.
 """
 
 from __future__ import annotations
@@ -21,9 +25,13 @@ from fractions import Fraction
 
 import torch
 
-from common.engine.eviction import EvictionPolicy
+from common.engine.eviction import EvictionPolicy, mean_embedding, salience
 from common.engine.lm import KVView, LanguageModel
-from common.engine.positions import next_text_position, shift_temporal, temporal_offset
+from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
+
+# (embeds (L, D), positions (3, L), kv arena, start): runs them causally after kv[..., :start] and
+# writes their K/V at start. LanguageModel.forward by default; a scheduler may batch it instead.
+Prefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object]
 
 
 @dataclass(frozen=True)
@@ -37,10 +45,29 @@ class Segment:
     frame_seqs: tuple[int, int] = (-1, -1)  # first, last frame sequence number
     capture_range: tuple[float, float] = (0.0, 0.0)
     padded_frames: int = 0  # frames repeated to fill the last temporal patch
+    salience: float = 0.0  # how much it differs from the chunk before it (eviction.salience)
 
     @property
     def tokens_per_patch(self) -> int:
         return self.tokens // self.n_patches if self.n_patches else 0
+
+    @property
+    def chunk_id(self) -> str:
+        """The id the chunk was first encoded under; re-prefilled versions of it share it."""
+        return chunk_id(self.id)
+
+
+_REBUILT = ".r"
+
+
+def rebuilt_id(segment_id: str, eviction: int) -> str:
+    """Id of a chunk re-prefilled at eviction number `eviction`: `f000000000012.r3`."""
+    return f"{chunk_id(segment_id)}{_REBUILT}{eviction}"
+
+
+def chunk_id(segment_id: str) -> str:
+    """`f000000000012.r3` -> `f000000000012` (ids we encode under never contain `.r`)."""
+    return segment_id.split(_REBUILT, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -107,13 +134,37 @@ class Version:
             return None
         return self.chunks[0].segment.capture_range[0], self.chunks[-1].segment.capture_range[1]
 
+    @property
+    def capture_ranges(self) -> list[tuple[float, float]]:
+        return capture_ranges(self.placements)
+
     def kv_bytes(self) -> int:
         kv = self.view.kv
         return kv[:, :, :, : self.view.length].numel() * kv.element_size()
 
 
+def capture_ranges(placements: tuple[Placement, ...] | list[Placement]) -> list[tuple[float, float]]:
+    """The capture-time ranges a cache covers: one per run of chunks whose frames are consecutive
+    (eviction leaves gaps, so a cache with salient chunks kept covers several ranges)."""
+    ranges: list[tuple[float, float]] = []
+    last_seq = None
+    for p in placements:
+        if p.segment.n_patches == 0:
+            continue
+        (first, last), (start, end) = p.segment.frame_seqs, p.segment.capture_range
+        if ranges and first == last_seq + 1:
+            ranges[-1] = (ranges[-1][0], end)
+        else:
+            ranges.append((start, end))
+        last_seq = last
+    return ranges
+
+
 class StreamCache:
-    """The writer side: appends chunks, evicts, publishes versions. One writer per stream."""
+    """The writer side: appends chunks, evicts, publishes versions. One writer per stream.
+
+    With exact eviction it also holds every cached chunk's vision embeddings (`embeds`, by
+    chunk id, on the cache's device): what `rebuild` prefills again after an eviction."""
 
     def __init__(
         self,
@@ -124,8 +175,10 @@ class StreamCache:
         interval: Fraction,
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
+        prefill: Prefill | None = None,
     ):
         self.lm = lm
+        self.prefill: Prefill = prefill or lm.forward
         self.stream = stream
         self.policy = policy
         self.interval = interval
@@ -135,6 +188,8 @@ class StreamCache:
             capacity = policy.max_cache_tokens + initial_capacity  # head room for the chunk over budget
         self._kv = lm.new_kv(capacity)
         self.head: Version | None = None
+        self.embeds: dict[str, torch.Tensor] = {}
+        self._last_mean: torch.Tensor | None = None  # the newest chunk's, for the next one's salience
 
     # -- writing -----------------------------------------------------------------------
     def reserve(self, n_tokens: int) -> tuple[torch.Tensor, int]:
@@ -151,13 +206,18 @@ class StreamCache:
         placement = Placement(segment, offset=0, first_patch=0)
         return self._publish((placement,), video_start=video_start, next_patch=0, stats=CacheStats())
 
-    def publish_chunk(self, segment: Segment) -> Version:
+    def publish_chunk(self, segment: Segment, embeds: torch.Tensor | None = None) -> Version:
         """The chunk's K/V were written by the caller at reserve()'s start; publish the version that
-        holds it, evicting first when it would go over budget (no over-budget version is ever seen)."""
+        holds it, evicting first when it would go over budget (no over-budget version is ever seen).
+        `embeds` are the chunk's vision embeddings: exact eviction keeps them, salience reads them."""
         head = self._require_head()
+        segment = self._take_embeds(segment, embeds)
         placements = (*head.placements, Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches))
         next_patch = segment.first_patch + segment.n_patches
-        drop = self.policy.chunks_to_evict(placements[0].segment.tokens, [p.segment.tokens for p in placements[1:]])
+        chunks = [p.segment for p in placements[1:]]
+        drop = self.policy.chunks_to_evict(
+            placements[0].segment.tokens, [s.tokens for s in chunks], [s.salience for s in chunks]
+        )
         if drop:
             return self._evict(placements, drop, next_patch)
         return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
@@ -188,6 +248,40 @@ class StreamCache:
 
     def next_chunk_patch(self) -> int:
         return self._require_head().next_patch
+
+    def keep_embeds(self, load: Callable[[str], torch.Tensor | None]) -> None:
+        """After `apply` on a restarted writer: the kept embeddings of the head's chunks, by chunk id
+        (`load` returns None for a chunk that has none, e.g. encoded under another policy)."""
+        chunk_ids = [p.segment.chunk_id for p in self._require_head().chunks]
+        loaded = {cid: load(cid) for cid in chunk_ids}
+        self.embeds = {cid: e for cid, e in loaded.items() if e is not None}
+        if chunk_ids and chunk_ids[-1] in self.embeds:
+            self._last_mean = mean_embedding(self.embeds[chunk_ids[-1]])
+
+    def rebuild(
+        self,
+        placements: list[Placement],
+        first_stale: int,
+        source: tuple[Placement, ...],
+        *,
+        video_start: int,
+        eviction: int,
+        prefill: Prefill | None = None,
+    ) -> list[Placement]:
+        """Write `placements` (re-based) into a fresh arena: those before `first_stale` are copied
+        from `source` (nothing before them changed, so neither did their K/V); the rest are prefilled
+        again from their kept embeddings at their positions, in one causal prefill after the first
+        ones, which is what a fresh encode of exactly these chunks computes. The re-prefilled chunks
+        become new segments (ids from `rebuilt_id`, zero deltas). Returns the placements to publish;
+        nothing is published here, so no question sees the arena half built."""
+        fresh = [self._renewed(p, eviction) for p in placements[first_stale:]]
+        self._repack(placements[:first_stale], source, load=None, tokens=sum(p.segment.tokens for p in placements))
+        if fresh:
+            embeds = torch.cat([self.embeds[p.segment.chunk_id] for p in fresh])
+            hw, step = self.grid_hw, self.interval
+            pos = [video_positions(video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
+            (prefill or self.prefill)(embeds, torch.cat(pos, dim=1), self._kv, fresh[0].offset)
+        return [*placements[:first_stale], *fresh]
 
     # -- internals ---------------------------------------------------------------------
     def _require_head(self) -> Version:
@@ -222,37 +316,75 @@ class StreamCache:
         return version
 
     def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version:
-        """Repack the retained segments of `candidate` into a fresh arena, re-basing them when the
-        policy says so."""
+        """Write the retained segments of `candidate` into a fresh arena, re-based (or re-prefilled)
+        as the policy says, then publish."""
         head = self._require_head()
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
-        placements, offset, patch = [], 0, 0
-        for i, p in enumerate(candidate):
-            if i in dropped:
-                continue
-            moved = self._rebased(p, offset, patch) if self.policy.rebase else replace(p, offset=offset)
-            placements.append(moved)
-            offset += p.segment.tokens
-            patch = moved.first_patch + p.segment.n_patches
-        self._repack(placements, candidate, load=None)
         gone = [candidate[i] for i in sorted(dropped)]
         stats = CacheStats(
             evictions=head.stats.evictions + 1,
             chunks_evicted=head.stats.chunks_evicted + len(gone),
             tokens_evicted=head.stats.tokens_evicted + sum(p.segment.tokens for p in gone),
         )
-        next_patch = patch if self.policy.rebase else next_patch
+        placements, next_patch = self._moved([p for i, p in enumerate(candidate) if i not in dropped], next_patch)
+        first_stale = min(dropped)  # the first retained chunk that lost a chunk before it
+        stale = placements[first_stale:]
+        # A chunk without embeddings (encoded before the stream switched to exact) can only be
+        # re-based: this eviction then rebases, and later ones are exact once those chunks are gone.
+        if self.policy.exact and all(p.segment.chunk_id in self.embeds for p in stale):
+            placements = self.rebuild(
+                placements, first_stale, candidate, video_start=head.video_start, eviction=stats.evictions
+            )
+        else:
+            self._repack(placements, candidate, load=None)
+        for p in gone:
+            self.embeds.pop(p.segment.chunk_id, None)
         return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
 
+    def _moved(self, kept: list[Placement], next_patch: int) -> tuple[list[Placement], int]:
+        """`kept` packed back to back from offset 0, re-based when the policy says so; and the
+        logical patch index the next chunk gets."""
+        placements, offset, patch = [], 0, 0
+        for p in kept:
+            moved = self._rebased(p, offset, patch) if self.policy.rebase else replace(p, offset=offset)
+            placements.append(moved)
+            offset += p.segment.tokens
+            patch = moved.first_patch + p.segment.n_patches
+        return placements, (patch if self.policy.rebase else next_patch)
+
+    def _take_embeds(self, segment: Segment, embeds: torch.Tensor | None) -> Segment:
+        """Keep the chunk's embeddings when exact eviction needs them; score its salience when the
+        policy keeps salient chunks. Returns the segment with its salience."""
+        if embeds is None:
+            if self.policy.exact:
+                raise ValueError("exact eviction needs every chunk's vision embeddings")
+            return segment
+        if self.policy.exact:
+            self.embeds[segment.chunk_id] = embeds
+        if not self.policy.salient_chunks:
+            return segment
+        mean = mean_embedding(embeds)
+        score, self._last_mean = salience(self._last_mean, mean), mean
+        return replace(segment, salience=score)
+
+    def _renewed(self, p: Placement, eviction: int) -> Placement:
+        """A placement's chunk as a new segment, encoded where it now is (so its deltas are zero)."""
+        segment = replace(p.segment, id=rebuilt_id(p.segment.id, eviction), first_patch=p.first_patch)
+        return Placement(segment, p.offset, p.first_patch, (0,) * segment.n_patches)
+
     def _repack(
-        self, placements: list[Placement], source: tuple[Placement, ...], load: Callable[[Segment], torch.Tensor] | None
+        self,
+        placements: list[Placement],
+        source: tuple[Placement, ...],
+        load: Callable[[Segment], torch.Tensor] | None,
+        tokens: int = 0,
     ) -> None:
-        """Write `placements` into a fresh arena: segments in `source` (placed in the current arena)
-        are copied from it, turned by the change in their deltas; the rest come from `load`
-        (original K/V). The old arena lives on in the versions that hold it."""
+        """Write `placements` into a fresh arena (room for at least `tokens`): segments in `source`
+        (placed in the current arena) are copied from it, turned by the change in their deltas; the
+        rest come from `load` (original K/V). The old arena lives on in the versions that hold it."""
         held = {p.segment.id: p for p in source}
         old_kv = self._kv
-        total = sum(p.segment.tokens for p in placements)
+        total = max(tokens, sum(p.segment.tokens for p in placements))
         self._kv = self.lm.new_kv(max(old_kv.shape[3], total))
         for p in placements:
             n = p.segment.tokens

@@ -23,14 +23,18 @@ from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
 
 SegmentSink = Callable[[Segment, torch.Tensor], None]
+EmbedsSource = Callable[[str], torch.Tensor | None]  # chunk id -> its kept vision embeddings
 
 
 class StreamEngine:
     """One stream's writer: append(chunk of frames) -> new Version (the head).
 
     `on_segment(segment, kv)` sees each new segment's original K/V (layers, 2, kv_heads, n, hd)
-    before it is published, which is where the encoder worker persists it. `restore` continues
-    a stream from a published manifest instead of starting empty.
+    before it is published, which is where the encoder worker persists it (re-prefilled segments
+    of an exact eviction included). With exact eviction, `on_embeds(segment, embeds)` sees each
+    chunk's vision embeddings (on the host) likewise. `restore` continues a stream from a
+    published manifest instead of starting empty; `load_embeds` then gives back the kept
+    embeddings of its chunks (exact eviction).
     """
 
     def __init__(
@@ -41,17 +45,22 @@ class StreamEngine:
         *,
         on_segment: SegmentSink | None = None,
         restore: tuple[CacheState, Callable[[Segment], torch.Tensor]] | None = None,
+        on_embeds: SegmentSink | None = None,
+        load_embeds: EmbedsSource | None = None,
     ):
         self.rt = runtime
         self.spec = spec
         self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
         self.on_segment = on_segment
+        self.on_embeds = on_embeds
         if restore is None:
             self._prefill_prefix()
         else:
             state, load = restore
             with self.rt.gpu_lock:
                 self.cache.apply(state, load)
+                if self.cache.policy.exact and load_embeds is not None:
+                    self.cache.keep_embeds(load_embeds)
 
     @property
     def head(self) -> Version:
@@ -126,8 +135,26 @@ class StreamEngine:
             capture_range=(float(capture_range[0]), float(capture_range[1])),
             padded_frames=padded_frames,
         )
-        with self.rt.gpu_lock:  # reading the segment out and evicting are GPU work too
-            original = self._read_out(segment, kv, start)
-            version = self.cache.publish_chunk(segment)
-        self._emit(segment, original)
+        with self.rt.gpu_lock:  # evicting and reading new segments out are GPU work too
+            before = {p.segment.id for p in self.head.placements}
+            version = self.cache.publish_chunk(segment, embeds)
+            originals = self._new_segments(version, before, segment.id, kv, start)
+            kept = embeds.to("cpu", copy=True) if self.on_embeds is not None and self.cache.policy.exact else None
+        if self.on_embeds is not None and kept is not None:
+            self.on_embeds(segment, kept)
+        for seg, original in originals:
+            self._emit(seg, original)
         return version
+
+    def _new_segments(
+        self, version: Version, before: set[str], appended: str, kv: torch.Tensor, start: int
+    ) -> list[tuple[Segment, torch.Tensor | None]]:
+        """Original K/V of the segments `version` adds. The appended chunk's are where it was
+        prefilled (its placement may be re-based since); an exact eviction's re-prefilled segments
+        have zero deltas, so theirs are where the version holds them."""
+        out = []
+        for p in version.placements:
+            if p.segment.id not in before:
+                src, at = (kv, start) if p.segment.id == appended else (version.view.kv, p.offset)
+                out.append((p.segment, self._read_out(p.segment, src, at)))
+        return out

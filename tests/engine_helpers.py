@@ -1,0 +1,77 @@
+"""Shared by the engine oracles: frames, streaming a list of frames, and the one-shot comparison."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from common.engine.answer import GenerationParams, ask, first_token_logits
+from common.engine.eviction import EvictionPolicy
+from common.engine.frames import Grid, StreamSpec
+from common.engine.kvcache import Version
+from common.engine.offline import offline_answer
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
+
+QUESTION = "What is happening in the video?"
+
+
+def make_frames(n: int, grid: Grid, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (grid.height, grid.width, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def append_chunk(engine: StreamEngine, frames: list[np.ndarray], i: int, chunk: int) -> Version:
+    """Frames i..i+chunk of `frames` as one chunk; frame k is captured at k / fps and has seq k."""
+    part = frames[i : i + chunk]
+    fps = engine.spec.fps
+    return engine.append(part, [(i + k) / fps for k in range(len(part))], list(range(i, i + len(part))))
+
+
+def stream(rt: Runtime, frames, grid: Grid, fps: float, chunk: int, policy: EvictionPolicy | None = None):
+    engine = StreamEngine(rt, StreamSpec("cam", fps, grid, chunk), policy)
+    for i in range(0, len(frames), chunk):
+        append_chunk(engine, frames, i, chunk)
+    return engine
+
+
+def kept_frames(version: Version, frames: list[np.ndarray]) -> list[np.ndarray]:
+    """The frames a version still holds, in order (frame seq = index into `frames`)."""
+    return [f for p in version.chunks for f in frames[p.segment.frame_seqs[0] : p.segment.frame_seqs[1] + 1]]
+
+
+@dataclass
+class Comparison:
+    tokens_equal: bool
+    max_logit_diff: float
+
+    @property
+    def equal(self) -> bool:
+        """Greedy tokens equal and first-token logits within 1e-4: the engine's oracle."""
+        return self.tokens_equal and self.max_logit_diff <= 1e-4
+
+
+def compare_with_offline(
+    rt: Runtime, version: Version, frames: list[np.ndarray], grid: Grid, fps: float, max_tokens: int = 12
+) -> Comparison:
+    """A streamed answer on `version` against one-shot inference over `frames`."""
+    streamed = ask(rt, version, QUESTION, GenerationParams(max_tokens=max_tokens))
+    offline = offline_answer(rt, frames, grid, fps, QUESTION, max_tokens=max_tokens)
+    logits = first_token_logits(rt, version, QUESTION)
+    diff = float((logits - offline.first_logits).abs().max())
+    assert len(offline.token_ids) > 0
+    return Comparison(streamed.token_ids == offline.token_ids, diff)
+
+
+def policy_keeping(rt: Runtime, budget_video_tokens: int, keep_video_tokens: int, **kw: object) -> EvictionPolicy:
+    """A policy that evicts above `budget_video_tokens` video tokens down to `keep_video_tokens`."""
+    prefix = len(rt.prefix_ids())
+    budget = prefix + budget_video_tokens
+    return EvictionPolicy(max_cache_tokens=budget, low_watermark=(prefix + keep_video_tokens) / budget, **kw)  # type: ignore[arg-type]
+
+
+def same_kv(a: Version, b: Version, atol: float = 1e-5) -> bool:
+    n = a.tokens
+    return b.tokens == n and torch.allclose(a.view.kv[:, :, :, :n], b.view.kv[:, :, :, :n], atol=atol)
