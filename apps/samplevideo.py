@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from fractions import Fraction
-from functools import cache
+from functools import cache, partial
 
 import av
 import numpy as np
@@ -44,6 +44,41 @@ def write_sample_video(
     if fps <= 0 or seconds <= 0:
         raise ValueError(f"fps and seconds must be positive, got fps={fps} seconds={seconds}")
     times = _vfr_times(seconds, fps) if vfr else [i / fps for i in range(round(seconds * fps))]
+    render = partial(render_frame, width=width, height=height, captions=captions)
+    return _write_video(path, times, render, fps=fps, width=width, height=height, vfr=vfr, codec=codec)
+
+
+def write_scenes_video(
+    path: str, scene_seconds: Sequence[float], *, fps: int = 10, width: int = 112, height: int = 112
+) -> str:
+    """A video of static scenes, one after another for `scene_seconds[i]` each: long stretches
+    where nothing changes, and a clear scene change at each boundary (what salient-chunk
+    eviction must keep). Scene i starts at sum(scene_seconds[:i])."""
+    starts = np.cumsum([0.0, *scene_seconds])
+    times = [i / fps for i in range(round(starts[-1] * fps))]
+    scenes = [render_scene(i, width=width, height=height) for i in range(len(scene_seconds))]
+
+    def render(t: float) -> np.ndarray:
+        return scenes[int(np.searchsorted(starts, t + 1e-9, side="right")) - 1]
+
+    return _write_video(path, times, render, fps=fps, width=width, height=height, vfr=False, codec="libx264")
+
+
+def render_scene(i: int, *, width: int, height: int) -> np.ndarray:
+    """Scene i of `write_scenes_video`: its own background colour and a large shape, no motion."""
+    rng = np.random.default_rng(i)
+    background, fill = (tuple(int(c) for c in rng.integers(0, 256, 3)) for _ in range(2))
+    img = Image.new("RGB", (width, height), background)
+    draw = ImageDraw.Draw(img)
+    box = (width // 6, height // 6, width * 5 // 6, height * 5 // 6)
+    (draw.ellipse if i % 2 else draw.rectangle)(box, fill=fill)
+    return np.asarray(img, dtype=np.uint8)
+
+
+def _write_video(
+    path: str, times: list[float], render, *, fps: int, width: int, height: int, vfr: bool, codec: str
+) -> str:
+    """Encode `render(t)` for each presentation time t; returns ``path``."""
     # bitexact: no random segment UIDs / version strings, so equal arguments give equal bytes.
     container_options = {"fflags": "+bitexact"}
     if path.lower().endswith(".mp4"):
@@ -52,8 +87,7 @@ def write_sample_video(
     with av.open(path, "w", container_options=container_options) as out:
         stream = _add_video_stream(out, codec=codec, fps=fps, width=width, height=height, vfr=vfr)
         for t in times:
-            image = render_frame(t, width=width, height=height, captions=captions)
-            frame = av.VideoFrame.from_ndarray(image, format="rgb24")
+            frame = av.VideoFrame.from_ndarray(render(t), format="rgb24")
             if vfr:
                 frame.pts, frame.time_base = round(t * 1000), _VFR_TIME_BASE
             else:

@@ -1,7 +1,7 @@
 """`streamvqa status`: what a person looks at first when something seems wrong.
 
-Per stream: its source and grid (from ingest's meta), the head version (tokens, capture-time
-range, age), frames waiting for the encoder, the lease holder; then the question queue.
+Per stream: its source and grid (from ingest's meta), the head version (tokens, the capture-time
+ranges it holds, age), frames waiting for the encoder, the lease holder; then the question queue.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import redis
 
 from common import redisio
 from common.wire import keys
+from common.wire.manifest import manifest_ranges
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
@@ -55,12 +56,13 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
                 "tokens": m.cache_tokens,
                 "last_frame_seq": m.last_frame_seq,
                 "time_range": [m.first_ts, m.last_ts],
+                "ranges": [list(r) for r in manifest_ranges(m)],
                 "age_s": round(now - m.created_at, 1),
                 "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
                 "evicted_tokens": m.evicted_tokens,
             }
-        except SchemaError as e:
-            out["head"] = {"error": str(e)}
+        except (SchemaError, KeyError, TypeError, ValueError) as e:  # a manifest we cannot read
+            out["head"] = {"error": f"{type(e).__name__}: {e}"}
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
     holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
     out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
@@ -85,7 +87,8 @@ def render(status: dict) -> str:
         frames = s["frames"]
         lines.append(
             f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
-            f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
+            f"seq {head.get('last_frame_seq', '-'):<6} video {_ranges(head.get('ranges') or [])}  "
+            f"age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
     q = status["questions"]
@@ -94,6 +97,10 @@ def render(status: dict) -> str:
         f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}"
     )
     return "\n".join(lines)
+
+
+def _ranges(ranges: list[list[float]]) -> str:
+    return ",".join(f"{s:.1f}-{e:.1f}s" for s, e in ranges) or "-"
 
 
 def main(argv: list[str]) -> int:

@@ -6,6 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from common.engine.eviction import EvictionMode, EvictionPolicy
 from common.engine.model import DEFAULT_MODEL
 
 
@@ -21,7 +22,9 @@ class EncoderConfig:
     max_cache_tokens: int | None = 32768  # per stream; None keeps everything
     sink_chunks: int = 1
     low_watermark: float = 0.75
-    rebase: bool = True
+    eviction: EvictionMode = "rebase"  # rebase, exact or absolute: what retained chunks become (README)
+    rebase: bool = True  # kept for old configs: false is eviction=absolute
+    salient_chunks: int = 0  # chunks kept for a scene change, inside max_cache_tokens
     max_lag_s: float = 10.0  # live streams: frames older than this are dropped, not encoded
     lease_ms: int = 15000
     block_ms: int = 1000
@@ -38,3 +41,15 @@ class EncoderConfig:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
         if not self.streams and not self.cameras_file:
             raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
+        if not self.rebase and self.eviction == "exact":
+            raise ValueError("rebase=false means eviction=absolute; it contradicts eviction=exact")
+        self.eviction_policy()  # its own checks (watermark, sink, salient chunks) fail at start-up
+
+    def eviction_policy(self) -> EvictionPolicy:
+        return EvictionPolicy(
+            self.max_cache_tokens,
+            self.low_watermark,
+            self.sink_chunks,
+            mode=self.eviction if self.rebase else "absolute",
+            salient_chunks=self.salient_chunks,
+        )

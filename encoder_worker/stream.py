@@ -13,12 +13,11 @@ import redis
 import structlog
 
 from common import metrics, redisio
-from common.engine.eviction import EvictionPolicy
 from common.engine.frames import Grid, StreamSpec
 from common.engine.kvcache import Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
-from common.segment_store import SegmentStore
+from common.segment_store import SegmentStore, embeds_id
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
 from common.wire.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
@@ -150,15 +149,22 @@ def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpe
 
 def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str) -> OwnedStream:
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty."""
-    policy = EvictionPolicy(cfg.max_cache_tokens, cfg.low_watermark, cfg.sink_chunks, cfg.rebase)
+    policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
 
     def persist(segment: Segment, kv) -> None:
         store.put(name, segment.id, kv)
 
+    def persist_embeds(segment: Segment, embeds) -> None:
+        store.put(name, embeds_id(segment.chunk_id), embeds)
+
+    def load_embeds(chunk: str):
+        return store.get(name, embeds_id(chunk), rt.device) if store.exists(name, embeds_id(chunk)) else None
+
+    sinks = dict(on_segment=persist, on_embeds=persist_embeds)
     raw = r.get(keys.head(name))
     if raw is None:
-        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, on_segment=persist), live)
+        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, **sinks), live)
         owned.publish(owned.engine.head)
         return owned
     state = from_manifest(manifest_from_bytes(raw))
@@ -166,8 +172,9 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
         rt,
         state.spec,
         policy,
-        on_segment=persist,
         restore=(state.cache, lambda seg: store.get(name, seg.id, rt.loaded.device)),
+        load_embeds=load_embeds,
+        **sinks,
     )
     log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
     return OwnedStream(r, store, cfg, engine, live)

@@ -108,6 +108,7 @@ class Answerer:
             version=version.id,
             t_start=t_range[0],
             t_end=t_range[1],
+            ranges=tuple(version.capture_ranges),
             cache_tokens=version.tokens,
         )
         if q.choices:

@@ -389,6 +389,7 @@ def test_answer_round_trip(redis_url):
         version=9,
         t_start=100.0,
         t_end=130.25,
+        ranges=((100.0, 104.5), (120.0, 130.25)),
         cache_tokens=4096,
         first_token_s=0.047,
         total_s=0.31,
@@ -413,4 +414,7 @@ def test_error_final_and_bad_finals():
     _raises("type", decode_final, encode_delta("x"))
     _raises("version", decode_final, {**enc, "version": "v9"})
     _raises("scores", decode_final, {**enc, "scores": "[1]"})
+    for bad in ("[[1]]", "[[2, 1]]", "{}", "[1"):
+        _raises("ranges", decode_final, {**enc, "ranges": bad})
+    _raises("ranges[0][0]", decode_final, {**enc, "ranges": '[["a", 1]]'})
     _raises("id", decode_final, {"type": "final", "error": "x"})

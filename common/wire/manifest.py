@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from common.engine.frames import Grid, StreamSpec
-from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version
+from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version, capture_ranges
 from common.wire.schemas import Manifest
 
 
@@ -33,6 +33,7 @@ def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
             "frame_seqs": list(p.segment.frame_seqs),
             "capture_range": list(p.segment.capture_range),
             "padded_frames": p.segment.padded_frames,
+            "salience": p.segment.salience,
             "offset": p.offset,
             "patch_now": p.first_patch,
         }
@@ -75,8 +76,14 @@ def from_manifest(m: Manifest) -> ManifestState:
             frame_seqs=tuple(meta["frame_seqs"]),
             capture_range=tuple(meta["capture_range"]),
             padded_frames=meta["padded_frames"],
+            salience=meta.get("salience", 0.0),  # absent in manifests from before salient chunks
         )
         placements.append(Placement(segment, meta["offset"], meta["patch_now"], tuple(deltas)))
     spec = StreamSpec(m.stream, extra["fps"], Grid(*extra["grid"]), extra["chunk_frames"])
     stats = CacheStats(extra["evictions"], m.evicted_segments, m.evicted_tokens)
     return ManifestState(spec, CacheState(tuple(placements), m.version, extra["video_start"], m.next_patch, stats))
+
+
+def manifest_ranges(m: Manifest) -> list[tuple[float, float]]:
+    """The capture-time ranges a manifest's version covers (several once salient chunks are kept)."""
+    return capture_ranges(from_manifest(m).cache.placements)

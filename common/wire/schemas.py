@@ -537,8 +537,9 @@ class FinalAnswer:
     choice: str | None = None
     scores: Mapping[str, float] | None = None  # per choice (JSON object on the wire)
     version: int | None = None  # cache version answered against
-    t_start: float | None = None  # capture-time range covered by that version
+    t_start: float | None = None  # capture-time span of that version: oldest to newest frame
     t_end: float | None = None
+    ranges: tuple[tuple[float, float], ...] | None = None  # the [start, end] ranges it holds (JSON list)
     cache_tokens: int | None = None
     first_token_s: float | None = None
     total_s: float | None = None
@@ -570,6 +571,8 @@ def encode_final(a: FinalAnswer) -> dict[str, str]:
         v = getattr(a, k)
         if v is not None:
             out[k] = repr(float(v))  # repr round-trips exactly
+    if a.ranges is not None:
+        out["ranges"] = json.dumps([[float(s), float(e)] for s, e in a.ranges], allow_nan=False)
     if a.scores is not None:
         try:  # allow_nan=False: the wire is standard JSON; clamp -inf log-probs before this
             out["scores"] = json.dumps(dict(a.scores), allow_nan=False)
@@ -593,6 +596,8 @@ def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
             kw[k] = _parse_float(k, f[k], -math.inf, math.inf)
     if "scores" in f:
         kw["scores"] = _parse_scores(f["scores"])
+    if "ranges" in f:
+        kw["ranges"] = _parse_ranges(f["ranges"])
     return FinalAnswer(**kw)
 
 
@@ -615,6 +620,19 @@ def _answer_fields(fields: Mapping[Any, Any]) -> dict[str, str]:
         except UnicodeDecodeError:
             raise SchemaError(name, "not valid UTF-8") from None
     return out
+
+
+def _parse_ranges(s: str) -> tuple[tuple[float, float], ...]:
+    try:
+        v = json.loads(s)
+    except ValueError:
+        raise SchemaError("ranges", "not valid JSON") from None
+    if not isinstance(v, list) or not all(isinstance(r, list) and len(r) == 2 for r in v):
+        raise SchemaError("ranges", "expected a JSON list of [start, end] pairs")
+    ranges = tuple((_float(f"ranges[{i}][0]", r[0]), _float(f"ranges[{i}][1]", r[1])) for i, r in enumerate(v))
+    if any(start > end for start, end in ranges):
+        raise SchemaError("ranges", "a range ends before it starts")
+    return ranges
 
 
 def _parse_scores(s: str) -> dict[str, float]:
