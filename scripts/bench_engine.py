@@ -6,6 +6,11 @@ Measures: vision ms per 4-frame chunk (448², 896²); chunk prefill ms, question
 latency and decode tokens/s at each cache size; the stateless baseline (transformers'
 own forward re-prefilling the whole context for each question); GPU memory over a long
 stream with eviction.
+
+    python scripts/bench_engine.py --model random-3b --eviction-cost
+
+measures only what exact eviction costs against rebase: ms per chunk amortized over several
+evictions at a 32K budget with 448² frames, and the memory of the kept vision embeddings.
 """
 
 from __future__ import annotations
@@ -207,6 +212,64 @@ def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
     return out
 
 
+def bench_eviction_cost(rt: Runtime, budget: int, side: int, cycles: int) -> dict:
+    """Per policy: a stream of 4-frame chunks (random embeddings: LM cost depends on sizes, not
+    content) run until `cycles` evictions after the first; amortized ms per chunk over the chunks
+    after the first eviction (steady state: each eviction's work spread over the chunks until the
+    next). A CPU smoke run of the same code: --model tiny-random --device cpu --eviction-cost
+    --eviction-budget 4096 --eviction-side 224."""
+    return {mode: _eviction_run(rt, mode, budget, side, cycles) for mode in ("rebase", "exact")}
+
+
+def _eviction_run(rt: Runtime, mode: str, budget: int, side: int, cycles: int) -> dict:
+    free_gpu()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    policy = EvictionPolicy(max_cache_tokens=budget, mode=mode)  # type: ignore[arg-type]
+    engine = StreamEngine(rt, StreamSpec("evict", 2.0, Grid(side, side), 4), policy)
+    tokens = 2 * Grid(side, side).tokens_per_patch
+    chunk = torch.randn(tokens, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
+    steady: list[tuple[float, bool]] = []  # (ms, whether it evicted) after the first eviction
+    i = 0
+    while engine.head.stats.evictions <= cycles:
+        evictions = engine.head.stats.evictions
+        sync()
+        t0 = time.perf_counter()
+        engine.append_embeddings(chunk, 2, (4 * i, 4 * i + 3), (2.0 * i, 2.0 * i + 1.5))
+        sync()
+        ms, i = (time.perf_counter() - t0) * 1000, i + 1
+        if evictions:
+            steady.append((ms, engine.head.stats.evictions > evictions))
+    embeds = engine.cache.embeds.values()
+    out = {
+        "budget_tokens": budget,
+        "side": side,
+        "chunk_tokens": tokens,
+        "chunks": i,
+        "evictions": engine.head.stats.evictions,
+        "measured_chunks": len(steady),
+        "amortized_chunk_ms": round(statistics.mean(ms for ms, _ in steady), 2),
+        "evicting_chunk_ms": round(statistics.median(ms for ms, evicted in steady if evicted), 1),
+        "ordinary_chunk_ms": round(statistics.median(ms for ms, evicted in steady if not evicted), 2),
+        "kept_embeds_mib": round(sum(e.numel() * e.element_size() for e in embeds) / 2**20, 3),
+        "peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if torch.cuda.is_available() else None,
+    }
+    log(f"eviction {mode} {out}")
+    return out
+
+
+def run_info(rt: Runtime, model: str) -> dict:
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "model": model,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
+        "nvidia_smi": gpu_info() if torch.cuda.is_available() else "",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "dtype": str(rt.lm.dtype),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random-3b")
@@ -215,19 +278,22 @@ def main() -> None:
     p.add_argument("--long-chunks", type=int, default=400)
     p.add_argument("--long-budget", type=int, default=32768)
     p.add_argument("--profile", action="store_true", help="profile one question at the largest cache size")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
+    p.add_argument("--eviction-cost", action="store_true", help="only: exact vs rebase eviction, per chunk")
+    p.add_argument("--eviction-budget", type=int, default=32768)
+    p.add_argument("--eviction-side", type=int, default=448)
+    p.add_argument("--eviction-cycles", type=int, default=4, help="evictions measured after the first")
     args = p.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
-    rt = Runtime(load_model(args.model))
+    rt = Runtime(load_model(args.model, device=args.device))
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
+    if args.eviction_cost:
+        cost = bench_eviction_cost(rt, args.eviction_budget, args.eviction_side, args.eviction_cycles)
+        print(json.dumps({**run_info(rt, args.model), "eviction_cost": cost}, indent=1))
+        return
     result = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "model": args.model,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "nvidia_smi": gpu_info() if torch.cuda.is_available() else "",
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "dtype": str(rt.lm.dtype),
+        **run_info(rt, args.model),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
         "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),

@@ -155,3 +155,13 @@ def test_status_reports_every_range_a_version_holds(rt, redis_url):
     assert cam["head"]["ranges"] == [list(x) for x in head.capture_ranges]
     assert json.loads(json.dumps(cam))["head"]["ranges"][1][1] == 11.5
     assert "0.0-0.5s,7.0-11.5s" in status.render(status.collect(r))
+
+
+def test_benchmark_hook_runs_on_cpu(rt):
+    from scripts.bench_engine import bench_eviction_cost
+
+    prefix = len(rt.prefix_ids())
+    cost = bench_eviction_cost(rt, budget=prefix + 10 * 8, side=56, cycles=2)
+    assert cost["rebase"]["evictions"] == cost["exact"]["evictions"] == 3
+    assert cost["rebase"]["kept_embeds_mib"] == 0 and cost["exact"]["kept_embeds_mib"] > 0
+    assert all(c["amortized_chunk_ms"] > 0 and c["measured_chunks"] >= 4 for c in cost.values())
