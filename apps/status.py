@@ -16,12 +16,13 @@ import redis
 from common import redisio
 from common.wire import keys
 from common.wire.manifest import manifest_ranges
+from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
 def streams(r: redis.Redis) -> list[str]:
-    found = {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
-    found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
+    found = {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
+    found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
     return sorted(found)
 
 
@@ -39,18 +40,26 @@ def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
 
 
 def stream_status(r: redis.Redis, name: str, now: float) -> dict:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
+    try:
+        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
+    except SchemaError as e:
+        meta = None
+        out_error = f"bad meta: {e}"
+    else:
+        out_error = None
     out: dict = {
         "stream": name,
-        "source": meta.get("url"),
-        "fps": meta.get("fps"),
-        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
+        "source": meta.url if meta else None,
+        "fps": meta.fps if meta else None,
+        "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
     }
+    if out_error:
+        out["error"] = out_error
     raw = r.get(keys.head(name))
     if raw:
         try:
             m = manifest_from_bytes(raw)
-            live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
+            live = meta is not None and meta.live  # live capture times are wall-clock: lag = now - newest frame
             out["head"] = {
                 "version": m.version,
                 "tokens": m.cache_tokens,
@@ -61,8 +70,8 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
                 "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
                 "evicted_tokens": m.evicted_tokens,
             }
-        except (SchemaError, KeyError, TypeError, ValueError) as e:  # a manifest we cannot read
-            out["head"] = {"error": f"{type(e).__name__}: {e}"}
+        except SchemaError as e:
+            out["head"] = {"error": str(e)}
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
     holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
     out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None

@@ -11,16 +11,26 @@ import time
 
 import redis
 import structlog
+import torch
 
 from common import metrics, redisio
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import StreamSpec
 from common.engine.kvcache import Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
-from common.segment_store import SegmentStore, embeds_id
+from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
-from common.wire.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
+from common.wire.meta import StreamMeta
+from common.wire.schemas import (
+    EndOfStream,
+    FrameMsg,
+    Manifest,
+    SchemaError,
+    encode_manifest,
+    manifest_from_bytes,
+    manifest_to_bytes,
+)
 from encoder_worker.config import EncoderConfig
 
 log = structlog.get_logger()
@@ -140,11 +150,13 @@ class OwnedStream:
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
-    if not meta:
+    try:
+        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
+    except SchemaError as e:  # a forged or damaged description: not startable until ingest re-states it
+        raise StreamNotReady(f"{name}: {e}") from None
+    if meta is None:
         raise StreamNotReady(name)
-    grid = Grid(int(meta["height"]), int(meta["width"]))
-    return StreamSpec(name, float(meta["fps"]), grid, chunk_frames), meta.get("live") == "1"
+    return meta.spec(name, chunk_frames), meta.live
 
 
 def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str) -> OwnedStream:
@@ -158,8 +170,12 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
     def persist_embeds(segment: Segment, embeds) -> None:
         store.put(name, embeds_id(segment.chunk_id), embeds)
 
-    def load_embeds(chunk: str):
-        return store.get(name, embeds_id(chunk), rt.device) if store.exists(name, embeds_id(chunk)) else None
+    def load_embeds(chunk: str) -> torch.Tensor | None:
+        try:
+            return store.get(name, embeds_id(chunk), rt.device)
+        except SegmentStoreError as e:  # e.g. encoded under rebase: evictions rebase until it is gone
+            log.warning("no kept embeddings for a cached chunk", stream=name, chunk=chunk, error=str(e))
+            return None
 
     sinks = dict(on_segment=persist, on_embeds=persist_embeds)
     raw = r.get(keys.head(name))
@@ -181,6 +197,4 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
 
 
 def event(r: redis.Redis, stream: str, kind: str, **fields: object) -> None:
-    payload = {"type": kind, "source": "encoder", "at": f"{time.time():.3f}"}
-    payload |= {k: str(v) for k, v in fields.items()}
-    redisio.xadd_capped(r, keys.events(stream), payload, maxlen=10_000)
+    redisio.event(r, stream, "encoder", kind, **fields)

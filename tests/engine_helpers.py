@@ -7,11 +7,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.engine.answer import GenerationParams, ask, first_token_logits
+from common.engine.answer import ask, first_token_logits
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import Version
 from common.engine.offline import offline_answer
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 

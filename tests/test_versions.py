@@ -8,10 +8,11 @@ import pytest
 import redis
 import torch
 
-from common.engine.answer import GenerationParams, ask, first_token_logits
+from common.engine.answer import ask, first_token_logits
 from common.engine.eviction import EvictionMode, EvictionPolicy
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.segment_store import DirectoryStore, embeds_id
