@@ -37,7 +37,8 @@ MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
 
 INT64_MAX = 2**63 - 1
-STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# No leading dot: a name becomes a directory and file names ('.', '..', hidden files).
+STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 # Question ids end up in key names (svqa:answer:{id}); no braces (hash tags), spaces or colons.
 QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Segment ids end up in file names of the directory store: no leading dot, no separators.
@@ -105,15 +106,25 @@ def _str(name: str, v: Any, max_len: int, pattern: re.Pattern[str] | None = None
         raise SchemaError(name, f"longer than {max_len} chars ({len(v)})")
     if pattern is not None and not pattern.fullmatch(v):
         raise SchemaError(name, f"invalid value {v[:80]!r} (must match {pattern.pattern})")
+    if pattern is None and not _is_utf8(v):  # JSON's "\ud800" decodes to a lone surrogate
+        raise SchemaError(name, "not valid Unicode text (lone surrogate)")
     return v
 
 
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_stream_name(name: str, v: Any) -> str:
-    """A camera stream name: [A-Za-z0-9_.-]{1,64}, and not '.' or '..' (they become paths)."""
-    s = _str(name, v, 64, STREAM_NAME_RE)
-    if s in (".", ".."):
-        raise SchemaError(name, f"invalid stream name {s!r}")
-    return s
+    """A camera stream name: 1-64 of [A-Za-z0-9_.-], not starting with '.' (names become paths).
+
+    The one check for every place a name enters: flags, environment, cameras file, questions.
+    """
+    return _str(name, v, 64, STREAM_NAME_RE)
 
 
 def _require(m: Mapping[str, Any], name: str) -> Any:
@@ -423,7 +434,7 @@ def _parse_float(name: str, s: str, lo: float, hi: float) -> float:
 def _parse_choices(s: str, limits: Limits) -> tuple[str, ...]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: '[[[[…' nested a thousand deep
         raise SchemaError("choices", "not valid JSON (expected a JSON list of strings)") from None
     if not isinstance(v, list):
         raise SchemaError("choices", f"expected a JSON list, got {type(v).__name__}")
@@ -620,7 +631,7 @@ def _answer_fields(fields: Mapping[Any, Any]) -> dict[str, str]:
 def _parse_scores(s: str) -> dict[str, float]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise SchemaError("scores", "not valid JSON") from None
     if not isinstance(v, dict):
         raise SchemaError("scores", f"expected a JSON object, got {type(v).__name__}")
