@@ -69,7 +69,8 @@ class Choice:
 def question_suffix_ids(rt: Runtime, question: str) -> list[int]:
     """``<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n``, the question encoded as text
     (special tokens split apart) between the template's own control tokens."""
-    return rt.encode("<|vision_end|>") + rt.encode(question, user=True) + rt.encode("<|im_end|>\n<|im_start|>assistant\n")
+    head, tail = rt.encode("<|vision_end|>"), rt.encode("<|im_end|>\n<|im_start|>assistant\n")
+    return head + rt.encode(question, user=True) + tail
 
 
 class _Session:
