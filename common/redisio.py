@@ -453,3 +453,13 @@ def call_riding_out(r: redis.Redis, fn: Callable[[], None], stop: threading.Even
             clean = False
             ride_out(r, e, grace_s, stop)
     return False
+
+
+def exit_code(run: Callable[[], None]) -> int:
+    """Run a service to its end: 0, or 3 (one log line) when Redis stayed away past the grace period."""
+    try:
+        run()
+    except RedisGone as e:
+        log.error("redis gone past the grace period; exiting", error=str(e))
+        return 3
+    return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -246,6 +247,29 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
         data=data,
         fmt=fmt,
     )
+
+
+# How far a frame's seq may run ahead of the stream's last one with no capture time between them.
+# Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread,
+# and then capture time passed too: the allowed gap grows by 1.5 x fps per second.
+MAX_SEQ_GAP = 64
+MAX_CLOCK_SKEW_S = 60.0  # a live frame dated further ahead of this host's clock is forged or wrong
+
+
+def frame_follow_problem(prev_seq: int, prev_ts: float | None, msg: FrameMsg, fps: float, live: bool) -> str | None:
+    """Why ``msg`` cannot be the next frame after (prev_seq, prev_ts) on its stream, or None if it can.
+
+    Guards the stream's history against one forged entry: a frame numbered 10^12 accepted as
+    the newest would turn every later real frame into a "duplicate".
+    """
+    if live and msg.ts > time.time() + MAX_CLOCK_SKEW_S:
+        return f"ts {msg.ts:.3f} is more than {MAX_CLOCK_SKEW_S:g} s in the future"
+    if prev_seq < 0 or prev_ts is None or msg.seq <= prev_seq:
+        return None  # nothing to compare with, or a duplicate (handled by the caller)
+    allowed = MAX_SEQ_GAP + math.ceil(1.5 * fps * max(0.0, msg.ts - prev_ts))
+    if msg.seq - prev_seq > allowed:
+        return f"seq {msg.seq} jumps {msg.seq - prev_seq} past {prev_seq} (at most {allowed} for its capture time)"
+    return None
 
 
 def _check_pixels(h: int, w: int, limits: Limits) -> None:
@@ -530,7 +554,12 @@ FINAL = "final"
 
 @dataclass(frozen=True)
 class AnswerDelta:
+    """Text as it is decoded. ``attempt`` counts how often the question was taken up: a worker
+    that died mid-answer leaves deltas of attempt n, its successor writes attempt n+1 from the
+    start, so a reader drops what it kept of earlier attempts (``qa_worker.client``)."""
+
     text: str
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -566,8 +595,8 @@ _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
 _FINAL_STRS = ("stream", "text", "error", "choice")
 
 
-def encode_delta(text: str) -> dict[str, str]:
-    return {"type": DELTA, "text": text}
+def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
+    return {"type": DELTA, "text": text, "attempt": str(attempt)}
 
 
 def encode_final(a: FinalAnswer) -> dict[str, str]:
@@ -611,7 +640,8 @@ def decode_answer(fields: Mapping[Any, Any]) -> AnswerDelta | FinalAnswer:
     """Decode any entry of an answer stream."""
     f = _answer_fields(fields)
     if f.get("type") == DELTA:
-        return AnswerDelta(text=_require(f, "text"))
+        attempt = _parse_int("attempt", f["attempt"], 1, INT64_MAX) if "attempt" in f else 1
+        return AnswerDelta(text=_require(f, "text"), attempt=attempt)
     return decode_final(fields)
 
 
