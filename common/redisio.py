@@ -281,8 +281,8 @@ def dead_letter(
     if len(items) > DEAD_LETTER_MAX_FIELDS:
         rec["fields_truncated_from"] = str(len(items))
     for k, v in items[:DEAD_LETTER_MAX_FIELDS]:
-        k = k if isinstance(k, bytes) else str(k).encode("utf-8", "backslashreplace")
-        name = "f:" + k[:DEAD_LETTER_MAX_NAME].decode("utf-8", "backslashreplace")
+        k = k[: DEAD_LETTER_MAX_NAME * 4] if isinstance(k, bytes) else str(k)[:DEAD_LETTER_MAX_NAME].encode()
+        name = "f:" + k.decode("ascii", "backslashreplace")[:DEAD_LETTER_MAX_NAME]  # ASCII: chars == bytes
         v = v if isinstance(v, bytes) else str(v).encode("utf-8", "backslashreplace")
         if len(v) > DEAD_LETTER_MAX_VALUE:
             rec[f"{name}:truncated_from"] = str(len(v))
