@@ -437,8 +437,12 @@ def run_riding_out(
 ) -> None:
     """Call ``step`` until ``stop``; an outage is waited out (``ride_out``), then ``on_back`` runs."""
     while not stop.is_set():
-        if not call_riding_out(r, step, stop, grace_s) and on_back is not None:
-            call_riding_out(r, on_back, stop, grace_s)
+        try:
+            step()
+        except OUTAGE_ERRORS as e:
+            ride_out(r, e, grace_s, stop)
+            if on_back is not None:  # before the next step: it may depend on what on_back restores
+                call_riding_out(r, on_back, stop, grace_s)
 
 
 def call_riding_out(r: redis.Redis, fn: Callable[[], None], stop: threading.Event, grace_s: float) -> bool:
