@@ -18,6 +18,7 @@ import structlog
 
 from common import boot, redisio
 from common.config import load_cameras_file
+from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.lease import Lease
 from common.segment_store import SegmentStore, open_store
@@ -40,6 +41,27 @@ class EncoderService:
         self.reader = redisio.GroupReader(r, [], keys.ENCODER_GROUP, cfg.consumer, count=32, block_ms=cfg.block_ms)
         self._last_lease_check = 0.0
         self._last_prune = time.monotonic()
+
+    # -- a version source for QA in the same process (qa_worker.service.VersionSource) -----------
+    def get(self, stream: str, at: int | None = None) -> Version | None:
+        """The head of an owned stream (`at` answers only when it names the head)."""
+        owned = self.owned.get(stream)
+        if owned is None:
+            return None
+        head = owned.engine.head
+        return head if at in (None, head.id) else None
+
+    def serves(self, stream: str) -> bool:
+        return stream in self.names
+
+    def wait_ready(self, stop: threading.Event) -> None:
+        """Until every served stream that has a head is restored (a dead predecessor's lease
+        expires within lease_ms), so a question never meets a stream not yet reopened."""
+        deadline = time.monotonic() + 2 * self.cfg.lease_ms / 1000 + 5
+        while waiting := [n for n in self.names if n not in self.owned and self.r.exists(keys.head(n))]:
+            if stop.wait(0.1) or time.monotonic() > deadline:
+                log.warning("streams not restored in time; answering anyway", streams=waiting)
+                return
 
     def run(self, stop: threading.Event) -> None:
         log.info("encoder started", streams=self.names, consumer=self.cfg.consumer)
@@ -97,7 +119,7 @@ class EncoderService:
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict, deliveries: int) -> None:
         self._keep_leases_if_due()
-        owned = self.owned.get(_stream_of(frames_key))
+        owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
         msg = decode_frame(fields)  # SchemaError: rejected by the boundary
@@ -116,7 +138,7 @@ class EncoderService:
             raise
 
     def _reject(self, frames_key: str, entry_id: str, fields: dict, reason: str) -> None:
-        name = _stream_of(frames_key)
+        name = keys.stream_of(frames_key)
         owned = self.owned.get(name)
         if owned is not None:
             owned.reject(entry_id, fields, reason)
@@ -131,10 +153,6 @@ class EncoderService:
     def _release(self, name: str) -> None:
         self._drop(name)
         self.leases[name].release()
-
-
-def _stream_of(frames_key: str) -> str:
-    return frames_key[frames_key.index("{") + 1 : frames_key.index("}")]
 
 
 def main(argv: list[str]) -> int:
