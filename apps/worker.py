@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common import boot
+from common import boot, redisio
 from common.segment_store import open_store
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
@@ -30,5 +30,5 @@ def main(argv: list[str]) -> int:
     cfg, r = boot.start(WorkerConfig, argv, "streamvqa worker")
     rt = boot.load_runtime(cfg.model, cfg.device)
     encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r))
-    QAService(cfg, rt, r, encoder).run(boot.stop_on_signals())  # the encoder is QA's version source
-    return 0
+    service = QAService(cfg, rt, r, encoder)  # the encoder is QA's version source
+    return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

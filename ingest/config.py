@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.wire.schemas import check_stream_name
+
 
 @dataclass(frozen=True)
 class IngestConfig:
@@ -25,12 +27,17 @@ class IngestConfig:
     reconnect_min_s: float = 0.5
     reconnect_max_s: float = 30.0
     max_reconnects: int | None = None  # live sources: give up after this many; None = never
+    redis_grace_s: float = 300.0  # ride out a Redis outage this long, then exit 3
     metrics_port: int | None = None
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
         if self.cameras_file is None and not (self.url and self.stream):
             raise ValueError("set url and stream (one source) or cameras_file")
+        if self.stream is not None:
+            check_stream_name("stream", self.stream)
+        if not 0 < self.min_pixels <= self.max_pixels:
+            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
         if not self.fps > 0:
             raise ValueError(f"fps must be positive, got {self.fps}")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:

@@ -22,12 +22,21 @@ from common import metrics, redisio
 from common.engine.grid import Grid, choose_grid
 from common.wire import keys
 from common.wire.meta import StreamMeta
-from common.wire.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
+from common.wire.schemas import (
+    EndOfStream,
+    FrameMsg,
+    SchemaError,
+    decode_frame,
+    encode_frame,
+    frame_follow_problem,
+    manifest_from_bytes,
+)
 from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
 
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+RESUME_SCAN = 200  # newest frames entries searched for the last valid frame when resuming
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class Source:
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
+        self.last_pts = self.resume_pts  # of the newest frame published
         self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
 
@@ -76,6 +86,10 @@ class Source:
                 self.event("error", error=str(e))
                 if not self.live:
                     break
+            except redisio.OUTAGE_ERRORS as e:  # wait for Redis, then reopen and go on where we were
+                redisio.ride_out(self.r, e, self.cfg.redis_grace_s, self.stop)
+                self.resume_pts = self.last_pts
+                continue
             self.stats.reconnects += 1
             metrics.RECONNECTS.labels(self.spec.stream).inc()
             if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
@@ -86,7 +100,8 @@ class Source:
             self.stop.wait(wait)
             delay = min(delay * 2, self.cfg.reconnect_max_s)
         if not self.live and finished:  # interrupted files resume later instead of ending
-            self._publish(EndOfStream(self.next_seq - 1))
+            end = EndOfStream(self.next_seq - 1)
+            redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
             self.event("eof", frames=self.stats.published, decode_errors=self.stats.decode_errors)
         return 0 if self.stats.published or self.next_seq > 0 else 1
 
@@ -163,6 +178,7 @@ class Source:
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
+            self.last_pts = msg.pts
             self.stats.published += 1
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
             self._recent.append(time.monotonic())
@@ -208,17 +224,35 @@ class Source:
         return int(lag) + int(enc["pending"])
 
     def _resume_point(self) -> tuple[int, float]:
-        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file."""
-        last = self.r.xrevrange(keys.frames(self.spec.stream), count=1)
-        if not last:
-            return 0, -1.0
+        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file.
+
+        From the newest VALID frame on the stream (garbage and forged entries are skipped: one
+        that does not follow the head version plausibly is not ours), and never below the head
+        version's last frame. A file counts as finished only when its end marker names that frame.
+        """
+        head_seq, head_ts = self._head()
+        end: EndOfStream | None = None
+        for _, fields in self.r.xrevrange(keys.frames(self.spec.stream), count=RESUME_SCAN):
+            try:
+                msg = decode_frame(fields)
+            except SchemaError:
+                continue
+            if isinstance(msg, EndOfStream):
+                end = end or msg
+                continue
+            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, live=False) is not None:
+                continue
+            finished = end is not None and end.seq == msg.seq
+            return max(msg.seq, head_seq) + 1, float("inf") if finished else msg.pts
+        return head_seq + 1, -1.0
+
+    def _head(self) -> tuple[int, float | None]:
+        """(last frame seq, its capture time) of the stream's head version; (-1, None) without one."""
         try:
-            msg = decode_frame(last[0][1])
-        except SchemaError:
-            return 0, -1.0
-        if isinstance(msg, EndOfStream):
-            return msg.seq + 1, float("inf")  # the file was finished
-        return msg.seq + 1, msg.pts
+            m = manifest_from_bytes(self.r.get(keys.head(self.spec.stream)))
+        except SchemaError:  # no head (None) or an unreadable one
+            return -1, None
+        return m.last_frame_seq, m.last_ts
 
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1

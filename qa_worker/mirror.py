@@ -73,6 +73,9 @@ class Mirror:
     def serves(self, stream: str) -> bool:
         return stream in self.streams
 
+    def wait_ready(self, stop: threading.Event) -> None:
+        """Ready at once: the constructor caught up every stream from its head."""
+
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():
             try:

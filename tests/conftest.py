@@ -7,6 +7,8 @@ Redis fixtures start the real ``redis-server`` binary (no mocks): in-memory only
 - ``redis_cli``: path of the real redis-cli binary.
 - ``redis_server``: a private server per test that the test may ``stop()``/``start()`` on the
   same port (reconnect tests). It comes back empty: no persistence.
+- ``aof_redis_server``: the same with AOF on (``appendfsync always``): it comes back with its data,
+  like the compose deployment's Redis.
 """
 
 from __future__ import annotations
@@ -37,9 +39,12 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server subprocess that can be stopped and restarted on the same port."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, *, aof: bool = False, args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
+        self.aof, self.args = aof, args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,13 +63,16 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "always",
             "--dir",
             str(self.workdir),
             "--daemonize",
             "no",
             "--logfile",
             str(self.workdir / "redis.log"),
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping(timeout_s)
@@ -135,6 +143,17 @@ def redis_cli() -> str:
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private, running redis-server this test may stop and restart."""
     server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aof_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server with AOF on: stopped and started again, it keeps its data."""
+    server = RedisServer(tmp_path, aof=True)
     server.start()
     try:
         yield server

@@ -52,14 +52,17 @@ class Choice:
     version: int
 
 
-def question_suffix(question: str) -> str:
-    return f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
+def question_suffix_ids(rt: Runtime, question: str) -> list[int]:
+    """``<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n``, the question encoded as text
+    (special tokens split apart) between the template's own control tokens."""
+    head, tail = rt.encode("<|vision_end|>"), rt.encode("<|im_end|>\n<|im_start|>assistant\n")
+    return head + rt.encode(question, user=True) + tail
 
 
 def _question_ids(rt: Runtime, question: str) -> list[int]:
     if not question or not question.strip():
         raise QuestionError("empty question")
-    ids = rt.encode(question_suffix(question))
+    ids = question_suffix_ids(rt, question)
     if len(ids) > MAX_QUESTION_TOKENS:
         raise QuestionError(f"question is {len(ids)} tokens; the limit is {MAX_QUESTION_TOKENS}")
     return ids
@@ -214,7 +217,7 @@ def choose(rt: Runtime, version: Version, question: str, choices: list[str]) -> 
     if len(choices) < 2:
         raise QuestionError("multiple choice needs at least two options")
     ids = _question_ids(rt, question)
-    options = [rt.encode(c) for c in choices]
+    options = [rt.encode(c, user=True) for c in choices]
     if any(not o for o in options):
         raise QuestionError("empty option")
     scores = rt.executor.call(lambda: _score_options(rt, version, ids, options))

@@ -32,8 +32,10 @@ class Runtime:
         # batches every stream's chunks and every question's steps.
         self.executor: Executor = InlineExecutor()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def encode(self, text: str, *, user: bool = False) -> list[int]:
+        """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing
+        is off, so ``<|im_start|>`` in a question is ordinary text, never a control token."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=user).input_ids
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
 
 INT64_MAX = 2**63 - 1
-STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# No leading dot: a name becomes a directory and file names ('.', '..', hidden files).
+STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 # Question ids end up in key names (svqa:answer:{id}); no braces (hash tags), spaces or colons.
 QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Segment ids end up in file names of the directory store: no leading dot, no separators.
@@ -106,15 +108,25 @@ def _str(name: str, v: Any, max_len: int, pattern: re.Pattern[str] | None = None
         raise SchemaError(name, f"longer than {max_len} chars ({len(v)})")
     if pattern is not None and not pattern.fullmatch(v):
         raise SchemaError(name, f"invalid value {v[:80]!r} (must match {pattern.pattern})")
+    if pattern is None and not _is_utf8(v):  # JSON's "\ud800" decodes to a lone surrogate
+        raise SchemaError(name, "not valid Unicode text (lone surrogate)")
     return v
 
 
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_stream_name(name: str, v: Any) -> str:
-    """A camera stream name: [A-Za-z0-9_.-]{1,64}, and not '.' or '..' (they become paths)."""
-    s = _str(name, v, 64, STREAM_NAME_RE)
-    if s in (".", ".."):
-        raise SchemaError(name, f"invalid stream name {s!r}")
-    return s
+    """A camera stream name: 1-64 of [A-Za-z0-9_.-], not starting with '.' (names become paths).
+
+    The one check for every place a name enters: flags, environment, cameras file, questions.
+    """
+    return _str(name, v, 64, STREAM_NAME_RE)
 
 
 def _require(m: Mapping[str, Any], name: str) -> Any:
@@ -236,6 +248,29 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
         data=data,
         fmt=fmt,
     )
+
+
+# How far a frame's seq may run ahead of the stream's last one with no capture time between them.
+# Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread,
+# and then capture time passed too: the allowed gap grows by 1.5 x fps per second.
+MAX_SEQ_GAP = 64
+MAX_CLOCK_SKEW_S = 60.0  # a live frame dated further ahead of this host's clock is forged or wrong
+
+
+def frame_follow_problem(prev_seq: int, prev_ts: float | None, msg: FrameMsg, fps: float, live: bool) -> str | None:
+    """Why ``msg`` cannot be the next frame after (prev_seq, prev_ts) on its stream, or None if it can.
+
+    Guards the stream's history against one forged entry: a frame numbered 10^12 accepted as
+    the newest would turn every later real frame into a "duplicate".
+    """
+    if live and msg.ts > time.time() + MAX_CLOCK_SKEW_S:
+        return f"ts {msg.ts:.3f} is more than {MAX_CLOCK_SKEW_S:g} s in the future"
+    if prev_seq < 0 or prev_ts is None or msg.seq <= prev_seq:
+        return None  # nothing to compare with, or a duplicate (handled by the caller)
+    allowed = MAX_SEQ_GAP + math.ceil(1.5 * fps * max(0.0, msg.ts - prev_ts))
+    if msg.seq - prev_seq > allowed:
+        return f"seq {msg.seq} jumps {msg.seq - prev_seq} past {prev_seq} (at most {allowed} for its capture time)"
+    return None
 
 
 def _check_pixels(h: int, w: int, limits: Limits) -> None:
@@ -462,7 +497,7 @@ def _parse_float(name: str, s: str, lo: float, hi: float) -> float:
 def _parse_choices(s: str, limits: Limits) -> tuple[str, ...]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: '[[[[…' nested a thousand deep
         raise SchemaError("choices", "not valid JSON (expected a JSON list of strings)") from None
     if not isinstance(v, list):
         raise SchemaError("choices", f"expected a JSON list, got {type(v).__name__}")
@@ -558,7 +593,12 @@ FINAL = "final"
 
 @dataclass(frozen=True)
 class AnswerDelta:
+    """Text as it is decoded. ``attempt`` counts how often the question was taken up: a worker
+    that died mid-answer leaves deltas of attempt n, its successor writes attempt n+1 from the
+    start, so a reader drops what it kept of earlier attempts (``qa_worker.client``)."""
+
     text: str
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -594,8 +634,8 @@ _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
 _FINAL_STRS = ("stream", "text", "error", "choice")
 
 
-def encode_delta(text: str) -> dict[str, str]:
-    return {"type": DELTA, "text": text}
+def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
+    return {"type": DELTA, "text": text, "attempt": str(attempt)}
 
 
 def encode_final(a: FinalAnswer) -> dict[str, str]:
@@ -639,7 +679,8 @@ def decode_answer(fields: Mapping[Any, Any]) -> AnswerDelta | FinalAnswer:
     """Decode any entry of an answer stream."""
     f = _answer_fields(fields)
     if f.get("type") == DELTA:
-        return AnswerDelta(text=_require(f, "text"))
+        attempt = _parse_int("attempt", f["attempt"], 1, INT64_MAX) if "attempt" in f else 1
+        return AnswerDelta(text=_require(f, "text"), attempt=attempt)
     return decode_final(fields)
 
 
@@ -659,7 +700,7 @@ def _answer_fields(fields: Mapping[Any, Any]) -> dict[str, str]:
 def _parse_scores(s: str) -> dict[str, float]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise SchemaError("scores", "not valid JSON") from None
     if not isinstance(v, dict):
         raise SchemaError("scores", f"expected a JSON object, got {type(v).__name__}")
