@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from apps import replay
+from common.version import VERSION
 
 # subcommand -> module with `main(argv: list[str]) -> int`
 SERVICES = {
@@ -30,7 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         module = importlib.import_module(SERVICES[argv[0]])
         return module.main(argv)
+    from apps import replay  # imports torch: only for the command that runs a model here
+
     parser = argparse.ArgumentParser(prog="streamvqa", description="Ask questions about live video.")
+    parser.add_argument("--version", action="version", version=f"streamvqa {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{replay," + ",".join(SERVICES) + "}")
     replay.add_arguments(sub.add_parser("replay", help="stream a video file through the engine and ask"))
     ns = parser.parse_args(argv)

@@ -25,7 +25,7 @@ import yaml
 from apps.samplevideo import write_sample_video
 from common import redisio
 from common.boot import load_runtime
-from common.engine.model import DEFAULT_MODEL, RANDOM_MODELS
+from common.engine.names import DEFAULT_MODEL
 from common.logs import configure_logging
 
 STREAM = "demo"
@@ -87,9 +87,7 @@ def pick_model(name: str, device: str | None):
     """The real model when its weights can be loaded; otherwise tiny-random, said loudly."""
     if name != "tiny-random":
         try:
-            if not (name in RANDOM_MODELS or Path(name).is_dir() or _cached(name) or _hub_reachable()):
-                raise SystemExit(4)  # skip transformers' minute of retries against an unreachable hub
-            return load_runtime(name, device)
+            return load_runtime(name, device)  # exits 4 at once when no weights can be had
         except SystemExit:
             say("=" * 78)
             say(f"  Could not load {name} (no weights here and no network to fetch them).")
@@ -99,20 +97,6 @@ def pick_model(name: str, device: str | None):
             say("  or --model /path/to/a/local/Qwen2.5-VL checkout.")
             say("=" * 78)
     return load_runtime("tiny-random", device)
-
-
-def _cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-
-
-def _hub_reachable() -> bool:
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
 
 
 def main(argv: list[str]) -> int:

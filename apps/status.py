@@ -13,7 +13,8 @@ import time
 
 import redis
 
-from common import redisio
+from common import boot
+from common.logs import configure_logging, redact_url
 from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
@@ -41,7 +42,7 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
     meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
     out: dict = {
         "stream": name,
-        "source": meta.get("url"),
+        "source": redact_url(meta["url"]) if "url" in meta else None,  # written redacted; old data may not be
         "fps": meta.get("fps"),
         "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
     }
@@ -101,11 +102,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv[1:])
-    try:
-        r = redisio.wait_for_redis(ns.redis_url, timeout_s=5)
-    except TimeoutError as e:
-        print(f"streamvqa status: {e}")
-        return 3
+    configure_logging("WARNING")
+    r = boot.connect_tool(ns.redis_url, "streamvqa status")
     status = collect(r)
     print(json.dumps(status, indent=1) if ns.json else render(status))
     return 0

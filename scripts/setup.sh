@@ -36,10 +36,13 @@ install_torch() {
     return
   fi
   echo "setup: no NVIDIA GPU: torch $TORCH_VERSION, CPU build"
-  # A CPU wheel already on this machine (pip's find-links) first; otherwise PyTorch's CPU index,
-  # since PyPI's default torch for Linux is the CUDA build (gigabytes of unused libraries).
-  "$VENV/bin/pip" install -q --no-index "torch==$TORCH_VERSION" 2>/dev/null \
-    || "$VENV/bin/pip" install -q --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION"
+  # A CPU wheel already on this machine (pip's find-links), its dependencies from the usual index;
+  # otherwise PyTorch's CPU index, since PyPI's default torch for Linux is the CUDA build.
+  if "$VENV/bin/pip" install -q --no-index --no-deps "torch==$TORCH_VERSION" 2>/dev/null; then
+    "$VENV/bin/pip" install -q "torch==$TORCH_VERSION"
+  else
+    "$VENV/bin/pip" install -q --index-url https://download.pytorch.org/whl/cpu "torch==$TORCH_VERSION"
+  fi
 }
 
 install_debian_packages
