@@ -168,7 +168,8 @@ class Demo:
         return path
 
     def _worker(self, rt, r, cameras: Path) -> None:
-        from apps.worker import LocalVersions, WorkerConfig
+        from apps.worker import LocalVersions
+        from apps.worker_config import WorkerConfig
         from common.segment_store import open_store
         from encoder_worker.service import EncoderService
         from qa_worker.service import QAService

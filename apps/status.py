@@ -20,9 +20,20 @@ from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
 def streams(r: redis.Redis) -> list[str]:
-    found = {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
-    found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
+    """Every stream Redis knows of: described by ingest, encoded, or only ever failing (events)."""
+    found = set()
+    for kind in ("meta", "head", "events"):
+        found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:{kind}")}
     return sorted(found)
+
+
+def last_event(r: redis.Redis, name: str) -> dict | None:
+    """The newest ingest/encoder event: why a camera that never connected is not delivering."""
+    got = r.xrevrange(keys.events(name), count=1)
+    if not got:
+        return None
+    fields = {k.decode(): v.decode(errors="replace") for k, v in got[0][1].items()}
+    return {k: fields[k] for k in ("type", "at", "error", "reconnects", "attempt") if k in fields}
 
 
 def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
@@ -62,6 +73,8 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
             }
         except SchemaError as e:
             out["head"] = {"error": str(e)}
+    out["connected"] = "height" in meta  # ingest describes a stream once its source opened
+    out["last_event"] = last_event(r, name)
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
     holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
     out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
@@ -89,6 +102,9 @@ def render(status: dict) -> str:
             f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
+        if not s["connected"]:
+            ev = s["last_event"] or {}
+            lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
     q = status["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "

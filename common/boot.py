@@ -43,8 +43,9 @@ def fail(code: int, event: str, **fields: Any) -> NoReturn:
     raise SystemExit(code)
 
 
-def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
-    """Config (flags, SVQA_*, YAML, the cameras file), logging, metrics endpoint, a live Redis."""
+def configure(cls: type[T], argv: list[str], prog: str) -> T:
+    """Config (flags, SVQA_*, YAML, the cameras file) and logging, or exit 2 with one line.
+    The CLI calls this before it imports a service, so a typo costs no torch import."""
     configure_logging("INFO")  # so that even a bad --log-level is reported as a JSON line
     try:
         cfg = load_config(cls, argv[1:], prog=prog)
@@ -52,6 +53,12 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
         check_settings(cfg)
     except (ConfigError, ValueError) as e:
         fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    return cfg
+
+
+def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
+    """configure(), then the metrics/health endpoint and a live Redis."""
+    cfg = configure(cls, argv, prog)
     role = prog.split()[-1]  # "streamvqa worker" -> worker
     health.READINESS.redis_url = cfg.redis_url
     health.READINESS.needs_model = hasattr(cfg, "model")

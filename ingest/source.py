@@ -20,6 +20,7 @@ import structlog
 
 from common import metrics, redisio
 from common.engine.frames import Grid, choose_grid
+from common.logs import redact_text, redact_url
 from common.wire import keys
 from common.wire.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
 from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
@@ -27,6 +28,9 @@ from ingest.video import DecodedFrame, SourceError, is_live, open_container, sam
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
+FPS_WINDOW_FRAMES = 4096  # enough for any sane fps over the window
+UP_EVENTS = {"connected": 1, "error": 0, "stalled": 0, "reconnecting": 0, "gave_up": 0, "eof": 0}
 
 
 @dataclass(frozen=True)
@@ -54,14 +58,15 @@ class Source:
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
-        self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
+        self._recent: deque[float] = deque(maxlen=FPS_WINDOW_FRAMES)  # publish times (monotonic)
         self._meta: dict[str, object] = {}  # the stream's description, once the source is open
+        self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
         if self.resume_pts == float("inf"):
-            self.log.info("file already published to its end", url=self.spec.url)
+            self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
         delay = self.cfg.reconnect_min_s
         finished = False
@@ -98,7 +103,7 @@ class Source:
         session_over = threading.Event()
         try:
             grid = self._grid(container)
-            self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
+            self.event("connected", url=redact_url(self.spec.url), grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
             decoder = threading.Thread(
                 target=self._decode,
@@ -138,7 +143,7 @@ class Source:
                 self.stats.stalls += 1
                 metrics.STALLS.labels(self.spec.stream).inc()
                 self.event("stalled", after_s=self.cfg.read_timeout_s)
-                raise SourceError(f"{self.spec.url}: no frame for {self.cfg.read_timeout_s:g} s") from None
+                raise SourceError(f"{redact_url(self.spec.url)}: no frame for {self.cfg.read_timeout_s:g} s") from None
             if item is _END:
                 return True
             if isinstance(item, Exception):
@@ -167,10 +172,20 @@ class Source:
             self.stats.published += 1
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
             self._recent.append(time.monotonic())
-            if len(self._recent) > 1:
-                metrics.INGEST_FPS.labels(self.spec.stream).set(
-                    (len(self._recent) - 1) / max(self._recent[-1] - self._recent[0], 1e-6)
-                )
+
+    def _export_gauges(self) -> None:
+        """fps and last-frame age are computed when scraped, so they fall to 0 / grow when the
+        camera dies instead of keeping the last value set."""
+        started = time.monotonic()
+        metrics.INGEST_UP.labels(self.spec.stream).set(0)
+        metrics.INGEST_FPS.labels(self.spec.stream).set_function(self.recent_fps)
+        metrics.LAST_FRAME_AGE.labels(self.spec.stream).set_function(
+            lambda: time.monotonic() - (self._recent[-1] if self._recent else started)
+        )
+
+    def recent_fps(self) -> float:
+        now = time.monotonic()
+        return sum(1 for t in self._recent if now - t <= FPS_WINDOW_S) / FPS_WINDOW_S
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
@@ -185,7 +200,7 @@ class Source:
             "height": grid.height,
             "width": grid.width,
             "live": int(self.live or self.spec.realtime),
-            "url": self.spec.url,
+            "url": redact_url(self.spec.url),
         }
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
@@ -230,9 +245,12 @@ class Source:
         self.event("decode_error", error=message[:500])
 
     def event(self, kind: str, **fields: object) -> None:
+        """A log line and an entry of the stream's events; error texts may quote the URL: redacted."""
+        if kind in UP_EVENTS:
+            metrics.INGEST_UP.labels(self.spec.stream).set(UP_EVENTS[kind])
         self.log.info(kind, **fields)
         payload = {"type": kind, "source": "ingest", "at": f"{time.time():.3f}"}
-        payload |= {k: str(v) for k, v in fields.items()}
+        payload |= {k: redact_text(str(v)) for k, v in fields.items()}
         redisio.xadd_capped(self.r, keys.events(self.spec.stream), payload, maxlen=10_000)
 
 
