@@ -16,6 +16,7 @@ import redis
 from common import boot
 from common.logs import configure_logging, redact_url
 from common.wire import keys
+from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
@@ -23,7 +24,7 @@ def streams(r: redis.Redis) -> list[str]:
     """Every stream Redis knows of: described by ingest, encoded, or only ever failing (events)."""
     found = set()
     for kind in ("meta", "head", "events"):
-        found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:{kind}")}
+        found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:{kind}")}
     return sorted(found)
 
 
@@ -50,18 +51,26 @@ def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
 
 
 def stream_status(r: redis.Redis, name: str, now: float) -> dict:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
+    try:
+        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
+    except SchemaError as e:
+        meta = None
+        out_error = f"bad meta: {e}"
+    else:
+        out_error = None
     out: dict = {
         "stream": name,
-        "source": redact_url(meta["url"]) if "url" in meta else None,  # written redacted; old data may not be
-        "fps": meta.get("fps"),
-        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
+        "source": redact_url(meta.url) if meta else None,  # written redacted; older data may not be
+        "fps": meta.fps if meta else None,
+        "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
     }
+    if out_error:
+        out["error"] = out_error
     raw = r.get(keys.head(name))
     if raw:
         try:
             m = manifest_from_bytes(raw)
-            live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
+            live = meta is not None and meta.live  # live capture times are wall-clock: lag = now - newest frame
             out["head"] = {
                 "version": m.version,
                 "tokens": m.cache_tokens,
@@ -73,7 +82,7 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
             }
         except SchemaError as e:
             out["head"] = {"error": str(e)}
-    out["connected"] = "height" in meta  # ingest describes a stream once its source opened
+    out["connected"] = meta is not None  # ingest describes a stream once its source opened
     out["last_event"] = last_event(r, name)
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
     holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))

@@ -20,6 +20,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from common.logs import redact_text
 from common.wire import keys
 
 log = structlog.get_logger(__name__)
@@ -264,6 +265,16 @@ def _dead_letter_redelivered(
 def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int) -> str:
     """XADD with ``MAXLEN ~ maxlen`` (trims whole macro nodes: cheap, roughly maxlen kept)."""
     return _str(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
+
+
+EVENTS_MAXLEN = 10_000
+
+
+def event(r: redis.Redis, stream: str, source: str, kind: str, **fields: object) -> None:
+    """One status event on the stream's ``events`` stream (what operators and the UI read)."""
+    payload = {"type": kind, "source": source, "at": f"{time.time():.3f}"}
+    payload |= {k: redact_text(str(v)) for k, v in fields.items()}  # error texts may quote a camera URL
+    xadd_capped(r, keys.events(stream), payload, maxlen=EVENTS_MAXLEN)
 
 
 def dead_letter(

@@ -76,7 +76,7 @@ class EncoderService:
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict) -> None:
-        owned = self.owned.get(_stream_of(frames_key))
+        owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
         bound = log.bind(stream=owned.name, entry=entry_id)
@@ -105,10 +105,6 @@ class EncoderService:
     def _release(self, name: str) -> None:
         self._drop(name)
         self.leases[name].release()
-
-
-def _stream_of(frames_key: str) -> str:
-    return frames_key[frames_key.index("{") + 1 : frames_key.index("}")]
 
 
 def main(argv: list[str]) -> int:
