@@ -164,13 +164,22 @@ class Source:
         pipe = self.r.pipeline(transaction=False)
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
-        pipe.xadd(keys.frames(self.spec.stream), encode_frame(msg), maxlen=self.cfg.frames_maxlen, approximate=True)
+        fields = encode_frame(msg, codec=self.cfg.frame_codec)
+        pipe.xadd(keys.frames(self.spec.stream), fields, **self._trim())
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
             self.stats.published += 1
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
+            metrics.FRAME_BYTES.labels(self.spec.stream).inc(sum(len(v) for v in fields.values()))
             self._recent.append(time.monotonic())
+
+    def _trim(self) -> dict[str, int | str]:
+        """Live frames are kept for a time (entry ids are milliseconds), whatever the camera's fps;
+        a file is paced by the encoder (backpressure), so a count bounds it without losing frames."""
+        if self.live or self.spec.realtime:  # exact: about one entry goes per entry added
+            return {"minid": str(int((time.time() - self.cfg.frames_max_age_s) * 1000)), "approximate": False}
+        return {"maxlen": self.cfg.frames_maxlen, "approximate": True}
 
     def _export_gauges(self) -> None:
         """fps and last-frame age are computed when scraped, so they fall to 0 / grow when the
