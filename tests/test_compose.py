@@ -517,6 +517,7 @@ def test_image_torch_and_dependencies_are_pinned_like_the_setup():
         line.split("==", 1) for line in constraints.read_text().splitlines() if line and not line.startswith("#")
     )
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+
     def norm(name: str) -> str:  # PEP 503: prometheus_client == prometheus-client
         return re.sub(r"[-_.]+", "-", name).lower()
 
