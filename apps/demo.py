@@ -168,7 +168,6 @@ class Demo:
         return path
 
     def _worker(self, rt, r, cameras: Path) -> None:
-        from apps.worker import LocalVersions
         from apps.worker_config import WorkerConfig
         from common.segment_store import open_store
         from encoder_worker.service import EncoderService
@@ -186,7 +185,7 @@ class Demo:
             lease_ms=3000,
         )
         encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store))
-        QAService(cfg, rt, r, LocalVersions(encoder)).run(self.stop)
+        QAService(cfg, rt, r, encoder).run(self.stop)  # the encoder is QA's version source
 
     def _ask_while_playing(self, r) -> None:
         from qa_worker.client import Client
