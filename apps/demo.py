@@ -193,6 +193,7 @@ class Demo:
         client, t0 = Client(r), time.monotonic()
         for fraction, question, choices in QUESTIONS:
             self.stop.wait(max(0.0, fraction * self.ns.seconds + 1.0 - (time.monotonic() - t0)))
+            self._wait_for_first_version(r)  # a slow machine may not have encoded a chunk yet
             say(f"\nQ [{time.monotonic() - t0:4.1f} s] {question}" + (f"  options: {list(choices)}" if choices else ""))
             print("A: ", end="", flush=True)
             final = client.ask(
@@ -213,6 +214,13 @@ class Demo:
                 f"\n   cache version {final.version} covering {final.t_end - final.t_start:.1f} s of video, "
                 f"{final.cache_tokens} cached tokens, {first}total {final.total_s * 1000:.0f} ms"
             )
+
+    def _wait_for_first_version(self, r, timeout_s: float = 120.0) -> None:
+        from common.wire import keys
+
+        deadline = time.monotonic() + timeout_s
+        while not r.exists(keys.head(STREAM)) and time.monotonic() < deadline and not self.stop.is_set():
+            self.stop.wait(0.1)
 
     def _print_transcript(self, r) -> None:
         from qa_worker.client import Client
