@@ -21,6 +21,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
+from common.logs import redact_text
 from common.wire import keys
 
 log = structlog.get_logger(__name__)
@@ -266,7 +267,7 @@ EVENTS_MAXLEN = 10_000
 def event(r: redis.Redis, stream: str, source: str, kind: str, **fields: object) -> None:
     """One status event on the stream's ``events`` stream (what operators and the UI read)."""
     payload = {"type": kind, "source": source, "at": f"{time.time():.3f}"}
-    payload |= {k: str(v) for k, v in fields.items()}
+    payload |= {k: redact_text(str(v)) for k, v in fields.items()}  # error texts may quote a camera URL
     xadd_capped(r, keys.events(stream), payload, maxlen=EVENTS_MAXLEN)
 
 

@@ -16,7 +16,7 @@ import time
 import redis
 import structlog
 
-from common import boot, redisio
+from common import boot, health, redisio
 from common.config import load_cameras_file
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
@@ -116,6 +116,7 @@ class EncoderService:
                 redisio.claim_stale(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
                 self.reader.add(keys.frames(name))
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+        health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict, deliveries: int) -> None:
         self._keep_leases_if_due()

@@ -75,6 +75,7 @@ class Answerer:
         if self._already_answered(qid):
             bound.info("redelivered question already answered")
         else:
+            metrics.QUEUE_WAIT_SECONDS.observe(queue_wait_s(entry_id))
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, entry_id, fields, attempt, bound)
@@ -172,3 +173,9 @@ class Answerer:
         pipe.expire(keys.answer(final.id), ttl)
         pipe.xadd(keys.ANSWERS, fields, maxlen=self.answers_maxlen, approximate=True)
         pipe.execute()
+
+
+def queue_wait_s(entry_id: str | bytes) -> float:
+    """Seconds since the question entered the queue (its stream id's milliseconds), never < 0."""
+    ms = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-", 1)[0]
+    return max(0.0, time.time() - int(ms) / 1000) if ms.isdigit() else 0.0

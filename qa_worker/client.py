@@ -22,9 +22,18 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from common import redisio
+from common import boot
+from common.logs import configure_logging
 from common.wire import keys
-from common.wire.schemas import AnswerDelta, FinalAnswer, Question, decode_answer, encode_question
+from common.wire.schemas import (
+    AnswerDelta,
+    FinalAnswer,
+    Question,
+    SchemaError,
+    check_stream_name,
+    decode_answer,
+    encode_question,
+)
 
 
 class Client:
@@ -93,10 +102,21 @@ def main(argv: list[str]) -> int:
     else:
         p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
     ns = p.parse_args(rest)
-    client = Client(redisio.connect(ns.redis_url))
-    if command == "ask":
-        return _ask(client, ns)
-    return _transcript(client, ns)
+    configure_logging("WARNING")
+    prog = f"streamvqa {command}"
+    try:
+        check_stream_name("stream", ns.stream)
+    except SchemaError as e:
+        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    client = Client(boot.connect_tool(ns.redis_url, prog))
+    try:
+        return _ask(client, ns) if command == "ask" else _transcript(client, ns)
+    except SchemaError as e:
+        boot.fail(boot.EXIT_CONFIG, "bad question", service=prog, error=str(e))
+    except redis.RedisError as e:
+        boot.fail(boot.EXIT_REDIS, "redis failed", service=prog, error=str(e))
+    except TimeoutError as e:
+        boot.fail(1, "no answer", service=prog, error=str(e))
 
 
 def _ask(client: Client, ns: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import os
 import socket
 from dataclasses import dataclass
 
-from common.engine.model import DEFAULT_MODEL
+from common.engine.names import DEFAULT_MODEL
 from common.wire.schemas import check_stream_name
 
 

