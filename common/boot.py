@@ -108,6 +108,7 @@ def load_runtime(model: str, device: str | None):
     tried = check_model_source(model)
     from common.engine.model import load_model
     from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
+    from common.engine.scheduler import Scheduler
 
     check_device(device)
     t0 = time.monotonic()
@@ -115,6 +116,7 @@ def load_runtime(model: str, device: str | None):
         rt = Runtime(load_model(model, device=device))
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
+    rt.executor = Scheduler().start()  # one loop owns the GPU: batches every stream and question
     health.READINESS.model_loaded = True
     log.info("model loaded", model=model, device=str(rt.device), load_s=round(time.monotonic() - t0, 1))
     return rt

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 import structlog
@@ -29,6 +30,7 @@ from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, event,
 
 log = structlog.get_logger()
 
+READ_PER_STREAM = 16  # frames entries read per owned stream and step
 PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames groups
 
 
@@ -38,7 +40,12 @@ class EncoderService:
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
-        self.reader = redisio.GroupReader(r, [], keys.ENCODER_GROUP, cfg.consumer, count=32, block_ms=cfg.block_ms)
+        self.reader = redisio.GroupReader(
+            r, [], keys.ENCODER_GROUP, cfg.consumer, count=READ_PER_STREAM * len(self.names), block_ms=cfg.block_ms
+        )
+        # Streams are handled side by side, so their chunks reach the GPU scheduler together and
+        # share its batches; entries of one stream stay in order, in one task.
+        self.streams_pool = ThreadPoolExecutor(max_workers=max(1, len(self.names)), thread_name_prefix="stream")
         self._last_lease_check = 0.0
         self._last_prune = time.monotonic()
 
@@ -70,14 +77,14 @@ class EncoderService:
             self._release(name)
 
     def step(self) -> None:
-        """One blocking read of frames; leases are kept between entries, since encoding a batch of
-        chunks can outlast a lease on a slow device."""
+        """One blocking read of frames, then every stream's entries at once (one task per stream)."""
         self._keep_leases_if_due()
-        entries = self.reader.read()
-        redisio.process(
-            self.r, keys.ENCODER_GROUP, self.cfg.consumer, entries, self._handle, self._reject,
-            max_deliveries=self.cfg.max_deliveries,
-        )  # fmt: skip
+        by_stream: dict[str, list[redisio.Entry]] = {}
+        for entry in self.reader.read():
+            by_stream.setdefault(entry[0], []).append(entry)
+        for done in [self.streams_pool.submit(self._process, entries) for entries in by_stream.values()]:
+            done.result()  # an outage raised in a task is ridden out by run()
+        self._keep_leases_if_due()
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
             for name in self.owned:
@@ -118,8 +125,13 @@ class EncoderService:
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
+    def _process(self, entries: list[redisio.Entry]) -> None:
+        redisio.process(
+            self.r, keys.ENCODER_GROUP, self.cfg.consumer, entries, self._handle, self._reject,
+            max_deliveries=self.cfg.max_deliveries,
+        )  # fmt: skip
+
     def _handle(self, frames_key: str, entry_id: str, fields: dict, deliveries: int) -> None:
-        self._keep_leases_if_due()
         owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered

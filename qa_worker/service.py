@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import redis
@@ -61,8 +62,12 @@ class QAService:
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
         self.jobs = JobRunner(r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir)
         self.reader = redisio.GroupReader(
-            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=1, block_ms=cfg.block_ms
+            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
+        # Questions are answered side by side, so the GPU scheduler batches their decode steps; a
+        # free slot is taken before an entry is read, so at most max_in_flight are taken at once.
+        self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
+        self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
         self._last_claim = 0.0
         self._last_prune = time.monotonic()
         self.versions_failed: BaseException | None = None
@@ -75,6 +80,7 @@ class QAService:
         # stream with a head must not answer "no frames yet".
         self.versions.wait_ready(stop)
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.reader.reset)
+        self.questions_pool.shutdown(wait=True)  # questions in flight get their final answers
         self.jobs.flush()
         versions.join(timeout=30)
         if self.versions_failed is not None:
@@ -95,13 +101,28 @@ class QAService:
             stale = redisio.claim_stale(
                 self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms
             )
-            self.answerer.handle_entries(stale)
+            self._dispatch(stale)
             redisio.trim_consumed(self.r, keys.QUESTIONS, keys.QA_GROUP)
-        self.answerer.handle_entries(self.reader.read())
+        self._dispatch(self.reader.read())
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
             redisio.prune_consumers(self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
+
+    def _dispatch(self, entries: list[redisio.Entry]) -> None:
+        for entry in entries:
+            self.slots.acquire()
+            self.questions_pool.submit(self._answer_one, entry)
+
+    def _answer_one(self, entry: redisio.Entry) -> None:
+        try:
+            self.answerer.handle_entries([entry])
+        except redisio.OUTAGE_ERRORS as e:  # left pending: answered once Redis is back (claim_stale)
+            log.warning("question left pending: Redis unreachable", entry=entry[1], error=str(e))
+        except Exception:
+            log.exception("question handling failed", entry=entry[1])
+        finally:
+            self.slots.release()
 
 
 def main(argv: list[str]) -> int:
