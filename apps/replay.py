@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from common.engine.answer import ask, first_token_logits
+from common.engine.answer import Answer, ask
 from common.engine.eviction import MODES, EvictionPolicy
 from common.engine.grid import Grid, StreamSpec, choose_grid, resize_to_grid
 from common.engine.kvcache import Version
-from common.engine.model import DEFAULT_MODEL, load_model
+from common.engine.model import load_model
+from common.engine.names import DEFAULT_MODEL
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
@@ -121,7 +122,8 @@ class Replay:
 
     def _ask_all(self, version: Version, trigger: str) -> Iterator[bool | None]:
         for question in self.args.questions:
-            answer = ask(self.rt, version, question, GenerationParams(max_tokens=self.args.max_tokens))
+            params = GenerationParams(max_tokens=self.args.max_tokens)
+            answer = ask(self.rt, version, question, params, keep_logits=self.args.compare_offline)
             line = {
                 "type": "answer",
                 "trigger": trigger,
@@ -139,20 +141,19 @@ class Replay:
             }
             match = None
             if self.args.compare_offline:
-                match = self._compare(version, question, answer.token_ids, line)
+                match = self._compare(version, question, answer, line)
             print(json.dumps(line), flush=True)
             yield match
 
-    def _compare(self, version: Version, question: str, token_ids: list[int], line: dict) -> bool | None:
+    def _compare(self, version: Version, question: str, answer: Answer, line: dict) -> bool | None:
         """One-shot inference over the frames `version` holds; returns whether it matched, or None
         where the policy does not promise a match (it is still reported)."""
         frames = [f for p in version.chunks for f in self.frames[p.segment.frame_seqs[0] : p.segment.frame_seqs[1] + 1]]
         grid: Grid = self.engine.spec.grid  # type: ignore[union-attr]
         offline = offline_answer(self.rt, frames, grid, self.args.fps, question, self.args.max_tokens)
-        logits = first_token_logits(self.rt, version, question)
-        line["offline_match"] = offline.token_ids == token_ids
+        line["offline_match"] = offline.token_ids == answer.token_ids
         line["offline_text"] = offline.text
-        line["offline_max_logit_diff"] = float((logits.cpu() - offline.first_logits).abs().max())
+        line["offline_max_logit_diff"] = float((answer.first_logits.cpu() - offline.first_logits).abs().max())
         if version.stats.evictions and self.args.eviction != "exact":
             line["offline_note"] = (
                 f"{self.args.eviction} eviction: retained chunks keep keys and values computed while evicted "

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.engine.answer import ask, first_token_logits
+from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import Version
@@ -58,10 +58,9 @@ def compare_with_offline(
     rt: Runtime, version: Version, frames: list[np.ndarray], grid: Grid, fps: float, max_tokens: int = 12
 ) -> Comparison:
     """A streamed answer on `version` against one-shot inference over `frames`."""
-    streamed = ask(rt, version, QUESTION, GenerationParams(max_tokens=max_tokens))
+    streamed = ask(rt, version, QUESTION, GenerationParams(max_tokens=max_tokens), keep_logits=True)
     offline = offline_answer(rt, frames, grid, fps, QUESTION, max_tokens=max_tokens)
-    logits = first_token_logits(rt, version, QUESTION)
-    diff = float((logits - offline.first_logits).abs().max())
+    diff = float((streamed.first_logits.cpu() - offline.first_logits).abs().max())
     assert len(offline.token_ids) > 0
     return Comparison(streamed.token_ids == offline.token_ids, diff)
 

@@ -17,11 +17,12 @@ import redis
 from apps import status
 from apps.samplevideo import render_scene, write_scenes_video
 from common.config import ConfigError, load_config
-from common.engine.eviction import EvictionPolicy, mean_embedding, salience
+from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels
 from common.engine.grid import Grid, StreamSpec, resize_to_grid
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
+from common.engine.salience import mean_embedding, salience
 from common.engine.stream import StreamEngine
 from common.wire import keys
 from common.wire.manifest import to_manifest

@@ -8,7 +8,7 @@ import pytest
 import redis
 import torch
 
-from common.engine.answer import ask, first_token_logits
+from common.engine.answer import ask
 from common.engine.eviction import EvictionMode, EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
@@ -60,9 +60,9 @@ def writer(rt: Runtime, store: DirectoryStore, mode: EvictionMode = "rebase", **
 def same_answer(rt: Runtime, a, b) -> bool:
     """Same logits (to fp32 round-off) and the same greedy answer."""
     params = GenerationParams(max_tokens=10)
-    logits_a, logits_b = first_token_logits(rt, a, QUESTION), first_token_logits(rt, b, QUESTION)
-    same_tokens = ask(rt, a, QUESTION, params).token_ids == ask(rt, b, QUESTION, params).token_ids
-    return same_tokens and torch.allclose(logits_a, logits_b, atol=1e-5, rtol=0)
+    answer_a, answer_b = (ask(rt, v, QUESTION, params, keep_logits=True) for v in (a, b))
+    same_logits = torch.allclose(answer_a.first_logits, answer_b.first_logits, atol=1e-5, rtol=0)
+    return answer_a.token_ids == answer_b.token_ids and same_logits
 
 
 def append(engine: StreamEngine, video: list[np.ndarray], i: int):

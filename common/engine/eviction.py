@@ -4,9 +4,9 @@ StreamingLLM's attention sinks, plus a "star memory" of salient chunks).
 The cache is the prefix, then one segment per chunk. We evict whole chunks only, never part of
 a frame. The sink (prefix + the first `sink_chunks` chunks) stays, because attention leans on
 the earliest tokens; the newest chunks stay, because questions are mostly about now; up to
-`salient_chunks` chunks that differ most from the chunk before them (a scene change) stay,
-because they are what a long static stretch would otherwise wash out; the oldest of the other
-chunks go. Eviction starts when the cache passes the high watermark and brings it down to the
+`salient_chunks` chunks that differ most from the chunk before them (a scene change, scored by
+salience.py) stay, because they are what a long static stretch would otherwise wash out; the
+oldest of the other chunks go. Eviction starts when the cache passes the high watermark and brings it down to the
 low watermark, so it runs in batches rather than on every chunk.
 
 What the retained chunks become (`mode`):
@@ -22,8 +22,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal, get_args
-
-import torch
 
 EvictionMode = Literal["rebase", "exact", "absolute"]
 MODES: tuple[str, ...] = get_args(EvictionMode)
@@ -87,16 +85,3 @@ class EvictionPolicy:
             return []
         ranked = sorted((i for i in middle if salience[i] > 0), key=lambda i: (salience[i], i), reverse=True)
         return ranked[: self.salient_chunks]
-
-
-def mean_embedding(embeds: torch.Tensor) -> torch.Tensor:
-    """A chunk's summary for salience: the mean of its vision embeddings, in fp32."""
-    return embeds.float().mean(dim=0)
-
-
-def salience(previous_mean: torch.Tensor | None, mean: torch.Tensor) -> float:
-    """Cosine distance between a chunk's mean vision embedding and the previous chunk's: ~0 for
-    a static scene, large at a scene change. 0 when there is no previous chunk to compare with."""
-    if previous_mean is None:
-        return 0.0
-    return float(1.0 - torch.nn.functional.cosine_similarity(previous_mean, mean, dim=0))

@@ -25,13 +25,16 @@ from fractions import Fraction
 
 import torch
 
-from common.engine.eviction import EvictionPolicy, mean_embedding, salience
-from common.engine.lm import KVView, LanguageModel
+from common.engine.eviction import EvictionPolicy
+from common.engine.lm import Item, KVView, LanguageModel
+from common.engine.pool import Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
+from common.engine.salience import mean_embedding, salience
 
-# (embeds (L, D), positions (3, L), kv arena, start): runs them causally after kv[..., :start] and
-# writes their K/V at start. LanguageModel.forward by default; a scheduler may batch it instead.
-Prefill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], object]
+# (embeds (T, D), positions (3, T), item): runs them as `item` says (causally after what its region
+# holds before them) and writes their K/V there. One LanguageModel.forward by default; a scheduler
+# may batch it with other work instead.
+Prefill = Callable[[torch.Tensor, torch.Tensor, Item], object]
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Segment:
     frame_seqs: tuple[int, int] = (-1, -1)  # first, last frame sequence number
     capture_range: tuple[float, float] = (0.0, 0.0)
     padded_frames: int = 0  # frames repeated to fill the last temporal patch
-    salience: float = 0.0  # how much it differs from the chunk before it (eviction.salience)
+    salience: float = 0.0  # how much it differs from the chunk before it (salience.py)
 
     @property
     def tokens_per_patch(self) -> int:
@@ -142,6 +145,10 @@ class Version:
         kv = self.view.kv
         return kv[:, :, :, : self.view.length].numel() * kv.element_size()
 
+    @property
+    def region(self) -> Region:
+        return self.view.region
+
 
 def capture_ranges(placements: tuple[Placement, ...] | list[Placement]) -> list[tuple[float, float]]:
     """The capture-time ranges a cache covers: one per run of chunks whose frames are consecutive
@@ -175,32 +182,33 @@ class StreamCache:
         interval: Fraction,
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
+        head_room: int = 1024,
         prefill: Prefill | None = None,
     ):
         self.lm = lm
-        self.prefill: Prefill = prefill or lm.forward
+        self.prefill: Prefill = prefill or (lambda embeds, pos, item: lm.forward(embeds, pos, lm.plan([item])))
         self.stream = stream
         self.policy = policy
         self.interval = interval
         self.grid_hw = grid_hw
         capacity = initial_capacity
         if policy.max_cache_tokens is not None:
-            capacity = policy.max_cache_tokens + initial_capacity  # head room for the chunk over budget
-        self._kv = lm.new_kv(capacity)
+            capacity = policy.max_cache_tokens + head_room  # for the chunk that goes over budget
+        self._region = lm.pool.alloc(capacity)
         self.head: Version | None = None
         self.embeds: dict[str, torch.Tensor] = {}
         self._last_mean: torch.Tensor | None = None  # the newest chunk's, for the next one's salience
 
     # -- writing -----------------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> tuple[torch.Tensor, int]:
-        """Where the next `n_tokens` go: (arena, start). Grows the arena by doubling when full;
-        the old arena stays with the versions that reference it."""
+    def reserve(self, n_tokens: int) -> tuple[Region, int]:
+        """Where the next `n_tokens` go: (region, start). Grows into a region twice the size when
+        full; the old region stays with the versions that reference it."""
         start = self.head.tokens if self.head else 0
-        if start + n_tokens > self._kv.shape[3]:
-            grown = self.lm.new_kv(max(2 * self._kv.shape[3], start + n_tokens))
-            grown[:, :, :, :start] = self._kv[:, :, :, :start]
-            self._kv = grown
-        return self._kv, start
+        if start + n_tokens > self._region.size:
+            grown = self.lm.pool.alloc(max(2 * self._region.size, start + n_tokens))
+            grown.kv[:, :, :, :start] = self._region.kv[:, :, :, :start]
+            self._region = grown
+        return self._region, start
 
     def publish_prefix(self, segment: Segment, video_start: int) -> Version:
         placement = Placement(segment, offset=0, first_patch=0)
@@ -233,9 +241,9 @@ class StreamCache:
             while n_same < min(len(head.placements), len(placements)) and head.placements[n_same] == placements[n_same]:
                 n_same += 1
         if head is not None and n_same == len(head.placements):
-            kv, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
+            region, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
             for p in placements[n_same:]:
-                self._place(kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
+                self._place(region.kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
         else:
             self._repack(placements, head.placements if head else (), load)
         return self._publish(
@@ -246,6 +254,11 @@ class StreamCache:
             version_id=state.version_id,
         )
 
+    def missing(self, state: CacheState) -> list[Segment]:
+        """Segments of `state` that `apply` must load (the rest it reuses from this cache)."""
+        held = {p.segment.id for p in self.head.placements} if self.head else set()
+        return [p.segment for p in state.placements if p.segment.id not in held]
+
     def next_chunk_patch(self) -> int:
         return self._require_head().next_patch
 
@@ -254,7 +267,7 @@ class StreamCache:
         (`load` returns None for a chunk that has none, e.g. encoded under another policy)."""
         chunk_ids = [p.segment.chunk_id for p in self._require_head().chunks]
         loaded = {cid: load(cid) for cid in chunk_ids}
-        self.embeds = {cid: e for cid, e in loaded.items() if e is not None}
+        self.embeds = {cid: e.to(self.lm.device) for cid, e in loaded.items() if e is not None}
         if chunk_ids and chunk_ids[-1] in self.embeds:
             self._last_mean = mean_embedding(self.embeds[chunk_ids[-1]])
 
@@ -268,19 +281,19 @@ class StreamCache:
         eviction: int,
         prefill: Prefill | None = None,
     ) -> list[Placement]:
-        """Write `placements` (re-based) into a fresh arena: those before `first_stale` are copied
+        """Write `placements` (re-based) into a fresh region: those before `first_stale` are copied
         from `source` (nothing before them changed, so neither did their K/V); the rest are prefilled
         again from their kept embeddings at their positions, in one causal prefill after the first
         ones, which is what a fresh encode of exactly these chunks computes. The re-prefilled chunks
         become new segments (ids from `rebuilt_id`, zero deltas). Returns the placements to publish;
-        nothing is published here, so no question sees the arena half built."""
+        nothing is published here, so no question sees the region half built."""
         fresh = [self._renewed(p, eviction) for p in placements[first_stale:]]
         self._repack(placements[:first_stale], source, load=None, tokens=sum(p.segment.tokens for p in placements))
         if fresh:
             embeds = torch.cat([self.embeds[p.segment.chunk_id] for p in fresh])
             hw, step = self.grid_hw, self.interval
             pos = [video_positions(video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
-            (prefill or self.prefill)(embeds, torch.cat(pos, dim=1), self._kv, fresh[0].offset)
+            (prefill or self.prefill)(embeds, torch.cat(pos, dim=1), Item(len(embeds), self._region, fresh[0].offset))
         return [*placements[:first_stale], *fresh]
 
     # -- internals ---------------------------------------------------------------------
@@ -304,7 +317,7 @@ class StreamCache:
         version = Version(
             stream=self.stream,
             id=version_id,
-            view=KVView(self._kv, last.offset + last.segment.tokens),
+            view=KVView(self._region, last.offset + last.segment.tokens),
             placements=placements,
             video_start=video_start,
             interval=self.interval,
@@ -316,7 +329,7 @@ class StreamCache:
         return version
 
     def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version:
-        """Write the retained segments of `candidate` into a fresh arena, re-based (or re-prefilled)
+        """Write the retained segments of `candidate` into a fresh region, re-based (or re-prefilled)
         as the policy says, then publish."""
         head = self._require_head()
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
@@ -379,13 +392,13 @@ class StreamCache:
         load: Callable[[Segment], torch.Tensor] | None,
         tokens: int = 0,
     ) -> None:
-        """Write `placements` into a fresh arena (room for at least `tokens`): segments in `source`
-        (placed in the current arena) are copied from it, turned by the change in their deltas; the
-        rest come from `load` (original K/V). The old arena lives on in the versions that hold it."""
+        """Write `placements` into a fresh region (room for at least `tokens`): segments in `source`
+        (placed in the current region) are copied from it, turned by the change in their deltas; the
+        rest come from `load` (original K/V). The old region lives on in the versions that hold it."""
         held = {p.segment.id: p for p in source}
-        old_kv = self._kv
+        old_kv = self._region.kv
         total = max(tokens, sum(p.segment.tokens for p in placements))
-        self._kv = self.lm.new_kv(max(old_kv.shape[3], total))
+        self._region = self.lm.pool.alloc(max(self._region.size, total))
         for p in placements:
             n = p.segment.tokens
             if p.segment.id in held:
@@ -396,7 +409,7 @@ class StreamCache:
             else:
                 raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
             shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
-            self._place(self._kv, p.offset, data, shift, p.segment.tokens_per_patch)
+            self._place(self._region.kv, p.offset, data, shift, p.segment.tokens_per_patch)
 
     def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
         if p.segment.n_patches == 0:
@@ -411,6 +424,7 @@ class StreamCache:
     def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, t_shift, tokens_per_patch: int) -> None:
         """Copy a segment's K/V (layers, 2, kv_heads, n, hd) into `kv` at `offset`, turning the keys'
         temporal band by `t_shift` (one value per temporal patch)."""
+        src = src.to(kv.device)
         n = src.shape[3]
         kv[:, 1, :, offset : offset + n] = src[:, 1]
         if any(t_shift):
