@@ -13,73 +13,22 @@ import time
 
 import redis
 
-from common import redisio
-from common.wire import keys
-from common.wire.schemas import SchemaError, manifest_from_bytes
+from common import redisio, status
 
 
 def streams(r: redis.Redis) -> list[str]:
-    found = {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
-    found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
-    return sorted(found)
-
-
-def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
-    try:
-        groups = r.xinfo_groups(stream_key)
-    except redis.ResponseError:
-        return {"length": 0}
-    info = {"length": r.xlen(stream_key)}
-    for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        if name == group:
-            info |= {"pending": int(g["pending"]), "lag": int(g.get("lag") or 0), "consumers": int(g["consumers"])}
-    return info
-
-
-def stream_status(r: redis.Redis, name: str, now: float) -> dict:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
-    out: dict = {
-        "stream": name,
-        "source": meta.get("url"),
-        "fps": meta.get("fps"),
-        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
-    }
-    raw = r.get(keys.head(name))
-    if raw:
-        try:
-            m = manifest_from_bytes(raw)
-            live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
-            out["head"] = {
-                "version": m.version,
-                "tokens": m.cache_tokens,
-                "last_frame_seq": m.last_frame_seq,
-                "time_range": [m.first_ts, m.last_ts],
-                "age_s": round(now - m.created_at, 1),
-                "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
-                "evicted_tokens": m.evicted_tokens,
-            }
-        except SchemaError as e:
-            out["head"] = {"error": str(e)}
-    out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
-    holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
-    out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
-    return out
+    return status.stream_names(k for pattern in status.STREAM_PATTERNS for k in r.scan_iter(pattern))
 
 
 def collect(r: redis.Redis) -> dict:
-    now = time.time()
-    return {
-        "at": now,
-        "streams": [stream_status(r, name, now) for name in streams(r)],
-        "questions": group_info(r, keys.QUESTIONS, keys.QA_GROUP),
-        "dead_letters": r.xlen(keys.DEAD_LETTER),
-    }
+    names, pipe = streams(r), r.pipeline(transaction=False)
+    status.queue_all(pipe, names)
+    return status.all_from(names, pipe.execute(raise_on_error=False), time.time())
 
 
-def render(status: dict) -> str:
+def render(found: dict) -> str:
     lines = []
-    for s in status["streams"]:
+    for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
         frames = s["frames"]
@@ -88,10 +37,10 @@ def render(status: dict) -> str:
             f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
-    q = status["questions"]
+    q = found["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
-        f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}"
+        f"{q.get('consumers', 0)} qa workers; dead letters: {found['dead_letters']}"
     )
     return "\n".join(lines)
 
@@ -106,6 +55,6 @@ def main(argv: list[str]) -> int:
     except TimeoutError as e:
         print(f"streamvqa status: {e}")
         return 3
-    status = collect(r)
-    print(json.dumps(status, indent=1) if ns.json else render(status))
+    found = collect(r)
+    print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

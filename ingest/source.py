@@ -8,6 +8,7 @@ the encoder (backpressure) instead of growing the stream without bound.
 
 from __future__ import annotations
 
+import io
 import queue
 import random
 import threading
@@ -15,8 +16,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 import structlog
+from PIL import Image
 
 from common import metrics, redisio
 from common.engine.frames import Grid, choose_grid
@@ -27,6 +30,10 @@ from ingest.video import DecodedFrame, SourceError, is_live, open_container, sam
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+# The newest frame as a JPEG (for the web page and alerts): at most this often, so it costs little CPU.
+LATEST_FRAME_EVERY_S = 1.0
+LATEST_FRAME_TTL_S = 3600  # a stream gone for an hour stops showing a picture
+JPEG_QUALITY = 80
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class Source:
         self.next_seq, self.resume_pts = self._resume_point()
         self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
         self._meta: dict[str, object] = {}  # the stream's description, once the source is open
+        self._last_jpeg = -LATEST_FRAME_EVERY_S
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -161,6 +169,11 @@ class Source:
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
         pipe.xadd(keys.frames(self.spec.stream), encode_frame(msg), maxlen=self.cfg.frames_maxlen, approximate=True)
+        if isinstance(msg, FrameMsg) and time.monotonic() - self._last_jpeg >= LATEST_FRAME_EVERY_S:
+            self._last_jpeg = time.monotonic()
+            latest = {"jpeg": to_jpeg(msg.rgb()), "seq": msg.seq, "ts": msg.ts}
+            pipe.hset(keys.latest_frame(self.spec.stream), mapping=latest)
+            pipe.expire(keys.latest_frame(self.spec.stream), LATEST_FRAME_TTL_S)
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
@@ -234,6 +247,12 @@ class Source:
         payload = {"type": kind, "source": "ingest", "at": f"{time.time():.3f}"}
         payload |= {k: str(v) for k, v in fields.items()}
         redisio.xadd_capped(self.r, keys.events(self.spec.stream), payload, maxlen=10_000)
+
+
+def to_jpeg(rgb: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
 
 
 def _offer(out: queue.Queue, item: object, session_over: threading.Event) -> bool:

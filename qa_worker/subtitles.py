@@ -45,6 +45,7 @@ __all__ = [
     "parse_model_output",
     "parse_srt",
     "parse_webvtt",
+    "render_transcript",
     "similarity",
     "to_srt",
     "to_webvtt",
@@ -478,6 +479,14 @@ _VTT_TAG_RE = re.compile(r"</?(?:c|i|b|u|v|lang|ruby|rt)(?:[.\s][^<>]*)?>|<(?:\d
 _VTT_ENTITY_RE = re.compile(r"&(?:amp|lt|gt|nbsp|lrm|rlm|quot|apos|#\d{1,7}|#[xX][0-9a-fA-F]{1,6});")
 _SRT_TS = r"(\d{2,}):([0-5]\d):([0-5]\d),(\d{3})"
 _SRT_TIMING_RE = re.compile(rf"^{_SRT_TS} --> {_SRT_TS}$")
+
+
+def render_transcript(cues: Sequence[Cue], fmt: str) -> str:
+    """A stream's transcript as WebVTT (``vtt``) or SRT (``srt``). Live streams carry unix times:
+    those are shown relative to the first cue, file streams keep their media times."""
+    cues = sorted(cues, key=lambda c: c.start)
+    origin = cues[0].start if cues and cues[0].start > 1e8 else 0.0
+    return to_srt(cues, origin) if fmt == "srt" else to_webvtt(cues, origin)
 
 
 def _ts_seconds(h: str | None, m: str, s: str, ms: str) -> float:
