@@ -22,6 +22,7 @@ SERVICES = {
     "transcript": "qa_worker.client",
     "status": "apps.status",
     "demo": "apps.demo",
+    "api": "api.service",
 }
 
 
