@@ -10,8 +10,6 @@ import argparse
 import importlib
 import sys
 
-from apps import replay
-
 # subcommand -> module with `main(argv: list[str]) -> int`
 SERVICES = {
     "ingest": "ingest.service",
@@ -31,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in SERVICES:
         module = importlib.import_module(SERVICES[argv[0]])
         return module.main(argv)
+    from apps import replay  # torch: only for the tool that needs it (`streamvqa api` must never load it)
+
     parser = argparse.ArgumentParser(prog="streamvqa", description="Ask questions about live video.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{replay," + ",".join(SERVICES) + "}")
     replay.add_arguments(sub.add_parser("replay", help="stream a video file through the engine and ask"))

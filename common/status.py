@@ -99,16 +99,17 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
 
 
 def _from_events(events: list[tuple[Any, dict]]) -> dict:
-    """`connected`: the newest ingest event about the source (None if it said nothing recently);
-    `dropped`: the encoder's running count of frames dropped for lateness, from its newest report."""
-    connected, dropped = None, 0
+    """`state`: the newest ingest event about the source (connected, reconnecting, eof...; None if it
+    said nothing recently) and `connected` from it; `dropped`: the encoder's running count of frames
+    dropped for lateness, from its newest report."""
+    state, dropped = None, 0
     for _, fields in events:  # newest first
         kind = _text(fields.get(b"type", fields.get("type", "")))
-        if connected is None and kind in _UP | _DOWN:
-            connected = kind in _UP
+        if state is None and kind in _UP | _DOWN:
+            state = kind
         if kind == "dropped" and not dropped:
             dropped = int(_text(fields.get(b"total", fields.get("total", "0"))))
-    return {"connected": connected, "dropped": dropped}
+    return {"state": state, "connected": None if state is None else state in _UP, "dropped": dropped}
 
 
 def queue_all(pipe: Any, names: list[str]) -> None:

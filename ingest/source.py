@@ -64,6 +64,7 @@ class Source:
         self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
         self._meta: dict[str, object] = {}  # the stream's description, once the source is open
         self._last_jpeg = -LATEST_FRAME_EVERY_S
+        self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -169,11 +170,7 @@ class Source:
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
         pipe.xadd(keys.frames(self.spec.stream), encode_frame(msg), maxlen=self.cfg.frames_maxlen, approximate=True)
-        if isinstance(msg, FrameMsg) and time.monotonic() - self._last_jpeg >= LATEST_FRAME_EVERY_S:
-            self._last_jpeg = time.monotonic()
-            latest = {"jpeg": to_jpeg(msg.rgb()), "seq": msg.seq, "ts": msg.ts}
-            pipe.hset(keys.latest_frame(self.spec.stream), mapping=latest)
-            pipe.expire(keys.latest_frame(self.spec.stream), LATEST_FRAME_TTL_S)
+        self._latest_frame(pipe, msg)
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
@@ -184,6 +181,19 @@ class Source:
                 metrics.INGEST_FPS.labels(self.spec.stream).set(
                     (len(self._recent) - 1) / max(self._recent[-1] - self._recent[0], 1e-6)
                 )
+
+    def _latest_frame(self, pipe: redis.client.Pipeline, msg: FrameMsg | EndOfStream) -> None:
+        """Queue the newest frame as a JPEG: at most once a second, and a file's last frame at its end."""
+        if isinstance(msg, FrameMsg):
+            self._unsaved = msg
+            if time.monotonic() - self._last_jpeg < LATEST_FRAME_EVERY_S:
+                return
+        if self._unsaved is None:
+            return
+        frame, self._unsaved, self._last_jpeg = self._unsaved, None, time.monotonic()
+        latest = {"jpeg": to_jpeg(frame.rgb()), "seq": frame.seq, "ts": frame.ts}
+        pipe.hset(keys.latest_frame(self.spec.stream), mapping=latest)
+        pipe.expire(keys.latest_frame(self.spec.stream), LATEST_FRAME_TTL_S)
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""

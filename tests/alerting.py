@@ -59,9 +59,9 @@ class Broker:
         if not os.access(MOSQUITTO, os.X_OK):
             pytest.skip(f"mosquitto not found at {MOSQUITTO}")
         self.port, self.topic, self.messages = free_port(), topic, []
-        conf = workdir / "mosquitto.conf"
-        conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
-        self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.conf = workdir / "mosquitto.conf"
+        self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
+        self.start()
         self.url = f"mqtt://127.0.0.1:{self.port}/{topic}"
         self.subscriber = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-subscriber")
         subscribed = threading.Event()
@@ -71,6 +71,11 @@ class Broker:
         self._connect(timeout_s=10)
         self.subscriber.loop_start()
         assert subscribed.wait(10), "mosquitto subscription not acknowledged"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [MOSQUITTO, "-c", str(self.conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
 
     def _connect(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

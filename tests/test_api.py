@@ -143,7 +143,7 @@ def test_streams_status_and_events(live):
     assert cam["head"]["version"] >= h.version - 1 and cam["head"]["tokens"] > 0
     assert cam["head"]["last_frame_seq"] == FRAMES - 1
     assert cam["head"]["time_range"][1] == pytest.approx(5.5)
-    assert cam["connected"] is False, "the file ended: its last ingest event is eof"
+    assert cam["state"] == "eof" and cam["connected"] is False, "the file ended: its last ingest event is eof"
     assert cam["dropped"] == 0 and cam["head"]["lag_s"] is None  # a file: no wall-clock lag
     assert found["questions"]["consumers"] >= 1
     assert live.http.get(f"/api/streams/{CAM}").json()["head"]["tokens"] > 0
@@ -157,7 +157,7 @@ def test_latest_frame_is_a_jpeg_of_the_model_grid(live):
     response = live.http.get(f"/api/streams/{CAM}/frame.jpg")
     assert response.status_code == 200 and response.headers["content-type"] == "image/jpeg"
     assert response.headers["cache-control"] == "no-store"
-    assert 0 <= int(response.headers["x-frame-seq"]) < FRAMES
+    assert int(response.headers["x-frame-seq"]) == FRAMES - 1, "a file's last frame is kept at its end"
     image = Image.open(io.BytesIO(response.content))
     meta = live.r.hgetall(keys.meta(CAM))
     assert image.size == (int(meta[b"width"]), int(meta[b"height"]))
@@ -309,13 +309,16 @@ def test_health_and_openapi(live):
     assert httpx.get(live.base + "/docs").status_code == 200
 
 
-def test_api_never_imports_torch():
+def test_api_never_imports_torch(live):
+    """The API process as `streamvqa api` starts it (through the CLI), up to serving: no torch."""
     code = (
-        "import sys; from api.app import create_app; from api.config import ApiConfig; import api.service; "
-        "create_app(ApiConfig()); assert 'torch' not in sys.modules and 'transformers' not in sys.modules; print('ok')"
+        "import sys, uvicorn; uvicorn.run = lambda app, **kw: print(type(app).__name__); "
+        "from apps.cli import main; main(['api', '--redis-url', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'; print('ok')"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=REPO)
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    argv = [sys.executable, "-c", code, live.redis_url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.split() == ["FastAPI", "ok"], out.stderr
 
 
 def test_loud_warning_without_token_beyond_localhost(live, tmp_path):
@@ -340,7 +343,7 @@ def test_web_page_in_chromium(live):
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 860})
+            page = browser.new_page(viewport={"width": 1280, "height": 600})
             page.set_default_timeout(60_000)
             page.goto(live.base + "/")
             page.wait_for_selector("#error:not([hidden])")  # no token yet: the page says so
@@ -351,6 +354,7 @@ def test_web_page_in_chromium(live):
             page.wait_for_function("document.querySelector('article.camera .frame img').naturalWidth > 0")
             page.wait_for_function("document.querySelectorAll('article.camera .transcript li:not(.muted)').length > 0")
             assert page.locator("#alerts li b").first.inner_text() == f"{CAM} · door"
+            assert card.locator(".badge").inner_text() == "file ended"
             assert card.locator(".status").inner_text().count("\n") >= 5
             page.evaluate(_RECORD_DELTAS)
             card.locator("input[name=question]").fill("What is written on the screen?")

@@ -3,6 +3,11 @@
 "use strict";
 
 const REFRESH = { frame: 1000, status: 2000, transcript: 3000, alerts: 3000 };
+// The source's newest state (ingest events) -> badge text and style.
+const BADGES = {
+  connected: ["live", "up"], eof: ["file ended", "ended"], reconnecting: ["reconnecting", "down"],
+  stalled: ["stalled", "down"], error: ["source error", "down"], gave_up: ["gave up", "down"],
+};
 const cards = new Map(); // stream name -> {el, frameUrl}
 let token = localStorage.getItem("svqa-token") || "";
 
@@ -61,9 +66,9 @@ function card(name) {
 function renderStatus(node, s) {
   const head = s.head || {};
   const badge = node.querySelector(".badge");
-  const up = s.connected === true || (s.connected === null && s.lease);
-  badge.textContent = s.connected === false ? "disconnected" : up ? "live" : "idle";
-  badge.className = `badge ${s.connected === false ? "down" : up ? "up" : ""}`;
+  const [label, cls] = BADGES[s.state] || (s.lease ? ["encoding", "up"] : ["idle", ""]);
+  badge.textContent = label;
+  badge.className = `badge ${cls}`;
   const range = head.time_range ? `${fmtTime(head.time_range[0])} – ${fmtTime(head.time_range[1])}` : "–";
   const rows = [
     ["version", head.version ?? "–"],
