@@ -20,8 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
+from api.config import ApiConfig
 from apps import cli
-from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, load_cameras_file, load_config
+from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, env_names, load_cameras_file, load_config
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
@@ -38,10 +39,12 @@ CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses
     "ingest": (IngestConfig,),
     "encoder": (EncoderConfig,),
     "qa": (QAConfig,),
+    "api": (ApiConfig,),
     "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= apps.worker.WorkerConfig)
 }
 GPU_COMMANDS = {"encoder", "qa", "worker"}
-METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104}
+METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104, "api": 9105}
+HTTP_PORTS = {"api": 8080}  # services whose healthcheck is their own HTTP readiness probe
 # Compose defaults that differ from the dataclass default on purpose.
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
 HF_CACHE = "/home/streamvqa/.cache/huggingface"
@@ -223,7 +226,8 @@ def test_svqa_variables_are_config_fields_of_the_service(raw):
     """Every SVQA_* a service sets or interpolates is read by that service's config dataclass."""
     for name, (sub, svc) in python_services(raw).items():
         assert sub in CONFIG_CLASSES, f"{name}: no config dataclass known for `streamvqa {sub}`"
-        known = {env_name(f) for f in field_names(CONFIG_CLASSES[sub])} | {env_name(CONFIG_FLAG)}
+        known = {v for cls in CONFIG_CLASSES[sub] for f in field_names((cls,)) for v in env_names(cls, f)}
+        known.add(env_name(CONFIG_FLAG))
         env = environment(svc)
         for key, value in env.items():
             if key.startswith(ENV_PREFIX):
@@ -244,13 +248,14 @@ def test_services_load_their_config_from_the_compose_environment(raw, compose):
         for cls in CONFIG_CLASSES[sub]:
             cfg = load_config(cls, [], env=env, prog=f"streamvqa {sub}")
             for f in dataclasses.fields(cls):
-                if env_name(f.name) in interpolated and f.name not in DELIBERATE_DEFAULTS:
+                var = next((v for v in env_names(cls, f.name) if v in interpolated), None)
+                if var is not None and f.name not in DELIBERATE_DEFAULTS:
                     assert getattr(cfg, f.name) == f.default, (
-                        f"{name}: {env_name(f.name)} default {env[env_name(f.name)]!r} != {cls.__name__} "
-                        f"default {f.default!r}"
+                        f"{name}: {var} default {env[var]!r} != {cls.__name__} default {f.default!r}"
                     )
             assert cfg.metrics_port == METRICS_PORTS[sub], f"{name}: SVQA_METRICS_PORT"
-            assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
+            if hasattr(cfg, "cameras_file"):
+                assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
             assert cfg.redis_url == "redis://redis:6379/0", f"{name}: SVQA_REDIS_URL"
 
 
@@ -311,7 +316,12 @@ def test_metrics_ports_healthchecks_and_restart(compose):
         assert port == METRICS_PORTS[sub], f"{name}: metrics port {port}"
         assert port not in seen, f"{name} and {seen.get(port)} share metrics port {port}"
         seen[port] = name
-        assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
+        if sub in HTTP_PORTS:  # ready = Redis reachable, from the service's own probe
+            test = " ".join(svc["healthcheck"]["test"])
+            assert f"http://127.0.0.1:{HTTP_PORTS[sub]}/health/ready" in test, f"{name}: healthcheck"
+            assert load_config(CONFIG_CLASSES[sub][0], [], env=environment(svc)).port == HTTP_PORTS[sub]
+        else:
+            assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
         assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
         # ingest restarts on failure only: a finished file source must not be replayed forever
         expected = "on-failure" if sub == "ingest" else "unless-stopped"
@@ -395,7 +405,9 @@ def test_bind_mounts_exist_or_are_documented(compose):
 
 
 def test_cameras_file_is_mounted_where_services_read_it(compose):
-    for name, (_, svc) in python_services(compose).items():
+    for name, (sub, svc) in python_services(compose).items():
+        if "cameras_file" not in field_names(CONFIG_CLASSES[sub]):
+            continue
         target = environment(svc)["SVQA_CAMERAS_FILE"]
         (m,) = [m for m in mounts(svc) if m["target"] == target]
         assert m["type"] == "bind" and m["source"] == "./deploy/cameras.yaml" and m.get("read_only"), name
