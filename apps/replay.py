@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from common.engine.answer import GenerationParams, ask
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec, choose_grid, resize_to_grid
+from common.engine.grid import Grid, StreamSpec, choose_grid, resize_to_grid
 from common.engine.kvcache import Version
 from common.engine.model import DEFAULT_MODEL, load_model
 from common.engine.offline import offline_answer

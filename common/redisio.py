@@ -266,6 +266,16 @@ def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int
     return _str(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
 
 
+EVENTS_MAXLEN = 10_000
+
+
+def event(r: redis.Redis, stream: str, source: str, kind: str, **fields: object) -> None:
+    """One status event on the stream's ``events`` stream (what operators and the UI read)."""
+    payload = {"type": kind, "source": source, "at": f"{time.time():.3f}"}
+    payload |= {k: str(v) for k, v in fields.items()}
+    xadd_capped(r, keys.events(stream), payload, maxlen=EVENTS_MAXLEN)
+
+
 def dead_letter(
     r: redis.Redis,
     source_stream: str,

@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from common.wire import keys
+from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 # Key patterns whose presence means "a stream of that name exists" (ingest meta or a cache head).
@@ -23,11 +24,7 @@ _DOWN = {"error", "stalled", "reconnecting", "gave_up", "eof"}
 
 def stream_names(found_keys: Iterable[bytes | str]) -> list[str]:
     """Stream names from keys matched by ``STREAM_PATTERNS``."""
-    names = set()
-    for k in found_keys:
-        k = k.decode() if isinstance(k, bytes) else k
-        names.add(k.split("{", 1)[1].split("}", 1)[0])
-    return sorted(names)
+    return sorted({keys.stream_of(k) for k in found_keys})
 
 
 def _text(x: Any) -> str:
@@ -66,13 +63,16 @@ def queue_stream(pipe: Any, name: str) -> None:
 
 def stream_from(name: str, replies: list[Any], now: float) -> dict:
     meta_raw, head_raw, xlen, groups, holder, ttl, events = replies
-    meta = {_text(k): _text(v) for k, v in meta_raw.items()} if isinstance(meta_raw, dict) else {}
-    out: dict = {
-        "stream": name,
-        "source": meta.get("url"),
-        "fps": meta.get("fps"),
-        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
-        "live": meta.get("live") == "1",
+    out: dict = {"stream": name}
+    try:
+        meta = StreamMeta.from_hash(meta_raw if isinstance(meta_raw, dict) else {})
+    except SchemaError as e:
+        meta, out["error"] = None, f"bad meta: {e}"
+    out |= {
+        "source": meta.url if meta else None,
+        "fps": meta.fps if meta else None,
+        "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
+        "live": meta is not None and meta.live,
     }
     if head_raw:
         out["head"] = _head(head_raw, out["live"], now)

@@ -75,7 +75,7 @@ class EncoderService:
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict) -> None:
-        owned = self.owned.get(_stream_of(frames_key))
+        owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
         bound = log.bind(stream=owned.name, entry=entry_id)
@@ -104,10 +104,6 @@ class EncoderService:
     def _release(self, name: str) -> None:
         self._drop(name)
         self.leases[name].release()
-
-
-def _stream_of(frames_key: str) -> str:
-    return frames_key[frames_key.index("{") + 1 : frames_key.index("}")]
 
 
 def main(argv: list[str]) -> int:

@@ -86,7 +86,7 @@ class Mirror:
         for key, entries in got:
             key = key.decode() if isinstance(key, bytes) else key
             self.cursors[key] = entries[-1][0]
-            name = key[key.index("{") + 1 : key.index("}")]
+            name = keys.stream_of(key)
             try:
                 self._apply(name, decode_manifest(entries[-1][1]))
             except (SchemaError, SegmentStoreError, KeyError) as e:

@@ -25,7 +25,8 @@ import torch
 
 from common.engine.answer import GenerationParams, ask, question_suffix
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec, frames_to_pixels
+from common.engine.frames import frames_to_pixels
+from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine

@@ -15,7 +15,7 @@ import yaml
 
 from apps.samplevideo import caption_at, write_sample_video
 from common.config import Job
-from common.engine.frames import StreamSpec, choose_grid
+from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine

@@ -9,7 +9,7 @@ import torch
 
 from common.engine.answer import GenerationParams, ask
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from apps.samplevideo import corrupt_bytes, truncate_file, write_garbage_file, write_sample_video
+from common.engine.grid import Grid
 from ingest.video import (
     DecodedFrame,
     SourceError,
@@ -105,8 +106,8 @@ def test_frames_have_shape_and_differ(videos: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("size", [(112, 160), (448, 448)])
-def test_size_resizes(videos: dict[str, str], size: tuple[int, int]) -> None:
-    frames = list(iter_file_frames(videos["cfr"], 1, size=size))
+def test_grid_resizes(videos: dict[str, str], size: tuple[int, int]) -> None:
+    frames = list(iter_file_frames(videos["cfr"], 1, grid=Grid(*size)))
     assert len(frames) == 8
     assert all(f.rgb.shape == (*size, 3) and f.rgb.dtype == np.uint8 for f in frames)
 
