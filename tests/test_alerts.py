@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from common.config import ConfigError, Job
-from common.engine.frames import StreamSpec, choose_grid
+from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
