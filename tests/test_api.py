@@ -5,6 +5,7 @@ page driven in headless Chromium. One pipeline for the whole module (it is the s
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -307,6 +308,20 @@ def test_health_and_openapi(live):
     spec = httpx.get(live.base + "/openapi.json").json()
     assert {"/api/streams/{name}/ask", "/v1/chat/completions", "/v1/models", "/health/ready"} <= set(spec["paths"])
     assert httpx.get(live.base + "/docs").status_code == 200
+
+
+def test_not_ready_without_redis_but_alive():
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    async def probe() -> tuple[httpx.Response, httpx.Response]:
+        app = create_app(ApiConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return await client.get("/health/live"), await client.get("/health/ready")
+
+    live_probe, ready_probe = asyncio.run(probe())
+    assert live_probe.status_code == 200
+    assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
 
 
 def test_api_never_imports_torch(live):
