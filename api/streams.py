@@ -13,7 +13,7 @@ from api import errors, replies
 from api.guard import require_token
 from common import status
 from common.wire import keys
-from qa_worker.subtitles import Cue, render_transcript
+from common.wire.transcript import Cue, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
 

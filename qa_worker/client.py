@@ -100,7 +100,7 @@ def _ask(client: Client, ns: argparse.Namespace) -> int:
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:
-    from qa_worker.subtitles import Cue, render_transcript
+    from common.wire.transcript import Cue, render_transcript
 
     entries = client.transcript(ns.stream)
     if ns.format == "json":

@@ -22,12 +22,14 @@ import structlog
 
 from common import metrics, redisio
 from common.config import Job
-from common.engine.answer import GenerationParams, QuestionError, ask, choose
+from common.engine.answer import ask, choose
 from common.engine.kvcache import Version
+from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
+from common.wire.transcript import Cue, render_transcript
 from qa_worker.alerts import YES_NO, Alert, Delivery, Gate, p_yes
-from qa_worker.subtitles import SUBTITLE_PROMPT, Cue, SubtitleTracker, parse_model_output, render_transcript
+from qa_worker.subtitles import SUBTITLE_PROMPT, SubtitleTracker, parse_model_output
 
 log = structlog.get_logger()
 

@@ -28,13 +28,15 @@ Decisions (see the docstrings for details):
 
 from __future__ import annotations
 
-import html
 import math
 import re
 import unicodedata
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
+from common.wire.transcript import Cue, to_srt, to_webvtt  # re-exported: the writers moved to wire
+from common.wire.transcript import clean_chars as _clean_chars
 
 __all__ = [
     "SUBTITLE_PROMPT",
@@ -43,14 +45,9 @@ __all__ = [
     "is_none_answer",
     "normalise",
     "parse_model_output",
-    "parse_srt",
-    "parse_webvtt",
-    "render_transcript",
     "similarity",
     "to_srt",
     "to_webvtt",
-    "validate_srt",
-    "validate_webvtt",
 ]
 
 SUBTITLE_PROMPT = (
@@ -99,22 +96,6 @@ _NONE_RE = re.compile(
     r"on\s+(?:the\s+)?screen|in\s+(?:the|this)\s+(?:image|frame|video|scene|screen)))*)$"
 )
 _QUOTE_PAIRS = {'"': '"', "'": "'", "“": "”", "‘": "’", "«": "»", "„": "“", "「": "」", "『": "』", "`": "`"}
-
-
-def _clean_chars(s: str) -> str:
-    """Drop control characters (line breaks kept), lone surrogates and non-characters; tabs become spaces."""
-    out = []
-    for ch in s:
-        cat = unicodedata.category(ch)
-        if ch == "\t":
-            out.append(" ")
-        elif ch in "\n\r\x0b\x0c\x1c\x1d\x1e\x85":  # what str.splitlines() splits on
-            out.append("\n")
-        elif cat in ("Cc", "Cs") or ch in "\ufffe\uffff\ufeff\ufffd":
-            continue
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def _strip_quotes(s: str) -> str:
@@ -238,22 +219,6 @@ def _at_least(a: str, b: str, threshold: float) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Cue:
-    """One subtitle cue. Times are capture times in seconds (media time for files, unix time for live);
-    writers format them relative to an ``origin``."""
-
-    start: float
-    end: float
-    text: str
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.start) and math.isfinite(self.end)):
-            raise ValueError(f"cue times must be finite: {self.start!r}, {self.end!r}")
-        if self.end <= self.start:
-            raise ValueError(f"cue end {self.end!r} must be after start {self.start!r}")
-
-
 @dataclass
 class _Open:
     start: float
@@ -313,11 +278,6 @@ class SubtitleTracker:
         are not emitted again."""
         for text in texts:
             self._recent.append(normalise(text))
-
-    @property
-    def open_cues(self) -> list[Cue]:
-        """Cues still on screen (not final), as they would be closed now."""
-        return [self._make_cue(o) for o in self._open]
 
     def _make_cue(self, o: _Open) -> Cue:
         return Cue(o.start, max(o.end, o.start + self.min_duration), o.text)
@@ -400,229 +360,5 @@ class SubtitleTracker:
 
 
 # --------------------------------------------------------------------------------------------
-# Writers
-# --------------------------------------------------------------------------------------------
-
-
-def _cue_lines(text: str) -> list[str]:
-    lines = []
-    for raw in _clean_chars(str(text)).splitlines():
-        line = " ".join(raw.split())
-        if line:
-            lines.append(line)
-    return lines
-
-
-def _ms_range(cue: Cue, origin: float) -> tuple[int, int] | None:
-    start = max(0, round((cue.start - origin) * 1000))
-    end = round((cue.end - origin) * 1000)
-    if end <= 0:
-        return None
-    return start, max(end, start + 1)
-
-
-def _fmt(ms: int, sep: str) -> str:
-    h, rem = divmod(ms, 3_600_000)
-    m, rem = divmod(rem, 60_000)
-    s, ms = divmod(rem, 1000)
-    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
-
-
-def _prepared(cues: Sequence[Cue], origin: float) -> list[tuple[int, int, list[str]]]:
-    if not math.isfinite(origin):
-        raise ValueError(f"origin must be finite: {origin!r}")
-    out = []
-    for cue in cues:
-        rng = _ms_range(cue, origin)
-        lines = _cue_lines(cue.text)
-        if rng is None or not lines:
-            continue
-        out.append((rng[0], rng[1], lines))
-    out.sort(key=lambda x: (x[0], x[1]))  # stable: equal times keep input order
-    return out
-
-
-def _vtt_escape(line: str) -> str:
-    return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def to_webvtt(cues: Sequence[Cue], origin: float = 0.0) -> str:
-    """A WebVTT file: ``WEBVTT`` header, cues sorted by start, times relative to ``origin`` (``HH:MM:SS.mmm``,
-    hours may exceed 99). ``&``, ``<``, ``>`` are escaped, so ``-->`` never appears in cue text."""
-    parts = ["WEBVTT\n\n"]
-    for start, end, lines in _prepared(cues, origin):
-        body = "\n".join(_vtt_escape(line) for line in lines)
-        parts.append(f"{_fmt(start, '.')} --> {_fmt(end, '.')}\n{body}\n\n")
-    return "".join(parts)
-
-
-def to_srt(cues: Sequence[Cue], origin: float = 0.0) -> str:
-    """A SubRip file: 1-based index, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, text, blank line between cues.
-
-    SRT has no escaping: text is written as is (``-->`` becomes ``→``); players may interpret
-    ``<i>``-like tags. Empty string for no cues."""
-    parts = []
-    for i, (start, end, lines) in enumerate(_prepared(cues, origin), 1):
-        body = "\n".join(line.replace("-->", "\u2192") for line in lines)
-        parts.append(f"{i}\n{_fmt(start, ',')} --> {_fmt(end, ',')}\n{body}\n\n")
-    return "".join(parts)
-
-
-# --------------------------------------------------------------------------------------------
 # Strict readers / validators
 # --------------------------------------------------------------------------------------------
-
-_VTT_TS = r"(?:(\d{2,}):)?([0-5]\d):([0-5]\d)\.(\d{3})"
-_VTT_TIMING_RE = re.compile(rf"^{_VTT_TS}[ \t]+-->[ \t]+{_VTT_TS}(?:[ \t]+(.*))?$")
-_VTT_SETTING_RE = re.compile(r"^(?:vertical|line|position|size|align|region):\S+$")
-_VTT_TAG_RE = re.compile(r"</?(?:c|i|b|u|v|lang|ruby|rt)(?:[.\s][^<>]*)?>|<(?:\d{2,}:)?[0-5]\d:[0-5]\d\.\d{3}>")
-_VTT_ENTITY_RE = re.compile(r"&(?:amp|lt|gt|nbsp|lrm|rlm|quot|apos|#\d{1,7}|#[xX][0-9a-fA-F]{1,6});")
-_SRT_TS = r"(\d{2,}):([0-5]\d):([0-5]\d),(\d{3})"
-_SRT_TIMING_RE = re.compile(rf"^{_SRT_TS} --> {_SRT_TS}$")
-
-
-def render_transcript(cues: Sequence[Cue], fmt: str) -> str:
-    """A stream's transcript as WebVTT (``vtt``) or SRT (``srt``). Live streams carry unix times:
-    those are shown relative to the first cue, file streams keep their media times."""
-    cues = sorted(cues, key=lambda c: c.start)
-    origin = cues[0].start if cues and cues[0].start > 1e8 else 0.0
-    return to_srt(cues, origin) if fmt == "srt" else to_webvtt(cues, origin)
-
-
-def _ts_seconds(h: str | None, m: str, s: str, ms: str) -> float:
-    return int(h or 0) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000
-
-
-def _blocks(text: str, what: str) -> list[list[str]]:
-    blocks: list[list[str]] = []
-    cur: list[str] = []
-    for line in text.split("\n"):
-        if line and not line.strip():
-            raise ValueError(f"{what}: whitespace-only line (ambiguous block separator)")
-        if line == "":
-            if cur:
-                blocks.append(cur)
-                cur = []
-        else:
-            cur.append(line)
-    if cur:
-        blocks.append(cur)
-    return blocks
-
-
-def _prep_text(text: str, what: str) -> str:
-    if not isinstance(text, str):
-        raise ValueError(f"{what}: not text")
-    if text.startswith("\ufeff"):
-        text = text[1:]
-    if "\x00" in text:
-        raise ValueError(f"{what}: NUL character")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
-
-
-def _check_order(cues: list[Cue], start: float, end: float, where: str) -> None:
-    if not start < end:
-        raise ValueError(f"{where}: cue end is not after start")
-    if cues and start < cues[-1].start:
-        raise ValueError(f"{where}: cue starts before the previous cue")
-
-
-def parse_webvtt(text: str) -> list[Cue]:
-    """Parse a WebVTT file strictly (stricter than the spec) and return its cues (entities decoded).
-
-    Checks: ``WEBVTT`` header line, blocks separated by blank lines, NOTE blocks anywhere and
-    STYLE/REGION blocks before the first cue, optional cue identifier without ``-->``, timestamp syntax
-    (``[HH+:]MM:SS.mmm``, minutes/seconds < 60), known cue settings, start < end, non-decreasing starts,
-    non-empty text without ``-->``, every ``<`` part of a known tag and every ``&`` a character reference.
-    Raises ValueError.
-    """
-    text = _prep_text(text, "WebVTT")
-    first, _, rest = text.partition("\n")
-    if not (first == "WEBVTT" or (first.startswith("WEBVTT") and first[6] in " \t")):
-        raise ValueError("WebVTT: missing 'WEBVTT' header line")
-    if "-->" in first:
-        raise ValueError("WebVTT: '-->' in the header line")
-    blocks = _blocks(rest, "WebVTT")
-    if rest and not rest.startswith("\n") and blocks:
-        # lines directly after the signature are header lines; they must not hold a cue timing
-        header = blocks.pop(0)
-        if any("-->" in line for line in header):
-            raise ValueError("WebVTT: cue timing in the header block (missing blank line after WEBVTT)")
-    cues: list[Cue] = []
-    for n, block in enumerate(blocks, 1):
-        where = f"WebVTT block {n}"
-        head = block[0]
-        if head == "NOTE" or head.startswith(("NOTE ", "NOTE\t")):
-            if any("-->" in line for line in block):
-                raise ValueError(f"{where}: '-->' in a NOTE block")
-            continue
-        if head in ("STYLE", "REGION") and "-->" not in "".join(block):
-            if cues:
-                raise ValueError(f"{where}: {head} block after the first cue")
-            continue
-        if "-->" not in head:
-            block = block[1:]  # cue identifier
-            if not block:
-                raise ValueError(f"{where}: identifier without a cue timing line")
-        m = _VTT_TIMING_RE.match(block[0])
-        if not m:
-            raise ValueError(f"{where}: bad cue timing line {block[0]!r}")
-        g = m.groups()
-        start, end = _ts_seconds(*g[0:4]), _ts_seconds(*g[4:8])
-        for setting in (g[8] or "").split():
-            if not _VTT_SETTING_RE.match(setting):
-                raise ValueError(f"{where}: bad cue setting {setting!r}")
-        _check_order(cues, start, end, where)
-        body = block[1:]
-        if not body:
-            raise ValueError(f"{where}: empty cue text")
-        for line in body:
-            if "-->" in line:
-                raise ValueError(f"{where}: '-->' in cue text")
-            stripped = _VTT_TAG_RE.sub("", line)
-            if "<" in stripped:
-                raise ValueError(f"{where}: unescaped '<' in cue text")
-            if "&" in _VTT_ENTITY_RE.sub("", stripped):
-                raise ValueError(f"{where}: unescaped '&' in cue text")
-        cues.append(Cue(start, end, html.unescape("\n".join(body))))
-    return cues
-
-
-def parse_srt(text: str) -> list[Cue]:
-    """Parse a SubRip file strictly and return its cues.
-
-    Checks: blocks separated by blank lines; each block = index (1, 2, 3, ... in order), timing line
-    ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, at least one text line without ``-->``; start < end,
-    non-decreasing starts. An empty file is valid (no cues). Raises ValueError.
-    """
-    text = _prep_text(text, "SRT")
-    cues: list[Cue] = []
-    for n, block in enumerate(_blocks(text, "SRT"), 1):
-        where = f"SRT block {n}"
-        if block[0].strip() != str(n):
-            raise ValueError(f"{where}: expected index {n}, got {block[0]!r}")
-        if len(block) < 2:
-            raise ValueError(f"{where}: missing timing line")
-        m = _SRT_TIMING_RE.match(block[1].strip())
-        if not m:
-            raise ValueError(f"{where}: bad timing line {block[1]!r}")
-        g = m.groups()
-        start, end = _ts_seconds(*g[0:4]), _ts_seconds(*g[4:8])
-        _check_order(cues, start, end, where)
-        body = block[2:]
-        if not body:
-            raise ValueError(f"{where}: empty cue text")
-        if any("-->" in line for line in body):
-            raise ValueError(f"{where}: '-->' in cue text")
-        cues.append(Cue(start, end, "\n".join(body)))
-    return cues
-
-
-def validate_webvtt(text: str) -> None:
-    """Raise ValueError unless ``text`` is a WebVTT file that :func:`parse_webvtt` accepts."""
-    parse_webvtt(text)
-
-
-def validate_srt(text: str) -> None:
-    """Raise ValueError unless ``text`` is a SubRip file that :func:`parse_srt` accepts."""
-    parse_srt(text)

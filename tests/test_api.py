@@ -24,10 +24,10 @@ from PIL import Image
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
-from qa_worker.subtitles import validate_srt, validate_webvtt
 from tests.alerting import Broker, Webhook, broker, webhook
 from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, head, wait_for
+from tests.subtitle_readers import validate_srt, validate_webvtt
 
 CAM = "cam1"
 TOKEN = "test-token-0123456789abcdef"
