@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -17,11 +17,11 @@ class ApiConfig:
     redis_url: str = "redis://localhost:6379/0"
     host: str = "127.0.0.1"
     port: int = 8080
-    token: str | None = None  # when set, every /api and /v1 request needs `Authorization: Bearer <token>`
+    # when set, every /api and /v1 request needs `Authorization: Bearer <token>`; never logged
+    token: str | None = field(default=None, repr=False, metadata={"secret": True})
     max_body_bytes: int = 64 * 1024  # larger request bodies get 413
     answer_timeout_s: float = 120.0  # longest wait for a final answer
     block_ms: int = 1000  # longest blocking Redis read per call
-    metrics_port: int | None = None
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:

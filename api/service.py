@@ -25,8 +25,9 @@ def warn_if_exposed(cfg: ApiConfig) -> None:
 
 
 def main(argv: list[str]) -> int:
-    cfg, sync_redis = boot.start(ApiConfig, argv, "streamvqa api")  # exits 2/3 on bad config or no Redis
-    sync_redis.close()
+    prog = "streamvqa api"
+    cfg = boot.configure(ApiConfig, argv, prog)  # exit 2 on bad settings
+    boot.connect_tool(cfg.redis_url, prog, timeout_s=30).close()  # exit 3 when Redis is unusable at start
     warn_if_exposed(cfg)
     log.info("api starting", host=cfg.host, port=cfg.port, auth=cfg.token is not None)
     uvicorn.run(create_app(cfg), host=cfg.host, port=cfg.port, log_config=None, timeout_graceful_shutdown=5)

@@ -13,7 +13,8 @@ import time
 
 import redis
 
-from common import redisio, status
+from common import boot, status
+from common.logs import configure_logging
 
 
 def streams(r: redis.Redis) -> list[str]:
@@ -37,6 +38,9 @@ def render(found: dict) -> str:
             f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
+        if s["grid"] is None:  # ingest describes a stream once its source opened
+            ev = s["last_event"] or {}
+            lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
     q = found["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
@@ -50,11 +54,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv[1:])
-    try:
-        r = redisio.wait_for_redis(ns.redis_url, timeout_s=5)
-    except TimeoutError as e:
-        print(f"streamvqa status: {e}")
-        return 3
+    configure_logging("WARNING")
+    r = boot.connect_tool(ns.redis_url, "streamvqa status")
     found = collect(r)
     print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

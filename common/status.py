@@ -10,16 +10,19 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
-# Key patterns whose presence means "a stream of that name exists" (ingest meta or a cache head).
-STREAM_PATTERNS = (f"{keys.PREFIX}:{{*}}:meta", f"{keys.PREFIX}:{{*}}:head")
+# Key patterns whose presence means "a stream of that name exists": described by ingest, encoded,
+# or only ever failing (events).
+STREAM_PATTERNS = tuple(f"{keys.PREFIX}:{{*}}:{kind}" for kind in ("meta", "head", "events"))
 RECENT_EVENTS = 200  # how far back status looks for the source's state and the drop counter
 # The source's last word on its connection: ingest events that mean it is up, and those that mean down.
 _UP = {"connected"}
 _DOWN = {"error", "stalled", "reconnecting", "gave_up", "eof"}
+_LAST_EVENT_FIELDS = ("type", "at", "error", "reconnects", "attempt")  # why a camera is not delivering
 
 
 def stream_names(found_keys: Iterable[bytes | str]) -> list[str]:
@@ -69,7 +72,7 @@ def stream_from(name: str, replies: list[Any], now: float) -> dict:
     except SchemaError as e:
         meta, out["error"] = None, f"bad meta: {e}"
     out |= {
-        "source": meta.url if meta else None,
+        "source": redact_url(meta.url) if meta else None,  # written redacted; older data may not be
         "fps": meta.fps if meta else None,
         "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
         "live": meta is not None and meta.live,
@@ -101,15 +104,18 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
 def _from_events(events: list[tuple[Any, dict]]) -> dict:
     """`state`: the newest ingest event about the source (connected, reconnecting, eof...; None if it
     said nothing recently) and `connected` from it; `dropped`: the encoder's running count of frames
-    dropped for lateness, from its newest report."""
-    state, dropped = None, 0
-    for _, fields in events:  # newest first
-        kind = _text(fields.get(b"type", fields.get("type", "")))
+    dropped for lateness, from its newest report; `last_event`: the newest event of any kind."""
+    state, dropped, last = None, 0, None
+    for _, raw in events:  # newest first
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        last = last or {k: fields[k] for k in _LAST_EVENT_FIELDS if k in fields}
+        kind = fields.get("type", "")
         if state is None and kind in _UP | _DOWN:
             state = kind
         if kind == "dropped" and not dropped:
-            dropped = int(_text(fields.get(b"total", fields.get("total", "0"))))
-    return {"state": state, "connected": None if state is None else state in _UP, "dropped": dropped}
+            dropped = int(fields.get("total", "0"))
+    connected = None if state is None else state in _UP
+    return {"state": state, "connected": connected, "dropped": dropped, "last_event": last}
 
 
 def queue_all(pipe: Any, names: list[str]) -> None:
