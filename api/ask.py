@@ -2,6 +2,8 @@
 
 Events: `delta` ({"text"}) as tokens are decoded, then one `final` (the worker's final answer:
 text or choice and scores, version, t_start/t_end, latencies), or `error` when none came in time.
+`restart` ({"attempt"}) says the worker answering died and another starts over: drop the text so
+far; the deltas after it concatenate to the final text.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ async def ask(name: str, body: AskRequest, request: Request):
 async def _events(request: Request, q: Question) -> AsyncIterator[bytes]:
     r, cfg = request.app.state.r, request.app.state.cfg
     try:
-        async for reply in replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms):
+        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        async for reply, restarted in replies.newest_attempt(stream):
+            if restarted:
+                yield replies.sse("restart", {"attempt": reply.attempt})
             if isinstance(reply, AnswerDelta):
                 yield replies.sse("delta", {"text": reply.text})
             elif isinstance(reply, FinalAnswer):

@@ -112,10 +112,17 @@ def _chunk(q: Question, delta: dict, finish: str | None = None) -> dict:
 async def _chunks(request: Request, q: Question) -> AsyncIterator[bytes]:
     r, cfg = request.app.state.r, request.app.state.cfg
     yield replies.sse_data(_chunk(q, {"role": "assistant", "content": ""}))
+    sent, current = "", ""  # what the client has; the text of the newest attempt
     try:
-        async for reply in replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms):
+        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        async for reply, restarted in replies.newest_attempt(stream):
             if isinstance(reply, AnswerDelta):
-                yield replies.sse_data(_chunk(q, {"content": reply.text}))
+                # OpenAI chunks cannot be taken back: after a restart, send only what goes past the text
+                # already sent (the same text again under greedy decoding, the usual case)
+                current = reply.text if restarted else current + reply.text
+                if current.startswith(sent) and len(current) > len(sent):
+                    yield replies.sse_data(_chunk(q, {"content": current[len(sent) :]}))
+                    sent = current
             elif reply.error is not None:
                 yield replies.sse_data(errors.body(422, reply.error, "messages"))
             else:

@@ -77,6 +77,22 @@ async def replies(
     raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
 
 
+async def newest_attempt(
+    replies_: AsyncIterator[AnswerDelta | FinalAnswer],
+) -> AsyncIterator[tuple[AnswerDelta | FinalAnswer, bool]]:
+    """(reply, restarted): deltas of a dead worker's attempt that arrive after its successor's are
+    dropped; ``restarted`` marks the first delta of a newer attempt, whose text starts over."""
+    attempt = 0
+    async for reply in replies_:
+        if isinstance(reply, AnswerDelta):
+            if reply.attempt < attempt:
+                continue
+            restarted, attempt = 0 < attempt < reply.attempt, max(attempt, reply.attempt)
+            yield reply, restarted
+        else:
+            yield reply, False
+
+
 async def final_of(r: aredis.Redis, qid: str, timeout_s: float, block_ms: int) -> FinalAnswer:
     try:
         async for reply in replies(r, qid, timeout_s, block_ms):

@@ -11,8 +11,9 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from PIL import Image
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
+from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from tests.alerting import Broker, Webhook, broker, webhook
 from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, head, wait_for
@@ -111,8 +113,12 @@ def _ready(http: httpx.Client) -> bool:
 
 
 def sse_events(response: httpx.Response) -> list[tuple[str, dict | str]]:
+    return _parse_sse(response.iter_lines())
+
+
+def _parse_sse(lines: Iterable[str] | str) -> list[tuple[str, dict | str]]:
     events, name, data = [], "message", ""
-    for line in response.iter_lines():
+    for line in lines.splitlines() if isinstance(lines, str) else lines:
         if line.startswith("event: "):
             name = line[7:]
         elif line.startswith("data: "):
@@ -322,6 +328,42 @@ def test_not_ready_without_redis_but_alive():
     live_probe, ready_probe = asyncio.run(probe())
     assert live_probe.status_code == 200
     assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
+
+
+def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
+    """A worker that died mid-answer: its successor answers again from the start (attempt 2), and a
+    late delta of attempt 1 arrives after that. Entries written by hand, the way workers write them."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:
+        for n in range(2):  # one question per request below
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            key = keys.answer(qid.decode())
+            for text, attempt in (("The do", 1), ("The ", 2), ("or", 1), ("door is ", 2), ("open.", 2)):
+                r.xadd(key, encode_delta(text, attempt))
+            r.xadd(key, encode_final(FinalAnswer(id=qid.decode(), stream="ghost", text="The door is open.", tokens=5)))
+
+    async def ask() -> tuple[list, list]:
+        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            native = await client.post("/api/streams/ghost/ask", json={"question": "Is the door open?"})
+            body = {"model": "ghost", "messages": [{"role": "user", "content": "Is the door open?"}], "stream": True}
+            chat = await client.post("/v1/chat/completions", json=body)
+        return _parse_sse(native.text), _parse_sse(chat.text)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    native, chat = asyncio.run(ask())
+    thread.join(10)
+    assert [k for k, _ in native] == ["delta", "restart", "delta", "delta", "delta", "final"]  # the late "or" dropped
+    after_restart = native[native.index(("restart", {"attempt": 2})) + 1 : -1]
+    assert "".join(d["text"] for _, d in after_restart) == native[-1][1]["text"] == "The door is open."
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for _, c in chat[:-1] if c.get("choices"))
+    assert content == "The door is open." and chat[-1] == ("message", "[DONE]")
 
 
 def test_api_never_imports_torch(live):

@@ -180,6 +180,7 @@ async function ask(name, node) {
     });
     for await (const { event, data } of sseEvents(res)) {
       if (event === "delta") answer.textContent += data.text;
+      else if (event === "restart") answer.textContent = ""; // its worker died: another answers from the start
       else if (event === "final") {
         if (data.error) throw new Error(data.error);
         answer.textContent = data.text;
