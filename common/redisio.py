@@ -1,6 +1,6 @@
 """Redis connection and stream helpers shared by every service.
 
-Consumer-group discipline (see ARCHITECTURE "Reliability rules"): read your own pending entries
+Consumer-group discipline (docs/DESIGN.md, "Reliability rules"): read your own pending entries
 first (id "0") and then new ones (">"), ack only after the work is durable, reclaim entries of
 dead consumers with XAUTOCLAIM, and cap every stream.
 """

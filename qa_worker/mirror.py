@@ -61,7 +61,6 @@ class Mirror:
         self.r, self.block_ms = r, block_ms
         self.streams = {name: StreamMirror(rt, store, name) for name in streams}
         self.cursors = dict.fromkeys((keys.versions(n) for n in streams), "$")
-        self.updated = threading.Condition()
         for name in streams:
             self._catch_up(name)
 
@@ -116,5 +115,3 @@ class Mirror:
         version = mirror.apply(manifest)
         metrics.record_version(name, version)
         log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)
-        with self.updated:
-            self.updated.notify_all()

@@ -22,9 +22,9 @@ from common.engine.stream import StreamEngine
 from common.wire import keys
 from ingest.video import iter_file_frames
 from qa_worker.jobs import JobRunner
-from qa_worker.subtitles import parse_srt, parse_webvtt, validate_srt, validate_webvtt
 from tests.conftest import free_port
 from tests.pipeline import Services, head, wait_for
+from tests.subtitle_readers import parse_srt, parse_webvtt, validate_srt, validate_webvtt
 
 CAPTIONS = ((0.0, "RED BALL"), (3.0, "BLUE BOX"), (6.0, "GREEN STAR"))
 

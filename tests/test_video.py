@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apps.samplevideo import corrupt_bytes, truncate_file, write_garbage_file, write_sample_video
+from apps.samplevideo import write_sample_video
 from common.engine.grid import Grid
 from ingest.video import (
     DecodedFrame,
@@ -25,6 +25,7 @@ from ingest.video import (
 )
 from tests.pipeline import with_deadline
 from tests.rtsp_server import RtspServer, gst_available
+from tests.videodamage import corrupt_bytes, truncate_file, write_garbage_file
 
 GST_OK, GST_WHY = gst_available()
 needs_gst = pytest.mark.skipif(not GST_OK, reason=f"GStreamer RTSP server unavailable: {GST_WHY}")

@@ -23,6 +23,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
+
 SCHEMA_VERSION = 1
 FIELD = "m"  # the one stream field that carries a msgpack payload
 
@@ -32,8 +34,6 @@ MAX_QUESTION_CHARS = 4000
 MIN_CHOICES = 2
 MAX_CHOICES = 16
 MAX_CHOICE_CHARS = 200
-MAX_NEW_TOKENS = 2048
-DEFAULT_MAX_TOKENS = 128
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
 
@@ -524,7 +524,7 @@ def parse_question(
     if "max_tokens" in f:
         kw["max_tokens"] = _parse_int("max_tokens", f["max_tokens"], 1, limits.max_new_tokens)
     if "temperature" in f:
-        kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, 2.0)
+        kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, MAX_TEMPERATURE)
     if "top_p" in f:
         kw["top_p"] = _parse_float("top_p", f["top_p"], 0.0, 1.0)
         if kw["top_p"] <= 0.0:
