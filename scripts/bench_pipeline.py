@@ -155,7 +155,9 @@ class Services:
     def check(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                raise RunFailed(f"{name} exited with {proc.returncode}; its log ends:\n{self.tail(name)}")
+                tail = self.tail(name)
+                last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+                raise RunFailed(f"{name} exited with {proc.returncode}: {last[:300]}\nits log ends:\n{tail}")
 
     def tail(self, service: str, chars: int = 3000) -> str:
         return self._log(service).read_text(errors="replace")[-chars:]
@@ -233,7 +235,8 @@ def frame_counts(ingest_port: int, worker_port: int, cameras: list[str]) -> Coun
         "encoded": {c: int(worker.get(("svqa_encoder_frames_total", c, ""), 0)) for c in cameras},
     }
     for (name, cam, reason), value in worker.items():
-        if name == "svqa_encoder_frames_dropped_total" and cam in counts["encoded"]:
+        # "duplicate" is a redelivered frame the cache already holds: skipped, not lost
+        if name == "svqa_encoder_frames_dropped_total" and cam in counts["encoded"] and reason != "duplicate":
             counts.setdefault(f"dropped:{reason}", dict.fromkeys(cameras, 0))[cam] = int(value)
     return counts
 
