@@ -479,6 +479,7 @@ def summarize(
 ) -> dict[str, Any]:
     answered = [a for a in load.asked if a.error is None]
     errors = [a.error for a in load.asked if a.error is not None]
+    # answers and latencies: every question asked in the window; answers/s: those finished in it
     in_window = sum(a.sent + a.latency_s <= t_end for a in answered)
     lags = load.lags
     return {
@@ -531,10 +532,10 @@ def run_all(ns: argparse.Namespace, argv: list[str], tmp: Path) -> int:
         "hardware": hardware(ns.device),
         "runs": [],
     }
-    for n in counts:
+    for i, n in enumerate(counts):
         try:
-            result = run_once(ns, n, video, tmp / f"run-{n}")
-        except RunFailed as e:
+            result = run_once(ns, n, video, tmp / f"run{i}-{n}-cameras")
+        except (RunFailed, OSError, redis.RedisError) as e:  # this run failed; the next may not
             progress(f"{n} cameras: run failed: {e}")
             result = {"cameras": n, "failed": str(e).splitlines()[0]}
         print(json.dumps(result), flush=True)

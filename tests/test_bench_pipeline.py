@@ -124,10 +124,12 @@ def test_interrupt_stops_every_process_and_removes_the_temp_dir(tmp_path):
 @pytest.mark.timeout(180)
 def test_a_service_that_dies_fails_the_run_with_its_reason(tmp_path, monkeypatch):
     monkeypatch.setenv("SVQA_CHUNK_FRAMES", "3")  # the services read SVQA_*: the worker refuses to start
-    proc = bench(tmp_path, "--cameras", "1", "--askers", "1", "--duration", "5")
+    proc = bench(tmp_path, "--cameras", "1", "--askers", "1", "--duration", "5", "--logs", str(tmp_path / "logs"))
     stdout, _ = proc.communicate(timeout=150)
     assert proc.returncode == 1, (tmp_path / "stderr.txt").read_text()
     (run,) = [json.loads(line) for line in stdout.splitlines()]
     assert run["cameras"] == 1 and run["failed"].startswith("worker exited with 2: ")
     assert "chunk_frames must be a positive even number" in run["failed"]
+    (log,) = (tmp_path / "logs").glob("*/worker.log")  # kept for a post-mortem
+    assert "chunk_frames must be a positive even number" in log.read_text()
     assert_nothing_left(tmp_path)
