@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from common.engine.eviction import EvictionPolicy
@@ -11,23 +9,33 @@ from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.lm import LanguageModel
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
+from common.engine.pool import KVPool
+from common.engine.work import Executor, InlineExecutor
+
+POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
+CPU_SLAB_TOKENS = 1 << 16
 
 
 class Runtime:
     """A loaded model plus our language-model runner; shared by every stream on a device."""
 
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, pool_tokens: int | None = None):
+        """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
+        `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed)."""
         self.loaded = loaded
-        self.lm = LanguageModel(loaded)
+        self.pool = _make_pool(loaded, pool_tokens)
+        self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
         self.ids = loaded.ids
         self.device = loaded.device
-        # One GPU does one forward at a time; the lock keeps encoder and QA threads from
-        # interleaving inside a forward (cheaper than the memory of concurrent activations).
-        self.gpu_lock = threading.RLock()
+        # Who runs GPU work: alone and at once by default; a service installs a Scheduler that
+        # batches every stream's chunks and every question's steps.
+        self.executor: Executor = InlineExecutor()
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def encode(self, text: str, *, user: bool = False) -> list[int]:
+        """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing
+        is off, so ``<|im_start|>`` in a question is ordinary text, never a control token."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=user).input_ids
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
@@ -39,7 +47,24 @@ class Runtime:
         out = visual(pixels.to(self.loaded.device, visual.dtype), grid_thw=grid)
         return out.pooler_output.to(self.lm.dtype)
 
+    def vision_batch(self, chunks: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
+        """Merged vision embeddings of several chunks (pixels, grid_thw), in order."""
+        return [self.vision(pixels, grid_thw) for pixels, grid_thw in chunks]
+
     def new_cache(self, spec: StreamSpec, policy: EvictionPolicy) -> StreamCache:
         """An empty cache for one stream on this device (its positions follow the stream's fps and grid)."""
         return StreamCache(self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps),
                            grid_hw=spec.grid.merged_hw)  # fmt: skip
+
+
+def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:
+    cfg = loaded.text_config
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    if pool_tokens is None and loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        per_token = 2 * shape[0] * shape[1] * shape[2] * loaded.dtype.itemsize
+        pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // per_token)
+    pool = KVPool(shape, loaded.dtype, loaded.device, slab_tokens=pool_tokens or CPU_SLAB_TOKENS)
+    if loaded.device.type == "cuda":
+        pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
+    return pool
