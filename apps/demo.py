@@ -10,7 +10,6 @@ happens, then shuts down everything it started.
 from __future__ import annotations
 
 import argparse
-import socket
 import tempfile
 import threading
 import time
