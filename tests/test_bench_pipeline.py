@@ -80,6 +80,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert 0.5 * 2 * DURATION_S <= frames["published"]["min"] <= frames["published"]["max"] <= 2 * run["duration_s"] + 1
     assert frames["encoded"]["min"] > 0
     assert sum(frames["dropped_by_reason"].values()) == frames["dropped"]["total"]
+    assert frames["dropped_by_reason"].get("bad", 0) == 0  # late, maybe, on a busy machine; refused, never
     handled = frames["encoded"]["total"] + frames["dropped"]["total"]
     assert frames["dropped_fraction"] == round(frames["dropped"]["total"] / handled, 4)
     assert frames["not_yet_encoded_at_end"]["min"] >= 0
