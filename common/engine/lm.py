@@ -68,10 +68,16 @@ class Plan:
     """Device-side indices of one batch: where each token's K/V go and which key ranges each query
     row reads. Fixed shapes for a fixed batch structure, so a decode step can be a CUDA graph."""
 
-    slab: int
-    slots: torch.Tensor  # (T,) slot of each new token in the slab
-    pieces: dict[bool, Pieces]  # causal -> pieces
+    writes: dict[int, tuple[torch.Tensor | None, torch.Tensor]]  # slab -> (token rows or None = all, slots)
+    pieces: dict[tuple[int, bool], Pieces]  # (slab, causal) -> pieces
     max_q: int
+    max_k: int  # the longest key range, rounded up to a power of two (flash sizes its work by it)
+
+    @property
+    def single_slab(self) -> int | None:
+        """The one slab every write and read of this batch is in (the usual case on a GPU)."""
+        slabs = set(self.writes) | {slab for slab, _ in self.pieces}
+        return slabs.pop() if len(slabs) == 1 else None
 
 
 @dataclass
@@ -80,6 +86,7 @@ class Pieces:
     cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
     starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
     lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
+    empty_rows: torch.Tensor  # (R,) bool: the row's piece has no keys
     host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
 
 
@@ -113,57 +120,72 @@ class LanguageModel:
 
     def plan(self, items: list[Item], split: int = 1) -> Plan:
         """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long."""
-        slabs = {it.dest.slab for it in items} | {it.base.region.slab for it in items if it.base}
-        if len(slabs) != 1:
-            raise ValueError(f"a batch must live in one pool slab, got slabs {sorted(slabs)}")
-        slots, own, base, row = [], [], [], 0
+        writes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        pieces: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
+        row = 0
         for it in items:
             if it.at + it.n > it.dest.size:
                 raise ValueError(f"region of {it.dest.size} tokens too small for {it.at + it.n}")
-            slots.append(torch.arange(it.n) + it.dest.start + it.at)
-            own.append((row, it.n, it.dest.start, it.at + it.n))
+            rows = torch.arange(row, row + it.n)
+            writes.setdefault(it.dest.slab, []).append((rows, rows - row + it.dest.start + it.at))
+            pieces.setdefault((it.dest.slab, True), []).append((row, it.n, it.dest.start, it.at + it.n))
             if it.base is not None:
-                base += _split(row, it.n, it.base.region.start, it.base.length, split)
+                key = (it.base.region.slab, False)
+                pieces.setdefault(key, []).extend(_split(row, it.n, it.base.region.start, it.base.length, split))
             row += it.n
-        pieces = {True: self._pieces(own)}
-        if base:
-            pieces[False] = self._pieces(base)
-        return Plan(slabs.pop(), torch.cat(slots).to(self.device), pieces, max(it.n for it in items))
+        longest = max(length for host in pieces.values() for _, _, _, length in host)
+        return Plan(
+            {slab: self._writes(w, row) for slab, w in writes.items()},
+            {key: self._pieces(host) for key, host in pieces.items()},
+            max(it.n for it in items),
+            1 << max(8, (longest - 1).bit_length()),
+        )
+
+    def _writes(self, writes: list[tuple[torch.Tensor, torch.Tensor]], n_rows: int):
+        rows = torch.cat([r for r, _ in writes])
+        slots = torch.cat([s for _, s in writes]).to(self.device)
+        everything = len(rows) == n_rows  # then rows are 0..T-1 in order: no gather needed
+        return (None if everything else rows.to(self.device)), slots
 
     def _pieces(self, host: list[tuple[int, int, int, int]]) -> Pieces:
         rows = torch.cat([torch.arange(r0, r0 + n) for r0, n, _, _ in host])
         cu_q = torch.tensor([0, *accumulate(n for _, n, _, _ in host)], dtype=torch.int32)
         starts = torch.tensor([s for _, _, s, _ in host] + [0], dtype=torch.int32)
         lengths = torch.tensor([k for _, _, _, k in host], dtype=torch.int32)
+        empty = torch.cat([torch.full((n,), k == 0) for _, n, _, k in host])
         dev = self.device
-        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), host)
+        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), empty.to(dev), host)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
         and returns the final-norm hidden states (T, D)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        slab = self.pool.slabs[plan.slab]
         x = embeds.to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, _rms_norm(layer.input_layernorm, x), cos, sin, slab[i], plan)
+            x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, plan)
             x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
         return _rms_norm(self.norm, x)
 
-    def _attention(self, layer, h: torch.Tensor, cos, sin, kv: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, plan: Plan) -> torch.Tensor:
         attn = layer.self_attn
         n = h.shape[0]
         q = apply_rope(attn.q_proj(h).view(n, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(attn.k_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
         v = attn.v_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        kv[0].index_copy_(1, plan.slots, k)
-        kv[1].index_copy_(1, plan.slots, v)
+        for slab, (rows, slots) in plan.writes.items():
+            kv = self.pool.slabs[slab][i]
+            kv[0].index_copy_(1, slots, k if rows is None else k.index_select(1, rows))
+            kv[1].index_copy_(1, slots, v if rows is None else v.index_select(1, rows))
         q = q.transpose(0, 1)  # (T, H, hd)
-        parts = [self._piece_attention(q, kv, p, causal, plan.max_q) for causal, p in plan.pieces.items()]
+        parts = [
+            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q, plan.max_k)
+            for (slab, causal), p in plan.pieces.items()
+        ]
         out = _merge(n, parts)
         return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
-    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
+    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int, max_k: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
         if self.flash:
             out, lse = torch.ops.aten._flash_attention_forward(
@@ -173,7 +195,7 @@ class LanguageModel:
                 p.cu_q,
                 p.starts,
                 max_q,
-                kv.shape[2],
+                max_k,
                 0.0,
                 causal,
                 False,
@@ -181,7 +203,7 @@ class LanguageModel:
                 seqused_k=p.lengths,
             )[:2]
             lse = lse.transpose(0, 1)  # (H, R) -> (R, H)
-            empty = (p.lengths == 0).repeat_interleave(p.cu_q.diff(), output_size=p.rows.shape[0])
+            empty = p.empty_rows
             return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], -math.inf), p.rows
         outs, lses = [], []
         for r0, n, start, length in p.host:
@@ -216,11 +238,13 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
     return [(row, n, start + s * step, max(0, min(step, length - s * step))) for s in range(split)]
 
 
-def split_for(n_queries: int, base_tokens: int, n_sm: int = 132) -> int:
-    """Split-KV factor: enough pieces that (pieces x heads) fills the GPU's SMs twice over."""
+def split_for(n_items: int, base_tokens: int, heads: int, n_sm: int = 132) -> int:
+    """Split-KV factor: flash attention runs one block per (piece, head) for the few query rows of
+    a question, so a handful of questions over a long cache needs its bases cut into pieces to
+    keep every SM busy (twice over); with many questions one piece each already does."""
     if base_tokens < SPLIT_KV_MIN_TOKENS:
         return 1
-    return max(1, min(16, (2 * n_sm) // max(1, n_queries * 16)))
+    return max(1, min(16, (2 * n_sm) // max(1, n_items * heads)))
 
 
 def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -265,13 +289,16 @@ class DecodeGraphs:
             raise ValueError(f"{n} decode rows: more than the largest bucket {self.BUCKETS[-1]}")
         pad = bucket - n
         items = items + [Item(1, self.dummy, 0, base=KVView(self.dummy, 1))] * pad
+        tokens = tokens + [0] * pad
+        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
         plan = self.lm.plan(items, split)
-        key = (bucket, split, plan.slab)
+        if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary, so eager
+            return self.lm.logits(self.lm.forward(self.lm.embed(tokens), positions, plan))[:n]
+        key = (bucket, split, plan.single_slab, plan.max_k)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _Graph(self.lm, plan, bucket, self.mempool)
-        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
-        return graph.replay(tokens + [0] * pad, positions, plan)[:n]
+        return graph.replay(tokens, positions, plan)[:n]
 
 
 class _Graph:
@@ -295,10 +322,11 @@ class _Graph:
     def replay(self, tokens: list[int], positions: torch.Tensor, plan: Plan) -> torch.Tensor:
         self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
         self.positions.copy_(positions, non_blocking=True)
-        self.plan.slots.copy_(plan.slots, non_blocking=True)
-        for causal, pieces in plan.pieces.items():
-            mine = self.plan.pieces[causal]
-            for name in ("rows", "cu_q", "starts", "lengths"):
+        for slab, (_, slots) in plan.writes.items():
+            self.plan.writes[slab][1].copy_(slots, non_blocking=True)
+        for key, pieces in plan.pieces.items():
+            mine = self.plan.pieces[key]
+            for name in ("rows", "cu_q", "starts", "lengths", "empty_rows"):
                 getattr(mine, name).copy_(getattr(pieces, name), non_blocking=True)
         self.graph.replay()
         return self.out
