@@ -2,7 +2,8 @@
 
     python scripts/bench_engine.py --model random-3b --sizes 8192,32768,100000
 
-Measures: vision ms per 4-frame chunk (448², 896²); chunk prefill ms, question first-token
+Measures: vision ms per 4-frame chunk (448², 896²) and per chunk when 1, 16 or 64 chunks share
+one forward (against transformers' own tower); chunk prefill ms, question first-token
 latency and decode tokens/s at each cache size; the stateless baseline (transformers'
 own forward re-prefilling the whole context for each question); GPU memory over a long
 stream with eviction.
@@ -83,6 +84,36 @@ def bench_vision(rt: Runtime, side: int) -> dict:
     ms = timed(lambda: rt.vision(pixels, grid_thw))
     out = {"side": side, "tokens": grid.tokens_per_patch * 2, "vision_ms": round(ms, 1)}
     log(f"vision {out}")
+    return out
+
+
+def bench_vision_batched(rt: Runtime, counts: tuple[int, ...] = (1, 16, 64), side: int = 448) -> dict:
+    """Per-chunk vision time when `n` 4-frame chunks go through one forward, against transformers'
+    tower on one chunk. Pixels start on the device: this is the tower, not the host copy."""
+    grid = Grid(side, side)
+    frames = np.random.default_rng(0).integers(0, 256, (4, side, side, 3), dtype=np.uint8)
+    pixels, grid_thw = frames_to_pixels(frames, grid)
+    pixels = pixels.to(rt.device)
+    visual = rt.loaded.model.model.visual
+    grid_tensor = torch.tensor([grid_thw], device=rt.device)
+
+    @torch.inference_mode()
+    def transformers_tower() -> None:
+        visual(pixels.to(visual.dtype), grid_thw=grid_tensor)
+
+    batches = []
+    for n in counts:
+        ms = timed(lambda n=n: rt.vision_batch([(pixels, grid_thw)] * n))
+        batches.append({"chunks": n, "batch_ms": round(ms, 1), "ms_per_chunk": round(ms / n, 2)})
+        log(f"vision batch {batches[-1]}")
+    out = {
+        "side": side,
+        "frames_per_chunk": 4,
+        "tokens_per_chunk": grid.tokens_per_patch * 2,
+        "transformers_ms_per_chunk": round(timed(transformers_tower), 2),
+        "batches": batches,
+    }
+    free_gpu()
     return out
 
 
@@ -210,6 +241,9 @@ def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random-3b")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    p.add_argument("--compile-vision", action="store_true", help="torch.compile the vision blocks (GPU only)")
+    p.add_argument("--vision-batches", default="1,16,64", help="chunks per vision forward to time")
     p.add_argument("--sizes", default="8192,32768,100000")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--long-chunks", type=int, default=400)
@@ -218,17 +252,19 @@ def main() -> None:
     args = p.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
-    rt = Runtime(load_model(args.model))
+    rt = Runtime(load_model(args.model, device=args.device), compile_vision=args.compile_vision)
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": args.model,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "nvidia_smi": gpu_info() if torch.cuda.is_available() else "",
+        "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else platform.processor(),
+        "nvidia_smi": gpu_info() if rt.device.type == "cuda" else "",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "dtype": str(rt.lm.dtype),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
+        "vision_compiled": args.compile_vision and rt.device.type == "cuda",
+        "vision_batched": bench_vision_batched(rt, tuple(int(n) for n in args.vision_batches.split(","))),
         "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),
     }

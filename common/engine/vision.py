@@ -91,15 +91,23 @@ class Runs:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Several chunks as one token sequence: their grid plans concatenated."""
+    """Several chunks as one token sequence: their grid plans concatenated. Rotary angles are
+    concatenated per call instead of kept: at 64 chunks of 448² they would cost 84 MB a plan."""
 
+    parts: tuple[GridPlan, ...]
     perm: torch.Tensor
     unmerge: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
     windows: Runs
     frames: Runs
     out_sizes: tuple[int, ...]  # merged tokens per chunk
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, 1, 1, head_dim) each: broadcast over q and k, and over heads."""
+        if len(self.parts) == 1:
+            cos, sin = self.parts[0].cos, self.parts[0].sin
+        else:
+            cos, sin = torch.cat([p.cos for p in self.parts]), torch.cat([p.sin for p in self.parts])
+        return cos[:, None, None, :], sin[:, None, None, :]
 
 
 @dataclass(frozen=True)
@@ -141,14 +149,18 @@ class VisionTower:
         self.merge = cfg.spatial_merge_size
         self.window = cfg.window_size // cfg.spatial_merge_size // cfg.patch_size  # in merged tokens
         self.full_attention = frozenset(cfg.fullatt_block_indexes)
-        self.patch_weight = visual.patch_embed.proj.weight.flatten(1)  # the Conv3d, as a matmul (a view)
-        self.patch_dim = self.patch_weight.shape[1]
         with torch.no_grad():
+            self.patch_weight = visual.patch_embed.proj.weight.flatten(1)  # the Conv3d as a matmul (a view)
             self.blocks = [
                 _Block(self.heads, b.norm1, b.norm2, b.attn.qkv, b.attn.proj, *_padded_mlp(b.mlp))
                 for b in visual.blocks
             ]
-        self.varlen = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        self.patch_dim = self.patch_weight.shape[1]
+        self.varlen = (
+            self.device.type == "cuda"
+            and self.dtype in (torch.float16, torch.bfloat16)
+            and torch.backends.cuda.is_flash_attention_available()
+        )
         self._grid_plans: dict[GridTHW, GridPlan] = {}
         self._batch_plans: OrderedDict[tuple[GridTHW, ...], BatchPlan] = OrderedDict()
         self._block_fn = torch.compile(_block, dynamic=True, backend=compile_backend) if compile_backend else _block
@@ -164,7 +176,7 @@ class VisionTower:
         # to the device as they are, then cast there (a CPU-side cast would cost more than the copy)
         pixels = torch.cat([p.to(self.device, non_blocking=True) for p, _ in chunks]).to(self.dtype)
         x = pixels[plan.perm] @ self.patch_weight.T
-        cos_sin = (plan.cos[:, None, None, :], plan.sin[:, None, None, :])  # over (q, k) and heads
+        cos_sin = plan.cos_sin()
         scale = self.head_dim**-0.5
         for i, block in enumerate(self.blocks):
             runs = plan.frames if i in self.full_attention else plan.windows
@@ -199,10 +211,9 @@ class VisionTower:
         starts = [sum(sizes[:i]) for i in range(len(plans))]
         out_starts = [sum(out_sizes[:i]) for i in range(len(plans))]
         return BatchPlan(
+            parts=tuple(plans),
             perm=torch.cat([p.perm + s for p, s in zip(plans, starts, strict=True)]),
             unmerge=torch.cat([p.unmerge + s for p, s in zip(plans, out_starts, strict=True)]),
-            cos=torch.cat([p.cos for p in plans]),
-            sin=torch.cat([p.sin for p in plans]),
             windows=Runs([n for p in plans for n in p.window_lengths], self.device, self.varlen),
             frames=Runs([n for p in plans for n in p.frame_lengths], self.device, self.varlen),
             out_sizes=tuple(out_sizes),
