@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
-from common.engine.answer import GenerationParams, ask
+from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec, choose_grid, resize_to_grid
+from common.engine.grid import Grid, StreamSpec, choose_grid, resize_to_grid
 from common.engine.kvcache import Version
 from common.engine.model import DEFAULT_MODEL, load_model
 from common.engine.offline import offline_answer
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from ingest.video import DecodedFrame, SourceError, iter_file_frames

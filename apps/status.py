@@ -15,12 +15,13 @@ import redis
 
 from common import redisio
 from common.wire import keys
+from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
 def streams(r: redis.Redis) -> list[str]:
-    found = {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
-    found |= {k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
+    found = {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
+    found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
     return sorted(found)
 
 
@@ -38,18 +39,26 @@ def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
 
 
 def stream_status(r: redis.Redis, name: str, now: float) -> dict:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
+    try:
+        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
+    except SchemaError as e:
+        meta = None
+        out_error = f"bad meta: {e}"
+    else:
+        out_error = None
     out: dict = {
         "stream": name,
-        "source": meta.get("url"),
-        "fps": meta.get("fps"),
-        "grid": f"{meta['height']}x{meta['width']}" if "height" in meta else None,
+        "source": meta.url if meta else None,
+        "fps": meta.fps if meta else None,
+        "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
     }
+    if out_error:
+        out["error"] = out_error
     raw = r.get(keys.head(name))
     if raw:
         try:
             m = manifest_from_bytes(raw)
-            live = meta.get("live") == "1"  # live capture times are wall-clock: lag = now - newest frame
+            live = meta is not None and meta.live  # live capture times are wall-clock: lag = now - newest frame
             out["head"] = {
                 "version": m.version,
                 "tokens": m.cache_tokens,

@@ -7,11 +7,9 @@ still receives every segment, so a restart continues where it stopped.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from common import boot
-from common.engine.kvcache import Version
 from common.segment_store import open_store
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
@@ -28,29 +26,9 @@ class WorkerConfig(QAConfig, EncoderConfig):
         QAConfig.__post_init__(self)
 
 
-class LocalVersions:
-    """Versions straight from the encoder in this process; its loop runs in the versions thread."""
-
-    def __init__(self, encoder: EncoderService):
-        self.encoder = encoder
-
-    def get(self, stream: str, at: int | None = None) -> Version | None:
-        owned = self.encoder.owned.get(stream)
-        if owned is None:
-            return None
-        head = owned.engine.head
-        return head if at in (None, head.id) else None
-
-    def serves(self, stream: str) -> bool:
-        return stream in self.encoder.names
-
-    def run(self, stop: threading.Event) -> None:
-        self.encoder.run(stop)
-
-
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(WorkerConfig, argv, "streamvqa worker")
     rt = boot.load_runtime(cfg.model, cfg.device)
     encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r))
-    QAService(cfg, rt, r, LocalVersions(encoder)).run(boot.stop_on_signals())
+    QAService(cfg, rt, r, encoder).run(boot.stop_on_signals())  # the encoder is QA's version source
     return 0

@@ -26,7 +26,3 @@ class Lease:
 
     def release(self) -> None:
         self.r.eval(_RELEASE, 1, self.key, self.owner)
-
-    def holder(self) -> str | None:
-        v = self.r.get(self.key)
-        return v.decode() if v else None

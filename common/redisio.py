@@ -1,6 +1,6 @@
 """Redis connection and stream helpers shared by every service.
 
-Consumer-group discipline (see ARCHITECTURE "Reliability rules"): read your own pending entries
+Consumer-group discipline (docs/DESIGN.md, "Reliability rules"): read your own pending entries
 first (id "0") and then new ones (">"), ack only after the work is durable, reclaim entries of
 dead consumers with XAUTOCLAIM, and cap every stream.
 """
@@ -264,6 +264,16 @@ def _dead_letter_redelivered(
 def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int) -> str:
     """XADD with ``MAXLEN ~ maxlen`` (trims whole macro nodes: cheap, roughly maxlen kept)."""
     return _str(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
+
+
+EVENTS_MAXLEN = 10_000
+
+
+def event(r: redis.Redis, stream: str, source: str, kind: str, **fields: object) -> None:
+    """One status event on the stream's ``events`` stream (what operators and the UI read)."""
+    payload = {"type": kind, "source": source, "at": f"{time.time():.3f}"}
+    payload |= {k: str(v) for k, v in fields.items()}
+    xadd_capped(r, keys.events(stream), payload, maxlen=EVENTS_MAXLEN)
 
 
 def dead_letter(

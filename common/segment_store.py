@@ -1,4 +1,4 @@
-"""Where segments' K/V live between processes (ARCHITECTURE "Transport between processes").
+"""Where segments' K/V live between processes (docs/DESIGN.md, "Transport between processes").
 
 A segment is immutable once put: the encoder puts it before publishing a version that
 references it, QA workers get it when they mirror that version, and the stream's writer
@@ -41,7 +41,6 @@ class SegmentStoreError(RuntimeError):
 class SegmentStore(Protocol):
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None: ...
     def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor: ...
-    def exists(self, stream: str, segment_id: str) -> bool: ...
     def gc(self, stream: str, keep: Iterable[str]) -> int: ...
 
 
@@ -114,9 +113,6 @@ class DirectoryStore:
             raise SegmentStoreError(f"corrupt segment {path}: {e}") from e
         return _unpack(tensors, str(path), device)
 
-    def exists(self, stream: str, segment_id: str) -> bool:
-        return self.path(stream, segment_id).is_file()
-
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         """Delete the stream's segments not in keep and any temp files (a writer that crashed);
         returns the number of segments deleted. Call it from the stream's writer, with keep
@@ -168,11 +164,6 @@ class MemoryStore:
             raise SegmentStoreError(f"missing segment memory:{stream}/{segment_id}")
         return kv.to(device)  # the same object when it already lives there
 
-    def exists(self, stream: str, segment_id: str) -> bool:
-        _check_ids(stream, segment_id)
-        with self._lock:
-            return (stream, segment_id) in self._data
-
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
         keep = set(keep)
@@ -208,9 +199,6 @@ class RedisStore:
         except (SafetensorError, ValueError) as e:
             raise SegmentStoreError(f"corrupt segment {key}: {e}") from e
         return _unpack(tensors, key, device)
-
-    def exists(self, stream: str, segment_id: str) -> bool:
-        return bool(self.r.exists(self._key(stream, segment_id)))
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)

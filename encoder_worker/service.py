@@ -15,6 +15,7 @@ import structlog
 
 from common import boot, metrics, redisio
 from common.config import load_cameras_file
+from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.lease import Lease
 from common.segment_store import SegmentStore, open_store
@@ -34,6 +35,18 @@ class EncoderService:
         self.owned: dict[str, OwnedStream] = {}
         self.reader = redisio.GroupReader(r, [], keys.ENCODER_GROUP, cfg.consumer, count=32, block_ms=cfg.block_ms)
         self._last_lease_check = 0.0
+
+    # -- a version source for QA in the same process (qa_worker.service.VersionSource) -----------
+    def get(self, stream: str, at: int | None = None) -> Version | None:
+        """The head of an owned stream (`at` answers only when it names the head)."""
+        owned = self.owned.get(stream)
+        if owned is None:
+            return None
+        head = owned.engine.head
+        return head if at in (None, head.id) else None
+
+    def serves(self, stream: str) -> bool:
+        return stream in self.names
 
     def run(self, stop: threading.Event) -> None:
         log.info("encoder started", streams=self.names, consumer=self.cfg.consumer)
@@ -75,7 +88,7 @@ class EncoderService:
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict) -> None:
-        owned = self.owned.get(_stream_of(frames_key))
+        owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
         bound = log.bind(stream=owned.name, entry=entry_id)
@@ -104,10 +117,6 @@ class EncoderService:
     def _release(self, name: str) -> None:
         self._drop(name)
         self.leases[name].release()
-
-
-def _stream_of(frames_key: str) -> str:
-    return frames_key[frames_key.index("{") + 1 : frames_key.index("}")]
 
 
 def main(argv: list[str]) -> int:

@@ -14,14 +14,23 @@ import structlog
 
 from common import metrics, redisio
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import StreamSpec
 from common.engine.kvcache import Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.segment_store import SegmentStore
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
-from common.wire.schemas import EndOfStream, FrameMsg, Manifest, encode_manifest, manifest_from_bytes, manifest_to_bytes
+from common.wire.meta import StreamMeta
+from common.wire.schemas import (
+    EndOfStream,
+    FrameMsg,
+    Manifest,
+    SchemaError,
+    encode_manifest,
+    manifest_from_bytes,
+    manifest_to_bytes,
+)
 from encoder_worker.config import EncoderConfig
 
 log = structlog.get_logger()
@@ -141,11 +150,13 @@ class OwnedStream:
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:
-    meta = {k.decode(): v.decode() for k, v in r.hgetall(keys.meta(name)).items()}
-    if not meta:
+    try:
+        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
+    except SchemaError as e:  # a forged or damaged description: not startable until ingest re-states it
+        raise StreamNotReady(f"{name}: {e}") from None
+    if meta is None:
         raise StreamNotReady(name)
-    grid = Grid(int(meta["height"]), int(meta["width"]))
-    return StreamSpec(name, float(meta["fps"]), grid, chunk_frames), meta.get("live") == "1"
+    return meta.spec(name, chunk_frames), meta.live
 
 
 def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str) -> OwnedStream:
@@ -174,6 +185,4 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
 
 
 def event(r: redis.Redis, stream: str, kind: str, **fields: object) -> None:
-    payload = {"type": kind, "source": "encoder", "at": f"{time.time():.3f}"}
-    payload |= {k: str(v) for k, v in fields.items()}
-    redisio.xadd_capped(r, keys.events(stream), payload, maxlen=10_000)
+    redisio.event(r, stream, "encoder", kind, **fields)

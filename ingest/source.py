@@ -19,8 +19,9 @@ import redis
 import structlog
 
 from common import metrics, redisio
-from common.engine.frames import Grid, choose_grid
+from common.engine.grid import Grid, choose_grid
 from common.wire import keys
+from common.wire.meta import StreamMeta
 from common.wire.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
 from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
 
@@ -55,7 +56,7 @@ class Source:
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
         self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
-        self._meta: dict[str, object] = {}  # the stream's description, once the source is open
+        self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
@@ -120,9 +121,7 @@ class Source:
     def _decode(self, container, grid: Grid, out: queue.Queue, session_over: threading.Event) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
-            for frame in sample_frames(
-                container, self.spec.fps, on_error=self._decode_error, size=(grid.height, grid.width)
-            ):
+            for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error, grid=grid):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
@@ -174,19 +173,16 @@ class Source:
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
-        meta = {k.decode(): v.decode() for k, v in self.r.hgetall(keys.meta(self.spec.stream)).items()}
-        if "height" in meta:
-            grid = Grid(int(meta["height"]), int(meta["width"]))
+        try:
+            known = StreamMeta.from_hash(self.r.hgetall(keys.meta(self.spec.stream)))
+        except SchemaError:
+            known = None  # a damaged description: choose the grid afresh
+        if known is not None:
+            grid = known.grid
         else:
             ctx = container.streams.video[0].codec_context
             grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
-        self._meta = {
-            "fps": self.spec.fps,
-            "height": grid.height,
-            "width": grid.width,
-            "live": int(self.live or self.spec.realtime),
-            "url": self.spec.url,
-        }
+        self._meta = StreamMeta(self.spec.fps, grid, self.live or self.spec.realtime, self.spec.url).to_hash()
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
 
@@ -231,9 +227,7 @@ class Source:
 
     def event(self, kind: str, **fields: object) -> None:
         self.log.info(kind, **fields)
-        payload = {"type": kind, "source": "ingest", "at": f"{time.time():.3f}"}
-        payload |= {k: str(v) for k, v in fields.items()}
-        redisio.xadd_capped(self.r, keys.events(self.spec.stream), payload, maxlen=10_000)
+        redisio.event(self.r, self.spec.stream, "ingest", kind, **fields)
 
 
 def _offer(out: queue.Queue, item: object, session_over: threading.Event) -> bool:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import av
 import numpy as np
-from PIL import Image
+
+from common.engine.grid import Grid, resize_to_grid
 
 log = logging.getLogger(__name__)
 
@@ -107,27 +108,27 @@ def sample_frames(
     fps: float,
     *,
     on_error: Callable[[str], None] | None = None,
-    size: tuple[int, int] | None = None,
+    grid: Grid | None = None,
 ) -> Iterator[DecodedFrame]:
     """Decode every packet of the first video stream and yield frames at ``fps`` by presentation time.
 
     A frame is kept when its pts reaches the next slot of a 1/fps grid anchored at the first kept
     pts (VFR-safe; never "every n-th frame"). Corrupt packets are reported to ``on_error`` and
-    skipped. ``size=(height, width)`` resizes with PIL bicubic. Raises SourceError when nothing at
+    skipped. ``grid`` resizes to the stream's model grid (``grid.resize_to_grid``). Raises SourceError when nothing at
     all decodes. ``fps`` is validated now, not at the first ``next()``.
     """
     if not fps > 0:
         raise ValueError(f"fps must be > 0, got {fps}")
     if not container.streams.video:
         raise SourceError(f"{_name(container)}: no video stream")
-    return _sample(container, fps, on_error or _log_error, size)
+    return _sample(container, fps, on_error or _log_error, grid)
 
 
 def _sample(
     container: av.container.InputContainer,
     fps: float,
     on_error: Callable[[str], None],
-    size: tuple[int, int] | None,
+    grid: Grid | None,
 ) -> Iterator[DecodedFrame]:
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"  # slice+frame threads; frame threading adds ~1 frame of latency
@@ -141,7 +142,7 @@ def _sample(
         t = frame.time if frame.time is not None else (last_t or 0.0) + fallback_step
         last_t = t
         if sampler.keep(t):
-            yield DecodedFrame(kept, float(t), _to_rgb(frame, size))
+            yield DecodedFrame(kept, float(t), _to_rgb(frame, grid))
             kept += 1
     if decoded == 0:
         raise SourceError(f"{_name(container)}: nothing decodable ({errors[0]} errors)")
@@ -221,13 +222,9 @@ def _drain(stream: av.VideoStream, report: Callable[[str, BaseException], None])
         report("flush", exc)
 
 
-def _to_rgb(frame: av.VideoFrame, size: tuple[int, int] | None) -> np.ndarray:
+def _to_rgb(frame: av.VideoFrame, grid: Grid | None) -> np.ndarray:
     rgb = frame.to_ndarray(format="rgb24")
-    if size is None or rgb.shape[:2] == tuple(size):
-        return rgb
-    height, width = size
-    # PIL bicubic, like the HF image processors, so the model sees the pixels it was trained on.
-    return np.asarray(Image.fromarray(rgb).resize((width, height), Image.Resampling.BICUBIC))
+    return rgb if grid is None else resize_to_grid(rgb, grid)
 
 
 def _name(container: av.container.InputContainer) -> str:
@@ -243,13 +240,13 @@ def iter_file_frames(
     fps: float,
     *,
     on_error: Callable[[str], None] | None = None,
-    size: tuple[int, int] | None = None,
+    grid: Grid | None = None,
     open_timeout_s: float = 10.0,
     read_timeout_s: float = 10.0,
 ) -> Iterator[DecodedFrame]:
     """Open ``path``, yield sampled frames, and always close the container (also on early exit)."""
     container = open_container(path, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s)
     try:
-        yield from sample_frames(container, fps, on_error=on_error, size=size)
+        yield from sample_frames(container, fps, on_error=on_error, grid=grid)
     finally:
         container.close()

@@ -15,8 +15,9 @@ import redis
 import structlog
 
 from common import metrics, redisio
-from common.engine.answer import GenerationParams, QuestionError, ask, choose
+from common.engine.answer import ask, choose
 from common.engine.kvcache import Version
+from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
 from common.wire.schemas import (

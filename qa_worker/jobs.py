@@ -19,8 +19,9 @@ import structlog
 
 from common import metrics, redisio
 from common.config import Job
-from common.engine.answer import GenerationParams, QuestionError, ask
+from common.engine.answer import ask
 from common.engine.kvcache import Version
+from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
 from qa_worker.subtitles import SUBTITLE_PROMPT, Cue, SubtitleTracker, parse_model_output, to_srt, to_webvtt

@@ -61,7 +61,6 @@ class Mirror:
         self.r, self.block_ms = r, block_ms
         self.streams = {name: StreamMirror(rt, store, name) for name in streams}
         self.cursors = dict.fromkeys((keys.versions(n) for n in streams), "$")
-        self.updated = threading.Condition()
         for name in streams:
             self._catch_up(name)
 
@@ -86,7 +85,7 @@ class Mirror:
         for key, entries in got:
             key = key.decode() if isinstance(key, bytes) else key
             self.cursors[key] = entries[-1][0]
-            name = key[key.index("{") + 1 : key.index("}")]
+            name = keys.stream_of(key)
             try:
                 self._apply(name, decode_manifest(entries[-1][1]))
             except (SchemaError, SegmentStoreError, KeyError) as e:
@@ -116,5 +115,3 @@ class Mirror:
         version = mirror.apply(manifest)
         metrics.record_version(name, version)
         log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)
-        with self.updated:
-            self.updated.notify_all()

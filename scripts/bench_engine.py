@@ -24,10 +24,12 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from common.engine.answer import GenerationParams, ask, question_suffix
+from common.engine.answer import ask, question_suffix
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec, frames_to_pixels
+from common.engine.frames import frames_to_pixels
+from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 

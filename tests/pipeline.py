@@ -92,9 +92,8 @@ def chunk_frames_in_history(r: redis.Redis, stream: str) -> list[int]:
     a frame encoded twice would appear twice. A segment id must mean the same frames everywhere."""
     chunks: dict[str, tuple[int, int]] = {}
     for m in manifests(r, stream):
-        for sid, seg in zip(m.segment_ids, m.extra["segments"], strict=True):
-            if sid != "prefix":
-                assert chunks.setdefault(sid, tuple(seg["frame_seqs"])) == tuple(seg["frame_seqs"]), sid
+        for seg in m.segments[1:]:
+            assert chunks.setdefault(seg.id, seg.frame_seqs) == seg.frame_seqs, seg.id
     return sorted(s for lo, hi in chunks.values() for s in range(lo, hi + 1))
 
 

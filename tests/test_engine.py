@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.answer import GenerationParams, QuestionError, ask, choose, first_token_logits
+from common.engine.answer import ask, choose, first_token_logits
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import FrameError, Grid, StreamSpec
+from common.engine.grid import FrameError, Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.offline import offline_answer, offline_prompt
+from common.engine.params import GenerationParams, QuestionError
 from common.engine.positions import next_text_position, text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine

@@ -17,16 +17,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
     smart_resize,
 )
 
-from common.engine.frames import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    FrameError,
-    Grid,
-    choose_grid,
-    frames_to_pixels,
-    pad_to_temporal,
-    resize_to_grid,
-)
+from common.engine.frames import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, frames_to_pixels, pad_to_temporal
+from common.engine.grid import FrameError, Grid, choose_grid, resize_to_grid
 
 MIN_PIXELS, MAX_PIXELS = 128 * 28 * 28, 768 * 28 * 28
 

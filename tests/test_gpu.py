@@ -29,7 +29,7 @@ def test_decode_as_cuda_graph_equals_the_same_steps_launched_eagerly(monkeypatch
     import numpy as np
 
     from common.engine import answer
-    from common.engine.frames import Grid, StreamSpec
+    from common.engine.grid import Grid, StreamSpec
     from common.engine.model import load_model
     from common.engine.runtime import Runtime
     from common.engine.stream import StreamEngine

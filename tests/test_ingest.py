@@ -9,11 +9,12 @@ import time
 import pytest
 import redis
 
-from apps.samplevideo import truncate_file, write_garbage_file, write_sample_video
+from apps.samplevideo import write_sample_video
 from common.wire import keys
 from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
+from tests.videodamage import truncate_file, write_garbage_file
 
 CAM = "cam1"
 

@@ -15,16 +15,16 @@ import yaml
 
 from apps.samplevideo import caption_at, write_sample_video
 from common.config import Job
-from common.engine.frames import StreamSpec, choose_grid
+from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.wire import keys
 from ingest.video import iter_file_frames
 from qa_worker.jobs import JobRunner
-from qa_worker.subtitles import parse_srt, parse_webvtt, validate_srt, validate_webvtt
 from tests.conftest import free_port
 from tests.pipeline import Services, head, wait_for
+from tests.subtitle_readers import parse_srt, parse_webvtt, validate_srt, validate_webvtt
 
 CAPTIONS = ((0.0, "RED BALL"), (3.0, "BLUE BOX"), (6.0, "GREEN STAR"))
 

@@ -16,7 +16,7 @@ import redis
 import yaml
 
 from apps.samplevideo import write_sample_video
-from common.engine.frames import Grid
+from common.engine.grid import Grid
 from common.engine.model import load_model
 from common.engine.offline import offline_answer
 from common.engine.runtime import Runtime
@@ -49,15 +49,15 @@ def services(redis_url, tmp_path):
 
 def file_frames(video: str, r: redis.Redis) -> list:
     meta = r.hgetall(keys.meta(CAM))
-    size = (int(meta[b"height"]), int(meta[b"width"]))
-    return [f.rgb for f in iter_file_frames(video, FPS, size=size)]
+    grid = Grid(int(meta[b"height"]), int(meta[b"width"]))
+    return [f.rgb for f in iter_file_frames(video, FPS, grid=grid)]
 
 
 def assert_matches_offline(rt: Runtime, r: redis.Redis, video: str, final: FinalAnswer, question: str, n: int):
     assert final.error is None, final.error
     m = manifest_of(r, CAM, final.version)
     frames = file_frames(video, r)[: m.last_frame_seq + 1]
-    grid = Grid(*m.extra["grid"])
+    grid = Grid(*m.grid)
     offline = offline_answer(rt, frames, grid, FPS, question, max_tokens=n)
     assert final.text == offline.text
     assert final.tokens == len(offline.token_ids) > 0

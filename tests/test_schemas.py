@@ -154,22 +154,51 @@ def test_unknown_frame_keys_are_ignored():
 # --------------------------------------------------------------------------- manifest
 
 
+def _segments(n_chunks: int = 2) -> list[dict]:
+    prefix = {
+        "id": "prefix",
+        "tokens": 20,
+        "offset": 0,
+        "first_patch": 0,
+        "patch_now": 0,
+        "n_patches": 0,
+        "t_delta": [],
+    }
+    chunks = [
+        {
+            "id": f"f{i:012d}",
+            "tokens": 32,
+            "offset": 20 + 32 * i,
+            "first_patch": 2 * i + 4,
+            "patch_now": 2 * i,
+            "n_patches": 2,
+            "t_delta": [-4, -4],
+            "frame_seqs": [4 * i, 4 * i + 3],
+            "capture_range": [100.0 + 2 * i, 101.5 + 2 * i],
+        }
+        for i in range(n_chunks)
+    ]
+    return [prefix, *chunks]
+
+
 def _manifest(**kw) -> Manifest:
     base = dict(
         version=5,
         stream="cam1",
-        segment_ids=["prefix", "c0001", "c0002"],
-        temporal_deltas=[[], [0, 0], [-4, -4]],
-        last_frame_seq=11,
+        fps=2.0,
+        grid=[56, 84],
+        chunk_frames=4,
+        video_start=20,
+        next_patch=4,
+        segments=_segments(),
+        last_frame_seq=7,
         first_ts=100.0,
-        last_ts=102.5,
-        cache_tokens=1234,
-        next_patch=6,
+        last_ts=103.5,
+        cache_tokens=84,
+        evictions=1,
         evicted_segments=1,
         evicted_tokens=512,
-        evicted_frames=4,
         created_at=1700000000.5,
-        extra={"policy": "rebase"},
     )
     return Manifest(**{**base, **kw})
 
@@ -177,7 +206,8 @@ def _manifest(**kw) -> Manifest:
 def test_manifest_round_trip(redis_url):
     m = _manifest()
     assert manifest_from_bytes(manifest_to_bytes(m)) == m
-    assert m.segment_ids == ("prefix", "c0001", "c0002") and m.temporal_deltas[2] == (-4, -4)
+    assert m.segment_ids == ("prefix", "f000000000000", "f000000000001")
+    assert m.segments[2].t_delta == (-4, -4) and m.segments[2].frame_seqs == (4, 7) and m.grid == (56, 84)
     r = redis.Redis.from_url(redis_url)
     r.set(keys.head("cam1"), manifest_to_bytes(m))
     assert manifest_from_bytes(r.get(keys.head("cam1"))) == m
@@ -186,12 +216,18 @@ def test_manifest_round_trip(redis_url):
 
 
 def test_manifest_empty_stream_and_defaults():
-    m = _manifest(segment_ids=["prefix"], temporal_deltas=[[]], last_frame_seq=-1, first_ts=None, last_ts=None)
+    m = _manifest(segments=_segments(0), last_frame_seq=-1, first_ts=None, last_ts=None)
     assert manifest_from_bytes(manifest_to_bytes(m)) == m
     d = msgpack.unpackb(manifest_to_bytes(m))
-    for k in ("evicted_segments", "evicted_tokens", "evicted_frames", "created_at", "extra"):
+    for k in ("evictions", "evicted_segments", "evicted_tokens", "created_at"):
         del d[k]
     assert manifest_from_bytes(msgpack.packb(d)).evicted_tokens == 0
+
+
+def _with_segment(i: int, **change) -> list[dict]:
+    segments = _segments()
+    segments[i] = {**segments[i], **change}
+    return segments
 
 
 @pytest.mark.parametrize(
@@ -202,18 +238,26 @@ def test_manifest_empty_stream_and_defaults():
         ({"version": "5"}, "version"),
         ({"stream": "bad name"}, "stream"),
         ({"stream": ".."}, "stream"),
-        ({"segment_ids": "prefix"}, "segment_ids"),
-        ({"segment_ids": ["../etc", "a", "b"]}, "segment_ids[0]"),
-        ({"segment_ids": ["a/b", "a", "b"]}, "segment_ids[0]"),
-        ({"segment_ids": ["a", 1, "b"]}, "segment_ids[1]"),
-        ({"temporal_deltas": [[], [0]]}, "temporal_deltas"),
-        ({"temporal_deltas": [[], [0, 0.5], []]}, "temporal_deltas[1][1]"),
-        ({"temporal_deltas": [[], 3, []]}, "temporal_deltas[1]"),
+        ({"fps": 0}, "fps"),
+        ({"grid": [56]}, "grid"),
+        ({"grid": [56, "84"]}, "grid[1]"),
+        ({"segments": "prefix"}, "segments"),
+        ({"segments": []}, "segments"),
+        ({"segments": [1]}, "segments[0]"),
+        ({"segments": _with_segment(0, id="../etc")}, "segments[0].id"),
+        ({"segments": _with_segment(1, id="a/b")}, "segments[1].id"),
+        ({"segments": _with_segment(1, id=1)}, "segments[1].id"),
+        ({"segments": _with_segment(1, t_delta=[0])}, "segments[1].t_delta"),
+        ({"segments": _with_segment(1, t_delta=[0, 0.5])}, "segments[1].t_delta[1]"),
+        ({"segments": _with_segment(1, t_delta=3)}, "segments[1].t_delta"),
+        ({"segments": _with_segment(2, frame_seqs=[1])}, "segments[2].frame_seqs"),
+        ({"segments": _with_segment(2, capture_range=[1.0, "x"])}, "segments[2].capture_range[1]"),
+        ({"segments": _with_segment(2, tokens=-1)}, "segments[2].tokens"),
+        ({"segments": [{"id": "prefix"}]}, "segments[0]"),
         ({"last_frame_seq": -2}, "last_frame_seq"),
         ({"first_ts": "x"}, "first_ts"),
         ({"cache_tokens": -1}, "cache_tokens"),
         ({"next_patch": None}, "next_patch"),
-        ({"extra": [1]}, "extra"),
     ],
 )
 def test_manifest_bad_fields(change, field):

@@ -7,10 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.answer import GenerationParams, ask
+from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.segment_store import DirectoryStore

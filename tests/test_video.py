@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from apps.samplevideo import corrupt_bytes, truncate_file, write_garbage_file, write_sample_video
+from apps.samplevideo import write_sample_video
+from common.engine.grid import Grid
 from ingest.video import (
     DecodedFrame,
     SourceError,
@@ -24,6 +25,7 @@ from ingest.video import (
 )
 from tests.pipeline import with_deadline
 from tests.rtsp_server import RtspServer, gst_available
+from tests.videodamage import corrupt_bytes, truncate_file, write_garbage_file
 
 GST_OK, GST_WHY = gst_available()
 needs_gst = pytest.mark.skipif(not GST_OK, reason=f"GStreamer RTSP server unavailable: {GST_WHY}")
@@ -105,8 +107,8 @@ def test_frames_have_shape_and_differ(videos: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize("size", [(112, 160), (448, 448)])
-def test_size_resizes(videos: dict[str, str], size: tuple[int, int]) -> None:
-    frames = list(iter_file_frames(videos["cfr"], 1, size=size))
+def test_grid_resizes(videos: dict[str, str], size: tuple[int, int]) -> None:
+    frames = list(iter_file_frames(videos["cfr"], 1, grid=Grid(*size)))
     assert len(frames) == 8
     assert all(f.rgb.shape == (*size, 3) and f.rgb.dtype == np.uint8 for f in frames)
 

@@ -13,32 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kvcache import Version
+from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 
-MAX_QUESTION_TOKENS = 2048
-MAX_NEW_TOKENS = 2048
 CUDA_GRAPHS = True  # replay decode steps as CUDA graphs on GPUs (off: the same steps, launched eagerly)
-
-
-class QuestionError(ValueError):
-    """The question cannot be asked as given (empty, too long, bad parameters)."""
-
-
-@dataclass(frozen=True)
-class GenerationParams:
-    max_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
-            raise QuestionError(f"max_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= 5.0:
-            raise QuestionError(f"temperature must be in [0, 5], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise QuestionError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass

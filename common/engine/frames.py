@@ -1,10 +1,8 @@
 """Video frames -> Qwen2.5-VL vision-tower input (``pixel_values``, ``grid_thw``).
 
-Every stream has one fixed model grid, chosen once from the camera's size with Qwen's
-``smart_resize`` (:func:`choose_grid`). Ingest resizes each frame to that grid before it goes
-on the wire (:func:`resize_to_grid`: PIL bicubic, exactly what transformers' Qwen2-VL image
-processor does), so the encoder worker only rescales, normalises and patchifies
-(:func:`frames_to_pixels`) — vectorised, no per-pixel Python, on every chunk of live video.
+Ingest has already resized each frame to its stream's grid (``grid.py``), so the encoder worker
+only rescales, normalises and patchifies (:func:`frames_to_pixels`) — vectorised, no per-pixel
+Python, on every chunk of live video.
 
 This module does not import transformers (the Qwen2-VL video processor needs torchvision,
 which we do not install); ``tests/test_frames.py`` proves it equal to transformers' PIL image
@@ -13,111 +11,16 @@ processor and ``smart_resize``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
-from PIL import Image
+
+from common.engine.grid import FrameError, Grid, check_frame, resize_to_grid
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
-
-class FrameError(ValueError):
-    """A frame, frame list or size that the vision tower cannot take."""
-
-
-@dataclass(frozen=True)
-class Grid:
-    """A stream's fixed model grid in pixels; both sides multiples of 28 (patch 14 * merge 2)."""
-
-    height: int
-    width: int
-
-    def __post_init__(self) -> None:
-        if self.height <= 0 or self.width <= 0:
-            raise FrameError(f"grid must have positive sides, got {self.height}x{self.width}")
-
-    @property
-    def tokens_per_patch(self) -> int:
-        """Merged LLM tokens per temporal patch (= 2 frames)."""
-        rows, cols = self.merged_hw
-        return rows * cols
-
-    @property
-    def merged_hw(self) -> tuple[int, int]:
-        """Merged LLM tokens per temporal patch as (rows, cols)."""
-        return self.height // 28, self.width // 28
-
-
-@dataclass(frozen=True)
-class StreamSpec:
-    name: str
-    fps: float
-    grid: Grid
-    chunk_frames: int = 4
-
-    def __post_init__(self) -> None:
-        if not (self.fps > 0):
-            raise ValueError(f"fps must be positive, got {self.fps}")
-        if self.chunk_frames <= 0 or self.chunk_frames % 2:
-            raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
-
-
-def choose_grid(
-    height: int,
-    width: int,
-    *,
-    min_pixels: int = 128 * 28 * 28,
-    max_pixels: int = 768 * 28 * 28,
-    factor: int = 28,
-) -> Grid:
-    """Qwen's ``smart_resize``: nearest multiples of ``factor``, then scaled into [min, max] pixels."""
-    if height <= 0 or width <= 0:
-        raise FrameError(f"frame size must be positive, got {height}x{width}")
-    if factor <= 0 or min_pixels <= 0 or max_pixels < min_pixels:
-        raise FrameError(f"bad limits: factor {factor}, min_pixels {min_pixels}, max_pixels {max_pixels}")
-    if max(height, width) / min(height, width) > 200:
-        raise FrameError(f"aspect ratio of {height}x{width} is over 200")
-    # Same float expressions as transformers' smart_resize (round() is round-half-to-even there too).
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return Grid(h_bar, w_bar)
-
-
-def _check_frame(frame: object, index: int | None = None) -> np.ndarray:
-    name = "frame" if index is None else f"frame {index}"
-    if not isinstance(frame, np.ndarray):
-        raise FrameError(f"{name} must be a numpy array, got {type(frame).__name__}")
-    if frame.ndim != 3 or frame.shape[2] != 3:
-        raise FrameError(f"{name} must be HxWx3 RGB, got shape {frame.shape}")
-    if frame.dtype != np.uint8:
-        raise FrameError(f"{name} must be uint8, got {frame.dtype} (shape {frame.shape})")
-    if frame.shape[0] == 0 or frame.shape[1] == 0:
-        raise FrameError(f"{name} is empty, shape {frame.shape}")
-    return frame
-
-
-def resize_to_grid(frame: np.ndarray, grid: Grid) -> np.ndarray:
-    """HxWx3 uint8 RGB -> grid-sized HxWx3 uint8, PIL bicubic like transformers' Qwen2-VL processor."""
-    _check_frame(frame)
-    if frame.shape[:2] == (grid.height, grid.width):
-        return frame
-    resized = Image.fromarray(np.ascontiguousarray(frame)).resize(
-        (grid.width, grid.height), resample=Image.Resampling.BICUBIC
-    )
-    return np.asarray(resized)
 
 
 @lru_cache(maxsize=8)
@@ -142,9 +45,9 @@ def _stack(frames: Sequence[np.ndarray] | np.ndarray, grid: Grid) -> np.ndarray:
             return frames  # fast path: already what the wire carries
     if len(frames) == 0:
         raise FrameError("no frames")
-    first = _check_frame(frames[0], 0)
+    first = check_frame(frames[0], 0)
     for i, frame in enumerate(frames):
-        if _check_frame(frame, i).shape != first.shape:
+        if check_frame(frame, i).shape != first.shape:
             raise FrameError(f"frame {i} has shape {frame.shape}, frame 0 has {first.shape}")
     return np.stack([resize_to_grid(frame, grid) for frame in frames])
 

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from common.engine.answer import question_suffix
-from common.engine.frames import Grid, frames_to_pixels, pad_to_temporal
+from common.engine.frames import frames_to_pixels, pad_to_temporal
+from common.engine.grid import Grid
 from common.engine.positions import next_text_position, text_positions, video_positions
 from common.engine.runtime import Runtime
 

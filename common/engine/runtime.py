@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import StreamSpec
+from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.lm import LanguageModel
 from common.engine.model import SYSTEM_PROMPT, LoadedModel

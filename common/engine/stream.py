@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from common.engine.eviction import EvictionPolicy
-from common.engine.frames import FrameError, StreamSpec, frames_to_pixels, pad_to_temporal
+from common.engine.frames import frames_to_pixels, pad_to_temporal
+from common.engine.grid import FrameError, StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime

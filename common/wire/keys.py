@@ -14,6 +14,12 @@ ENCODER_GROUP = "enc"
 QA_GROUP = "qa"
 
 
+def stream_of(key: str | bytes) -> str:
+    """The camera name inside a per-stream key's hash tag: ``svqa:{cam}:frames`` -> ``cam``."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text[text.index("{") + 1 : text.index("}")]
+
+
 def frames(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:frames"
 

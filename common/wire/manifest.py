@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from common.engine.frames import Grid, StreamSpec
+from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version
-from common.wire.schemas import Manifest
+from common.wire.schemas import Manifest, SegmentRecord
 
 
 @dataclass(frozen=True)
@@ -25,58 +25,50 @@ class ManifestState:
 
 
 def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
-    segments = [
-        {
-            "tokens": p.segment.tokens,
-            "first_patch": p.segment.first_patch,
-            "n_patches": p.segment.n_patches,
-            "frame_seqs": list(p.segment.frame_seqs),
-            "capture_range": list(p.segment.capture_range),
-            "padded_frames": p.segment.padded_frames,
-            "offset": p.offset,
-            "patch_now": p.first_patch,
-        }
-        for p in version.placements
-    ]
     capture = version.capture_range
     return Manifest(
         version=version.id,
         stream=version.stream,
-        segment_ids=[p.segment.id for p in version.placements],
-        temporal_deltas=[list(p.t_delta) for p in version.placements],
+        fps=spec.fps,
+        grid=(spec.grid.height, spec.grid.width),
+        chunk_frames=spec.chunk_frames,
+        video_start=version.video_start,
+        next_patch=version.next_patch,
+        segments=tuple(_record(p) for p in version.placements),
         last_frame_seq=version.last_frame_seq,
         first_ts=capture[0] if capture else None,
         last_ts=capture[1] if capture else None,
         cache_tokens=version.tokens,
-        next_patch=version.next_patch,
+        evictions=version.stats.evictions,
         evicted_segments=version.stats.chunks_evicted,
         evicted_tokens=version.stats.tokens_evicted,
         created_at=time.time(),
-        extra={
-            "segments": segments,
-            "video_start": version.video_start,
-            "evictions": version.stats.evictions,
-            "fps": spec.fps,
-            "grid": [spec.grid.height, spec.grid.width],
-            "chunk_frames": spec.chunk_frames,
-        },
     )
 
 
 def from_manifest(m: Manifest) -> ManifestState:
-    extra = m.extra
-    placements = []
-    for sid, deltas, meta in zip(m.segment_ids, m.temporal_deltas, extra["segments"], strict=True):
-        segment = Segment(
-            id=sid,
-            tokens=meta["tokens"],
-            first_patch=meta["first_patch"],
-            n_patches=meta["n_patches"],
-            frame_seqs=tuple(meta["frame_seqs"]),
-            capture_range=tuple(meta["capture_range"]),
-            padded_frames=meta["padded_frames"],
-        )
-        placements.append(Placement(segment, meta["offset"], meta["patch_now"], tuple(deltas)))
-    spec = StreamSpec(m.stream, extra["fps"], Grid(*extra["grid"]), extra["chunk_frames"])
-    stats = CacheStats(extra["evictions"], m.evicted_segments, m.evicted_tokens)
-    return ManifestState(spec, CacheState(tuple(placements), m.version, extra["video_start"], m.next_patch, stats))
+    placements = tuple(_placement(s) for s in m.segments)
+    spec = StreamSpec(m.stream, m.fps, Grid(*m.grid), m.chunk_frames)
+    stats = CacheStats(m.evictions, m.evicted_segments, m.evicted_tokens)
+    return ManifestState(spec, CacheState(placements, m.version, m.video_start, m.next_patch, stats))
+
+
+def _record(p: Placement) -> SegmentRecord:
+    s = p.segment
+    return SegmentRecord(
+        id=s.id,
+        tokens=s.tokens,
+        offset=p.offset,
+        first_patch=s.first_patch,
+        patch_now=p.first_patch,
+        n_patches=s.n_patches,
+        t_delta=p.t_delta,
+        frame_seqs=s.frame_seqs,
+        capture_range=s.capture_range,
+        padded_frames=s.padded_frames,
+    )
+
+
+def _placement(r: SegmentRecord) -> Placement:
+    segment = Segment(r.id, r.tokens, r.first_patch, r.n_patches, r.frame_seqs, r.capture_range, r.padded_frames)
+    return Placement(segment, r.offset, r.patch_now, r.t_delta)

@@ -16,11 +16,14 @@ import math
 import re
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 import msgpack
 import numpy as np
+
+from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
 
 SCHEMA_VERSION = 1
 FIELD = "m"  # the one stream field that carries a msgpack payload
@@ -31,8 +34,6 @@ MAX_QUESTION_CHARS = 4000
 MIN_CHOICES = 2
 MAX_CHOICES = 16
 MAX_CHOICE_CHARS = 200
-MAX_NEW_TOKENS = 2048
-DEFAULT_MAX_TOKENS = 128
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
 
@@ -246,105 +247,143 @@ def _check_pixels(h: int, w: int, limits: Limits) -> None:
 
 
 @dataclass(frozen=True)
+class SegmentRecord:
+    """One segment of a version: what it is (ids, frames, times) and where it sits now.
+
+    With the segment's original K/V from the segment store this rebuilds its exact cache:
+    ``offset`` is its first token, ``patch_now`` its logical temporal-patch index now and
+    ``t_delta`` (one value per temporal patch) how far its keys were turned since it was encoded
+    at ``first_patch``. The prefix has no patches and no deltas.
+    """
+
+    id: str
+    tokens: int
+    offset: int
+    first_patch: int
+    patch_now: int
+    n_patches: int
+    t_delta: tuple[int, ...]
+    frame_seqs: tuple[int, int] = (-1, -1)
+    capture_range: tuple[float, float] = (0.0, 0.0)
+    padded_frames: int = 0
+
+    def __post_init__(self) -> None:
+        _str("id", self.id, 128, SEGMENT_ID_RE)
+        for name in ("tokens", "offset", "first_patch", "patch_now", "n_patches", "padded_frames"):
+            _int(name, getattr(self, name), 0)
+        deltas = _seq("t_delta", self.t_delta)
+        if len(deltas) != self.n_patches:
+            raise SchemaError("t_delta", f"{len(deltas)} deltas for {self.n_patches} patches")
+        object.__setattr__(self, "t_delta", tuple(_int(f"t_delta[{i}]", d, -INT64_MAX) for i, d in enumerate(deltas)))
+        object.__setattr__(self, "frame_seqs", _pair("frame_seqs", self.frame_seqs, lambda n, v: _int(n, v, -1)))
+        object.__setattr__(self, "capture_range", _pair("capture_range", self.capture_range, _float))
+
+    @classmethod
+    def from_wire(cls, i: int, d: Any) -> SegmentRecord:
+        if not isinstance(d, dict):
+            raise SchemaError(f"segments[{i}]", f"expected a map, got {type(d).__name__}")
+        try:
+            return cls(**{f.name: d[f.name] for f in dataclass_fields(cls) if f.name in d})
+        except SchemaError as e:
+            raise SchemaError(f"segments[{i}].{e.field}", e.problem) from None
+        except TypeError as e:  # a required field missing
+            raise SchemaError(f"segments[{i}]", str(e)) from None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in dataclass_fields(self)}
+
+
+def _seq(name: str, v: Any) -> list[Any] | tuple[Any, ...]:
+    if not isinstance(v, list | tuple):
+        raise SchemaError(name, f"expected a list, got {type(v).__name__}")
+    return v
+
+
+def _pair(name: str, v: Any, check: Any) -> tuple[Any, Any]:
+    items = _seq(name, v)
+    if len(items) != 2:
+        raise SchemaError(name, f"expected 2 values, got {len(items)}")
+    return check(f"{name}[0]", items[0]), check(f"{name}[1]", items[1])
+
+
+@dataclass(frozen=True)
 class Manifest:
     """One published cache version of a stream (``keys.head`` value, ``keys.versions`` entries).
 
-    ``temporal_deltas[i]`` holds, for segment ``segment_ids[i]``, one position delta per temporal
-    patch (how far that patch's temporal position moved when re-based); the prefix segment has
-    none. ``extra`` is free-form engine metadata (msgpack-able values, str keys).
+    Self-contained: the stream's fps, grid and chunk size, where the video starts, and one typed
+    record per segment (the prefix first), so a QA mirror or a restarted encoder rebuilds the
+    exact cache from this and the segment store alone. The summary fields (frames, times,
+    tokens, evictions) are what `streamvqa status` and clients read.
     """
 
     version: int  # strictly increasing per stream
     stream: str
-    segment_ids: tuple[str, ...]
-    temporal_deltas: tuple[tuple[int, ...], ...]
+    fps: float
+    grid: tuple[int, int]  # (height, width) in pixels
+    chunk_frames: int
+    video_start: int  # position right after <|vision_start|>
+    next_patch: int  # next logical temporal patch index (after re-basing)
+    segments: tuple[SegmentRecord, ...]
     last_frame_seq: int  # -1 before the first frame
     first_ts: float | None  # capture time of the oldest frame still in the cache; None if none
     last_ts: float | None  # capture time of the newest frame
     cache_tokens: int
-    next_patch: int  # next logical temporal patch index (after re-basing)
-    evicted_segments: int = 0  # totals since the stream started
+    evictions: int = 0  # totals since the stream started
+    evicted_segments: int = 0
     evicted_tokens: int = 0
-    evicted_frames: int = 0
     created_at: float = 0.0  # unix seconds
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        # Accept lists from callers and from msgpack, store tuples (the manifest is immutable).
-        object.__setattr__(self, "segment_ids", tuple(self.segment_ids))
-        object.__setattr__(self, "temporal_deltas", tuple(tuple(d) for d in self.temporal_deltas))
+        segments = _seq("segments", self.segments)
+        if not segments or len(segments) > MAX_MANIFEST_SEGMENTS:
+            raise SchemaError("segments", f"expected 1..{MAX_MANIFEST_SEGMENTS} segments, got {len(segments)}")
+        records = tuple(
+            s if isinstance(s, SegmentRecord) else SegmentRecord.from_wire(i, s) for i, s in enumerate(segments)
+        )
+        object.__setattr__(self, "segments", records)
+        object.__setattr__(self, "grid", _pair("grid", self.grid, lambda n, v: _int(n, v, 1, 1 << 16)))
         _validate_manifest(self)
+
+    @property
+    def segment_ids(self) -> tuple[str, ...]:
+        return tuple(s.id for s in self.segments)
 
 
 def _validate_manifest(m: Manifest) -> None:
     _int("version", m.version, 0)
     check_stream_name("stream", m.stream)
-    if len(m.segment_ids) > MAX_MANIFEST_SEGMENTS:
-        raise SchemaError("segment_ids", f"more than {MAX_MANIFEST_SEGMENTS} segments")
-    for i, sid in enumerate(m.segment_ids):
-        _str(f"segment_ids[{i}]", sid, 128, SEGMENT_ID_RE)
-    if len(m.temporal_deltas) != len(m.segment_ids):
-        raise SchemaError("temporal_deltas", f"{len(m.temporal_deltas)} lists for {len(m.segment_ids)} segments")
-    for i, deltas in enumerate(m.temporal_deltas):
-        for j, d in enumerate(deltas):
-            _int(f"temporal_deltas[{i}][{j}]", d, -INT64_MAX)
+    _float("fps", m.fps, 1e-6)
+    _int("chunk_frames", m.chunk_frames, 1)
+    _int("video_start", m.video_start, 0)
+    _int("next_patch", m.next_patch, 0)
     _int("last_frame_seq", m.last_frame_seq, -1)
     _opt_float("first_ts", m.first_ts)
     _opt_float("last_ts", m.last_ts)
     _int("cache_tokens", m.cache_tokens, 0)
-    _int("next_patch", m.next_patch, 0)
-    _int("evicted_segments", m.evicted_segments, 0)
-    _int("evicted_tokens", m.evicted_tokens, 0)
-    _int("evicted_frames", m.evicted_frames, 0)
+    for name in ("evictions", "evicted_segments", "evicted_tokens"):
+        _int(name, getattr(m, name), 0)
     _float("created_at", m.created_at, 0.0)
-    if not isinstance(m.extra, Mapping) or not all(isinstance(k, str) for k in m.extra):
-        raise SchemaError("extra", "expected a map with str keys")
 
 
-_MANIFEST_FIELDS = (
-    "version",
-    "stream",
-    "segment_ids",
-    "temporal_deltas",
-    "last_frame_seq",
-    "first_ts",
-    "last_ts",
-    "cache_tokens",
-    "next_patch",
-    "evicted_segments",
-    "evicted_tokens",
-    "evicted_frames",
-    "created_at",
-    "extra",
-)
-_MANIFEST_OPTIONAL = {"evicted_segments", "evicted_tokens", "evicted_frames", "created_at", "extra"}
+_MANIFEST_OPTIONAL = {"evictions", "evicted_segments", "evicted_tokens", "created_at"}
 
 
 def manifest_to_bytes(m: Manifest) -> bytes:
     """Payload for the ``head`` string key (SET)."""
-    d = {k: getattr(m, k) for k in _MANIFEST_FIELDS}
-    d["segment_ids"] = list(m.segment_ids)
-    d["temporal_deltas"] = [list(x) for x in m.temporal_deltas]
-    d["extra"] = dict(m.extra)
+    d = {f.name: getattr(m, f.name) for f in dataclass_fields(Manifest)}
+    d["grid"] = list(m.grid)
+    d["segments"] = [s.to_wire() for s in m.segments]
     return _pack(d)
 
 
 def manifest_from_bytes(raw: Any) -> Manifest:
     """Decode a ``head`` value (GET); raises SchemaError naming the field."""
     m = _unpack(raw, 1 << 30)
-    for k in _MANIFEST_FIELDS:
+    names = [f.name for f in dataclass_fields(Manifest)]
+    for k in names:
         if k not in _MANIFEST_OPTIONAL:
             _require(m, k)
-    kw = {k: m[k] for k in _MANIFEST_FIELDS if k in m}  # absent optional ones take the defaults
-    for name in ("segment_ids", "temporal_deltas"):
-        if not isinstance(kw[name], list):
-            raise SchemaError(name, f"expected a list, got {type(kw[name]).__name__}")
-    for i, d in enumerate(kw["temporal_deltas"]):
-        if not isinstance(d, list):
-            raise SchemaError(f"temporal_deltas[{i}]", f"expected a list, got {type(d).__name__}")
-    if not isinstance(kw.get("extra", {}), dict):
-        raise SchemaError("extra", f"expected a map, got {type(kw['extra']).__name__}")
-    return Manifest(**kw)
+    return Manifest(**{k: m[k] for k in names if k in m})  # absent optional ones take the defaults
 
 
 def encode_manifest(m: Manifest) -> dict[str, bytes]:
@@ -485,7 +524,7 @@ def parse_question(
     if "max_tokens" in f:
         kw["max_tokens"] = _parse_int("max_tokens", f["max_tokens"], 1, limits.max_new_tokens)
     if "temperature" in f:
-        kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, 2.0)
+        kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, MAX_TEMPERATURE)
     if "top_p" in f:
         kw["top_p"] = _parse_float("top_p", f["top_p"], 0.0, 1.0)
         if kw["top_p"] <= 0.0:
