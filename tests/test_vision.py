@@ -10,7 +10,8 @@ import pytest
 import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from common.engine.frames import FrameError, Grid, frames_to_pixels
+from common.engine.frames import frames_to_pixels
+from common.engine.grid import FrameError, Grid
 from common.engine.model import LoadedModel, load_model, qwen3b_config, tiny_config
 from common.engine.runtime import Runtime
 from common.engine.vision import MLP_ALIGN, VisionTower

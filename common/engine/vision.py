@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from common.engine.frames import FrameError
+from common.engine.grid import FrameError
 from common.engine.lm import _rms_norm
 from common.engine.model import LoadedModel
 
