@@ -141,8 +141,8 @@ def test_bad_chunks_raise_a_clear_error(tower, pixels_shape, grid):
 
 @pytest.mark.timeout(120)
 def test_compiled_blocks_equal_eager(loaded, tower):
-    """torch.compile traces our block (the eager backend: inductor's C++ build is too slow for a
-    CPU test; the GPU runs inductor). Both attention paths, one grid each, then a mixed batch."""
+    """torch.compile traces our blocks (the eager backend: inductor's C++ build is too slow for a
+    CPU test; the GPU runs inductor), over grids of different sizes and a mixed batch."""
     compiled = VisionTower(loaded, compile_backend="eager")
     for chunks in ([chunk((2, 8, 8))], [chunk((2, 4, 6))], [chunk((2, 6, 10)), chunk((1, 8, 8), 1)]):
         for ours, eager in zip(compiled(chunks), tower(chunks), strict=True):

@@ -135,8 +135,8 @@ def _padded_mlp(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
 class VisionTower:
     def __init__(self, loaded: LoadedModel, compile_backend: str | None = None):
-        """`compile_backend` ("inductor" on a GPU) compiles the block function once for every
-        block and grid: two graphs, for runs of one length and for padded runs."""
+        """`compile_backend` ("inductor" on a GPU) compiles what surrounds the attention in a
+        block (norms, projections, rotary, MLP): one graph each for every block and batch."""
         visual = loaded.model.model.visual
         cfg = loaded.vision_config
         if cfg.hidden_act != "silu":
@@ -163,7 +163,10 @@ class VisionTower:
         )
         self._grid_plans: dict[GridTHW, GridPlan] = {}
         self._batch_plans: OrderedDict[tuple[GridTHW, ...], BatchPlan] = OrderedDict()
-        self._block_fn = torch.compile(_block, dynamic=True, backend=compile_backend) if compile_backend else _block
+        self._attention_input, self._output_and_mlp = _attention_input, _output_and_mlp
+        if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
+            self._attention_input = torch.compile(_attention_input, dynamic=True, backend=compile_backend)
+            self._output_and_mlp = torch.compile(_output_and_mlp, dynamic=True, backend=compile_backend)
 
     @torch.inference_mode()
     def __call__(self, chunks: Sequence[tuple[torch.Tensor, GridTHW]]) -> list[torch.Tensor]:
@@ -176,11 +179,12 @@ class VisionTower:
         # to the device as they are, then cast there (a CPU-side cast would cost more than the copy)
         pixels = torch.cat([p.to(self.device, non_blocking=True) for p, _ in chunks]).to(self.dtype)
         x = pixels[plan.perm] @ self.patch_weight.T
-        cos_sin = plan.cos_sin()
+        cos, sin = plan.cos_sin()
         scale = self.head_dim**-0.5
         for i, block in enumerate(self.blocks):
             runs = plan.frames if i in self.full_attention else plan.windows
-            x = self._block_fn(block, x, cos_sin, runs, scale)
+            q, k, v = self._attention_input(block, x, cos, sin)
+            x = self._output_and_mlp(block, x, runs.attend(q, k, v, scale))
         merger = self.visual.merger
         merged = merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
         return list(merged[plan.unmerge].split(plan.out_sizes))
@@ -248,11 +252,15 @@ class VisionTower:
         return torch.cat([half, half], dim=-1)
 
 
-def _block(block: _Block, x: torch.Tensor, cos_sin, runs: Runs, scale: float) -> torch.Tensor:
-    n, dim = x.shape
-    qkv = F.linear(_rms_norm(block.norm1, x), block.qkv.weight, block.qkv.bias).view(n, 3, block.heads, -1)
-    q, k = _rotate(qkv[:, :2], *cos_sin).unbind(1)
-    x = x + block.proj(runs.attend(q, k, qkv[:, 2], scale).reshape(n, dim))
+def _attention_input(block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """Norm, qkv projection and rotary: (tokens, hidden) -> q, k, v (tokens, heads, head_dim)."""
+    qkv = F.linear(_rms_norm(block.norm1, x), block.qkv.weight, block.qkv.bias).view(x.shape[0], 3, block.heads, -1)
+    q, k = _rotate(qkv[:, :2], cos, sin).unbind(1)
+    return q, k, qkv[:, 2]
+
+
+def _output_and_mlp(block: _Block, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    x = x + block.proj(attended.reshape(x.shape))
     gate, up = F.linear(_rms_norm(block.norm2, x), block.gate_up_weight, block.gate_up_bias).chunk(2, dim=-1)
     return x + F.linear(F.silu(gate) * up, block.down_weight, block.down_bias)
 
