@@ -1,6 +1,7 @@
 """Engine benchmark: prints one JSON object. Run on a GPU with random-3b (real 3B compute).
 
     python scripts/bench_engine.py --model random-3b --sizes 8192,32768,100000
+    python scripts/bench_engine.py --model tiny-random --device cpu --sizes 1024 --long-chunks 20  # smoke run
 
 Measures: vision ms per 4-frame chunk (448², 896²) and per chunk when 1, 16 or 64 chunks share
 one forward (against transformers' own tower); chunk prefill ms, question first-token
@@ -105,7 +106,7 @@ def bench_vision_batched(rt: Runtime, counts: tuple[int, ...] = (1, 16, 64), sid
 
     batches = []
     for n in counts:
-        ms = timed(lambda n=n: rt.vision_batch([(pixels, grid_thw)] * n))
+        ms = timed(lambda n=n: rt.vision_batch([(pixels, grid_thw)] * n), repeat=3, warmup=1)
         batches.append({"chunks": n, "batch_ms": round(ms, 1), "ms_per_chunk": round(ms / n, 2)})
         log(f"vision batch {batches[-1]}")
     out = {
