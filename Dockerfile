@@ -1,7 +1,8 @@
 # syntax=docker/dockerfile:1
 # streamvqa: one image for every service (`streamvqa ingest|encoder|qa|worker|ask|...`).
 #
-#   docker build -t streamvqa .                                    # CUDA 12.8 build of torch
+#   docker build -t streamvqa:0.1.0 .                              # CUDA 12.8 build of torch; the tag
+#                                                                  # is pyproject's version, as compose.yaml
 #   docker build --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130 -t streamvqa .
 #
 # No CUDA base image: the torch wheels carry the CUDA runtime, cuBLAS, cuDNN and NCCL as pip
@@ -12,7 +13,8 @@
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build
-ARG TORCH_VERSION=2.11.0
+# The same torch as scripts/setup.sh (tests/test_compose.py holds them equal).
+ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
@@ -23,12 +25,13 @@ RUN python -m venv /opt/venv
 RUN --mount=type=cache,target=/root/.cache/pip \
     pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-# 2. the project's dependencies, with the version ranges of pyproject.toml (torch stays as installed).
-COPY pyproject.toml ./
+# 2. the project's dependencies: pyproject.toml's ranges, pinned by deploy/constraints.txt so that a
+#    rebuild installs the same versions (torch stays as installed).
+COPY pyproject.toml deploy/constraints.txt ./
 RUN --mount=type=cache,target=/root/.cache/pip \
     python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
         > /tmp/requirements.txt \
-    && pip install -r /tmp/requirements.txt
+    && pip install -r /tmp/requirements.txt -c constraints.txt
 
 # 3. the project itself (.dockerignore keeps tests, docs, .git, .env and deploy/cameras.yaml out).
 COPY . .
@@ -56,7 +59,7 @@ USER 10001:10001
 WORKDIR /var/lib/streamvqa
 # Prometheus metrics (SVQA_METRICS_PORT) as compose.yaml sets them: ingest, encoder, qa, worker.
 EXPOSE 9101 9102 9103 9104
-# compose.yaml defines the healthchecks (each service's metrics endpoint).
+# compose.yaml defines the healthchecks (each service's /health/ready on its metrics port).
 HEALTHCHECK NONE
 ENTRYPOINT ["streamvqa"]
 CMD ["worker"]

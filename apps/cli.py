@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-from apps import replay
+from common.version import VERSION
 
 # subcommand -> module with `main(argv: list[str]) -> int`
 SERVICES = {
@@ -25,12 +25,33 @@ SERVICES = {
 }
 
 
+# services whose settings are checked before their module (and torch) is imported
+CONFIGS = {
+    "ingest": ("ingest.config", "IngestConfig"),
+    "encoder": ("encoder_worker.config", "EncoderConfig"),
+    "qa": ("qa_worker.config", "QAConfig"),
+    "worker": ("apps.worker_config", "WorkerConfig"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv in (["--version"], ["-V"]):
+        print(f"streamvqa {VERSION}")
+        return 0
+    if argv and argv[0] in CONFIGS:
+        from common import boot
+
+        module, cls = CONFIGS[argv[0]]
+        boot.configure(getattr(importlib.import_module(module), cls), argv, f"streamvqa {argv[0]}")
     if argv and argv[0] in SERVICES:
         module = importlib.import_module(SERVICES[argv[0]])
         return module.main(argv)
-    parser = argparse.ArgumentParser(prog="streamvqa", description="Ask questions about live video.")
+    from apps import replay  # imports torch: only for the command that runs a model here
+
+    parser = argparse.ArgumentParser(
+        prog="streamvqa", description="Ask questions about live video.", epilog="streamvqa --version: the version"
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{replay," + ",".join(SERVICES) + "}")
     replay.add_arguments(sub.add_parser("replay", help="stream a video file through the engine and ask"))
     ns = parser.parse_args(argv)

@@ -25,7 +25,7 @@ import yaml
 from apps.samplevideo import write_sample_video
 from common import redisio
 from common.boot import load_runtime
-from common.engine.model import DEFAULT_MODEL, RANDOM_MODELS
+from common.engine.names import DEFAULT_MODEL
 from common.logs import configure_logging
 
 STREAM = "demo"
@@ -87,9 +87,7 @@ def pick_model(name: str, device: str | None):
     """The real model when its weights can be loaded; otherwise tiny-random, said loudly."""
     if name != "tiny-random":
         try:
-            if not (name in RANDOM_MODELS or Path(name).is_dir() or _cached(name) or _hub_reachable()):
-                raise SystemExit(4)  # skip transformers' minute of retries against an unreachable hub
-            return load_runtime(name, device)
+            return load_runtime(name, device)  # exits 4 at once when no weights can be had
         except SystemExit:
             say("=" * 78)
             say(f"  Could not load {name} (no weights here and no network to fetch them).")
@@ -99,20 +97,6 @@ def pick_model(name: str, device: str | None):
             say("  or --model /path/to/a/local/Qwen2.5-VL checkout.")
             say("=" * 78)
     return load_runtime("tiny-random", device)
-
-
-def _cached(repo_id: str) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
-    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
-
-
-def _hub_reachable() -> bool:
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=3).close()
-        return True
-    except OSError:
-        return False
 
 
 def main(argv: list[str]) -> int:
@@ -184,7 +168,7 @@ class Demo:
         return path
 
     def _worker(self, rt, r, cameras: Path) -> None:
-        from apps.worker import LocalVersions, WorkerConfig
+        from apps.worker_config import WorkerConfig
         from common.segment_store import open_store
         from encoder_worker.service import EncoderService
         from qa_worker.service import QAService
@@ -201,7 +185,7 @@ class Demo:
             lease_ms=3000,
         )
         encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store))
-        QAService(cfg, rt, r, LocalVersions(encoder)).run(self.stop)
+        QAService(cfg, rt, r, encoder).run(self.stop)  # the encoder is QA's version source
 
     def _ask_while_playing(self, r) -> None:
         from qa_worker.client import Client
@@ -209,6 +193,7 @@ class Demo:
         client, t0 = Client(r), time.monotonic()
         for fraction, question, choices in QUESTIONS:
             self.stop.wait(max(0.0, fraction * self.ns.seconds + 1.0 - (time.monotonic() - t0)))
+            self._wait_for_first_version(r)  # a slow machine may not have encoded a chunk yet
             say(f"\nQ [{time.monotonic() - t0:4.1f} s] {question}" + (f"  options: {list(choices)}" if choices else ""))
             print("A: ", end="", flush=True)
             final = client.ask(
@@ -229,6 +214,13 @@ class Demo:
                 f"\n   cache version {final.version} covering {final.t_end - final.t_start:.1f} s of video, "
                 f"{final.cache_tokens} cached tokens, {first}total {final.total_s * 1000:.0f} ms"
             )
+
+    def _wait_for_first_version(self, r, timeout_s: float = 120.0) -> None:
+        from common.wire import keys
+
+        deadline = time.monotonic() + timeout_s
+        while not r.exists(keys.head(STREAM)) and time.monotonic() < deadline and not self.stop.is_set():
+            self.stop.wait(0.1)
 
     def _print_transcript(self, r) -> None:
         from qa_worker.client import Client

@@ -20,7 +20,8 @@ from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec, choose_grid, resize_to_grid
 from common.engine.kvcache import Version
-from common.engine.model import DEFAULT_MODEL, load_model
+from common.engine.model import load_model
+from common.engine.names import DEFAULT_MODEL
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime

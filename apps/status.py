@@ -13,16 +13,28 @@ import time
 
 import redis
 
-from common import redisio
+from common import boot
+from common.logs import configure_logging, redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
 
 def streams(r: redis.Redis) -> list[str]:
-    found = {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:meta")}
-    found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:head")}
+    """Every stream Redis knows of: described by ingest, encoded, or only ever failing (events)."""
+    found = set()
+    for kind in ("meta", "head", "events"):
+        found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:{kind}")}
     return sorted(found)
+
+
+def last_event(r: redis.Redis, name: str) -> dict | None:
+    """The newest ingest/encoder event: why a camera that never connected is not delivering."""
+    got = r.xrevrange(keys.events(name), count=1)
+    if not got:
+        return None
+    fields = {k.decode(): v.decode(errors="replace") for k, v in got[0][1].items()}
+    return {k: fields[k] for k in ("type", "at", "error", "reconnects", "attempt") if k in fields}
 
 
 def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
@@ -48,7 +60,7 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
         out_error = None
     out: dict = {
         "stream": name,
-        "source": meta.url if meta else None,
+        "source": redact_url(meta.url) if meta else None,  # written redacted; older data may not be
         "fps": meta.fps if meta else None,
         "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
     }
@@ -70,6 +82,8 @@ def stream_status(r: redis.Redis, name: str, now: float) -> dict:
             }
         except SchemaError as e:
             out["head"] = {"error": str(e)}
+    out["connected"] = meta is not None  # ingest describes a stream once its source opened
+    out["last_event"] = last_event(r, name)
     out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
     holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
     out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
@@ -97,6 +111,9 @@ def render(status: dict) -> str:
             f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
+        if not s["connected"]:
+            ev = s["last_event"] or {}
+            lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
     q = status["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
@@ -110,11 +127,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv[1:])
-    try:
-        r = redisio.wait_for_redis(ns.redis_url, timeout_s=5)
-    except TimeoutError as e:
-        print(f"streamvqa status: {e}")
-        return 3
+    configure_logging("WARNING")
+    r = boot.connect_tool(ns.redis_url, "streamvqa status")
     status = collect(r)
     print(json.dumps(status, indent=1) if ns.json else render(status))
     return 0

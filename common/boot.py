@@ -1,53 +1,213 @@
 """Service start-up shared by every `streamvqa <service>`: config, logs, metrics, Redis, model.
 
-Each failure exits non-zero with one clear log line, so an orchestrator sees why a service
-is not running: 2 bad configuration, 3 Redis unusable, 4 model unusable.
+Each failure exits non-zero with one clear JSON log line on stderr, so an orchestrator sees why
+a service is not running: 2 bad configuration (the cameras file included, checked before the
+model loads), 3 Redis unusable, 4 model unusable. Exit 4 is final: compose does not restart it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import signal
-import sys
+import socket
 import threading
-from typing import TypeVar
+import time
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import urlsplit
 
 import redis
 import structlog
 
-from common import metrics, redisio
-from common.config import ConfigError, load_config
-from common.logs import configure_logging
+from common import health, metrics, redisio
+from common.config import ConfigError, check_redis_url, check_settings, load_config
+from common.engine.names import RANDOM_MODELS
+from common.logs import configure_logging, redact_text
+from common.version import VERSION
 
 T = TypeVar("T")
 log = structlog.get_logger()
 
+EXIT_CONFIG, EXIT_REDIS, EXIT_MODEL = 2, 3, 4
+HUB_PROBE_TIMEOUT_S = 3.0
+LOCAL_WEIGHTS_HINT = (
+    "point --model (SVQA_MODEL) at a local directory holding a Qwen2.5-VL checkpoint (config.json, "
+    "*.safetensors, tokenizer files), or mount a Hugging Face cache that has it at HF_HOME"
+)
 
-def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
-    """Config (flags, SVQA_*, YAML), logging, metrics endpoint, a live Redis connection."""
+
+def fail(code: int, event: str, **fields: Any) -> NoReturn:
+    """The one line an operator reads, then the exit code an orchestrator reads."""
+    log.error(event, exit_code=code, **fields)
+    raise SystemExit(code)
+
+
+def configure(cls: type[T], argv: list[str], prog: str) -> T:
+    """Config (flags, SVQA_*, YAML, the cameras file) and logging, or exit 2 with one line.
+    The CLI calls this before it imports a service, so a typo costs no torch import."""
+    configure_logging("INFO")  # so that even a bad --log-level is reported as a JSON line
     try:
         cfg = load_config(cls, argv[1:], prog=prog)
-    except ConfigError as e:
-        print(f"{prog}: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    configure_logging(cfg.log_level)
-    metrics.serve(getattr(cfg, "metrics_port", None))
+        configure_logging(cfg.log_level)
+        check_settings(cfg)
+    except (ConfigError, ValueError) as e:
+        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    return cfg
+
+
+def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
+    """configure(), then the metrics/health endpoint and a live Redis."""
+    cfg = configure(cls, argv, prog)
+    role = prog.split()[-1]  # "streamvqa worker" -> worker
+    health.READINESS.redis_url = cfg.redis_url
+    health.READINESS.needs_model = hasattr(cfg, "model")
+    port = getattr(cfg, "metrics_port", None)
+    try:
+        health.serve(port, metrics.registry_for([role]))
+    except OSError as e:
+        fail(EXIT_CONFIG, "metrics port unusable", service=prog, metrics_port=port, error=e.strerror or str(e))
+    log.info("starting", service=prog, version=VERSION, **startup_fields(cfg))
     try:
         r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
     except TimeoutError as e:
-        log.error("redis unusable at start", error=str(e))
-        raise SystemExit(3) from None
+        fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
     return cfg, r
 
 
+def startup_fields(cfg: Any) -> dict[str, Any]:
+    """Model, device and streams always; every other setting only where it differs from its default."""
+    always = ("model", "device", "streams", "stream", "cameras_file")
+    out: dict[str, Any] = {k: getattr(cfg, k) for k in always if hasattr(cfg, k)}
+    changed = {}
+    for f in dataclasses.fields(cfg):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        value = getattr(cfg, f.name)
+        if f.name not in always and value != default:
+            changed[f.name] = redact_text(value) if isinstance(value, str) else value
+    return out | {"settings": changed}
+
+
+def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
+    """Redis for a command-line tool (ask, status, transcript): exit 2/3 with one line, never a traceback."""
+    try:
+        check_redis_url(url, "--redis-url")
+    except ConfigError as e:
+        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    try:
+        return redisio.wait_for_redis(url, timeout_s=timeout_s)
+    except TimeoutError as e:
+        fail(EXIT_REDIS, "redis unusable", service=prog, error=str(e))
+
+
+# --------------------------------------------------------------------------- the model
+
+
 def load_runtime(model: str, device: str | None):
+    """The model on its device, or exit: 2 for a device this machine lacks, 4 for the model."""
+    tried = check_model_source(model)
     from common.engine.model import load_model
     from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
+    from common.engine.scheduler import Scheduler
+
+    check_device(device)
+    t0 = time.monotonic()
+    try:
+        rt = Runtime(load_model(model, device=device))
+    except (OSError, ValueError, RuntimeError) as e:
+        fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
+    rt.executor = Scheduler().start()  # one loop owns the GPU: batches every stream and question
+    health.READINESS.model_loaded = True
+    log.info("model loaded", model=model, device=str(rt.device), load_s=round(time.monotonic() - t0, 1))
+    return rt
+
+
+def check_device(device: str | None) -> None:
+    import torch
+
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        fail(EXIT_CONFIG, "bad configuration", error=f"device: {e}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        build = (
+            "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, but no GPU is visible"
+        )
+        fail(EXIT_CONFIG, "bad configuration", error=f"device {device!r}: torch {torch.__version__} is {build}")
+
+
+def check_model_source(model: str) -> list[str]:
+    """Where the weights will come from, said before transformers tries (and retries for a minute).
+    Exits 4 when no source can work; turns hub access off when only the local cache can."""
+    if model in RANDOM_MODELS:
+        return ["built-in random weights"]
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return [f"local directory {path}"]
+    tried = [f"local directory {path}: does not exist"]
+    if model.startswith(("/", ".", "~")) or not _valid_repo_id(model):
+        fail(
+            EXIT_MODEL,
+            "model unusable at start",
+            model=model,
+            tried=[*tried, "hub: not a hub id (org/name)"],
+            hint=LOCAL_WEIGHTS_HINT,
+        )
+    cached = _in_hf_cache(model)
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        reachable, why = False, "HF_HUB_OFFLINE is set"
+    else:
+        reachable, why = hub_reachable()
+    if reachable:
+        return [*tried, "Hugging Face cache" if cached else "Hugging Face hub"]
+    if not cached:
+        fail(
+            EXIT_MODEL,
+            "model unusable at start",
+            model=model,
+            tried=[*tried, "Hugging Face cache: not there", f"Hugging Face hub: unreachable ({why})"],
+            hint=LOCAL_WEIGHTS_HINT,
+        )
+    _hub_offline()
+    return [*tried, f"Hugging Face cache (hub unreachable: {why}; offline mode)"]
+
+
+def hub_reachable() -> tuple[bool, str]:
+    """(reachable, why not): one TCP connect to the hub's host instead of transformers' retries."""
+    from huggingface_hub import constants
+
+    parts = urlsplit(constants.ENDPOINT)
+    host, port = parts.hostname or "huggingface.co", parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=HUB_PROBE_TIMEOUT_S).close()
+        return True, ""
+    except OSError as e:
+        return False, f"{host}:{port}: {e.strerror or e}"
+
+
+def _hub_offline() -> None:
+    from huggingface_hub import constants
+
+    os.environ["HF_HUB_OFFLINE"] = "1"  # read at import by libraries not yet imported
+    constants.HF_HUB_OFFLINE = True  # read at call time by those already imported
+
+
+def _valid_repo_id(model: str) -> bool:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
-        return Runtime(load_model(model, device=device))
-    except (OSError, ValueError) as e:
-        log.error("model unusable at start", model=model, error=str(e))
-        raise SystemExit(4) from None
+        validate_repo_id(model)
+        return True
+    except HFValidationError:
+        return False
+
+
+def _in_hf_cache(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
 
 
 def stop_on_signals() -> threading.Event:

@@ -8,7 +8,12 @@ the environment and the CLI are converted; ``none``/``null``/empty set an option
 None; tuples take comma-separated values. Any bad value raises ``ConfigError`` naming where it
 came from. Field metadata ``help`` becomes the flag's help text.
 
-Also here: the cameras/jobs YAML file (``load_cameras_file``), shared by ingest and qa_worker.
+Also here: the cameras/jobs YAML file (``load_cameras_file``), shared by ingest and qa_worker,
+and ``check_settings``, what every service checks before it touches Redis or a model.
+
+Secrets stay out of YAML files: any string in them may hold ``${VAR}`` (from the environment)
+or ``${file:/run/secrets/name}`` (a file's content, e.g. a Docker secret); ``$${`` is a literal
+``${``. A missing variable or file is a ConfigError that names it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import sys
 import types
 import typing
@@ -25,9 +31,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit
 
 import yaml
 
+from common.logs import redact_url
 from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
 
 T = TypeVar("T")
@@ -158,11 +166,40 @@ def _default(f: dataclasses.Field[Any]) -> Any:
 def _read_yaml(path: str | Path) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
-            return yaml.safe_load(fh)
+            data = yaml.safe_load(fh)
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return substitute(data, os.environ, str(path))
+
+
+# $${ (a literal ${), ${file:/path}, ${VAR}
+_SUBST = re.compile(r"\$\$\{|\$\{file:(?P<file>[^}]+)\}|\$\{(?P<var>[A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def substitute(node: Any, env: Mapping[str, str], where: str) -> Any:
+    """Every string of a parsed YAML tree with ${VAR} and ${file:PATH} replaced (secrets)."""
+    if isinstance(node, dict):
+        return {k: substitute(v, env, where) for k, v in node.items()}
+    if isinstance(node, list):
+        return [substitute(v, env, where) for v in node]
+    if not isinstance(node, str) or "${" not in node:
+        return node
+
+    def one(m: re.Match[str]) -> str:
+        if m["file"]:
+            try:
+                return Path(m["file"]).read_text(encoding="utf-8").strip()
+            except OSError as e:
+                raise ConfigError(f"{where}: ${{file:{m['file']}}}: cannot read: {e.strerror or e}") from None
+        if m["var"]:
+            if m["var"] not in env:
+                raise ConfigError(f"{where}: ${{{m['var']}}}: environment variable not set")
+            return env[m["var"]]
+        return "${"
+
+    return _SUBST.sub(one, node)
 
 
 def _unknown(key: Any, known: Sequence[str], where: str) -> ConfigError:
@@ -352,3 +389,39 @@ def load_cameras_file(path: str | Path) -> CamerasFile:
         return CamerasFile(**parts)
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}") from None
+
+
+# --------------------------------------------------------------------------- start-up checks
+
+REDIS_SCHEMES = ("redis", "rediss", "unix")
+
+
+def check_redis_url(url: str, where: str) -> None:
+    """A URL redis-py can use: right scheme, a port in range; the message never shows a password."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"{where}: {redact_url(url)}: {e}") from None
+    if parts.scheme not in REDIS_SCHEMES:
+        schemes = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
+        raise ConfigError(f"{where}: {redact_url(url)}: not a Redis URL (use {schemes})")
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ConfigError(f"{where}: {redact_url(url)}: no host")
+    if port == 0:
+        raise ConfigError(f"{where}: {redact_url(url)}: port 0")
+
+
+def check_settings(cfg: Any) -> None:
+    """What a service checks before Redis or a model: Redis URLs, stream names, the cameras file."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if f.name.endswith("redis_url") and value is not None:
+            check_redis_url(value, f.name)
+        elif f.name == "stream" and value is not None:
+            _check_name("stream", value)
+        elif f.name == "streams":
+            for name in value:
+                _check_name("streams", name)
+    if getattr(cfg, "cameras_file", None):
+        load_cameras_file(cfg.cameras_file)

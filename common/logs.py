@@ -7,17 +7,73 @@ Usage::
     log.info("answered", total_s=0.42)
 
 Configure before binding: a bound logger keeps the configuration it was bound under.
-Records of the standard ``logging`` module (redis-py, transformers...) go through the same
-renderer, so the output stays one format.
+Records of the standard ``logging`` module (redis-py, transformers...) and uncaught exceptions
+of any thread go through the same renderer, so the output stays one format.
+
+Secrets: ``redact_url`` is the one way a URL leaves the process (logs, events, meta, status);
+as a safety net every string of every log line has URL credentials masked (``redact_text``).
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
-from typing import TextIO
+import threading
+from collections.abc import MutableMapping
+from typing import Any, TextIO
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import structlog
+
+MASK = "***"
+# scheme://userinfo@ : the userinfo is everything up to the last @ before the host part ends.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s@]+)@")
+_SECRET_PARAMS = re.compile(r"pass|pwd|secret|token|key|auth|sig", re.I)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its password (or a lone user token) and secret-looking query values masked."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return redact_text(url)
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, host = netloc.rsplit("@", 1)
+        user, has_password, _ = userinfo.partition(":")
+        netloc = f"{user}:{MASK}@{host}" if has_password else f"{MASK}@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, MASK if _SECRET_PARAMS.search(k) else v) for k, v in pairs], safe="*")
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
+
+
+def redact_text(text: str) -> str:
+    """Mask the credentials of every URL inside free text (error messages, tracebacks)."""
+    return _URL_USERINFO.sub(lambda m: m["scheme"] + _mask_userinfo(m["userinfo"]) + "@", text)
+
+
+def _mask_userinfo(userinfo: str) -> str:
+    user, has_password, _ = userinfo.partition(":")
+    return f"{user}:{MASK}" if has_password else MASK
+
+
+def _redact(value: Any) -> Any:
+    if isinstance(value, str):
+        return redact_text(value) if "@" in value else value
+    if isinstance(value, dict):
+        return {k: _redact(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_redact(v) for v in value)
+    return value
+
+
+def redact_processor(_logger: Any, _name: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """structlog processor: the safety net behind redact_url, over every value of every line."""
+    return {k: _redact(v) for k, v in event_dict.items()}
+
 
 _SHARED = [
     structlog.contextvars.merge_contextvars,
@@ -28,16 +84,22 @@ _SHARED = [
 _JSON_EXC = structlog.processors.ExceptionRenderer(structlog.tracebacks.ExceptionDictTransformer(show_locals=False))
 
 
-def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | None = None) -> None:
-    """Configure structlog and stdlib logging; ``level`` is a name such as DEBUG or WARNING."""
+def level_number(level: str) -> int:
+    """The logging level for a name such as DEBUG or warning; ValueError names the choices."""
     num = logging.getLevelNamesMapping().get(level.upper())
     if num is None:
-        raise ValueError(f"unknown log level {level!r}")
+        raise ValueError(f"unknown log level {level!r} (one of DEBUG, INFO, WARNING, ERROR, CRITICAL)")
+    return num
+
+
+def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | None = None) -> None:
+    """Configure structlog, stdlib logging and the uncaught-exception hooks of every thread."""
+    num = level_number(level)
     out = stream or sys.stderr
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=out.isatty())
     exc = _JSON_EXC if json else structlog.processors.format_exc_info
     structlog.configure(
-        processors=[*_SHARED, structlog.processors.StackInfoRenderer(), exc, renderer],
+        processors=[*_SHARED, structlog.processors.StackInfoRenderer(), exc, redact_processor, renderer],
         wrapper_class=structlog.make_filtering_bound_logger(num),
         logger_factory=structlog.WriteLoggerFactory(file=out),
         cache_logger_on_first_use=False,  # so a later configure_logging (tests, CLI flags) applies
@@ -46,9 +108,27 @@ def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | N
     handler.setFormatter(
         structlog.stdlib.ProcessorFormatter(
             foreign_pre_chain=[*_SHARED, structlog.stdlib.add_logger_name],
-            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, exc, renderer],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, exc, redact_processor, renderer],
         )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(num)
+    logging.captureWarnings(True)  # warnings.warn (transformers, torch) as log lines, not plain text
+    sys.excepthook = _log_uncaught
+    threading.excepthook = _log_thread_uncaught
+
+
+def _log_uncaught(tp: type[BaseException], value: BaseException, tb: Any) -> None:
+    if issubclass(tp, KeyboardInterrupt):
+        return sys.__excepthook__(tp, value, tb)
+    structlog.get_logger().critical("uncaught exception", exc_info=(tp, value, tb))
+
+
+def _log_thread_uncaught(args: threading.ExceptHookArgs) -> None:
+    if args.exc_type is SystemExit:
+        return
+    thread = args.thread.name if args.thread else None
+    structlog.get_logger().error(
+        "uncaught exception in thread", thread=thread, exc_info=(args.exc_type, args.exc_value, args.exc_traceback)
+    )

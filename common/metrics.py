@@ -1,53 +1,104 @@
 """Every Prometheus metric streamvqa exports, in one place (like keys.py for Redis keys).
 
-Each service serves them on its own port (`metrics_port`); all carry the stream as a label
-where one applies. Compose healthchecks read this endpoint too.
+The families are created unregistered and grouped by role; each process serves only its own
+roles' families on its own port (`metrics_port`): an ingest shows no QA histograms. All carry
+the stream as a label where one applies. `common/health.py` serves them with the health checks.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+import platform
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
+
+from common.version import VERSION
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_R = {"registry": None}  # registered per process, by role (registry_for)
+
+BUILD_INFO = Gauge("svqa_build_info", "Always 1; the labels say what runs", ["version", "python"], **_R)
+BUILD_INFO.labels(VERSION, platform.python_version()).set(1)
 
 # ingest
-FRAMES_IN = Counter("svqa_ingest_frames_total", "Frames published to the frames stream", ["stream"])
-DECODE_ERRORS = Counter("svqa_ingest_decode_errors_total", "Packets or frames that failed to decode", ["stream"])
-RECONNECTS = Counter("svqa_ingest_reconnects_total", "Source reopen attempts", ["stream"])
-STALLS = Counter("svqa_ingest_stalls_total", "Sources that stopped delivering frames", ["stream"])
-INGEST_FPS = Gauge("svqa_ingest_fps", "Frames published per second, recent", ["stream"])
+FRAMES_IN = Counter("svqa_ingest_frames_total", "Frames published to the frames stream", ["stream"], **_R)
+FRAME_BYTES = Counter("svqa_ingest_frame_bytes_total", "Frame payload bytes published", ["stream"], **_R)
+DECODE_ERRORS = Counter("svqa_ingest_decode_errors_total", "Packets or frames that failed to decode", ["stream"], **_R)
+RECONNECTS = Counter("svqa_ingest_reconnects_total", "Source reopen attempts", ["stream"], **_R)
+STALLS = Counter("svqa_ingest_stalls_total", "Sources that stopped delivering frames", ["stream"], **_R)
+INGEST_FPS = Gauge("svqa_ingest_fps", "Frames published per second over the last 10 s (0 when dead)", ["stream"], **_R)
+INGEST_UP = Gauge("svqa_ingest_up", "1 while the source is connected and delivering, else 0", ["stream"], **_R)
+LAST_FRAME_AGE = Gauge(
+    "svqa_ingest_last_frame_age_seconds", "Seconds since the last published frame (or since start)", ["stream"], **_R
+)
 
 # encoder
-FRAMES_ENCODED = Counter("svqa_encoder_frames_total", "Frames encoded into the cache", ["stream"])
+FRAMES_ENCODED = Counter("svqa_encoder_frames_total", "Frames encoded into the cache", ["stream"], **_R)
 FRAMES_DROPPED = Counter(
-    "svqa_encoder_frames_dropped_total", "Frames dropped (late, duplicate, bad)", ["stream", "reason"]
+    "svqa_encoder_frames_dropped_total", "Frames dropped (late, duplicate, bad)", ["stream", "reason"], **_R
 )
 CHUNK_SECONDS = Histogram(
-    "svqa_encoder_chunk_seconds", "Vision + prefill time per chunk", ["stream"], buckets=_LATENCY_BUCKETS
+    "svqa_encoder_chunk_seconds", "Vision + prefill time per chunk", ["stream"], buckets=_LATENCY_BUCKETS, **_R
 )
 ENCODER_LAG = Gauge(
-    "svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication", ["stream"]
+    "svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication", ["stream"], **_R
 )
-CACHE_TOKENS = Gauge("svqa_cache_tokens", "Tokens in the stream's head version", ["stream"])
-CACHE_BYTES = Gauge("svqa_cache_bytes", "KV bytes of the stream's head version", ["stream"])
-EVICTIONS = Gauge("svqa_cache_evictions", "Evictions since the stream started", ["stream"])
-TOKENS_EVICTED = Gauge("svqa_cache_tokens_evicted", "Tokens evicted since the stream started", ["stream"])
-VERSION = Gauge("svqa_cache_version", "Head version id", ["stream"])
+# cache gauges: the encoder publishes versions, a separate qa mirrors them
+CACHE_TOKENS = Gauge("svqa_cache_tokens", "Tokens in the stream's head version", ["stream"], **_R)
+CACHE_BYTES = Gauge("svqa_cache_bytes", "KV bytes of the stream's head version", ["stream"], **_R)
+EVICTIONS = Gauge("svqa_cache_evictions", "Evictions since the stream started", ["stream"], **_R)
+TOKENS_EVICTED = Gauge("svqa_cache_tokens_evicted", "Tokens evicted since the stream started", ["stream"], **_R)
+VERSION_ID = Gauge("svqa_cache_version", "Head version id", ["stream"], **_R)
 
 # qa
-QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answered now")
-QUESTIONS = Counter("svqa_qa_questions_total", "Questions finished", ["outcome"])
-FIRST_TOKEN_SECONDS = Histogram(
-    "svqa_qa_first_token_seconds", "Question start to first answer token", buckets=_LATENCY_BUCKETS
+QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answered now", **_R)
+QUESTIONS = Counter("svqa_qa_questions_total", "Questions finished", ["outcome"], **_R)
+QUEUE_WAIT_SECONDS = Histogram(
+    "svqa_qa_queue_wait_seconds",
+    "Question entry (its stream id's time) to the start of answering",
+    buckets=_LATENCY_BUCKETS,
+    **_R,
 )
-ANSWER_SECONDS = Histogram("svqa_qa_answer_seconds", "Question start to final answer", buckets=_LATENCY_BUCKETS)
-JOB_RUNS = Counter("svqa_qa_job_runs_total", "Periodic job runs", ["job", "stream", "outcome"])
+FIRST_TOKEN_SECONDS = Histogram(
+    "svqa_qa_first_token_seconds", "Question start to first answer token", buckets=_LATENCY_BUCKETS, **_R
+)
+ANSWER_SECONDS = Histogram("svqa_qa_answer_seconds", "Question start to final answer", buckets=_LATENCY_BUCKETS, **_R)
+JOB_RUNS = Counter("svqa_qa_job_runs_total", "Periodic job runs", ["job", "stream", "outcome"], **_R)
+
+_CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
+ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
+    "ingest": (FRAMES_IN, FRAME_BYTES, DECODE_ERRORS, RECONNECTS, STALLS, INGEST_FPS, INGEST_UP, LAST_FRAME_AGE),
+    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE),
+    "qa": (
+        QUESTIONS_IN_FLIGHT,
+        QUESTIONS,
+        QUEUE_WAIT_SECONDS,
+        FIRST_TOKEN_SECONDS,
+        ANSWER_SECONDS,
+        JOB_RUNS,
+        *_CACHE,
+    ),
+}
+ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
 
 
-def serve(port: int | None) -> None:
-    """Start the /metrics endpoint in a daemon thread (no-op without a port)."""
-    if port is not None:
-        start_http_server(port)
+def registry_for(roles: Iterable[str]) -> CollectorRegistry:
+    """A private registry with build info and the families of these roles (once each)."""
+    registry = CollectorRegistry()
+    families = dict.fromkeys(m for role in roles for m in ROLES[role])
+    for m in (BUILD_INFO, *families):
+        registry.register(m)
+    return registry
+
+
+def all_names() -> set[str]:
+    """Every family name as Prometheus exposes it (counters with _total): for docs and dashboards."""
+    out = set()
+    for m in {BUILD_INFO, *(m for ms in ROLES.values() for m in ms)}:
+        for family in m.describe():
+            out |= {family.name + "_total"} if family.type == "counter" else {family.name}
+    return out
 
 
 def record_version(stream: str, version) -> None:
@@ -56,4 +107,4 @@ def record_version(stream: str, version) -> None:
     CACHE_BYTES.labels(stream).set(version.kv_bytes())
     EVICTIONS.labels(stream).set(version.stats.evictions)
     TOKENS_EVICTED.labels(stream).set(version.stats.tokens_evicted)
-    VERSION.labels(stream).set(version.id)
+    VERSION_ID.labels(stream).set(version.id)

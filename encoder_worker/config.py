@@ -6,7 +6,8 @@ import os
 import socket
 from dataclasses import dataclass
 
-from common.engine.model import DEFAULT_MODEL
+from common.engine.names import DEFAULT_MODEL
+from common.wire.schemas import check_stream_name
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class EncoderConfig:
     versions_maxlen: int = 1000
     keep_versions: int = 4  # segments of this many recent versions survive garbage collection
     consumer: str = f"{socket.gethostname()}-{os.getpid()}"
+    redis_grace_s: float = 300.0  # ride out a Redis outage this long, then exit 3
+    max_deliveries: int = 3  # an entry delivered more often is dead-lettered unprocessed
     metrics_port: int | None = None
     log_level: str = "INFO"
 
@@ -36,5 +39,7 @@ class EncoderConfig:
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
+        for name in self.streams:
+            check_stream_name("streams", name)
         if not self.streams and not self.cameras_file:
             raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")

@@ -1,30 +1,37 @@
 """`streamvqa encoder`: take leases on streams, read their frames, publish cache versions.
 
 One loop: keep leases, read frames of owned streams (consumer group `enc`, own pending entries
-first after a restart), hand each to its OwnedStream. A bad entry is dead-lettered; nothing a
-message contains can stop the loop.
+first after a restart), hand each to its OwnedStream inside the processing boundary
+(`redisio.process`): a bad entry, or one delivered too often, is dead-lettered with an event;
+nothing a message contains can stop the loop. A Redis outage is waited out for `redis_grace_s`;
+after it the worker renews its leases and checks that each head is still the version it wrote
+before it goes on (exit 3 past the grace period).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import redis
 import structlog
 
-from common import boot, metrics, redisio
+from common import boot, health, redisio
 from common.config import load_cameras_file
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.lease import Lease
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
-from common.wire.schemas import SchemaError, decode_frame
+from common.wire.schemas import decode_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, event, open_stream
 
 log = structlog.get_logger()
+
+READ_PER_STREAM = 16  # frames entries read per owned stream and step
+PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames groups
 
 
 class EncoderService:
@@ -33,8 +40,14 @@ class EncoderService:
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
-        self.reader = redisio.GroupReader(r, [], keys.ENCODER_GROUP, cfg.consumer, count=32, block_ms=cfg.block_ms)
+        self.reader = redisio.GroupReader(
+            r, [], keys.ENCODER_GROUP, cfg.consumer, count=READ_PER_STREAM * len(self.names), block_ms=cfg.block_ms
+        )
+        # Streams are handled side by side, so their chunks reach the GPU scheduler together and
+        # share its batches; entries of one stream stay in order, in one task.
+        self.streams_pool = ThreadPoolExecutor(max_workers=max(1, len(self.names)), thread_name_prefix="stream")
         self._last_lease_check = 0.0
+        self._last_prune = time.monotonic()
 
     # -- a version source for QA in the same process (qa_worker.service.VersionSource) -----------
     def get(self, stream: str, at: int | None = None) -> Version | None:
@@ -48,20 +61,44 @@ class EncoderService:
     def serves(self, stream: str) -> bool:
         return stream in self.names
 
+    def wait_ready(self, stop: threading.Event) -> None:
+        """Until every served stream that has a head is restored (a dead predecessor's lease
+        expires within lease_ms), so a question never meets a stream not yet reopened."""
+        deadline = time.monotonic() + 2 * self.cfg.lease_ms / 1000 + 5
+        while waiting := [n for n in self.names if n not in self.owned and self.r.exists(keys.head(n))]:
+            if stop.wait(0.1) or time.monotonic() > deadline:
+                log.warning("streams not restored in time; answering anyway", streams=waiting)
+                return
+
     def run(self, stop: threading.Event) -> None:
         log.info("encoder started", streams=self.names, consumer=self.cfg.consumer)
-        while not stop.is_set():
-            self.step()
+        redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
         for name in list(self.owned):
             self._release(name)
 
     def step(self) -> None:
-        """One blocking read of frames; leases are kept between entries, since encoding a batch of
-        chunks can outlast a lease on a slow device."""
+        """One blocking read of frames, then every stream's entries at once (one task per stream)."""
         self._keep_leases_if_due()
-        for frames_key, entry_id, fields in self.reader.read():
-            self._keep_leases_if_due()
-            self._handle(frames_key, entry_id, fields)
+        by_stream: dict[str, list[redisio.Entry]] = {}
+        for entry in self.reader.read():
+            by_stream.setdefault(entry[0], []).append(entry)
+        for done in [self.streams_pool.submit(self._process, entries) for entries in by_stream.values()]:
+            done.result()  # an outage raised in a task is ridden out by run()
+        self._keep_leases_if_due()
+        if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
+            self._last_prune = time.monotonic()
+            for name in self.owned:
+                redisio.prune_consumers(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer)
+
+    def after_outage(self) -> None:
+        """Redis is back: keep only streams whose lease and head are still ours, finish their chunks,
+        and read our pending history again (entries whose delivery reply was lost on the way)."""
+        for name in list(self.owned):
+            if not self.leases[name].acquire() or not self.owned[name].resume():
+                log.warning("stream not ours after the outage; reopening from its head", stream=name)
+                self._drop(name)
+        self._last_lease_check = 0.0
+        self.reader.reset()
 
     def _keep_leases_if_due(self) -> None:
         if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
@@ -86,29 +123,41 @@ class EncoderService:
                 redisio.claim_stale(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
                 self.reader.add(keys.frames(name))
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+        health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
-    def _handle(self, frames_key: str, entry_id: str, fields: dict) -> None:
+    def _process(self, entries: list[redisio.Entry]) -> None:
+        redisio.process(
+            self.r, keys.ENCODER_GROUP, self.cfg.consumer, entries, self._handle, self._reject,
+            max_deliveries=self.cfg.max_deliveries,
+        )  # fmt: skip
+
+    def _handle(self, frames_key: str, entry_id: str, fields: dict, deliveries: int) -> None:
         owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
-        bound = log.bind(stream=owned.name, entry=entry_id)
-        try:
-            msg = decode_frame(fields)
-        except SchemaError as e:
-            bound.warning("bad frame dead-lettered", error=str(e))
-            metrics.FRAMES_DROPPED.labels(owned.name, "bad").inc()
-            redisio.dead_letter(self.r, frames_key, entry_id, fields, str(e), group=keys.ENCODER_GROUP)
-            return
+        msg = decode_frame(fields)  # SchemaError: rejected by the boundary
         try:
             owned.add(entry_id, msg)
         except LeaseLost:
-            bound.warning("lease lost while publishing; the stream's new owner continues from its head")
+            log.warning("lease lost while publishing; the new owner continues from its head", stream=owned.name)
             self._drop(owned.name)
-        except (ValueError, RuntimeError) as e:  # engine refused the chunk: keep the worker alive
-            bound.error("chunk failed; frames dead-lettered", error=str(e))
+        except redisio.OUTAGE_ERRORS:
+            raise
+        except Exception as e:  # the engine refused the chunk: its other frames go too, the worker goes on
             for eid, _ in owned.pending:
-                redisio.dead_letter(self.r, frames_key, eid, {}, f"chunk failed: {e}", group=keys.ENCODER_GROUP)
+                if eid != entry_id:
+                    owned.reject(eid, {}, f"chunk failed: {type(e).__name__}: {e}"[:500])
             owned.pending = []
+            raise
+
+    def _reject(self, frames_key: str, entry_id: str, fields: dict, reason: str) -> None:
+        name = keys.stream_of(frames_key)
+        owned = self.owned.get(name)
+        if owned is not None:
+            owned.reject(entry_id, fields, reason)
+        else:
+            redisio.dead_letter(self.r, frames_key, entry_id, fields, reason, group=keys.ENCODER_GROUP)
+            event(self.r, name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
     def _drop(self, name: str) -> None:
         self.owned.pop(name, None)
@@ -122,5 +171,5 @@ class EncoderService:
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(EncoderConfig, argv, "streamvqa encoder")
     rt = boot.load_runtime(cfg.model, cfg.device)
-    EncoderService(cfg, rt, r, open_store(cfg.segment_store, r)).run(boot.stop_on_signals())
-    return 0
+    service = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r))
+    return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

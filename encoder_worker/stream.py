@@ -3,6 +3,11 @@
 Exactly-once into the cache: a version records the last frame seq it holds, frames are acked
 only after the version containing them is published, and a redelivered frame at or below
 that seq is acked and skipped.
+
+The stream's own history is the reference for what a frame may claim: its seq must follow the
+last one within a bound (``frame_follow_problem``), and an end-of-stream marker is obeyed only
+when it names the last frame seen (ingest writes EndOfStream(last seq it sent) after that frame).
+Anything else is dead-lettered with an event, so one forged entry cannot stop the stream.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from common.wire.schemas import (
     Manifest,
     SchemaError,
     encode_manifest,
+    frame_follow_problem,
     manifest_from_bytes,
     manifest_to_bytes,
 )
@@ -59,36 +65,64 @@ class OwnedStream:
         self.dropped_late = 0
         self._last_drop_event = -DROP_EVENT_EVERY_S
         self.ended = False
+        self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
 
     @property
     def last_seq(self) -> int:
         cached = self.engine.head.last_frame_seq
         return max(cached, self.pending[-1][1].seq) if self.pending else cached
 
+    @property
+    def last_ts(self) -> float | None:
+        if self.pending:
+            return self.pending[-1][1].ts
+        captured = self.engine.head.capture_range
+        return captured[1] if captured else None
+
     def add(self, entry_id: str, msg: FrameMsg | EndOfStream) -> Version | None:
         """Take one frames-stream entry; returns the version published because of it, if any."""
         frames_key = keys.frames(self.name)
+        if any(eid == entry_id for eid, _ in self.pending):
+            return None  # read again after an outage: already waiting for its chunk, not acked yet
         if isinstance(msg, EndOfStream):
-            version = self.flush()
-            self.ended = True
-            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
-            event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
-            return version
+            return self._end(entry_id, msg)
         if msg.seq <= self.last_seq:
             metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
             self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
             return None
         grid = self.engine.spec.grid
         if (msg.h, msg.w) != (grid.height, grid.width):
-            metrics.FRAMES_DROPPED.labels(self.name, "bad").inc()
             reason = f"frame is {msg.h}x{msg.w}, the stream's grid is {grid.height}x{grid.width}"
-            redisio.dead_letter(self.r, frames_key, entry_id, {"seq": str(msg.seq)}, reason, group=keys.ENCODER_GROUP)
+            self.reject(entry_id, {"seq": str(msg.seq)}, reason)
+            return None
+        problem = frame_follow_problem(self.last_seq, self.last_ts, msg, self.engine.spec.fps, self.live)
+        if problem is not None:
+            self.reject(entry_id, {"seq": str(msg.seq), "ts": repr(msg.ts)}, problem)
             return None
         if self.live and time.time() - msg.ts > self.cfg.max_lag_s:
             self._drop_late(entry_id)  # behind real time: skip rather than fall further behind
             return None
         self.pending.append((entry_id, msg))
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
+
+    def _end(self, entry_id: str, msg: EndOfStream) -> Version | None:
+        """Obey an end-of-stream marker only if it names the last frame seen (see module doc)."""
+        if msg.seq != self.last_seq:
+            reason = f"end of stream at seq {msg.seq}, but the last frame is {self.last_seq}"
+            self.reject(entry_id, {"seq": str(msg.seq)}, reason)
+            return None
+        version = self.flush()
+        self.ended = True
+        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
+        event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
+        return version
+
+    def reject(self, entry_id: str, fields: dict, reason: str) -> None:
+        """Dead-letter one frames entry (acked) and say so on the stream's events."""
+        metrics.FRAMES_DROPPED.labels(self.name, "bad").inc()
+        log.warning("frame dead-lettered", stream=self.name, entry=entry_id, reason=reason)
+        redisio.dead_letter(self.r, keys.frames(self.name), entry_id, fields, reason, group=keys.ENCODER_GROUP)
+        event(self.r, self.name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
     def _drop_late(self, entry_id: str) -> None:
         metrics.FRAMES_DROPPED.labels(self.name, "late").inc()
@@ -99,16 +133,23 @@ class OwnedStream:
             event(self.r, self.name, "dropped", reason="late", total=self.dropped_late, max_lag_s=self.cfg.max_lag_s)
 
     def flush(self) -> Version | None:
-        """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them."""
+        """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them.
+
+        Resumable: after an outage between encoding and acking, calling it again publishes and
+        acks what is already encoded instead of encoding it twice.
+        """
         if not self.pending:
             return None
         ids = [eid for eid, _ in self.pending]
         frames = [m for _, m in self.pending]
-        t0 = time.perf_counter()
-        version = self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
-        metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
-        metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
-        self.publish(version)
+        if self.engine.head.last_frame_seq < frames[-1].seq:
+            t0 = time.perf_counter()
+            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
+            metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
+            metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
+        version = self.engine.head
+        if self.published != version.id:
+            self.publish(version)
         self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
         self.pending = []
         lag = time.time() - frames[-1].ts if self.live else None
@@ -144,9 +185,24 @@ class OwnedStream:
                 pipe.execute()
             except redis.WatchError:
                 raise LeaseLost(self.name) from None
+        self.published = version.id
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
         self.store.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
+
+    def resume(self) -> bool:
+        """After an outage: False if the stream is no longer ours (the lease went to another
+        encoder, or `head` holds a version we did not write); else finish an interrupted chunk."""
+        raw = self.r.get(keys.head(self.name))
+        on_head = manifest_from_bytes(raw).version if raw is not None else None
+        if on_head == self.engine.head.id:
+            self.published = on_head  # the publish landed; only its reply was lost
+        elif on_head != self.published:
+            log.warning("head changed during the outage; reopening", stream=self.name, head=on_head)
+            return False
+        if self.pending and self.engine.head.last_frame_seq >= self.pending[-1][1].seq:
+            self.flush()
+        return True
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:

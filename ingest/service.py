@@ -7,7 +7,7 @@ import threading
 import redis
 import structlog
 
-from common import boot
+from common import boot, redisio
 from common.config import load_cameras_file
 from ingest.config import IngestConfig
 from ingest.source import Source, SourceSpec
@@ -41,7 +41,11 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
     def one(source: Source) -> None:
         try:
             results[source.spec.stream] = source.run()
-        except redis.RedisError as e:  # Redis gone past the client's retries: exit non-zero, get restarted
+        except redisio.RedisGone as e:  # past the grace period: exit 3, get restarted
+            log.error("redis gone past the grace period; source stopped", stream=source.spec.stream, error=str(e))
+            results[source.spec.stream] = 3
+            stop.set()
+        except redis.RedisError as e:  # Redis refused a command: exit non-zero, get restarted
             log.error("redis failed; source stopped", stream=source.spec.stream, error=str(e))
             results[source.spec.stream] = 1
             stop.set()
@@ -51,6 +55,8 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
         t.start()
     for t in threads:
         t.join()
+    if 3 in results.values():
+        return 3
     failed = [name for name, rc in results.items() if rc]
     if failed:
         log.error("no usable frames", streams=failed)

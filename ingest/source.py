@@ -20,14 +20,27 @@ import structlog
 
 from common import metrics, redisio
 from common.engine.grid import Grid, choose_grid
+from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
-from common.wire.schemas import EndOfStream, FrameMsg, SchemaError, decode_frame, encode_frame
+from common.wire.schemas import (
+    EndOfStream,
+    FrameMsg,
+    SchemaError,
+    decode_frame,
+    encode_frame,
+    frame_follow_problem,
+    manifest_from_bytes,
+)
 from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
 
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+RESUME_SCAN = 200  # newest frames entries searched for the last valid frame when resuming
+FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
+FPS_WINDOW_FRAMES = 4096  # enough for any sane fps over the window
+UP_EVENTS = {"connected": 1, "error": 0, "stalled": 0, "reconnecting": 0, "gave_up": 0, "eof": 0}
 
 
 @dataclass(frozen=True)
@@ -55,14 +68,16 @@ class Source:
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()
-        self._recent: deque[float] = deque(maxlen=20)  # publish times, for the fps gauge
+        self.last_pts = self.resume_pts  # of the newest frame published
+        self._recent: deque[float] = deque(maxlen=FPS_WINDOW_FRAMES)  # publish times (monotonic)
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
+        self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
         if self.resume_pts == float("inf"):
-            self.log.info("file already published to its end", url=self.spec.url)
+            self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
         delay = self.cfg.reconnect_min_s
         finished = False
@@ -76,6 +91,10 @@ class Source:
                 self.event("error", error=str(e))
                 if not self.live:
                     break
+            except redisio.OUTAGE_ERRORS as e:  # wait for Redis, then reopen and go on where we were
+                redisio.ride_out(self.r, e, self.cfg.redis_grace_s, self.stop)
+                self.resume_pts = self.last_pts
+                continue
             self.stats.reconnects += 1
             metrics.RECONNECTS.labels(self.spec.stream).inc()
             if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
@@ -86,7 +105,8 @@ class Source:
             self.stop.wait(wait)
             delay = min(delay * 2, self.cfg.reconnect_max_s)
         if not self.live and finished:  # interrupted files resume later instead of ending
-            self._publish(EndOfStream(self.next_seq - 1))
+            end = EndOfStream(self.next_seq - 1)
+            redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
             self.event("eof", frames=self.stats.published, decode_errors=self.stats.decode_errors)
         return 0 if self.stats.published or self.next_seq > 0 else 1
 
@@ -99,7 +119,7 @@ class Source:
         session_over = threading.Event()
         try:
             grid = self._grid(container)
-            self.event("connected", url=self.spec.url, grid=f"{grid.height}x{grid.width}")
+            self.event("connected", url=redact_url(self.spec.url), grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
             decoder = threading.Thread(
                 target=self._decode,
@@ -137,7 +157,7 @@ class Source:
                 self.stats.stalls += 1
                 metrics.STALLS.labels(self.spec.stream).inc()
                 self.event("stalled", after_s=self.cfg.read_timeout_s)
-                raise SourceError(f"{self.spec.url}: no frame for {self.cfg.read_timeout_s:g} s") from None
+                raise SourceError(f"{redact_url(self.spec.url)}: no frame for {self.cfg.read_timeout_s:g} s") from None
             if item is _END:
                 return True
             if isinstance(item, Exception):
@@ -159,17 +179,37 @@ class Source:
         pipe = self.r.pipeline(transaction=False)
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
-        pipe.xadd(keys.frames(self.spec.stream), encode_frame(msg), maxlen=self.cfg.frames_maxlen, approximate=True)
+        fields = encode_frame(msg, codec=self.cfg.frame_codec)
+        pipe.xadd(keys.frames(self.spec.stream), fields, **self._trim())
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
+            self.last_pts = msg.pts
             self.stats.published += 1
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
+            metrics.FRAME_BYTES.labels(self.spec.stream).inc(sum(len(v) for v in fields.values()))
             self._recent.append(time.monotonic())
-            if len(self._recent) > 1:
-                metrics.INGEST_FPS.labels(self.spec.stream).set(
-                    (len(self._recent) - 1) / max(self._recent[-1] - self._recent[0], 1e-6)
-                )
+
+    def _trim(self) -> dict[str, int | str]:
+        """Live frames are kept for a time (entry ids are milliseconds), whatever the camera's fps;
+        a file is paced by the encoder (backpressure), so a count bounds it without losing frames."""
+        if self.live or self.spec.realtime:  # exact: about one entry goes per entry added
+            return {"minid": str(int((time.time() - self.cfg.frames_max_age_s) * 1000)), "approximate": False}
+        return {"maxlen": self.cfg.frames_maxlen, "approximate": True}
+
+    def _export_gauges(self) -> None:
+        """fps and last-frame age are computed when scraped, so they fall to 0 / grow when the
+        camera dies instead of keeping the last value set."""
+        started = time.monotonic()
+        metrics.INGEST_UP.labels(self.spec.stream).set(0)
+        metrics.INGEST_FPS.labels(self.spec.stream).set_function(self.recent_fps)
+        metrics.LAST_FRAME_AGE.labels(self.spec.stream).set_function(
+            lambda: time.monotonic() - (self._recent[-1] if self._recent else started)
+        )
+
+    def recent_fps(self) -> float:
+        now = time.monotonic()
+        return sum(1 for t in self._recent if now - t <= FPS_WINDOW_S) / FPS_WINDOW_S
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
@@ -182,7 +222,8 @@ class Source:
         else:
             ctx = container.streams.video[0].codec_context
             grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
-        self._meta = StreamMeta(self.spec.fps, grid, self.live or self.spec.realtime, self.spec.url).to_hash()
+        live = self.live or self.spec.realtime
+        self._meta = StreamMeta(self.spec.fps, grid, live, redact_url(self.spec.url)).to_hash()
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
 
@@ -208,17 +249,35 @@ class Source:
         return int(lag) + int(enc["pending"])
 
     def _resume_point(self) -> tuple[int, float]:
-        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file."""
-        last = self.r.xrevrange(keys.frames(self.spec.stream), count=1)
-        if not last:
-            return 0, -1.0
+        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file.
+
+        From the newest VALID frame on the stream (garbage and forged entries are skipped: one
+        that does not follow the head version plausibly is not ours), and never below the head
+        version's last frame. A file counts as finished only when its end marker names that frame.
+        """
+        head_seq, head_ts = self._head()
+        end: EndOfStream | None = None
+        for _, fields in self.r.xrevrange(keys.frames(self.spec.stream), count=RESUME_SCAN):
+            try:
+                msg = decode_frame(fields)
+            except SchemaError:
+                continue
+            if isinstance(msg, EndOfStream):
+                end = end or msg
+                continue
+            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, live=False) is not None:
+                continue
+            finished = end is not None and end.seq == msg.seq
+            return max(msg.seq, head_seq) + 1, float("inf") if finished else msg.pts
+        return head_seq + 1, -1.0
+
+    def _head(self) -> tuple[int, float | None]:
+        """(last frame seq, its capture time) of the stream's head version; (-1, None) without one."""
         try:
-            msg = decode_frame(last[0][1])
-        except SchemaError:
-            return 0, -1.0
-        if isinstance(msg, EndOfStream):
-            return msg.seq + 1, float("inf")  # the file was finished
-        return msg.seq + 1, msg.pts
+            m = manifest_from_bytes(self.r.get(keys.head(self.spec.stream)))
+        except SchemaError:  # no head (None) or an unreadable one
+            return -1, None
+        return m.last_frame_seq, m.last_ts
 
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1
@@ -226,6 +285,9 @@ class Source:
         self.event("decode_error", error=message[:500])
 
     def event(self, kind: str, **fields: object) -> None:
+        """A log line and an entry of the stream's events; error texts may quote the URL: redacted."""
+        if kind in UP_EVENTS:
+            metrics.INGEST_UP.labels(self.spec.stream).set(UP_EVENTS[kind])
         self.log.info(kind, **fields)
         redisio.event(self.r, self.spec.stream, "ingest", kind, **fields)
 

@@ -3,6 +3,11 @@
 Errors are answers: anything wrong with a question becomes a final entry with `error`, so the
 asker is never left waiting and the worker never stops. The final entry is written before the
 question is acked; a redelivered question whose final answer exists is only acked.
+
+`handle` is the per-entry function; `handle_entries` runs it inside the processing boundary
+(`redisio.process`): any exception, or a question delivered more than `max_deliveries` times
+(one that killed its worker before), becomes an error reply (or a dead letter when the entry
+has no usable id). The delivery count is the answer's attempt number, carried by every delta.
 """
 
 from __future__ import annotations
@@ -43,14 +48,25 @@ class Answerer:
         lookup: VersionLookup,
         serves: Callable[[str], bool],
         *,
+        consumer: str = "qa",
         reply_ttl_s: int = 3600,
+        max_reply_ttl_s: int = 86_400,
         answers_maxlen: int = 10_000,
+        max_deliveries: int = redisio.MAX_DELIVERIES,
     ):
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
-        self.reply_ttl_s, self.answers_maxlen = reply_ttl_s, answers_maxlen
+        self.consumer, self.max_deliveries = consumer, max_deliveries
+        self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
 
-    def handle(self, entry_id: str, fields: dict) -> None:
-        """Answer one `svqa:questions` entry and ack it; never raises for what the entry holds."""
+    def handle_entries(self, entries: list[redisio.Entry]) -> None:
+        """Answer `svqa:questions` entries, each inside the processing boundary; never raises for
+        what an entry holds (only for Redis being unreachable)."""
+        redisio.process(
+            self.r, keys.QA_GROUP, self.consumer, entries, self.handle, self.reject, max_deliveries=self.max_deliveries
+        )
+
+    def handle(self, _stream: str, entry_id: str, fields: dict, attempt: int = 1) -> None:
+        """Answer one entry and ack it (``attempt``: its delivery count, carried by the deltas)."""
         qid = question_id_of(fields, entry_id)
         if qid is None:
             redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, "no usable question id", group=keys.QA_GROUP)
@@ -59,9 +75,10 @@ class Answerer:
         if self._already_answered(qid):
             bound.info("redelivered question already answered")
         else:
+            metrics.QUEUE_WAIT_SECONDS.observe(queue_wait_s(entry_id))
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
-                final, ttl = self._answer(qid, entry_id, fields, bound)
+                final, ttl = self._answer(qid, entry_id, fields, attempt, bound)
             self._finish(final, ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
@@ -69,17 +86,29 @@ class Answerer:
                 metrics.FIRST_TOKEN_SECONDS.observe(final.first_token_s)
         self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
 
-    def _answer(self, qid: str, entry_id: str, fields: dict, bound) -> tuple[FinalAnswer, int]:
+    def reject(self, _stream: str, entry_id: str, fields: dict, reason: str) -> None:
+        """The boundary's verdict on an entry that failed: an error reply if it has an id, else a
+        dead letter; acked either way."""
+        qid = question_id_of(fields, entry_id)
+        if qid is None:
+            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, reason, group=keys.QA_GROUP)
+            return
+        if not self._already_answered(qid):
+            self._finish(FinalAnswer(id=qid, stream=None, error=f"question not answered: {reason}"), self.reply_ttl_s)
+            metrics.QUESTIONS.labels("error").inc()
+        self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
+
+    def _answer(self, qid: str, entry_id: str, fields: dict, attempt: int, bound) -> tuple[FinalAnswer, int]:
         """The final answer and how long its reply stream lives."""
         try:
             q = parse_question(fields, entry_id=entry_id)
         except SchemaError as e:
             bound.warning("bad question", error=str(e))
             return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}"), self.reply_ttl_s
-        ttl = q.reply_ttl or self.reply_ttl_s
-        return self._answer_valid(q, bound.bind(stream=q.stream), ttl), ttl
+        ttl = min(q.reply_ttl or self.reply_ttl_s, self.max_reply_ttl_s)
+        return self._answer_valid(q, bound.bind(stream=q.stream), ttl, attempt), ttl
 
-    def _answer_valid(self, q: Question, bound, ttl: int) -> FinalAnswer:
+    def _answer_valid(self, q: Question, bound, ttl: int, attempt: int) -> FinalAnswer:
         qid = q.id
         if not self.serves(q.stream):
             return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}")
@@ -91,7 +120,7 @@ class Answerer:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry
         try:
-            final = self._run(q, version, ttl)
+            final = self._run(q, version, ttl, attempt)
         except QuestionError as e:
             return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
         except (RuntimeError, ValueError) as e:  # e.g. out of GPU memory: this question fails, the worker goes on
@@ -100,7 +129,7 @@ class Answerer:
         bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
         return final
 
-    def _run(self, q: Question, version: Version, ttl: int) -> FinalAnswer:
+    def _run(self, q: Question, version: Version, ttl: int, attempt: int) -> FinalAnswer:
         t0 = time.perf_counter()
         t_range = version.capture_range or (None, None)
         common = dict(
@@ -121,7 +150,7 @@ class Answerer:
         reply = keys.answer(q.id)
 
         def delta(text: str) -> None:
-            self.r.xadd(reply, encode_delta(text))
+            self.r.xadd(reply, encode_delta(text, attempt))
             self.r.expire(reply, ttl)
 
         answer = ask(self.rt, version, q.question, params, on_delta=delta)
@@ -144,3 +173,9 @@ class Answerer:
         pipe.expire(keys.answer(final.id), ttl)
         pipe.xadd(keys.ANSWERS, fields, maxlen=self.answers_maxlen, approximate=True)
         pipe.execute()
+
+
+def queue_wait_s(entry_id: str | bytes) -> float:
+    """Seconds since the question entered the queue (its stream id's milliseconds), never < 0."""
+    ms = (entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-", 1)[0]
+    return max(0.0, time.time() - int(ms) / 1000) if ms.isdigit() else 0.0

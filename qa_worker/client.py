@@ -2,6 +2,12 @@
 
 The protocol is plain Redis: XADD a question to `svqa:questions`, read `svqa:answer:{id}` until
 the entry with type=final. Nothing here is needed to use it (redis-cli works the same).
+
+Answer-stream entries: `type=delta` with `text` and `attempt` (1, 2, …: how often the question
+was taken up), then one `type=final`. When a worker dies mid-answer, another answers again from
+the start with the next attempt number: a reader keeps only the deltas of the highest attempt it
+has seen and drops what it held of earlier ones, so the deltas it keeps concatenate to the
+final text.
 """
 
 from __future__ import annotations
@@ -16,9 +22,18 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from common import redisio
+from common import boot
+from common.logs import configure_logging
 from common.wire import keys
-from common.wire.schemas import AnswerDelta, FinalAnswer, Question, decode_answer, encode_question
+from common.wire.schemas import (
+    AnswerDelta,
+    FinalAnswer,
+    Question,
+    SchemaError,
+    check_stream_name,
+    decode_answer,
+    encode_question,
+)
 
 
 class Client:
@@ -50,12 +65,22 @@ class Client:
         question: str,
         on_delta: Callable[[str], None] | None = None,
         timeout_s: float = 120.0,
+        on_restart: Callable[[int], None] | None = None,
         **options,
     ) -> FinalAnswer:
+        """Ask and wait for the final answer. ``on_delta`` gets text as it is decoded; when the
+        answer starts over (its worker died), ``on_restart(attempt)`` says to drop what it got."""
         qid = self.submit(stream, question, **options)
+        attempt = 0
         for reply in self.replies(qid, timeout_s):
             if isinstance(reply, FinalAnswer):
                 return reply
+            if reply.attempt < attempt:
+                continue  # a dead attempt's delta, read after its successor's
+            if reply.attempt > attempt:
+                if attempt and on_restart:
+                    on_restart(reply.attempt)
+                attempt = reply.attempt
             if on_delta:
                 on_delta(reply.text)
         raise AssertionError("unreachable")
@@ -77,16 +102,32 @@ def main(argv: list[str]) -> int:
     else:
         p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
     ns = p.parse_args(rest)
-    client = Client(redisio.connect(ns.redis_url))
-    if command == "ask":
-        return _ask(client, ns)
-    return _transcript(client, ns)
+    configure_logging("WARNING")
+    prog = f"streamvqa {command}"
+    try:
+        check_stream_name("stream", ns.stream)
+    except SchemaError as e:
+        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    client = Client(boot.connect_tool(ns.redis_url, prog))
+    try:
+        return _ask(client, ns) if command == "ask" else _transcript(client, ns)
+    except SchemaError as e:
+        boot.fail(boot.EXIT_CONFIG, "bad question", service=prog, error=str(e))
+    except redis.RedisError as e:
+        boot.fail(boot.EXIT_REDIS, "redis failed", service=prog, error=str(e))
+    except TimeoutError as e:
+        boot.fail(1, "no answer", service=prog, error=str(e))
 
 
 def _ask(client: Client, ns: argparse.Namespace) -> int:
     options = {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
     final = client.ask(
-        ns.stream, ns.question, on_delta=lambda t: print(t, end="", flush=True), timeout_s=ns.timeout, **options
+        ns.stream,
+        ns.question,
+        on_delta=lambda t: print(t, end="", flush=True),
+        timeout_s=ns.timeout,
+        on_restart=_restarted,
+        **options,
     )
     if final.error:
         print(f"error: {final.error}", file=sys.stderr)
@@ -97,6 +138,12 @@ def _ask(client: Client, ns: argparse.Namespace) -> int:
         print()
     print(json.dumps({k: v for k, v in vars(final).items() if k != "text"}, default=str), file=sys.stderr)
     return 0
+
+
+def _restarted(attempt: int) -> None:
+    """The worker died mid-answer: end the partial line, so stdout's last line is the whole answer."""
+    print(flush=True)
+    print(f"(answer restarted from the beginning: attempt {attempt})", file=sys.stderr, flush=True)
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:

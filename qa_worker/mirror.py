@@ -43,11 +43,13 @@ class StreamMirror:
         state = from_manifest(manifest)
         if self.cache is None:
             self.cache = self.rt.new_cache(state.spec, EvictionPolicy())
-        with self.rt.gpu_lock:  # GPU copies never run while a question's decode graph is being captured
-            version = self.cache.apply(state.cache, lambda seg: self.store.get(self.name, seg.id, self.rt.device))
-        # Keep recent versions answerable by id, but only those in the head's arena: an older one
-        # would pin a whole arena that an eviction already replaced.
-        self.recent = {vid: v for vid, v in self.recent.items() if v.view.kv is version.view.kv}
+        cache = self.cache
+        # Storage I/O here, in the mirror's thread; only the copies to the device wait for the GPU.
+        loaded = {seg.id: self.store.get(self.name, seg.id) for seg in cache.missing(state.cache)}
+        version = self.rt.executor.call(lambda: cache.apply(state.cache, lambda seg: loaded[seg.id]))
+        # Keep recent versions answerable by id, but only those in the head's region: an older one
+        # would pin a whole region that an eviction already replaced.
+        self.recent = {vid: v for vid, v in self.recent.items() if v.region is version.region}
         self.recent[version.id] = version
         for old in sorted(self.recent)[:-RECENT_VERSIONS]:
             del self.recent[old]
@@ -70,6 +72,9 @@ class Mirror:
 
     def serves(self, stream: str) -> bool:
         return stream in self.streams
+
+    def wait_ready(self, stop: threading.Event) -> None:
+        """Ready at once: the constructor caught up every stream from its head."""
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

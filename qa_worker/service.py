@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import redis
@@ -27,6 +28,8 @@ from qa_worker.mirror import Mirror
 
 log = structlog.get_logger()
 
+PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the questions group
+
 
 class VersionSource(Protocol):
     """Where versions come from: a Mirror (separate encoder) or the encoder in this process."""
@@ -34,6 +37,7 @@ class VersionSource(Protocol):
     def get(self, stream: str, at: int | None = None) -> Version | None: ...
     def serves(self, stream: str) -> bool: ...
     def run(self, stop: threading.Event) -> None: ...
+    def wait_ready(self, stop: threading.Event) -> None: ...
 
 
 def served_streams(cfg: QAConfig) -> list[str]:
@@ -45,23 +49,51 @@ class QAService:
         self.cfg, self.rt, self.r = cfg, rt, r
         self.versions = versions
         self.answerer = Answerer(
-            rt, r, versions.get, versions.serves, reply_ttl_s=cfg.reply_ttl_s, answers_maxlen=cfg.answers_maxlen
+            rt,
+            r,
+            versions.get,
+            versions.serves,
+            consumer=cfg.consumer,
+            reply_ttl_s=cfg.reply_ttl_s,
+            max_reply_ttl_s=cfg.max_reply_ttl_s,
+            answers_maxlen=cfg.answers_maxlen,
+            max_deliveries=cfg.max_deliveries,
         )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
         self.jobs = JobRunner(r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir)
         self.reader = redisio.GroupReader(
-            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=1, block_ms=cfg.block_ms
+            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
+        # Questions are answered side by side, so the GPU scheduler batches their decode steps; a
+        # free slot is taken before an entry is read, so at most max_in_flight are taken at once.
+        self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
+        self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
         self._last_claim = 0.0
+        self._last_prune = time.monotonic()
+        self.versions_failed: BaseException | None = None
 
     def run(self, stop: threading.Event) -> None:
         log.info("qa started", consumer=self.cfg.consumer)
-        versions = threading.Thread(target=self.versions.run, args=(stop,), name="versions", daemon=True)
+        versions = threading.Thread(target=self._run_versions, args=(stop,), name="versions", daemon=True)
         versions.start()
-        while not stop.is_set():
-            self.step()
+        # Questions wait until the streams this worker serves are restored: after a restart, a
+        # stream with a head must not answer "no frames yet".
+        self.versions.wait_ready(stop)
+        redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.reader.reset)
+        self.questions_pool.shutdown(wait=True)  # questions in flight get their final answers
         self.jobs.flush()
         versions.join(timeout=30)
+        if self.versions_failed is not None:
+            raise self.versions_failed
+
+    def _run_versions(self, stop: threading.Event) -> None:
+        """The versions thread; if it dies the whole worker stops (no half-alive worker)."""
+        try:
+            self.versions.run(stop)
+        except BaseException as e:
+            log.exception("versions thread failed; stopping")
+            self.versions_failed = e
+            stop.set()
 
     def step(self) -> None:
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
@@ -69,16 +101,33 @@ class QAService:
             stale = redisio.claim_stale(
                 self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms
             )
-            for _, entry_id, fields in stale:
-                self.answerer.handle(entry_id, fields)
-        for _, entry_id, fields in self.reader.read():
-            self.answerer.handle(entry_id, fields)
+            self._dispatch(stale)
+            redisio.trim_consumed(self.r, keys.QUESTIONS, keys.QA_GROUP)
+        self._dispatch(self.reader.read())
+        if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
+            self._last_prune = time.monotonic()
+            redisio.prune_consumers(self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
+
+    def _dispatch(self, entries: list[redisio.Entry]) -> None:
+        for entry in entries:
+            self.slots.acquire()
+            self.questions_pool.submit(self._answer_one, entry)
+
+    def _answer_one(self, entry: redisio.Entry) -> None:
+        try:
+            self.answerer.handle_entries([entry])
+        except redisio.OUTAGE_ERRORS as e:  # left pending: answered once Redis is back (claim_stale)
+            log.warning("question left pending: Redis unreachable", entry=entry[1], error=str(e))
+        except Exception:
+            log.exception("question handling failed", entry=entry[1])
+        finally:
+            self.slots.release()
 
 
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(QAConfig, argv, "streamvqa qa")
     rt = boot.load_runtime(cfg.model, cfg.device)
     mirror = Mirror(rt, r, open_store(cfg.segment_store, r), served_streams(cfg), cfg.block_ms)
-    QAService(cfg, rt, r, mirror).run(boot.stop_on_signals())
-    return 0
+    service = QAService(cfg, rt, r, mirror)
+    return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

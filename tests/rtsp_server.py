@@ -64,8 +64,10 @@ class RtspServer:
         fps: int = 10,
         width: int = 320,
         height: int = 240,
+        credentials: tuple[str, str] | None = None,
     ) -> None:
         self.port = port  # 0 = let the server pick; the real port is known after start()
+        self.credentials = credentials  # (user, password): RTSP basic auth required
         self.path = path if path.startswith("/") else "/" + path
         self.file = file
         self.fps, self.width, self.height = fps, width, height
@@ -73,7 +75,8 @@ class RtspServer:
 
     @property
     def url(self) -> str:
-        return f"rtsp://127.0.0.1:{self.port}{self.path}"
+        userinfo = f"{self.credentials[0]}:{self.credentials[1]}@" if self.credentials else ""
+        return f"rtsp://{userinfo}127.0.0.1:{self.port}{self.path}"
 
     def start(self, timeout_s: float = 15.0) -> RtspServer:
         """Spawn the server and wait until it printed READY and its port accepts connections."""
@@ -95,6 +98,8 @@ class RtspServer:
         ]
         if self.file:
             cmd += ["--file", os.path.abspath(self.file)]
+        if self.credentials:
+            cmd += ["--user", self.credentials[0], "--password", self.credentials[1]]
         # Own session: a kill never reaches the test runner; stderr inherited so failures show in pytest.
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
         deadline = time.monotonic() + timeout_s
@@ -181,7 +186,9 @@ def _file_launch(path: str) -> str:
     )
 
 
-def serve(port: int, path: str, file: str | None, fps: int, width: int, height: int) -> None:
+def serve(
+    port: int, path: str, file: str | None, fps: int, width: int, height: int, credentials: tuple[str, str] | None
+) -> None:
     try:
         import gi
     except ImportError as exc:
@@ -204,6 +211,8 @@ def serve(port: int, path: str, file: str | None, fps: int, width: int, height: 
     factory = GstRtspServer.RTSPMediaFactory()
     factory.set_launch(launch)
     factory.set_shared(shared)
+    if credentials:
+        _require_basic_auth(GstRtspServer, server, factory, *credentials)
     server.get_mount_points().add_factory(path, factory)
     if server.attach(None) == 0:
         raise SystemExit(f"cannot listen on 127.0.0.1:{port}")
@@ -214,6 +223,19 @@ def serve(port: int, path: str, file: str | None, fps: int, width: int, height: 
     loop.run()
 
 
+def _require_basic_auth(rtsp, server, factory, user: str, password: str) -> None:
+    """Only clients with these credentials may play the mount (401 otherwise)."""
+    auth = rtsp.RTSPAuth()
+    token = rtsp.RTSPToken()
+    token.set_string("media.factory.role", "viewer")
+    auth.add_basic(rtsp.RTSPAuth.make_basic(user, password), token)
+    server.set_auth(auth)
+    permissions = rtsp.RTSPPermissions()
+    permissions.add_permission_for_role("viewer", "media.factory.access", True)
+    permissions.add_permission_for_role("viewer", "media.factory.construct", True)
+    factory.set_permissions(permissions)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="RTSP test server (GStreamer); run with /usr/bin/python3")
     parser.add_argument("--port", type=int, default=8554, help="0 picks a free port")
@@ -222,9 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fps", type=int, default=10)
     parser.add_argument("--width", type=int, default=320)
     parser.add_argument("--height", type=int, default=240)
+    parser.add_argument("--user", help="require RTSP basic auth with --user and --password")
+    parser.add_argument("--password")
     args = parser.parse_args(argv)
     path = args.path if args.path.startswith("/") else "/" + args.path
-    serve(args.port, path, args.file, args.fps, args.width, args.height)
+    credentials = (args.user, args.password) if args.user else None
+    serve(args.port, path, args.file, args.fps, args.width, args.height, credentials)
 
 
 if __name__ == "__main__":

@@ -182,7 +182,7 @@ def field_names(classes: tuple[type, ...]) -> set[str]:
 def metrics_port_in(healthcheck: dict[str, Any]) -> int | None:
     test = healthcheck.get("test")
     text = test if isinstance(test, str) else " ".join(test)
-    m = re.search(r"https?://(?:127\.0\.0\.1|localhost):(\d+)/metrics", text)
+    m = re.search(r"https?://(?:127\.0\.0\.1|localhost):(\d+)/health/ready", text)
     return int(m.group(1)) if m else None
 
 
@@ -211,6 +211,7 @@ def test_env_example_lists_every_interpolated_variable_with_its_default(raw, env
         defaults.setdefault(name, set()).add(arg if op else "")
     for name, values in defaults.items():
         assert len(values) == 1, f"{name} has different defaults in compose.yaml: {sorted(values)}"
+    env_example = {k: v for k, v in env_example.items() if not k.startswith("COMPOSE_")}  # compose's own
     assert set(defaults) == set(env_example), (
         f"missing from .env.example: {sorted(set(defaults) - set(env_example))}; "
         f"not used by compose.yaml: {sorted(set(env_example) - set(defaults))}"
@@ -276,19 +277,22 @@ def test_commands_are_real_subcommands(compose):
     assert {sub for sub, _ in python_services(compose).values()} >= set(CONFIG_CLASSES)
 
 
-def test_default_profile_runs_a_whole_pipeline_and_split_adds_encoder_and_qa(compose):
+def test_each_profile_runs_one_whole_pipeline_and_never_both(compose, env_example):
+    """`--profile one-gpu` (the .env.example default) or `--profile split`: never the worker and
+    the split roles at once (three GPU processes for one job)."""
     services = compose["services"]
-    default = {n for n, s in services.items() if not s.get("profiles")}
     commands = {n: sub for n, (sub, _) in python_services(compose).items()}
-    assert "redis" in default
-    assert {commands.get(n) for n in default} >= {"ingest", "worker"}, "`docker compose up` needs ingest + worker"
-    split = {n for n, s in services.items() if "split" in (s.get("profiles") or [])}
-    assert {commands[n] for n in split} == {"encoder", "qa"}
-    for name, svc in services.items():  # a default service must not wait for one that is off
-        deps = svc.get("depends_on") or {}
-        for target in deps:
-            if name in default:
-                assert target in default, f"{name} depends on {target}, which is only in a profile"
+    always = {n for n, s in services.items() if not s.get("profiles")}
+    assert {commands.get(n) for n in always} - {None} == {"ingest"} and "redis" in always
+    by_profile: dict[str, set[str]] = {}
+    for name, svc in services.items():
+        for profile in svc.get("profiles") or []:
+            by_profile.setdefault(profile, set()).add(commands.get(name))
+    assert by_profile == {"one-gpu": {"worker"}, "split": {"encoder", "qa"}}
+    assert env_example["COMPOSE_PROFILES"] == "one-gpu"
+    for name, svc in services.items():  # a service that always runs must not wait for one that may be off
+        if name in always:
+            assert set(svc.get("depends_on") or {}) <= always, f"{name} depends on a service in a profile"
 
 
 def test_depends_on_targets_exist_and_are_healthchecked(compose):
@@ -313,8 +317,9 @@ def test_metrics_ports_healthchecks_and_restart(compose):
         seen[port] = name
         assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
         assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
-        # ingest restarts on failure only: a finished file source must not be replayed forever
-        expected = "on-failure" if sub == "ingest" else "unless-stopped"
+        # ingest restarts on failure only: a finished file source must not be replayed forever;
+        # GPU roles a few times only: a model that cannot load (exit 4) must not restart-loop
+        expected = "on-failure" if sub == "ingest" else "on-failure:5"
         assert svc.get("restart") == expected, f"{name}: restart policy"
     redis = compose["services"]["redis"]
     assert redis.get("restart") == "unless-stopped"
@@ -500,3 +505,34 @@ def test_dockerignore_sends_the_package_and_no_secrets():
     assert not kept_out, f".dockerignore excludes what `pip install .` needs: {kept_out}"
     for secret in (".env", "deploy/cameras.yaml", ".git/config", ".venv/bin/python", "tests/test_compose.py"):
         assert dockerignored(secret, patterns), f".dockerignore lets {secret} into the build context"
+
+
+def test_image_torch_and_dependencies_are_pinned_like_the_setup():
+    """The image runs what `make test` tested: the same torch, every other package pinned."""
+    docker_torch = re.search(r"ARG TORCH_VERSION=(\S+)", DOCKERFILE.read_text()).group(1)
+    setup_torch = re.search(r'TORCH_VERSION="\$\{TORCH_VERSION:-([^}]+)\}"', (REPO / "scripts/setup.sh").read_text())
+    assert docker_torch == setup_torch.group(1)
+    constraints = REPO / "deploy" / "constraints.txt"
+    pins = dict(
+        line.split("==", 1) for line in constraints.read_text().splitlines() if line and not line.startswith("#")
+    )
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+
+    def norm(name: str) -> str:  # PEP 503: prometheus_client == prometheus-client
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    pinned = {norm(p) for p in pins}
+    for dep in pyproject["project"]["dependencies"]:
+        name = norm(re.match(r"[A-Za-z0-9_.-]+", dep).group(0))
+        assert name == "torch" or name in pinned, f"{name} not pinned in {constraints}"
+    assert "-c constraints.txt" in DOCKERFILE.read_text()
+    patterns = [
+        line.strip() for line in DOCKERIGNORE.read_text().splitlines() if line.strip() and not line.startswith("#")
+    ]
+    assert not dockerignored("deploy/constraints.txt", patterns)
+
+
+def test_image_is_tagged_with_the_package_version(compose):
+    version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    for name, (_, svc) in python_services(compose).items():
+        assert svc["image"] == f"streamvqa:{version}", f"{name}: image tag"

@@ -10,13 +10,21 @@ import pytest
 import redis
 
 from common.redisio import (
+    DEAD_LETTER_MAX_FIELDS,
+    DEAD_LETTER_MAX_VALUE,
     GroupReader,
+    RedisGone,
+    call_riding_out,
     claim_stale,
     connect,
     dead_letter,
     ensure_group,
+    process,
+    prune_consumers,
     read_group,
     redact,
+    ride_out,
+    trim_consumed,
     wait_for_redis,
     xadd_capped,
 )
@@ -101,18 +109,110 @@ def test_claim_stale_moves_entries_of_dead_consumer(redis_url):
     assert _ids(read_group(r, [S], G, "alive", block_ms=100)) == ids
 
 
-def test_claim_stale_dead_letters_poison(redis_url):
+def _dead_letter_rejecter(r):
+    def reject(stream, entry_id, fields, reason):
+        dead_letter(r, stream, entry_id, fields, reason, group=G)
+
+    return reject
+
+
+def test_process_rejects_what_raises_and_goes_on(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    _add(r, 3)
+    handled = []
+
+    def handle(stream, entry_id, fields, deliveries):
+        if fields[b"i"] == b"1":
+            raise RecursionError("maximum recursion depth exceeded")
+        handled.append((fields[b"i"], deliveries))
+        r.xack(stream, G, entry_id)
+
+    process(r, G, "c", read_group(r, [S], G, "c", block_ms=100), handle, _dead_letter_rejecter(r))
+    assert handled == [(b"0", 1), (b"2", 1)] and r.xpending(S, G)["pending"] == 0
+    ((_, rec),) = r.xrange(keys.DEAD_LETTER)
+    assert rec[b"f:i"] == b"1" and rec[b"reason"].startswith(b"RecursionError")
+
+
+def test_process_rejects_an_entry_that_keeps_killing_its_consumer_unprocessed(redis_url):
     r = connect(redis_url)
     ensure_group(r, S, G)
     poison, ok = _add(r, 2)
     read_group(r, [S], G, "c1", block_ms=100)  # delivery 1 of both
     r.xack(S, G, ok)
-    for n in range(3):  # each claim is one more delivery of the poison entry
-        got = claim_stale(r, S, G, f"c{n + 2}", min_idle_ms=0, max_deliveries=3)
-        assert _ids(got) == ([poison] if n < 2 else [])
+    handled = []
+    for n in range(4):  # each restart claims the dead consumer's entry: one more delivery each time
+        got = claim_stale(r, S, G, f"c{n + 2}", min_idle_ms=0)
+        process(r, G, f"c{n + 2}", got, lambda *a: handled.append(a[3]), _dead_letter_rejecter(r), max_deliveries=3)
+    assert handled == [2, 3], "handled (and 'crashed') twice more, then never again"
     assert r.xpending(S, G)["pending"] == 0  # acked together with the dead-letter entry
     ((_, rec),) = r.xrange(keys.DEAD_LETTER)
     assert rec[b"entry_id"] == poison.encode() and rec[b"f:i"] == b"0" and b"delivered 4" in rec[b"reason"]
+
+
+def test_process_lets_outages_through(redis_server):
+    r = connect(redis_server.url, retries=0)
+    ensure_group(r, S, G)
+    _add(r, 1)
+    entries = read_group(r, [S], G, "c", block_ms=100)
+
+    def handle(*_):
+        redis_server.stop()
+        r.ping()
+
+    with pytest.raises(redis.ConnectionError):
+        process(r, G, "c", entries, handle, _dead_letter_rejecter(r))
+
+
+def test_trim_consumed_keeps_pending_and_undelivered(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    ids = _add(r, 6)
+    read_group(r, [S], G, "c", count=4, block_ms=100)
+    r.xack(S, G, ids[0], ids[2], ids[3])  # ids[1] still pending, ids[4:] not delivered
+    trim_consumed(r, S, G)
+    left = [e.decode() for e, _ in r.xrange(S)]
+    assert ids[1] in left and left[-2:] == ids[4:]
+    for _ in range(40):  # MINID '~' trims whole nodes: many acked entries do go
+        r.xack(S, G, *_ids(read_group(r, [S], G, "d", block_ms=100)))  # "c" keeps ids[1]
+        _add(r, 10)
+    r.xack(S, G, *_ids(read_group(r, [S], G, "d", count=1000, block_ms=100)))
+    trim_consumed(r, S, G)
+    assert r.xlen(S) > 400, "the oldest pending entry holds everything after it"
+    r.xack(S, G, ids[1])
+    trim_consumed(r, S, G)
+    assert r.xlen(S) < 150
+
+
+def test_prune_consumers_removes_only_idle_ones_without_pending(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    _add(r, 1)
+    read_group(r, [S], G, "holds", block_ms=100)
+    read_group(r, [S], G, "idle", block_ms=100)
+    read_group(r, [S], G, "me", block_ms=100)
+    time.sleep(0.05)
+    assert prune_consumers(r, S, G, keep="me", idle_ms=10) == 1
+    assert {c["name"] for c in r.xinfo_consumers(S, G)} == {b"holds", b"me"}
+
+
+def test_ride_out_resumes_when_redis_is_back_and_gives_up_after_grace(redis_server):
+    r = connect(redis_server.url, retries=0)
+    redis_server.stop()
+    threading.Timer(1.0, redis_server.start).start()
+    calls = []
+
+    def step():
+        calls.append(1)
+        r.set("k", "v")
+
+    assert call_riding_out(r, step, threading.Event(), grace_s=20) is False and len(calls) == 2
+    assert r.get("k") == b"v"
+    redis_server.stop()
+    t0 = time.monotonic()
+    with pytest.raises(RedisGone, match=r"more than 0\.5 s"):
+        ride_out(r, redis.ConnectionError("gone"), grace_s=0.5)
+    assert time.monotonic() - t0 < 2
 
 
 def test_group_reader_keeps_pending_without_repeating(redis_url):
@@ -166,11 +266,14 @@ def test_dead_letter_truncates_and_acks_atomically(redis_url):
     ensure_group(r, S, G)
     (eid,) = _add(r, 1)
     read_group(r, [S], G, "c", block_ms=100)
-    dl = dead_letter(r, S, eid, {b"m": b"\x00" * 600_000, "k": "v"}, "m: invalid msgpack", group=G)
+    fields = {b"m": b"\x00" * 600_000, "k": "v", b"n" * 1_000_000: b"1"} | {f"x{i}": "" for i in range(100)}
+    dl = dead_letter(r, S, eid, fields, "m: invalid msgpack", group=G)
     assert isinstance(dl, str) and r.xpending(S, G)["pending"] == 0
     ((_, rec),) = r.xrange(keys.DEAD_LETTER)
     assert rec[b"source"] == S.encode() and rec[b"reason"] == b"m: invalid msgpack"
-    assert len(rec[b"f:m"]) == 8192 and rec[b"f:m:truncated_from"] == b"600000" and rec[b"f:k"] == b"v"
+    assert len(rec[b"f:m"]) == DEAD_LETTER_MAX_VALUE and rec[b"f:m:truncated_from"] == b"600000"
+    assert rec[b"f:k"] == b"v" and rec[b"f:" + b"n" * 64] == b"1", "a 1 MB field name is cut to 64 bytes"
+    assert rec[b"fields_truncated_from"] == b"103" and sum(k.startswith(b"f:x") for k in rec) < DEAD_LETTER_MAX_FIELDS
 
 
 def test_connect_survives_restart(redis_server):

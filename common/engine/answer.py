@@ -2,22 +2,28 @@
 
 A question costs its own tokens, whatever the length of the video behind it. The decode loop
 is ours (explicit positions, our cache), so it behaves the same on every transformers 5.x.
+
+A question is a `Generation`, a step job: each step feeds it its pending tokens (the question
+first, then the token just sampled) and samples the next one. `Generation.step_batch` advances
+any number of questions — on any streams and versions — in one forward, which is how the
+scheduler batches decoding; alone, the same code answers one question.
 """
 
 from __future__ import annotations
 
+import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from common.engine.kvcache import Version
+from common.engine.lm import Item, split_for
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
-
-CUDA_GRAPHS = True  # replay decode steps as CUDA graphs on GPUs (off: the same steps, launched eagerly)
+from common.engine.work import StepJob, fail_all
 
 
 @dataclass
@@ -30,6 +36,7 @@ class Answer:
     first_token_s: float
     total_s: float
     stop: str  # "eos" or "length"
+    first_logits: torch.Tensor | None = None  # what the first token was drawn from, when asked for
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,90 +52,23 @@ class Choice:
     version: int
 
 
-def question_suffix(question: str) -> str:
-    return f"<|vision_end|>{question}<|im_end|>\n<|im_start|>assistant\n"
-
-
-class _Session:
-    """Scratch K/V for one question on one version; the version's arena is never written."""
-
-    def __init__(self, rt: Runtime, version: Version, capacity: int):
-        self.rt, self.version = rt, version
-        self.scratch = rt.lm.new_kv(capacity, zeroed=True)  # decode steps read all of it, masked
-        self.length = 0
-
-    def feed(self, ids: list[int], pos0: int) -> torch.Tensor:
-        """Run tokens at text positions pos0.. ; returns final hidden states (L, D)."""
-        lm = self.rt.lm
-        hidden = lm.forward(
-            lm.embed(ids), text_positions(pos0, len(ids)), self.scratch, self.length, base=self.version.view
-        )
-        self.length += len(ids)
-        return hidden
-
-
-class _Decoder:
-    """One-token decode steps with fixed shapes (position and length live in device tensors). On
-    CUDA the step is captured once per question as a graph and replayed for every token: eagerly
-    a step is some two thousand small kernel launches from Python, which is what bounds decode."""
-
-    def __init__(self, session: _Session):
-        self.session = session
-        dev = session.rt.lm.device
-        self.token, self.pos, self.at = (torch.zeros(1, dtype=torch.long, device=dev) for _ in range(3))
-        self.logits: torch.Tensor | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.use_graph = CUDA_GRAPHS and dev.type == "cuda"
-
-    @torch.inference_mode()
-    def __call__(self, token: int, pos: int) -> torch.Tensor:
-        """Logits after feeding `token` at text position `pos` (valid until the next call)."""
-        self.token.fill_(token)
-        self.pos.fill_(pos)
-        self.at.fill_(self.session.length)
-        if self.use_graph and self.graph is None:
-            self._capture()
-        if self.graph is not None:
-            self.graph.replay()
-        else:
-            self._step()
-        self.session.length += 1
-        return self.logits
-
-    def _step(self) -> None:
-        lm = self.session.rt.lm
-        hidden = lm.forward(
-            lm.embed_tokens(self.token),
-            self.pos.expand(3, 1),
-            self.session.scratch,
-            self.at,
-            base=self.session.version.view,
-        )
-        self.logits = lm.lm_head(hidden[0]).float()
-
-    def _capture(self) -> None:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step()  # warm-up outside the graph (allocations, kernel selection); same inputs
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self._step()
+def question_suffix_ids(rt: Runtime, question: str) -> list[int]:
+    """``<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\n``, the question encoded as text
+    (special tokens split apart) between the template's own control tokens."""
+    head, tail = rt.encode("<|vision_end|>"), rt.encode("<|im_end|>\n<|im_start|>assistant\n")
+    return head + rt.encode(question, user=True) + tail
 
 
 def _question_ids(rt: Runtime, question: str) -> list[int]:
     if not question or not question.strip():
         raise QuestionError("empty question")
-    ids = rt.encode(question_suffix(question))
+    ids = question_suffix_ids(rt, question)
     if len(ids) > MAX_QUESTION_TOKENS:
         raise QuestionError(f"question is {len(ids)} tokens; the limit is {MAX_QUESTION_TOKENS}")
     return ids
 
 
 def _sample(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator | None) -> int:
-    if params.temperature == 0.0:
-        return int(torch.argmax(logits))
     probs = torch.softmax(logits / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, order = torch.sort(probs, descending=True)
@@ -137,27 +77,86 @@ def _sample(logits: torch.Tensor, params: GenerationParams, gen: torch.Generator
     return int(torch.multinomial(probs.cpu(), 1, generator=gen))
 
 
-def iter_tokens(rt: Runtime, version: Version, question: str, params: GenerationParams) -> Iterator[int]:
-    """Token ids of the answer as they are decoded (stops before <|im_end|>)."""
-    ids = _question_ids(rt, question)
-    session = _Session(rt, version, len(ids) + params.max_tokens)
-    gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-    pos = version.text_start
-    with rt.gpu_lock:
-        hidden = session.feed(ids, pos)
-    pos += len(ids)
-    stops = {rt.ids.im_end, rt.ids.endoftext}
-    logits, decoder = rt.lm.logits(hidden[-1]), _Decoder(session)
-    for step in range(params.max_tokens):
-        token = _sample(logits, params, gen)
-        if token in stops:
-            return
-        yield token
-        if step == params.max_tokens - 1:
-            return  # no forward for a token nobody will read
-        with rt.gpu_lock:
-            logits = decoder(token, pos)
-        pos += 1
+@dataclass
+class Decoded:
+    token_ids: list[int]
+    first_token_s: float
+    total_s: float
+    stop: str
+    first_logits: torch.Tensor | None
+
+
+class Generation(StepJob):
+    """One question being answered against one version: its scratch region (the version is only
+    read), the tokens so far, and what the next step feeds."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        version: Version,
+        question: str,
+        params: GenerationParams,
+        on_tokens: Callable[[list[int]], None] | None = None,
+        keep_logits: bool = False,
+    ):
+        super().__init__()
+        ids = _question_ids(rt, question)  # a bad question fails here, before it is queued
+        self.rt, self.version, self.params = rt, version, params
+        self.on_tokens, self.keep_logits = on_tokens, keep_logits
+        self.scratch = rt.lm.pool.alloc(len(ids) + params.max_tokens)
+        self.pending, self.length, self.pos = ids, 0, version.text_start
+        self.tokens: list[int] = []
+        self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.stops = {rt.ids.im_end, rt.ids.endoftext}
+        self.t0, self.first_token_s = time.perf_counter(), 0.0
+        self.first_logits: torch.Tensor | None = None
+
+    def item(self) -> Item:
+        return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        gens = [j for j in jobs if isinstance(j, Generation)]
+        try:
+            logits = _forward(gens)
+            greedy = logits.argmax(dim=-1).tolist()  # the one host sync of a step
+            for i, g in enumerate(gens):
+                g._advance(logits[i], greedy[i])
+        except Exception as e:
+            fail_all(gens, e)
+
+    def _advance(self, logits: torch.Tensor, greedy: int) -> None:
+        self.length += len(self.pending)
+        self.pos += len(self.pending)
+        if not self.tokens and self.keep_logits:
+            self.first_logits = logits.clone()
+        token = greedy if self.params.temperature == 0.0 else _sample(logits, self.params, self.gen)
+        if not self.tokens:
+            self.first_token_s = time.perf_counter() - self.t0
+        if token in self.stops:
+            return self._finish("eos")
+        self.tokens.append(token)
+        if self.on_tokens is not None:
+            self.on_tokens(list(self.tokens))
+        if len(self.tokens) == self.params.max_tokens:
+            return self._finish("length")  # no forward for a token nobody will read
+        self.pending = [token]
+
+    def _finish(self, stop: str) -> None:
+        total = time.perf_counter() - self.t0
+        self.scratch = None  # back to the pool now, not when the caller drops this job
+        self.future.set_result(Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits))
+
+
+def _forward(gens: Sequence[Generation]) -> torch.Tensor:
+    """One forward of every generation's pending tokens; logits (B, V) at each one's last token."""
+    lm = gens[0].rt.lm
+    ids = [t for g in gens for t in g.pending]
+    positions = torch.cat([text_positions(g.pos, len(g.pending)) for g in gens], dim=1)
+    split = split_for(len(ids), max(g.version.tokens for g in gens)) if lm.flash else 1
+    hidden = lm.forward(lm.embed(ids), positions, lm.plan([g.item() for g in gens], split))
+    last = torch.tensor([len(g.pending) for g in gens]).cumsum(0) - 1
+    return lm.logits(hidden[last.to(hidden.device)])
 
 
 def ask(
@@ -166,45 +165,51 @@ def ask(
     question: str,
     params: GenerationParams | None = None,
     on_delta: Callable[[str], None] | None = None,
+    keep_logits: bool = False,
 ) -> Answer:
-    """Answer `question` against `version`, calling `on_delta(text)` as text becomes printable."""
+    """Answer `question` against `version`, calling `on_delta(text)` as text becomes printable
+    (in this thread: detokenizing and delivering never hold up the GPU)."""
     params = params or GenerationParams()
-    t0 = time.perf_counter()
-    first_token_s = 0.0
-    tokens: list[int] = []
+    updates: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
+    job = Generation(rt, version, question, params, updates.put if on_delta else None, keep_logits)
+    future = rt.executor.submit(job)
     emitted = ""
-    for token in iter_tokens(rt, version, question, params):
-        if not tokens:
-            first_token_s = time.perf_counter() - t0
-        tokens.append(token)
-        if on_delta is None:
+    while on_delta is not None:
+        tokens = _latest(updates, wait=not future.done())
+        if tokens is None:
+            if future.done() and updates.empty():
+                break
             continue
         text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
         if not text.endswith("\ufffd") and len(text) > len(emitted):  # never half a UTF-8 character
             on_delta(text[len(emitted) :])
             emitted = text
-    total = time.perf_counter() - t0
-    text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
+    done: Decoded = future.result()
+    text = rt.tokenizer.decode(done.token_ids, skip_special_tokens=True)
     if on_delta and len(text) > len(emitted):
         on_delta(text[len(emitted) :])
     return Answer(
         text=text,
-        token_ids=tokens,
+        token_ids=done.token_ids,
         version=version.id,
         cache_tokens=version.tokens,
         capture_range=version.capture_range,
-        first_token_s=first_token_s or total,
-        total_s=total,
-        stop="length" if len(tokens) == params.max_tokens else "eos",
+        first_token_s=done.first_token_s,
+        total_s=done.total_s,
+        stop=done.stop,
+        first_logits=done.first_logits,
     )
 
 
-def first_token_logits(rt: Runtime, version: Version, question: str) -> torch.Tensor:
-    """Logits at the last question position (what the first answer token is drawn from)."""
-    ids = _question_ids(rt, question)
-    session = _Session(rt, version, len(ids))
-    with rt.gpu_lock:
-        return rt.lm.logits(session.feed(ids, version.text_start)[-1])
+def _latest(updates: queue.SimpleQueue[list[int]], wait: bool) -> list[int] | None:
+    """The newest token list waiting (older ones are prefixes of it), or None after a short wait."""
+    try:
+        latest = updates.get(timeout=0.02) if wait else updates.get_nowait()
+    except queue.Empty:
+        return None
+    while not updates.empty():
+        latest = updates.get_nowait()
+    return latest
 
 
 def choose(rt: Runtime, version: Version, question: str, choices: list[str]) -> Choice:
@@ -212,19 +217,27 @@ def choose(rt: Runtime, version: Version, question: str, choices: list[str]) -> 
     if len(choices) < 2:
         raise QuestionError("multiple choice needs at least two options")
     ids = _question_ids(rt, question)
-    options = [rt.encode(c) for c in choices]
+    options = [rt.encode(c, user=True) for c in choices]
     if any(not o for o in options):
         raise QuestionError("empty option")
-    session = _Session(rt, version, len(ids) + max(len(o) for o in options))
-    pos = version.text_start
-    with rt.gpu_lock:
-        last = session.feed(ids, pos)[-1:]
-        scores = []
-        for option in options:
-            session.length = len(ids)  # each option overwrites the previous one's scratch tokens
-            hidden = torch.cat([last, session.feed(option[:-1], pos + len(ids))]) if len(option) > 1 else last
-            logp = torch.log_softmax(rt.lm.logits(hidden), dim=-1)
-            target = torch.tensor(option, device=logp.device)
-            scores.append(float(logp[torch.arange(len(option), device=logp.device), target].mean()))
+    scores = rt.executor.call(lambda: _score_options(rt, version, ids, options))
     best = max(range(len(choices)), key=scores.__getitem__)
     return Choice(best=best, choice=choices[best], scores=scores, version=version.id)
+
+
+def _score_options(rt: Runtime, version: Version, ids: list[int], options: list[list[int]]) -> list[float]:
+    lm, pos = rt.lm, version.text_start
+    scratch = lm.pool.alloc(len(ids) + max(len(o) for o in options))
+
+    def feed(tokens: list[int], at: int) -> torch.Tensor:
+        item = Item(len(tokens), scratch, at, base=version.view)
+        return lm.forward(lm.embed(tokens), text_positions(pos + at, len(tokens)), lm.plan([item]))
+
+    last = feed(ids, 0)[-1:]
+    scores = []
+    for option in options:  # each option overwrites the previous one's scratch tokens
+        hidden = torch.cat([last, feed(option[:-1], len(ids))]) if len(option) > 1 else last
+        logp = torch.log_softmax(lm.logits(hidden), dim=-1)
+        target = torch.tensor(option, device=logp.device)
+        scores.append(float(logp[torch.arange(len(option), device=logp.device), target].mean()))
+    return scores

@@ -23,6 +23,7 @@ import torch
 
 from common.engine.eviction import EvictionPolicy
 from common.engine.lm import KVView, LanguageModel
+from common.engine.pool import Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset
 
 
@@ -111,6 +112,10 @@ class Version:
         kv = self.view.kv
         return kv[:, :, :, : self.view.length].numel() * kv.element_size()
 
+    @property
+    def region(self) -> Region:
+        return self.view.region
+
 
 class StreamCache:
     """The writer side: appends chunks, evicts, publishes versions. One writer per stream."""
@@ -124,6 +129,7 @@ class StreamCache:
         interval: Fraction,
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
+        head_room: int = 1024,
     ):
         self.lm = lm
         self.stream = stream
@@ -132,20 +138,20 @@ class StreamCache:
         self.grid_hw = grid_hw
         capacity = initial_capacity
         if policy.max_cache_tokens is not None:
-            capacity = policy.max_cache_tokens + initial_capacity  # head room for the chunk over budget
-        self._kv = lm.new_kv(capacity)
+            capacity = policy.max_cache_tokens + head_room  # for the chunk that goes over budget
+        self._region = lm.pool.alloc(capacity)
         self.head: Version | None = None
 
     # -- writing -----------------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> tuple[torch.Tensor, int]:
-        """Where the next `n_tokens` go: (arena, start). Grows the arena by doubling when full;
-        the old arena stays with the versions that reference it."""
+    def reserve(self, n_tokens: int) -> tuple[Region, int]:
+        """Where the next `n_tokens` go: (region, start). Grows into a region twice the size when
+        full; the old region stays with the versions that reference it."""
         start = self.head.tokens if self.head else 0
-        if start + n_tokens > self._kv.shape[3]:
-            grown = self.lm.new_kv(max(2 * self._kv.shape[3], start + n_tokens))
-            grown[:, :, :, :start] = self._kv[:, :, :, :start]
-            self._kv = grown
-        return self._kv, start
+        if start + n_tokens > self._region.size:
+            grown = self.lm.pool.alloc(max(2 * self._region.size, start + n_tokens))
+            grown.kv[:, :, :, :start] = self._region.kv[:, :, :, :start]
+            self._region = grown
+        return self._region, start
 
     def publish_prefix(self, segment: Segment, video_start: int) -> Version:
         placement = Placement(segment, offset=0, first_patch=0)
@@ -173,9 +179,9 @@ class StreamCache:
             while n_same < min(len(head.placements), len(placements)) and head.placements[n_same] == placements[n_same]:
                 n_same += 1
         if head is not None and n_same == len(head.placements):
-            kv, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
+            region, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
             for p in placements[n_same:]:
-                self._place(kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
+                self._place(region.kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
         else:
             self._repack(placements, head.placements if head else (), load)
         return self._publish(
@@ -185,6 +191,11 @@ class StreamCache:
             stats=state.stats,
             version_id=state.version_id,
         )
+
+    def missing(self, state: CacheState) -> list[Segment]:
+        """Segments of `state` that `apply` must load (the rest it reuses from this cache)."""
+        held = {p.segment.id for p in self.head.placements} if self.head else set()
+        return [p.segment for p in state.placements if p.segment.id not in held]
 
     def next_chunk_patch(self) -> int:
         return self._require_head().next_patch
@@ -210,7 +221,7 @@ class StreamCache:
         version = Version(
             stream=self.stream,
             id=version_id,
-            view=KVView(self._kv, last.offset + last.segment.tokens),
+            view=KVView(self._region, last.offset + last.segment.tokens),
             placements=placements,
             video_start=video_start,
             interval=self.interval,
@@ -247,13 +258,13 @@ class StreamCache:
     def _repack(
         self, placements: list[Placement], source: tuple[Placement, ...], load: Callable[[Segment], torch.Tensor] | None
     ) -> None:
-        """Write `placements` into a fresh arena: segments in `source` (placed in the current arena)
+        """Write `placements` into a fresh region: segments in `source` (placed in the current region)
         are copied from it, turned by the change in their deltas; the rest come from `load`
-        (original K/V). The old arena lives on in the versions that hold it."""
+        (original K/V). The old region lives on in the versions that hold it."""
         held = {p.segment.id: p for p in source}
-        old_kv = self._kv
+        old_kv = self._region.kv
         total = sum(p.segment.tokens for p in placements)
-        self._kv = self.lm.new_kv(max(old_kv.shape[3], total))
+        self._region = self.lm.pool.alloc(max(self._region.size, total))
         for p in placements:
             n = p.segment.tokens
             if p.segment.id in held:
@@ -264,7 +275,7 @@ class StreamCache:
             else:
                 raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
             shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
-            self._place(self._kv, p.offset, data, shift, p.segment.tokens_per_patch)
+            self._place(self._region.kv, p.offset, data, shift, p.segment.tokens_per_patch)
 
     def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
         if p.segment.n_patches == 0:
@@ -279,6 +290,7 @@ class StreamCache:
     def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, t_shift, tokens_per_patch: int) -> None:
         """Copy a segment's K/V (layers, 2, kv_heads, n, hd) into `kv` at `offset`, turning the keys'
         temporal band by `t_shift` (one value per temporal patch)."""
+        src = src.to(kv.device)
         n = src.shape[3]
         kv[:, 1, :, offset : offset + n] = src[:, 1]
         if any(t_shift):

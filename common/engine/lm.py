@@ -1,41 +1,90 @@
-"""Our own forward pass of Qwen2.5-VL's language model, over KV storage we own.
+"""Our own forward pass of Qwen2.5-VL's language model, batched over streams and questions.
 
 transformers' modules supply the weights and the per-layer maths (norms, projections, MLP);
-this file owns the cache and the attention, because the cache is the product: a stream's
-KV lives in one preallocated tensor (an "arena") that chunks are written into in place, and
-a question attends to a snapshot of that arena plus its own scratch space without copying
-the snapshot. Positions are always explicit (see positions.py), so nothing here depends on
-how transformers' generate() or Cache classes infer them in a given release.
+this file owns the cache and the attention, because the cache is the product. Every cache lives
+in a region of the device's KV pool (pool.py). One forward runs any mix of work, each item a few
+new tokens written into its own region:
 
-KV layout: (layers, 2, kv_heads, capacity, head_dim); [:, 0] keys (stored rotated), [:, 1] values.
+- a chunk of video (or the prompt prefix): attends causally to its stream's cache so far;
+- a question's prefill or one decode step: attends to a snapshot (`base`, only read) and
+  causally to its own scratch tokens.
+
+The dense layers (projections, MLP) see all tokens of all items at once. Attention is cut into
+pieces — (query rows, a contiguous key range of the pool, causal or not) — that go through one
+varlen flash-attention call per kind on CUDA (a pool region is addressed by its start, so many
+streams' caches are read in place, without copies), and the partial results merge by their
+log-sum-exps. A long base read by few queries is split into several pieces (split-KV), so a lone
+question over a 100K-token cache still fills the GPU. On the CPU the same pieces run one by one
+in fp32: that path is the oracle's.
+
+Positions are always explicit (see positions.py), so nothing here depends on how transformers'
+generate() or Cache classes infer them in a given release.
+
+KV layout: (layers, 2, kv_heads, slots, head_dim); [:, 0] keys (stored rotated), [:, 1] values.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from common.engine.model import LoadedModel
+from common.engine.pool import KVPool, Region
 from common.engine.positions import apply_rope, rope_cos_sin
+
+SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
 
 
 @dataclass(frozen=True)
 class KVView:
-    """The first `length` tokens of a KV tensor. Writers only ever write past every view's
-    length, so a view is an immutable snapshot for as long as someone holds it."""
+    """The first `length` tokens of a region. Writers only ever write past every view's length,
+    so a view is an immutable snapshot for as long as someone holds it (and it holds the region)."""
 
-    kv: torch.Tensor
+    region: Region
     length: int
 
-    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[i, 0, :, : self.length], self.kv[i, 1, :, : self.length]
+    @property
+    def kv(self) -> torch.Tensor:
+        return self.region.kv
+
+
+@dataclass(frozen=True)
+class Item:
+    """`n` new tokens written to `dest` at slot `at`; they attend causally to dest[:at + n] (their
+    own tokens and what the region holds before them), after all of `base` when given."""
+
+    n: int
+    dest: Region
+    at: int
+    base: KVView | None = None
+
+
+@dataclass
+class Plan:
+    """Device-side indices of one batch: where each token's K/V go and which key ranges each query
+    row reads. Fixed shapes for a fixed batch structure, so a decode step can be a CUDA graph."""
+
+    slab: int
+    slots: torch.Tensor  # (T,) slot of each new token in the slab
+    pieces: dict[bool, Pieces]  # causal -> pieces
+    max_q: int
+
+
+@dataclass
+class Pieces:
+    rows: torch.Tensor  # (R,) query row of each piece row (pieces back to back)
+    cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
+    starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
+    lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
+    host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
 
 
 class LanguageModel:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, pool: KVPool):
         text = loaded.model.model.language_model
         cfg = loaded.text_config
         self.layers = text.layers
@@ -50,134 +99,146 @@ class LanguageModel:
         self.n_layers = cfg.num_hidden_layers
         self.device = loaded.device
         self.dtype = loaded.dtype
-
-    def new_kv(self, capacity: int, zeroed: bool = False) -> torch.Tensor:
-        """Zeroed where masked-out slots are read (0 x uninitialised NaN would still be NaN)."""
-        shape = (self.n_layers, 2, self.n_kv_heads, capacity, self.head_dim)
-        return (torch.zeros if zeroed else torch.empty)(shape, dtype=self.dtype, device=self.device)
+        self.pool = pool
+        self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
 
     @torch.inference_mode()
-    def embed(self, ids: list[int]) -> torch.Tensor:
-        return self.embed_tokens(torch.tensor(ids, device=self.device))
-
-    @torch.inference_mode()
-    def forward(
-        self,
-        embeds: torch.Tensor,
-        positions: torch.Tensor,
-        kv: torch.Tensor,
-        start: int | torch.Tensor,
-        base: KVView | None = None,
-    ) -> torch.Tensor:
-        """Run `embeds` (L, D) at `positions` (3, L); write their K/V into kv[..., start:start+L]
-        and attend to kv[..., :start+L] causally, after all of `base` when given.
-        Returns the final-norm hidden states (L, D).
-
-        `start` may be a one-element tensor on the device for a single token over a base: every
-        shape is then fixed whatever the position, so the step can be captured as a CUDA graph."""
-        n_new = embeds.shape[0]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        if isinstance(start, torch.Tensor):
-            if n_new != 1 or base is None:
-                raise ValueError("a device-side start is for one token over a base")
-            visible = torch.arange(kv.shape[3], device=self.device) <= start  # this token and the ones before
-            own_mask = visible.expand(self.n_heads // self.n_kv_heads, -1)
-        else:
-            if start + n_new > kv.shape[3]:
-                raise ValueError(f"KV capacity {kv.shape[3]} too small for {start + n_new} tokens")
-            # A single new token sees every key: only multi-token steps need the causal mask.
-            own_mask = self._causal_mask(n_new, start) if base is not None and n_new > 1 else None
-        x = embeds.to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, kv, start, base, own_mask)
-            x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
-        return _rms_norm(self.norm, x)
+    def embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
+        return self.embed_tokens(ids.to(self.device))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, kv, start, base, own_mask) -> torch.Tensor:
+    def plan(self, items: list[Item], split: int = 1) -> Plan:
+        """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long."""
+        slabs = {it.dest.slab for it in items} | {it.base.region.slab for it in items if it.base}
+        if len(slabs) != 1:
+            raise ValueError(f"a batch must live in one pool slab, got slabs {sorted(slabs)}")
+        slots, own, base, row = [], [], [], 0
+        for it in items:
+            if it.at + it.n > it.dest.size:
+                raise ValueError(f"region of {it.dest.size} tokens too small for {it.at + it.n}")
+            slots.append(torch.arange(it.n) + it.dest.start + it.at)
+            own.append((row, it.n, it.dest.start, it.at + it.n))
+            if it.base is not None:
+                base += _split(row, it.n, it.base.region.start, it.base.length, split)
+            row += it.n
+        pieces = {True: self._pieces(own)}
+        if base:
+            pieces[False] = self._pieces(base)
+        return Plan(slabs.pop(), torch.cat(slots).to(self.device), pieces, max(it.n for it in items))
+
+    def _pieces(self, host: list[tuple[int, int, int, int]]) -> Pieces:
+        rows = torch.cat([torch.arange(r0, r0 + n) for r0, n, _, _ in host])
+        cu_q = torch.tensor([0, *accumulate(n for _, n, _, _ in host)], dtype=torch.int32)
+        starts = torch.tensor([s for _, _, s, _ in host] + [0], dtype=torch.int32)
+        lengths = torch.tensor([k for _, _, _, k in host], dtype=torch.int32)
+        dev = self.device
+        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), host)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
+        and returns the final-norm hidden states (T, D)."""
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
+        slab = self.pool.slabs[plan.slab]
+        x = embeds.to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer, _rms_norm(layer.input_layernorm, x), cos, sin, slab[i], plan)
+            x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
+        return _rms_norm(self.norm, x)
+
+    def _attention(self, layer, h: torch.Tensor, cos, sin, kv: torch.Tensor, plan: Plan) -> torch.Tensor:
         attn = layer.self_attn
-        n_new = h.shape[0]
-        q = attn.q_proj(h).view(n_new, self.n_heads, self.head_dim).transpose(0, 1)
-        k = attn.k_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        v = attn.v_proj(h).view(n_new, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        k = apply_rope(k, cos, sin)
-        q = apply_rope(q, cos, sin)
-        if isinstance(start, torch.Tensor):  # fixed shapes: write at a device index, attend to all, masked
-            kv[i, 0].index_copy_(1, start, k)
-            kv[i, 1].index_copy_(1, start, v)
-            own_k, own_v = kv[i, 0], kv[i, 1]
-        else:
-            end = start + n_new
-            kv[i, 0, :, start:end] = k
-            kv[i, 1, :, start:end] = v
-            own_k, own_v = kv[i, 0, :, :end], kv[i, 1, :, :end]
-        if base is None:
-            out = self._sdpa(q, own_k, own_v, start)
-        else:
-            base_k, base_v = base.layer(i)
-            out = self._two_piece(q, base_k, base_v, own_k, own_v, own_mask)
-        return attn.o_proj(out.transpose(0, 1).reshape(n_new, self.n_heads * self.head_dim))
+        n = h.shape[0]
+        q = apply_rope(attn.q_proj(h).view(n, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
+        k = apply_rope(attn.k_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
+        v = attn.v_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        kv[0].index_copy_(1, plan.slots, k)
+        kv[1].index_copy_(1, plan.slots, v)
+        q = q.transpose(0, 1)  # (T, H, hd)
+        parts = [self._piece_attention(q, kv, p, causal, plan.max_q) for causal, p in plan.pieces.items()]
+        out = _merge(n, parts)
+        return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
-    def _grouped(self, q: torch.Tensor) -> torch.Tensor:
-        """(H, L, hd) -> (kv_heads, rep*L, hd): GQA without repeating K/V in memory."""
+    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
+        """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
+        if self.flash:
+            out, lse = torch.ops.aten._flash_attention_forward(
+                q.index_select(0, p.rows),
+                kv[0].transpose(0, 1),  # (slots, kv_heads, hd): a strided view, read in place
+                kv[1].transpose(0, 1),
+                p.cu_q,
+                p.starts,
+                max_q,
+                kv.shape[2],
+                0.0,
+                causal,
+                False,
+                scale=self.head_dim**-0.5,
+                seqused_k=p.lengths,
+            )[:2]
+            lse = lse.transpose(0, 1)  # (H, R) -> (R, H)
+            empty = (p.lengths == 0).repeat_interleave(p.cu_q.diff(), output_size=p.rows.shape[0])
+            return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], -math.inf), p.rows
+        outs, lses = [], []
+        for r0, n, start, length in p.host:
+            o, lse = self._cpu_attention(q[r0 : r0 + n], kv[:, :, start : start + length], causal)
+            outs.append(o)
+            lses.append(lse)
+        return torch.cat(outs), torch.cat(lses), p.rows
+
+    def _cpu_attention(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
+        """Exact fp32 attention of q (n, H, hd) over kv (2, kv_heads, L, hd), causal aligned bottom-right."""
+        n, length = q.shape[0], kv.shape[2]
+        if length == 0:
+            return torch.zeros_like(q), torch.full((n, self.n_heads), -math.inf, device=q.device)
         rep = self.n_heads // self.n_kv_heads
-        return q.reshape(self.n_kv_heads, rep * q.shape[1], self.head_dim)
+        k = kv[0].float().repeat_interleave(rep, 0)
+        v = kv[1].float().repeat_interleave(rep, 0)
+        scores = (q.float().transpose(0, 1) @ k.transpose(-1, -2)) * self.head_dim**-0.5  # (H, n, L)
+        if causal:
+            seen = torch.arange(length)[None, :] <= torch.arange(n)[:, None] + (length - n)
+            scores = scores.masked_fill(~seen.to(q.device), -math.inf)
+        lse = torch.logsumexp(scores, dim=-1)  # (H, n)
+        out = torch.exp(scores - lse[..., None]) @ v  # (H, n, hd)
+        return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
 
-    def _ungrouped(self, out: torch.Tensor, n_new: int) -> torch.Tensor:
-        return out.reshape(self.n_heads, n_new, self.head_dim)
 
-    def _causal_mask(self, n_new: int, start: int) -> torch.Tensor:
-        """(rep*L, start+L) bool: query r (absolute start+r) sees keys 0..start+r."""
-        rows = torch.arange(n_new, device=self.device)[:, None] + start
-        cols = torch.arange(start + n_new, device=self.device)[None, :]
-        return (cols <= rows).repeat(self.n_heads // self.n_kv_heads, 1)
+def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[int, int, int, int]]:
+    """A base's key range as `split` pieces for the same query rows (split-KV); empty pieces stay,
+    so a batch's structure (and its CUDA graph) does not depend on the lengths."""
+    if split == 1:
+        return [(row, n, start, length)]
+    step = max(math.ceil(length / split), 1)
+    return [(row, n, start + s * step, max(0, min(step, length - s * step))) for s in range(split)]
 
-    def _sdpa(self, q, k, v, start: int) -> torch.Tensor:
-        """Chunk prefill: lower-right causal alignment lets flash attention skip building a
-        (L, start+L) mask; GQA is native, so the cached K/V are read in place."""
-        n_new = q.shape[1]
-        mask = causal_lower_right(n_new, start + n_new)
-        out = F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=self.head_dim**-0.5, enable_gqa=True
-        )
-        return out[0]
 
-    def _two_piece(self, q, base_k, base_v, own_k, own_v, own_mask: torch.Tensor | None) -> torch.Tensor:
-        """Softmax over [base | own] without concatenating K/V. The cached base (large) goes through
-        flash attention in place, the question's own tokens (few) through a second small attention;
-        the two partial results merge by their log-sum-exp, as flash-decoding does."""
-        n_new = q.shape[1]
-        scale = self.head_dim**-0.5
-        qg = self._grouped(q)[:, None]
-        out_b, lse_b = _attention_with_lse(qg, base_k[:, None], base_v[:, None], scale)
-        if own_mask is None:
-            out_o, lse_o = _attention_with_lse(qg, own_k[:, None], own_v[:, None], scale)
-        else:
-            s_own = ((qg @ own_k[:, None].transpose(-1, -2)).float() * scale).masked_fill(~own_mask, -torch.inf)
-            lse_o = torch.logsumexp(s_own, dim=-1)
-            out_o = torch.exp(s_own - lse_o[..., None]).to(self.dtype) @ own_v[:, None]
-        # softmax over both pieces = out_b + (out_o - out_b) * share of the own piece
-        share = torch.sigmoid(lse_o - lse_b)[..., None]
-        out = torch.lerp(out_b.float(), out_o.float(), share).to(self.dtype)
-        return self._ungrouped(out[:, 0], n_new)
+def split_for(n_queries: int, base_tokens: int, n_sm: int = 132) -> int:
+    """Split-KV factor: enough pieces that (pieces x heads) fills the GPU's SMs twice over."""
+    if base_tokens < SPLIT_KV_MIN_TOKENS:
+        return 1
+    return max(1, min(16, (2 * n_sm) // max(1, n_queries * 16)))
+
+
+def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Softmax over the union of every piece a row read, from each piece's output and log-sum-exp."""
+    outs = torch.cat([o for o, _, _ in parts]).float()
+    lses = torch.cat([lse for _, lse, _ in parts])  # (R, H)
+    rows = torch.cat([r for _, _, r in parts])
+    heads = lses.shape[1]
+    peak = torch.full((n_rows, heads), -math.inf, device=lses.device).scatter_reduce(
+        0, rows[:, None].expand(-1, heads), lses, "amax"
+    )
+    weight = torch.exp(lses - peak.index_select(0, rows))  # 0 for empty pieces
+    total = torch.zeros(n_rows, heads, device=lses.device).index_add_(0, rows, weight)
+    out = torch.zeros(n_rows, heads, outs.shape[-1], device=outs.device).index_add_(0, rows, outs * weight[..., None])
+    return (out / total[..., None]).to(parts[0][0].dtype)
 
 
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """Qwen2.5-VL's RMSNorm (fp32 statistics, weight applied in the model dtype) in one fused op."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
-
-
-def _attention_with_lse(q, k, v, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, H, L, D) attention with no mask, returning the output and its log-sum-exp (B, H, L)."""
-    if q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[:2]
-        return out, lse
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    scores = (q @ k.transpose(-1, -2)).float() * scale
-    lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse[..., None]).to(v.dtype) @ v), lse

@@ -20,8 +20,8 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-DEFAULT_MODEL = "Qwen/Qwen2.5-VL-3B-Instruct"
-RANDOM_MODELS = ("tiny-random", "random-3b")  # built here from config: no weights to download
+from common.engine.names import DEFAULT_MODEL, RANDOM_MODELS
+
 SYSTEM_PROMPT = "You are a helpful assistant."
 
 # Qwen2.5-VL special tokens, in id order from <|endoftext|> (151643) in the real vocabulary.

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from common.engine.answer import question_suffix
+from common.engine.answer import question_suffix_ids
 from common.engine.frames import frames_to_pixels, pad_to_temporal
 from common.engine.grid import Grid
 from common.engine.positions import next_text_position, text_positions, video_positions
@@ -36,7 +36,7 @@ def offline_prompt(rt: Runtime, frames: Sequence[np.ndarray], grid: Grid, fps: f
     pixels, grid_thw = frames_to_pixels(padded, grid)
     merge = rt.loaded.vision_config.spatial_merge_size
     t, h, w = grid_thw[0], grid_thw[1] // merge, grid_thw[2] // merge
-    prefix, suffix = rt.prefix_ids(), rt.encode(question_suffix(question))
+    prefix, suffix = rt.prefix_ids(), question_suffix_ids(rt, question)
     n_video = t * h * w
     ids = prefix + [rt.ids.video_pad] * n_video + suffix
     interval = rt.loaded.temporal_interval(fps)

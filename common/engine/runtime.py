@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 
 import torch
@@ -10,29 +9,42 @@ import torch
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
-from common.engine.lm import LanguageModel
+from common.engine.lm import DecodeGraphs, LanguageModel
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
+from common.engine.pool import KVPool
 from common.engine.vision import GridTHW, VisionTower
+from common.engine.work import Executor, InlineExecutor
+
+POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
+CPU_SLAB_TOKENS = 1 << 16
 
 
 class Runtime:
     """A loaded model plus our language-model runner; shared by every stream on a device."""
 
-    def __init__(self, loaded: LoadedModel, compile_vision: bool = False):
+    def __init__(self, loaded: LoadedModel, pool_tokens: int | None = None, compile_vision: bool = False):
+        """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
+        `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
+        `compile_vision`: torch.compile the vision blocks (GPU only: on a CPU inductor spends a
+        minute building C++ for little gain)."""
         self.loaded = loaded
-        self.lm = LanguageModel(loaded)
-        # compiling is for the GPU: on a CPU inductor spends a minute building C++ for little gain
+        # before the pool, which takes what memory is left: the tower holds a padded MLP copy
         backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
         self.vision_tower = VisionTower(loaded, compile_backend=backend)
+        self.pool = _make_pool(loaded, pool_tokens)
+        self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
         self.ids = loaded.ids
         self.device = loaded.device
-        # One GPU does one forward at a time; the lock keeps encoder and QA threads from
-        # interleaving inside a forward (cheaper than the memory of concurrent activations).
-        self.gpu_lock = threading.RLock()
+        # Who runs GPU work: alone and at once by default; a service installs a Scheduler that
+        # batches every stream's chunks and every question's steps.
+        self.executor: Executor = InlineExecutor()
+        self.decode_graphs: DecodeGraphs | None = None  # built on the first decode step on a GPU
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+    def encode(self, text: str, *, user: bool = False) -> list[int]:
+        """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing
+        is off, so ``<|im_start|>`` in a question is ordinary text, never a control token."""
+        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=user).input_ids
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
@@ -42,11 +54,24 @@ class Runtime:
         return self.vision_batch([(pixels, grid_thw)])[0]
 
     def vision_batch(self, chunks: Sequence[tuple[torch.Tensor, GridTHW]]) -> list[torch.Tensor]:
-        """Chunks of any streams and grids in one vision forward; each result equals that chunk
-        encoded alone."""
+        """Merged vision embeddings of several chunks (pixels, grid_thw) of any streams and grids,
+        in order, from one forward; each equals that chunk encoded alone."""
         return [embeds.to(self.lm.dtype) for embeds in self.vision_tower(chunks)]
 
     def new_cache(self, spec: StreamSpec, policy: EvictionPolicy) -> StreamCache:
         """An empty cache for one stream on this device (its positions follow the stream's fps and grid)."""
         return StreamCache(self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps),
                            grid_hw=spec.grid.merged_hw)  # fmt: skip
+
+
+def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:
+    cfg = loaded.text_config
+    shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
+    if pool_tokens is None and loaded.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(loaded.device)
+        per_token = 2 * shape[0] * shape[1] * shape[2] * loaded.dtype.itemsize
+        pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // per_token)
+    pool = KVPool(shape, loaded.dtype, loaded.device, slab_tokens=pool_tokens or CPU_SLAB_TOKENS)
+    if loaded.device.type == "cuda":
+        pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
+    return pool

@@ -12,6 +12,7 @@ A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -20,18 +21,41 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels, pad_to_temporal
 from common.engine.grid import FrameError, StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
+from common.engine.lm import Item
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
+from common.engine.work import BatchJob, fail_all
 
 SegmentSink = Callable[[Segment, torch.Tensor], None]
+
+
+@dataclass
+class Chunk:
+    """One chunk on its way to the GPU: pixels on the stream's grid (or embeddings already made)
+    and what its segment will record."""
+
+    grid_thw: tuple[int, int, int]
+    frame_seqs: tuple[int, int]
+    capture_range: tuple[float, float]
+    padded_frames: int = 0
+    pixels: torch.Tensor | None = None
+    embeds: torch.Tensor | None = None
+
+
+@dataclass
+class Appended:
+    version: Version
+    segment: Segment
+    original: torch.Tensor | None  # the segment's K/V in host memory, for `on_segment`
 
 
 class StreamEngine:
     """One stream's writer: append(chunk of frames) -> new Version (the head).
 
     `on_segment(segment, kv)` sees each new segment's original K/V (layers, 2, kv_heads, n, hd)
-    before it is published, which is where the encoder worker persists it. `restore` continues
-    a stream from a published manifest instead of starting empty.
+    before it is published, which is where the encoder worker persists it; it runs in the thread
+    that calls `finish` (never in the GPU loop). `restore` continues a stream from a published
+    manifest instead of starting empty.
     """
 
     def __init__(
@@ -48,38 +72,17 @@ class StreamEngine:
         self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
         self.on_segment = on_segment
         if restore is None:
-            self._prefill_prefix()
+            self.finish(runtime.executor.call(self._prefill_prefix))
         else:
             state, load = restore
-            with self.rt.gpu_lock:
-                self.cache.apply(state, load)
+            runtime.executor.call(lambda: self.cache.apply(state, load))
 
     @property
     def head(self) -> Version:
         assert self.cache.head is not None
         return self.cache.head
 
-    def _prefill_prefix(self) -> None:
-        ids = self.rt.prefix_ids()
-        with self.rt.gpu_lock:
-            kv, start = self.cache.reserve(len(ids))
-            self.rt.lm.forward(self.rt.lm.embed(ids), text_positions(0, len(ids)), kv, start)
-            segment = Segment(id="prefix", tokens=len(ids))
-            original = self._read_out(segment, kv, start)
-        self._emit(segment, original)
-        self.cache.publish_prefix(segment, video_start=len(ids))
-
-    def _read_out(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
-        """The segment's original K/V, copied to host memory for `on_segment` (slow storage I/O then
-        happens outside the GPU lock)."""
-        if self.on_segment is None:
-            return None
-        return kv[:, :, :, start : start + segment.tokens].to("cpu", copy=True)
-
-    def _emit(self, segment: Segment, original: torch.Tensor | None) -> None:
-        if self.on_segment is not None and original is not None:
-            self.on_segment(segment, original)
-
+    # -- the caller's side -------------------------------------------------------------
     def append(
         self,
         frames: Sequence[np.ndarray],
@@ -89,19 +92,7 @@ class StreamEngine:
         """Encode one chunk (any positive count; an odd tail is padded by repeating the last
         frame) and publish the version that contains it. Bad input raises before any state
         changes."""
-        frames = list(frames)
-        if not frames:
-            raise FrameError("empty chunk: no frames")
-        times = list(capture_times) if capture_times is not None else [0.0] * len(frames)
-        first = self.head.last_frame_seq + 1
-        seqs = list(frame_seqs) if frame_seqs is not None else list(range(first, first + len(frames)))
-        if len(times) != len(frames) or len(seqs) != len(frames):
-            raise FrameError(f"{len(frames)} frames but {len(times)} capture times and {len(seqs)} seqs")
-        padded, n_pad = pad_to_temporal(frames, self.rt.loaded.temporal_patch_size)
-        pixels, grid_thw = frames_to_pixels(padded, self.spec.grid)
-        with self.rt.gpu_lock:
-            embeds = self.rt.vision(pixels, grid_thw)
-        return self.append_embeddings(embeds, grid_thw[0], (seqs[0], seqs[-1]), (times[0], times[-1]), n_pad)
+        return self.finish(self.submit(self.prepare(frames, capture_times, frame_seqs)).result())
 
     def append_embeddings(
         self,
@@ -112,23 +103,110 @@ class StreamEngine:
         padded_frames: int = 0,
     ) -> Version:
         """Prefill already-encoded video tokens (n_patches * tokens per patch, in (t, h, w) order)."""
-        with self.rt.gpu_lock:
-            first_patch = self.cache.next_chunk_patch()
-            cache = self.cache
-            pos = video_positions(self.head.video_start, first_patch, n_patches, *cache.grid_hw, cache.interval)
-            kv, start = self.cache.reserve(embeds.shape[0])
-            self.rt.lm.forward(embeds, pos, kv, start)
+        chunk = Chunk((n_patches, 0, 0), frame_seqs, capture_range, padded_frames, embeds=embeds)
+        return self.finish(self.submit(chunk).result())
+
+    def prepare(
+        self,
+        frames: Sequence[np.ndarray],
+        capture_times: Sequence[float] | None = None,
+        frame_seqs: Sequence[int] | None = None,
+    ) -> Chunk:
+        """Validate and turn frames into pixels (CPU work, in the caller's thread)."""
+        frames = list(frames)
+        if not frames:
+            raise FrameError("empty chunk: no frames")
+        times = list(capture_times) if capture_times is not None else [0.0] * len(frames)
+        first = self.head.last_frame_seq + 1
+        seqs = list(frame_seqs) if frame_seqs is not None else list(range(first, first + len(frames)))
+        if len(times) != len(frames) or len(seqs) != len(frames):
+            raise FrameError(f"{len(frames)} frames but {len(times)} capture times and {len(seqs)} seqs")
+        padded, n_pad = pad_to_temporal(frames, self.rt.loaded.temporal_patch_size)
+        pixels, grid_thw = frames_to_pixels(padded, self.spec.grid)
+        return Chunk(grid_thw, (seqs[0], seqs[-1]), (float(times[0]), float(times[-1])), n_pad, pixels=pixels)
+
+    def submit(self, chunk: Chunk):
+        """Queue the chunk for the GPU; the future gives an `Appended` for `finish`."""
+        return self.rt.executor.submit(ChunkJob(self, chunk))
+
+    def finish(self, appended: Appended) -> Version:
+        """Hand the new segment to `on_segment` (storage I/O, outside the GPU loop)."""
+        if self.on_segment is not None and appended.original is not None:
+            self.on_segment(appended.segment, appended.original)
+        return appended.version
+
+    # -- the GPU's side ----------------------------------------------------------------
+    def _prefill_prefix(self) -> Appended:
+        ids = self.rt.prefix_ids()
+        region, start = self.cache.reserve(len(ids))
+        lm = self.rt.lm
+        lm.forward(lm.embed(ids), text_positions(0, len(ids)), lm.plan([Item(len(ids), region, start)]))
+        segment = Segment(id="prefix", tokens=len(ids))
+        original = self._read_out(segment, region.kv, start)
+        return Appended(self.cache.publish_prefix(segment, video_start=len(ids)), segment, original)
+
+    def _start(self, chunk: Chunk) -> tuple[Item, torch.Tensor, Segment]:
+        """Where the chunk's tokens go and at which positions; the segment it becomes."""
+        n_tokens, n_patches = chunk.embeds.shape[0], chunk.grid_thw[0]
+        first_patch = self.cache.next_chunk_patch()
+        pos = video_positions(self.head.video_start, first_patch, n_patches, *self.cache.grid_hw, self.cache.interval)
+        region, start = self.cache.reserve(n_tokens)
         segment = Segment(
-            id=f"f{frame_seqs[0]:012d}",  # frames enter the cache once, so their seq names the chunk
-            tokens=embeds.shape[0],
+            id=f"f{chunk.frame_seqs[0]:012d}",  # frames enter the cache once, so their seq names the chunk
+            tokens=n_tokens,
             first_patch=first_patch,
             n_patches=n_patches,
-            frame_seqs=frame_seqs,
-            capture_range=(float(capture_range[0]), float(capture_range[1])),
-            padded_frames=padded_frames,
+            frame_seqs=chunk.frame_seqs,
+            capture_range=chunk.capture_range,
+            padded_frames=chunk.padded_frames,
         )
-        with self.rt.gpu_lock:  # reading the segment out and evicting are GPU work too
-            original = self._read_out(segment, kv, start)
-            version = self.cache.publish_chunk(segment)
-        self._emit(segment, original)
-        return version
+        return Item(n_tokens, region, start), pos, segment
+
+    def _end(self, item: Item, segment: Segment) -> Appended:
+        original = self._read_out(segment, item.dest.kv, item.at)
+        return Appended(self.cache.publish_chunk(segment), segment, original)
+
+    def _read_out(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The segment's original K/V, copied to host memory for `on_segment`."""
+        if self.on_segment is None:
+            return None
+        return kv[:, :, :, start : start + segment.tokens].to("cpu", copy=True)
+
+
+class ChunkJob(BatchJob):
+    """One chunk of one stream; a batch is at most one chunk per stream (each writes its stream's
+    head), run through one vision forward and one prefill forward."""
+
+    def __init__(self, engine: StreamEngine, chunk: Chunk):
+        super().__init__()
+        self.engine, self.chunk = engine, chunk
+        self.lane = engine.spec.name
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        chunk_jobs = [j for j in jobs if isinstance(j, ChunkJob)]
+        if len({id(j.engine) for j in chunk_jobs}) != len(chunk_jobs):
+            raise ValueError("a batch holds at most one chunk per stream")
+        try:
+            _vision(chunk_jobs)
+            started = [j.engine._start(j.chunk) for j in chunk_jobs]
+            lm = chunk_jobs[0].engine.rt.lm
+            embeds = torch.cat([j.chunk.embeds for j in chunk_jobs])
+            positions = torch.cat([pos for _, pos, _ in started], dim=1)
+            lm.forward(embeds, positions, lm.plan([item for item, _, _ in started]))
+            results = [j.engine._end(item, seg) for j, (item, _, seg) in zip(chunk_jobs, started, strict=True)]
+        except Exception as e:
+            fail_all(chunk_jobs, e)
+            return
+        for job, result in zip(chunk_jobs, results, strict=True):
+            job.future.set_result(result)
+
+
+def _vision(jobs: Sequence[ChunkJob]) -> None:
+    """The vision tower for every chunk still in pixels, as one batch."""
+    todo = [j.chunk for j in jobs if j.chunk.embeds is None]
+    if not todo:
+        return
+    rt = jobs[0].engine.rt
+    for chunk, embeds in zip(todo, rt.vision_batch([(c.pixels, c.grid_thw) for c in todo]), strict=True):
+        chunk.embeds = embeds

@@ -11,9 +11,11 @@ there they are almost always a client's typo (``max_token``) that would otherwis
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
+import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from PIL import Image
 
 from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
 
@@ -38,7 +41,8 @@ MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
 
 INT64_MAX = 2**63 - 1
-STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# No leading dot: a name becomes a directory and file names ('.', '..', hidden files).
+STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 # Question ids end up in key names (svqa:answer:{id}); no braces (hash tags), spaces or colons.
 QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Segment ids end up in file names of the directory store: no leading dot, no separators.
@@ -106,15 +110,25 @@ def _str(name: str, v: Any, max_len: int, pattern: re.Pattern[str] | None = None
         raise SchemaError(name, f"longer than {max_len} chars ({len(v)})")
     if pattern is not None and not pattern.fullmatch(v):
         raise SchemaError(name, f"invalid value {v[:80]!r} (must match {pattern.pattern})")
+    if pattern is None and not _is_utf8(v):  # JSON's "\ud800" decodes to a lone surrogate
+        raise SchemaError(name, "not valid Unicode text (lone surrogate)")
     return v
 
 
+def _is_utf8(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_stream_name(name: str, v: Any) -> str:
-    """A camera stream name: [A-Za-z0-9_.-]{1,64}, and not '.' or '..' (they become paths)."""
-    s = _str(name, v, 64, STREAM_NAME_RE)
-    if s in (".", ".."):
-        raise SchemaError(name, f"invalid stream name {s!r}")
-    return s
+    """A camera stream name: 1-64 of [A-Za-z0-9_.-], not starting with '.' (names become paths).
+
+    The one check for every place a name enters: flags, environment, cameras file, questions.
+    """
+    return _str(name, v, 64, STREAM_NAME_RE)
 
 
 def _require(m: Mapping[str, Any], name: str) -> Any:
@@ -175,7 +189,7 @@ class FrameMsg:
         _int("h", self.h, 1)
         _int("w", self.w, 1)
         if self.fmt != "rgb24":
-            raise SchemaError("fmt", f"unsupported format {self.fmt!r} (only 'rgb24')")
+            raise SchemaError("fmt", f"unsupported format {self.fmt!r} (in memory only 'rgb24')")
         if not isinstance(self.data, bytes):
             raise SchemaError("data", f"expected bytes, got {type(self.data).__name__}")
         if len(self.data) != self.h * self.w * 3:
@@ -203,13 +217,45 @@ class EndOfStream:
         _int("seq", self.seq, -1)
 
 
-def encode_frame(msg: FrameMsg | EndOfStream, limits: Limits = DEFAULT_LIMITS) -> dict[str, bytes]:
-    """Stream fields for XADD to ``keys.frames(cam)``."""
+# Frame codecs on the wire (``fmt``): a frame is ~600 KB raw at 448x448, and Redis holds every
+# camera's recent frames. WebP lossless (fastest method) is exact; JPEG at quality 95 without
+# chroma subsampling is near-lossless and ~5x smaller again. Measured: README "Redis sizing".
+FRAME_CODECS = ("webp", "jpeg", "png", "rgb24")
+_SAVE_OPTIONS: dict[str, dict[str, Any]] = {
+    "webp": {"format": "WEBP", "lossless": True, "method": 0, "quality": 0},
+    "jpeg": {"format": "JPEG", "quality": 95, "subsampling": 0},
+    "png": {"format": "PNG", "compress_level": 1},
+}
+
+
+def encode_frame(
+    msg: FrameMsg | EndOfStream, limits: Limits = DEFAULT_LIMITS, codec: str = "rgb24"
+) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.frames(cam)``; ``codec`` compresses the pixels."""
     if isinstance(msg, EndOfStream):
         return {FIELD: _pack({"eos": True, "seq": msg.seq})}
     _check_pixels(msg.h, msg.w, limits)
-    payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": msg.fmt}
-    return {FIELD: _pack({**payload, "data": msg.data})}
+    fmt, data = msg.fmt, msg.data
+    if codec != "rgb24":
+        if codec not in _SAVE_OPTIONS:
+            raise SchemaError("fmt", f"unknown codec {codec!r} (one of {', '.join(FRAME_CODECS)})")
+        buf = io.BytesIO()
+        Image.fromarray(msg.rgb()).save(buf, **_SAVE_OPTIONS[codec])
+        if buf.tell() < len(data):  # noise can defeat a lossless codec: then raw is smaller
+            fmt, data = codec, buf.getvalue()
+    payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": fmt}
+    return {FIELD: _pack({**payload, "data": data})}
+
+
+def _decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
+    """Compressed pixels -> raw RGB bytes; the header is checked before any pixel is decoded."""
+    try:
+        with Image.open(io.BytesIO(data), formats=[_SAVE_OPTIONS[fmt]["format"]]) as im:
+            if im.size != (w, h):
+                raise SchemaError("data", f"{fmt} image is {im.size[0]}x{im.size[1]}, header says {w}x{h}")
+            return np.asarray(im.convert("RGB")).tobytes()
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
+        raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
 
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
@@ -227,6 +273,8 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
     data = _require(m, "data")
     if not isinstance(data, bytes):
         raise SchemaError("data", f"expected bytes, got {type(data).__name__}")
+    if fmt in _SAVE_OPTIONS:  # compressed on the wire, raw in memory
+        data, fmt = _decode_image(fmt, data, h, w), "rgb24"
     return FrameMsg(
         seq=_int("seq", _require(m, "seq"), 0),
         ts=_float("ts", _require(m, "ts")),
@@ -236,6 +284,29 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
         data=data,
         fmt=fmt,
     )
+
+
+# How far a frame's seq may run ahead of the stream's last one with no capture time between them.
+# Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread,
+# and then capture time passed too: the allowed gap grows by 1.5 x fps per second.
+MAX_SEQ_GAP = 64
+MAX_CLOCK_SKEW_S = 60.0  # a live frame dated further ahead of this host's clock is forged or wrong
+
+
+def frame_follow_problem(prev_seq: int, prev_ts: float | None, msg: FrameMsg, fps: float, live: bool) -> str | None:
+    """Why ``msg`` cannot be the next frame after (prev_seq, prev_ts) on its stream, or None if it can.
+
+    Guards the stream's history against one forged entry: a frame numbered 10^12 accepted as
+    the newest would turn every later real frame into a "duplicate".
+    """
+    if live and msg.ts > time.time() + MAX_CLOCK_SKEW_S:
+        return f"ts {msg.ts:.3f} is more than {MAX_CLOCK_SKEW_S:g} s in the future"
+    if prev_seq < 0 or prev_ts is None or msg.seq <= prev_seq:
+        return None  # nothing to compare with, or a duplicate (handled by the caller)
+    allowed = MAX_SEQ_GAP + math.ceil(1.5 * fps * max(0.0, msg.ts - prev_ts))
+    if msg.seq - prev_seq > allowed:
+        return f"seq {msg.seq} jumps {msg.seq - prev_seq} past {prev_seq} (at most {allowed} for its capture time)"
+    return None
 
 
 def _check_pixels(h: int, w: int, limits: Limits) -> None:
@@ -462,7 +533,7 @@ def _parse_float(name: str, s: str, lo: float, hi: float) -> float:
 def _parse_choices(s: str, limits: Limits) -> tuple[str, ...]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: '[[[[…' nested a thousand deep
         raise SchemaError("choices", "not valid JSON (expected a JSON list of strings)") from None
     if not isinstance(v, list):
         raise SchemaError("choices", f"expected a JSON list, got {type(v).__name__}")
@@ -558,7 +629,12 @@ FINAL = "final"
 
 @dataclass(frozen=True)
 class AnswerDelta:
+    """Text as it is decoded. ``attempt`` counts how often the question was taken up: a worker
+    that died mid-answer leaves deltas of attempt n, its successor writes attempt n+1 from the
+    start, so a reader drops what it kept of earlier attempts (``qa_worker.client``)."""
+
     text: str
+    attempt: int = 1
 
 
 @dataclass(frozen=True)
@@ -594,8 +670,8 @@ _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
 _FINAL_STRS = ("stream", "text", "error", "choice")
 
 
-def encode_delta(text: str) -> dict[str, str]:
-    return {"type": DELTA, "text": text}
+def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
+    return {"type": DELTA, "text": text, "attempt": str(attempt)}
 
 
 def encode_final(a: FinalAnswer) -> dict[str, str]:
@@ -639,7 +715,8 @@ def decode_answer(fields: Mapping[Any, Any]) -> AnswerDelta | FinalAnswer:
     """Decode any entry of an answer stream."""
     f = _answer_fields(fields)
     if f.get("type") == DELTA:
-        return AnswerDelta(text=_require(f, "text"))
+        attempt = _parse_int("attempt", f["attempt"], 1, INT64_MAX) if "attempt" in f else 1
+        return AnswerDelta(text=_require(f, "text"), attempt=attempt)
     return decode_final(fields)
 
 
@@ -659,7 +736,7 @@ def _answer_fields(fields: Mapping[Any, Any]) -> dict[str, str]:
 def _parse_scores(s: str) -> dict[str, float]:
     try:
         v = json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise SchemaError("scores", "not valid JSON") from None
     if not isinstance(v, dict):
         raise SchemaError("scores", f"expected a JSON object, got {type(v).__name__}")

@@ -1,0 +1,91 @@
+"""One KV pool per device: every stream's cache and every question's scratch in one allocation.
+
+A region is a contiguous range of token slots in a slab `(layers, 2, kv_heads, capacity,
+head_dim)`. Its `kv` is a view, so code that works on an arena works on a region unchanged; its
+`start` places it in the slab, which is what lets one varlen flash-attention call read the caches
+of many streams and questions at once (see lm.py). A region returns to the free list when the
+last object holding it (a cache, a version, a question) is dropped, so a snapshot keeps its
+memory for exactly as long as someone can still read it.
+
+The GPU gets one large slab at start (sized by `pool_tokens`); more slabs are added only when it
+is full and the device still has room. On the CPU slabs are added as needed.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+
+class PoolFull(RuntimeError):
+    """No region of the size asked for fits in the device's memory."""
+
+
+@dataclass(eq=False)
+class Region:
+    kv: torch.Tensor  # (layers, 2, kv_heads, size, head_dim), a view into its slab
+    slab: int
+    start: int  # first token slot in the slab
+    size: int
+    _finalizer: weakref.finalize | None = field(default=None, repr=False)
+
+
+class KVPool:
+    def __init__(self, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device, slab_tokens: int):
+        """`shape` is (layers, kv_heads, head_dim); `slab_tokens` the size of each new slab."""
+        self.layers, self.kv_heads, self.head_dim = shape
+        self.dtype, self.device = dtype, device
+        self.slab_tokens = slab_tokens
+        self.slabs: list[torch.Tensor] = []
+        self._free: list[list[tuple[int, int]]] = []  # per slab: sorted (start, size) holes
+        self._lock = threading.Lock()
+        self.used_tokens = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        return sum(s.shape[3] for s in self.slabs)
+
+    def alloc(self, n_tokens: int) -> Region:
+        if n_tokens <= 0:
+            raise ValueError(f"a region needs at least one token, got {n_tokens}")
+        with self._lock:
+            slab, start = self._first_fit(n_tokens)
+            self.used_tokens += n_tokens
+        region = Region(self.slabs[slab][:, :, :, start : start + n_tokens], slab, start, n_tokens)
+        region._finalizer = weakref.finalize(region, self._release, slab, start, n_tokens)
+        return region
+
+    def _first_fit(self, n: int) -> tuple[int, int]:
+        for slab, holes in enumerate(self._free):
+            for i, (start, size) in enumerate(holes):
+                if size >= n:
+                    holes[i : i + 1] = [(start + n, size - n)] if size > n else []
+                    return slab, start
+        self._add_slab(max(n, self.slab_tokens))
+        return self._first_fit(n)
+
+    def _add_slab(self, n: int) -> None:
+        shape = (self.layers, 2, self.kv_heads, n, self.head_dim)
+        try:
+            # Zeroed: masked-out or padded slots may be read (0 x uninitialised NaN would be NaN).
+            self.slabs.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+        except torch.OutOfMemoryError as e:
+            raise PoolFull(f"no room for {n} more KV tokens on {self.device}") from e
+        self._free.append([(0, n)])
+
+    def _release(self, slab: int, start: int, n: int) -> None:
+        with self._lock:
+            self.used_tokens -= n
+            holes = self._free[slab]
+            holes.append((start, n))
+            holes.sort()
+            merged: list[tuple[int, int]] = []
+            for s, size in holes:  # coalesce neighbours so large regions fit again
+                if merged and merged[-1][0] + merged[-1][1] == s:
+                    merged[-1] = (merged[-1][0], merged[-1][1] + size)
+                else:
+                    merged.append((s, size))
+            self._free[slab] = merged

@@ -1,0 +1,170 @@
+"""One scheduler per GPU: a loop that owns the device and decides, every step, what runs.
+
+Callers in any thread submit work (work.py) and wait on futures; only this loop's thread runs
+forwards, so there is no lock that threads take turns on. Each step:
+
+1. tasks (a mirror applying a version, a stream restoring from the store) run first: they are
+   short, and questions may be waiting on them;
+2. questions: every active generation advances by one token in one batched forward; questions
+   waiting to start join it (their prefill rides in the same forward), up to `max_batch`;
+3. chunks: when encoding has had less than its share of recent GPU time (or nothing else
+   waits), up to `max_chunks` chunks — at most one per stream, streams taken round-robin — go
+   through one vision and one prefill forward. A person asking gets priority, but live cameras
+   keep a guaranteed share, and when the GPU cannot keep up every stream falls behind (and
+   drops frames) alike.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import structlog
+
+from common.engine.work import BatchJob, StepJob, fail_all
+
+log = structlog.get_logger()
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SchedulePolicy:
+    max_batch: int = 64  # generations advanced together
+    max_chunks: int = 16  # chunks encoded together
+    encode_share: float = 0.5  # of GPU time, guaranteed to encoding while questions also wait
+    window_s: float = 2.0  # the share is measured over about this long
+
+
+class Scheduler:
+    def __init__(self, policy: SchedulePolicy | None = None):
+        self.policy = policy or SchedulePolicy()
+        self._lock = threading.Condition()
+        self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
+        self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
+        self._waiting: deque[StepJob] = deque()
+        self._active: list[StepJob] = []
+        self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps = 0
+
+    # -- the callers' side (any thread) ----------------------------------------------------
+    def submit(self, job: BatchJob | StepJob) -> Future[Any]:
+        with self._lock:
+            if isinstance(job, BatchJob):
+                self._lanes.setdefault(job.lane, deque()).append(job)
+            else:
+                self._waiting.append(job)
+            self._lock.notify()
+        return job.future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        if threading.current_thread() is self._thread:
+            return fn()  # already on the GPU loop (a job's own work)
+        future: Future[T] = Future()
+        with self._lock:
+            self._tasks.append((fn, future))
+            self._lock.notify()
+        return future.result()
+
+    def start(self) -> Scheduler:
+        self._thread = threading.Thread(target=self._run, name="gpu-scheduler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the loop ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        log.info("gpu scheduler started", max_batch=self.policy.max_batch, max_chunks=self.policy.max_chunks)
+        while not self._stop.is_set():
+            with self._lock:
+                while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
+                    self._lock.wait(timeout=1.0)
+            self.step()
+        self._fail_everything(RuntimeError("the GPU scheduler stopped"))
+
+    def step(self) -> None:
+        """One scheduling decision and the work it chose."""
+        self.steps += 1
+        self._run_tasks()
+        self._admit()
+        questions = bool(self._active)
+        if self._lanes and (not questions or self._encode_is_due()):
+            self._timed(True, self._encode)
+        if self._active:
+            self._timed(False, self._decode)
+
+    def _run_tasks(self) -> None:
+        while True:
+            with self._lock:
+                if not self._tasks:
+                    return
+                fn, future = self._tasks.popleft()
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self._waiting and len(self._active) < self.policy.max_batch:
+                self._active.append(self._waiting.popleft())
+
+    def _decode(self) -> None:
+        # One class of step job today (Generation); group by class should another appear.
+        by_class: dict[type, list[StepJob]] = {}
+        for job in self._active:
+            by_class.setdefault(type(job), []).append(job)
+        for cls, jobs in by_class.items():
+            cls.step_batch(jobs)
+        self._active = [j for j in self._active if not j.done]
+
+    def _encode(self) -> None:
+        with self._lock:
+            batch: list[BatchJob] = []
+            for lane in list(self._lanes)[: self.policy.max_chunks]:
+                queue = self._lanes.pop(lane)
+                batch.append(queue.popleft())
+                if queue:
+                    self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
+        by_class: dict[type, list[BatchJob]] = {}
+        for job in batch:
+            by_class.setdefault(type(job), []).append(job)
+        for cls, jobs in by_class.items():
+            try:
+                cls.run_batch(jobs)
+            except Exception as e:
+                fail_all(jobs, e)
+
+    def _encode_is_due(self) -> bool:
+        return self._encode_s < self.policy.encode_share * self._total_s or self._total_s == 0.0
+
+    def _timed(self, encoding: bool, fn: Callable[[], None]) -> None:
+        t0 = time.perf_counter()
+        fn()
+        spent = time.perf_counter() - t0
+        decay = 0.5 ** (spent / self.policy.window_s)
+        self._encode_s = self._encode_s * decay + (spent if encoding else 0.0)
+        self._total_s = self._total_s * decay + spent
+
+    def _fail_everything(self, error: BaseException) -> None:
+        with self._lock:
+            jobs: list[BatchJob | StepJob] = [*self._waiting, *self._active]
+            jobs += [j for lane in self._lanes.values() for j in lane]
+            tasks = list(self._tasks)
+            self._waiting.clear(), self._lanes.clear(), self._tasks.clear()
+            self._active = []
+        fail_all(jobs, error)
+        for _, future in tasks:
+            future.set_exception(error)

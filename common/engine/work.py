@@ -1,0 +1,83 @@
+"""GPU work as the scheduler sees it, and the executor that runs it where there is no scheduler.
+
+Three shapes of work (vLLM's v1 engine separates the same way: the scheduler decides, the work
+knows how to run itself):
+
+- a `BatchJob` runs once; jobs of one class run together in one call (`run_batch`), e.g. the
+  chunks of many streams through one vision forward and one prefill forward;
+- a `StepJob` runs for many steps; every active job of one class advances by one step in one
+  call (`step_batch`), e.g. one decode step of every question being answered;
+- a task is any callable that needs the GPU alone for a moment (a mirror applying a version).
+
+`InlineExecutor` runs each job alone, at once, in the caller's thread: what tests, `replay` and
+the benchmarks use. Services install a `Scheduler` (scheduler.py) that batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any, ClassVar, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class BatchJob:
+    lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
+
+    def __init__(self) -> None:
+        self.future: Future[Any] = Future()
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        """Run every job; resolve each job's future (result or exception)."""
+        raise NotImplementedError
+
+
+class StepJob:
+    max_batch: ClassVar[int] = 64
+
+    def __init__(self) -> None:
+        self.future: Future[Any] = Future()
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        """Advance every job by one step; a finished job resolves its future."""
+        raise NotImplementedError
+
+
+class Executor(Protocol):
+    def submit(self, job: BatchJob | StepJob) -> Future[Any]: ...
+    def call(self, fn: Callable[[], T]) -> T: ...
+
+
+class InlineExecutor:
+    """Runs each job alone, now, in the calling thread; a lock keeps threads out of each other's
+    forwards (a `streamvqa qa` mirror thread and its question thread, for example)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+
+    def submit(self, job: BatchJob | StepJob) -> Future[Any]:
+        with self._lock:
+            if isinstance(job, BatchJob):
+                type(job).run_batch([job])
+            else:
+                while not job.done:
+                    type(job).step_batch([job])
+        return job.future
+
+    def call(self, fn: Callable[[], T]) -> T:
+        with self._lock:
+            return fn()
+
+
+def fail_all(jobs: Sequence[BatchJob | StepJob], error: BaseException) -> None:
+    for job in jobs:
+        if not job.future.done():
+            job.future.set_exception(error)

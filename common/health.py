@@ -1,0 +1,99 @@
+"""The metrics port: Prometheus `/metrics`, plus `/health/live` and `/health/ready` for compose.
+
+Ready means the service can do its work now: Redis answers PING, the model is loaded (GPU
+roles), and the encoder's lease loop has run recently (it holds and renews its streams' leases).
+Both answer JSON; 200 when fine, 503 with the failing checks otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+PROBE_TIMEOUT_S = 1.0
+
+
+@dataclass
+class Readiness:
+    """What this process has reached; the service sets fields as it starts and runs."""
+
+    redis_url: str | None = None
+    needs_model: bool = False
+    model_loaded: bool = False
+    lease_period_s: float | None = None  # encoder: the lease loop must run at least this often
+    last_lease_check: float | None = None  # monotonic
+    leases: list[str] = field(default_factory=list)
+
+    def leases_checked(self, held: list[str], period_s: float) -> None:
+        self.leases, self.lease_period_s, self.last_lease_check = sorted(held), period_s, time.monotonic()
+
+    def check(self) -> tuple[bool, dict[str, Any]]:
+        checks: dict[str, Any] = {"redis": self._redis_ok()}
+        if self.needs_model:
+            checks["model"] = self.model_loaded
+        if self.lease_period_s is not None:
+            assert self.last_lease_check is not None
+            checks["leases"] = time.monotonic() - self.last_lease_check < 2 * self.lease_period_s
+        ok = all(checks.values())
+        return ok, {"ready": ok, "checks": checks, "leases": self.leases}
+
+    def _redis_ok(self) -> bool:
+        if self.redis_url is None:
+            return False
+        probe = redis.Redis.from_url(
+            self.redis_url,
+            socket_timeout=PROBE_TIMEOUT_S,
+            socket_connect_timeout=PROBE_TIMEOUT_S,
+            retry=Retry(NoBackoff(), 0),
+        )
+        try:
+            return bool(probe.ping())
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            probe.close()
+
+
+READINESS = Readiness()  # one per process
+
+
+def serve(port: int | None, registry: CollectorRegistry, readiness: Readiness = READINESS) -> None:
+    """Serve /metrics and /health/* in a daemon thread (no-op without a port); OSError if busy."""
+    if port is None:
+        return
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            elif path == "/health/live":
+                self._send(200, b'{"live": true}', "application/json")
+            elif path == "/health/ready":
+                ok, body = readiness.check()
+                self._send(200 if ok else 503, json.dumps(body).encode(), "application/json")
+            else:
+                self._send(404, b"not found", "text/plain")
+
+        def _send(self, code: int, body: bytes, content_type: str) -> None:
+            self.send_response(code)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:  # scrapes every few seconds: not worth a log line
+            pass
+
+    server = ThreadingHTTPServer(("", port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()

@@ -1,0 +1,126 @@
+"""deploy/users.acl.example on a real redis-server: each role can do its job and not another's."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from common import redisio
+from common.lease import Lease
+from common.wire import keys
+from common.wire.schemas import EndOfStream, encode_delta, encode_frame
+from qa_worker.client import Client
+from tests.conftest import RedisServer
+
+ACL = Path(__file__).resolve().parent.parent / "deploy" / "users.acl.example"
+CAM = "cam1"
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[RedisServer]:
+    s = RedisServer(tmp_path, args=("--aclfile", str(ACL)))
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def as_role(server: RedisServer, role: str) -> redis.Redis:
+    return redisio.connect(f"redis://{role}:change-me-{role}@127.0.0.1:{server.port}/0", retries=0)
+
+
+def denied(fn: Callable[[], object]) -> bool:
+    try:
+        fn()
+    except redis.exceptions.NoPermissionError:
+        return True
+    return False
+
+
+def ingest_job(r: redis.Redis) -> None:
+    r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    r.xadd(keys.frames(CAM), encode_frame(EndOfStream(-1)))
+    r.xrevrange(keys.frames(CAM), count=10)
+    r.xadd(keys.events(CAM), {"type": "connected"})
+    r.get(keys.head(CAM))
+
+
+def encoder_job(r: redis.Redis) -> None:
+    redisio.ensure_group(r, keys.frames(CAM), keys.ENCODER_GROUP)
+    reader = redisio.GroupReader(r, [keys.frames(CAM)], keys.ENCODER_GROUP, "enc", block_ms=50)
+    entries = reader.read()
+    redisio.delivery_counts(r, keys.ENCODER_GROUP, "enc", entries)
+    redisio.claim_stale(r, keys.frames(CAM), keys.ENCODER_GROUP, "enc", 0)
+    assert Lease(r, CAM, "enc", 5000).acquire()
+    with r.pipeline(transaction=True) as p:
+        p.watch(keys.lease(CAM))
+        p.multi()
+        p.xadd(keys.versions(CAM), {"m": b"x"})
+        p.set(keys.head(CAM), b"x")
+        p.execute()
+    r.hgetall(keys.meta(CAM))
+    r.set(keys.segment(CAM, "s1"), b"kv")
+    redisio.dead_letter(r, keys.frames(CAM), entries[0][1], entries[0][2], "test", group=keys.ENCODER_GROUP)
+    redisio.prune_consumers(r, keys.frames(CAM), keys.ENCODER_GROUP, "enc")
+    r.xadd(keys.events(CAM), {"type": "encoder_attached"})
+
+
+def qa_job(r: redis.Redis) -> None:
+    reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=50)
+    entries = reader.read()
+    redisio.claim_stale(r, keys.QUESTIONS, keys.QA_GROUP, "qa", 60_000)
+    r.get(keys.head(CAM))
+    r.xread({keys.versions(CAM): "0"}, count=1)
+    r.get(keys.segment(CAM, "s1"))
+    r.delete(keys.answer("q1"))
+    r.xadd(keys.answer("q1"), encode_delta("hi"))
+    r.expire(keys.answer("q1"), 60)
+    r.xadd(keys.ANSWERS, {"type": "final", "id": "q1", "text": "hi"})
+    r.xadd(keys.transcript(CAM), {"start": "0", "end": "1", "text": "x"})
+    r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
+    redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
+
+
+def test_each_role_does_its_job_and_not_anothers(server):
+    ingest, encoder, qa = (as_role(server, n) for n in ("ingest", "encoder", "qa"))
+    client, api, worker = (as_role(server, n) for n in ("client", "api", "worker"))
+    ingest_job(ingest)
+    encoder_job(encoder)
+    Client(client).submit(CAM, "what is there?", id="q1")
+    qa_job(qa)
+    assert [e for _, e in client.xrange(keys.answer("q1"))] and client.xrange(keys.transcript(CAM))
+    api.xadd(keys.QUESTIONS, {"stream": CAM, "question": "and now?"})
+    assert api.get(keys.head(CAM)) and api.hgetall(keys.meta(CAM)) and api.xinfo_groups(keys.frames(CAM))
+    assert api.xrange(keys.events(CAM)) and api.xrange(keys.answer("q1")) and api.xlen(keys.DEAD_LETTER)
+    ingest_job(ingest)
+    Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
+    encoder_job(worker)
+    qa_job(worker)
+
+    # ... and nothing else
+    assert denied(lambda: ingest.set(keys.head(CAM), b"forged"))
+    assert denied(lambda: ingest.xadd(keys.QUESTIONS, {"stream": CAM, "question": "x"}))
+    assert denied(lambda: ingest.xreadgroup(keys.ENCODER_GROUP, "x", {keys.frames(CAM): ">"}))
+    assert denied(lambda: ingest.flushall())
+    assert denied(lambda: encoder.xadd(keys.answer("q1"), {"type": "final"}))
+    assert denied(lambda: encoder.xadd(keys.frames(CAM), {"m": b"forged"}) and encoder.hset(keys.meta(CAM), "x", 1))
+    assert denied(lambda: encoder.config_get("*"))
+    assert denied(lambda: worker.hset(keys.meta(CAM), "height", 1))
+    assert denied(lambda: qa.set(keys.head(CAM), b"forged"))
+    assert denied(lambda: qa.set(keys.lease(CAM), "qa"))
+    assert denied(lambda: qa.xadd(keys.frames(CAM), {"m": b"x"}))
+    assert denied(lambda: client.xrange(keys.frames(CAM)))
+    assert denied(lambda: client.xrange(keys.QUESTIONS))  # others' questions
+    assert denied(lambda: client.xadd(keys.answer("q1"), {"type": "final", "id": "q1", "text": "forged"}))
+    assert denied(lambda: client.get(keys.head(CAM)))
+    assert denied(lambda: client.delete(keys.answer("q1")))
+    assert denied(lambda: api.xadd(keys.frames(CAM), {"m": b"x"}))
+    assert denied(lambda: api.set(keys.head(CAM), b"x"))
+    assert denied(lambda: api.xadd(keys.answer("q1"), {"type": "final"}))
+    assert denied(lambda: api.xreadgroup(keys.QA_GROUP, "api", {keys.QUESTIONS: ">"}))
+    anonymous = redis.Redis(port=server.port)
+    assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))

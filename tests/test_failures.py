@@ -1,0 +1,88 @@
+"""Every way a start can fail ends in one JSON line on stderr and a documented exit code:
+2 configuration, 3 Redis, 4 model (README "Operating it"). Each case runs the real command."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+GOOD_CAMERAS = "cameras:\n  - {name: cam1, url: /media/a.mp4, fps: 2}\n"
+FILES = {
+    "malformed.yaml": "cameras: [ {name: cam1\n",
+    "unknown-camera.yaml": GOOD_CAMERAS + "jobs:\n  - {name: cap, stream: cam2, kind: caption, every_s: 5}\n",
+    "good.yaml": GOOD_CAMERAS,
+}
+
+# (id, argv after `streamvqa`, exit code, a word the line must contain)
+CASES = [
+    ("cameras-file-missing", ["ingest", "--cameras-file", "{tmp}/nope.yaml"], 2, "nope.yaml"),
+    ("cameras-file-malformed", ["ingest", "--cameras-file", "{tmp}/malformed.yaml"], 2, "invalid YAML"),
+    ("job-unknown-camera", ["qa", "--cameras-file", "{tmp}/unknown-camera.yaml"], 2, "cam2"),
+    ("metrics-port-busy", ["ingest", "--cameras-file", "{tmp}/good.yaml", "--metrics-port", "{busy}"], 2, "metrics"),
+    ("bad-log-level", ["ingest", "--cameras-file", "{tmp}/good.yaml", "--log-level", "LOUD"], 2, "LOUD"),
+    ("redis-url-http", ["ingest", "--cameras-file", "{tmp}/good.yaml", "--redis-url", "http://h:6379/0"], 2, "http"),
+    ("redis-url-port", ["ingest", "--cameras-file", "{tmp}/good.yaml", "--redis-url", "redis://h:99999/0"], 2, "99999"),
+    ("bad-stream-name", ["ingest", "--url", "/media/a.mp4", "--stream", "bad name!"], 2, "bad name!"),
+    ("bad-streams", ["encoder", "--streams", "ok,bad name!"], 2, "bad name!"),
+    ("ask-bad-stream", ["ask", "--stream", "bad name!", "hi"], 2, "bad name!"),
+    ("ask-redis-down", ["ask", "--redis-url", "redis://127.0.0.1:{closed}/0", "--stream", "cam1", "hi"], 3, "Redis"),
+    ("status-redis-down", ["status", "--redis-url", "redis://127.0.0.1:{closed}/0"], 3, "Redis"),
+    ("device-cuda-on-cpu", ["worker", "--streams", "cam1", "--model", "tiny-random", "--device", "cuda"], 2, "cuda"),
+    ("model-path-missing", ["encoder", "--streams", "cam1", "--model", "/nonexistent/model"], 4, "local directory"),
+    ("model-hub-unreachable", ["qa", "--streams", "cam1", "--model", "Org/not-cached"], 4, "unreachable"),
+]
+
+
+@pytest.fixture(scope="module")
+def busy_port() -> Iterator[int]:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(("argv", "code", "word"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_failure_is_one_json_line_and_an_exit_code(argv, code, word, tmp_path: Path, redis_url: str, busy_port: int):
+    if "--device" in argv and _cuda_available():
+        pytest.skip("this machine has CUDA")
+    for name, text in FILES.items():
+        (tmp_path / name).write_text(text)
+    subs = {"tmp": str(tmp_path), "busy": str(busy_port), "closed": str(free_port())}
+    env = {
+        **os.environ,
+        "SVQA_REDIS_URL": redis_url,
+        "SVQA_LOG_LEVEL": "WARNING",  # the start-up line is info: only the failure remains
+        "SVQA_SEGMENT_STORE": str(tmp_path / "segments"),
+        "HF_HOME": str(tmp_path / "hf"),  # an empty cache ...
+        "HF_ENDPOINT": f"http://127.0.0.1:{free_port()}",  # ... and a hub that refuses at once
+    }
+    env.pop("HF_HUB_OFFLINE", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", *(a.format(**subs) for a in argv)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    lines = out.stderr.splitlines()
+    assert out.returncode == code, out.stderr
+    assert len(lines) == 1, out.stderr
+    line = json.loads(lines[0])
+    assert line["level"] == "error" and line["exit_code"] == code, line
+    assert word in json.dumps(line), line
+    assert out.stdout == ""

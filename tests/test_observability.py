@@ -1,0 +1,115 @@
+"""Metrics and health as an operator sees them: each process exports its own families, the
+health endpoints tell ready from not, and the Grafana dashboard queries only real metrics."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from common import health, metrics
+from qa_worker.answering import queue_wait_s
+from tests.conftest import free_port
+
+DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.json"
+
+
+def get(port: int, path: str) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def families(port: int) -> set[str]:
+    _, body = get(port, "/metrics")
+    return {f.name for f in text_string_to_metric_families(body.decode())}
+
+
+def serve(roles: list[str], readiness: health.Readiness) -> int:
+    port = free_port()
+    health.serve(port, metrics.registry_for(roles), readiness)
+    return port
+
+
+def test_each_role_exports_only_its_own_families():
+    ingest = families(serve(["ingest"], health.Readiness()))
+    qa = families(serve(["qa"], health.Readiness()))
+    worker = families(serve(["worker"], health.Readiness()))
+    assert "svqa_build_info" in ingest & qa & worker
+    assert not any(n.startswith(("svqa_qa_", "svqa_encoder_", "svqa_cache_")) for n in ingest), ingest
+    assert not any(n.startswith(("svqa_ingest_", "svqa_encoder_")) for n in qa), qa
+    assert {"svqa_qa_queue_wait_seconds", "svqa_encoder_chunk_seconds"} <= worker
+
+
+def test_readiness_follows_redis_model_and_leases(redis_url):
+    ready = health.Readiness(redis_url=redis_url, needs_model=True)
+    port = serve(["encoder"], ready)
+    assert get(port, "/health/live")[0] == 200
+    code, body = get(port, "/health/ready")
+    assert code == 503 and json.loads(body)["checks"] == {"redis": True, "model": False}
+    ready.model_loaded = True
+    ready.leases_checked(["cam1"], period_s=0.2)
+    code, body = get(port, "/health/ready")
+    assert code == 200 and json.loads(body)["leases"] == ["cam1"]
+    time.sleep(0.5)  # the lease loop stopped running: no longer ready
+    assert get(port, "/health/ready")[0] == 503
+    ready.leases_checked(["cam1"], period_s=0.2)
+    ready.redis_url = f"redis://127.0.0.1:{free_port()}/0"  # Redis gone
+    code, body = get(port, "/health/ready")
+    assert code == 503 and json.loads(body)["checks"]["redis"] is False
+
+
+def test_busy_port_raises():
+    port = serve(["qa"], health.Readiness())
+    with pytest.raises(OSError):
+        health.serve(port, metrics.registry_for(["qa"]))
+
+
+def test_queue_wait_is_measured_from_the_entry_id():
+    now_ms = int(time.time() * 1000)
+    assert 1.9 < queue_wait_s(f"{now_ms - 2000}-0") < 3.0
+    assert queue_wait_s(f"{now_ms + 60_000}-0") == 0.0  # a clock ahead of ours never goes negative
+    assert queue_wait_s("custom-id") == 0.0
+
+
+def test_dashboard_queries_only_metrics_the_code_defines_and_covers_them_all():
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"\bsvqa_[a-z_]+", e)}
+    defined = metrics.all_names()
+    assert used <= defined, used - defined
+    assert defined <= used, f"not on the dashboard: {defined - used}"
+
+
+def test_ingest_fps_falls_to_zero_when_frames_stop(monkeypatch):
+    """The gauge is computed when scraped: a dead camera reads 0, not its last rate."""
+    from ingest import source
+
+    clock = [1000.0]
+    monkeypatch.setattr(source.time, "monotonic", lambda: clock[0])
+    fake = source.Source.__new__(source.Source)
+    fake._recent = source.deque([clock[0] - 0.5 * i for i in range(10)])  # 2 fps for 5 s
+    assert fake.recent_fps() == pytest.approx(10 / source.FPS_WINDOW_S)
+    clock[0] += source.FPS_WINDOW_S + 1
+    assert fake.recent_fps() == 0.0
+
+
+def test_thread_exceptions_are_json_log_lines(capsys):
+    from common.logs import configure_logging
+
+    configure_logging("INFO")
+    t = threading.Thread(target=lambda: 1 / 0, name="boom")
+    t.start()
+    t.join()
+    (line,) = capsys.readouterr().err.splitlines()
+    record = json.loads(line)
+    assert record["thread"] == "boom" and record["exception"][0]["exc_type"] == "ZeroDivisionError"

@@ -1,0 +1,78 @@
+"""Redis outages longer than redis-py's retry budget (~10 s), Redis with AOF like compose's.
+
+Ridden out: ingest, encoder and qa stay up through a 15 s outage under a live stream, keep
+their lease, encode every frame at most once, and answer a question asked before it. Past
+`redis_grace_s` every service exits 3 with one log line.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import redis
+
+from apps.samplevideo import write_sample_video
+from common.wire import keys
+from qa_worker.client import Client
+from tests.pipeline import Services, chunk_frames_in_history, head, wait_for
+
+CAM = "cam1"
+OUTAGE_S = 15.0
+
+
+def test_services_ride_out_an_outage_longer_than_the_retry_budget(aof_redis_server, tmp_path):
+    url = aof_redis_server.url
+    r = redis.Redis.from_url(url)
+    video = write_sample_video(str(tmp_path / "long.mp4"), seconds=40, fps=10, width=160, height=120)
+    services = Services(url, tmp_path, SVQA_STREAMS=CAM, SVQA_LEASE_MS="3000", SVQA_REDIS_GRACE_S="60")
+    try:
+        live = ("--url", video, "--stream", CAM, "--fps", "2", "--realtime", "true")
+        procs = [services.start("encoder", "--consumer", "enc-a"), services.start("qa")]
+        procs.append(services.start("ingest", *live))
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 5, 90, "frames before the outage", services)
+        before = head(r, CAM)
+        asked = Client(r).submit(CAM, "What now?", max_tokens=4)  # queued as Redis goes away
+        aof_redis_server.stop()
+        time.sleep(OUTAGE_S)
+        assert all(p.poll() is None for p in procs), services.logs()
+        aof_redis_server.start()
+        r = redis.Redis.from_url(url)
+        wait_for(lambda: head(r, CAM).last_frame_seq >= before.last_frame_seq + 8, 60, "frames after it", services)
+        after = head(r, CAM)
+        assert after.version > before.version and r.get(keys.lease(CAM)) == b"enc-a", "the stream was not dropped"
+        assert not [f for _, f in r.xrange(keys.events(CAM)) if f[b"type"] == b"encoder_attached"][1:], "re-taken"
+        seqs = chunk_frames_in_history(r, CAM)
+        assert len(seqs) == len(set(seqs)), "a frame encoded twice"
+        final = wait_for(lambda: _final(r, asked), 60, "the question asked before the outage", services)
+        assert final.error is None
+        assert all(p.poll() is None for p in procs), services.logs()
+        assert "redis unreachable; waiting for it" in services.logs()
+    finally:
+        services.stop_all()
+
+
+def _final(r: redis.Redis, qid: str):
+    from common.wire.schemas import FinalAnswer, decode_answer
+
+    return next((a for _, f in r.xrange(keys.answer(qid)) if isinstance(a := decode_answer(f), FinalAnswer)), None)
+
+
+def test_past_the_grace_period_every_service_exits_3(aof_redis_server, tmp_path):
+    url = aof_redis_server.url
+    r = redis.Redis.from_url(url)
+    video = write_sample_video(str(tmp_path / "clip.mp4"), seconds=30, fps=10, width=160, height=120)
+    services = Services(url, tmp_path, SVQA_STREAMS=CAM, SVQA_REDIS_GRACE_S="1")
+    try:
+        live = ("--url", video, "--stream", CAM, "--fps", "2", "--realtime", "true")
+        procs = {n: services.start(n, *(live if n == "ingest" else ())) for n in ("encoder", "qa", "ingest")}
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 1, 90, "a first version", services)
+        aof_redis_server.stop()
+        codes = {n: p.wait(timeout=40) for n, p in procs.items()}
+        assert codes == {"encoder": 3, "qa": 3, "ingest": 3}, services.logs()
+        for n in procs:
+            log = (tmp_path / f"{n}-{list(procs).index(n)}.log").read_text().splitlines()
+            gone = [json.loads(x) for x in log if "grace period" in x]
+            assert len(gone) == 1 and gone[0]["level"] == "error", f"{n}: {log[-5:]}"
+    finally:
+        services.stop_all()

@@ -1,0 +1,151 @@
+"""Oracles for batching (tiny-random, fp32, CPU): a batched step equals the same work done one at
+a time, whatever else is in the batch, and a snapshot never changes.
+
+Streams of different grids, fps and cache sizes are encoded through one Scheduler while questions
+on all of them are answered concurrently; every answer (greedy tokens and first logits) and
+every cache must equal what the inline executor gives doing one thing at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from common.engine.answer import ask, choose
+from common.engine.eviction import EvictionPolicy
+from common.engine.grid import Grid, StreamSpec
+from common.engine.lm import Item
+from common.engine.model import load_model
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.stream import StreamEngine
+from common.engine.work import InlineExecutor
+
+SPECS = [
+    StreamSpec("a", 2, Grid(56, 84), 4),
+    StreamSpec("b", 3, Grid(84, 56), 2),
+    StreamSpec("c", 0.75, Grid(56, 56), 6),
+]
+QUESTIONS = ["What is happening?", "Is anything red?", "Describe the scene in detail, please."]
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def frames_for(spec: StreamSpec, n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(len(spec.name) + n)
+    return [rng.integers(0, 256, (spec.grid.height, spec.grid.width, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def encode(rt: Runtime, spec: StreamSpec, frames: list[np.ndarray], policy: EvictionPolicy | None = None):
+    engine = StreamEngine(rt, spec, policy)
+    for i in range(0, len(frames), spec.chunk_frames):
+        part = frames[i : i + spec.chunk_frames]
+        engine.append(part, [(i + k) / spec.fps for k in range(len(part))], list(range(i, i + len(part))))
+    return engine
+
+
+def in_threads(fns) -> list:
+    results: list = [None] * len(fns)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def scheduled(rt: Runtime):
+    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
+    rt.executor = scheduler
+    yield scheduler
+    scheduler.stop()
+    rt.executor = InlineExecutor()
+
+
+def test_batched_encoding_and_answers_equal_one_at_a_time(rt: Runtime, scheduled: Scheduler):
+    lengths = {"a": 12, "b": 8, "c": 12}  # different cache sizes, odd chunk counts
+    frames = {s.name: frames_for(s, lengths[s.name]) for s in SPECS}
+    params = GenerationParams(max_tokens=10)
+
+    engines = in_threads([lambda s=s: encode(rt, s, frames[s.name]) for s in SPECS])
+    asks = [(e, q) for e in engines for q in QUESTIONS]  # 9 questions on 3 streams, all at once
+    batched = in_threads([lambda e=e, q=q: ask(rt, e.head, q, params, keep_logits=True) for e, q in asks])
+    steps = scheduled.steps
+
+    rt.executor = InlineExecutor()
+    alone_engines = [encode(rt, s, frames[s.name]) for s in SPECS]
+    for e, alone in zip(engines, alone_engines, strict=True):
+        n = e.head.tokens
+        assert n == alone.head.tokens
+        assert torch.allclose(e.head.view.kv[:, :, :, :n], alone.head.view.kv[:, :, :, :n], atol=1e-5)
+    for (e, q), got in zip(asks, batched, strict=True):
+        want = ask(rt, alone_engines[engines.index(e)].head, q, params, keep_logits=True)
+        assert got.token_ids == want.token_ids, (e.spec.name, q)
+        assert torch.allclose(got.first_logits, want.first_logits, atol=1e-4, rtol=0)
+    assert steps < 3 * len(asks) * params.max_tokens, "questions were not batched"
+
+
+def test_an_answer_does_not_depend_on_its_batch(rt: Runtime, scheduled: Scheduler):
+    spec = SPECS[0]
+    engine = encode(rt, spec, frames_for(spec, 8))
+    params = GenerationParams(max_tokens=8)
+    alone = ask(rt, engine.head, QUESTIONS[0], params, keep_logits=True)
+    crowd = in_threads([lambda q=q: ask(rt, engine.head, q, params, keep_logits=True) for q in QUESTIONS * 3])
+    for got in crowd[0::3]:
+        assert got.token_ids == alone.token_ids
+        assert torch.allclose(got.first_logits, alone.first_logits, atol=1e-4, rtol=0)
+
+
+def test_sampled_and_multiple_choice_go_through_the_scheduler(rt: Runtime, scheduled: Scheduler):
+    spec = SPECS[1]
+    engine = encode(rt, spec, frames_for(spec, 4))
+    sampled = GenerationParams(max_tokens=6, temperature=1.0, top_p=0.9, seed=3)
+    runs = in_threads([lambda: ask(rt, engine.head, QUESTIONS[1], sampled) for _ in range(3)])
+    assert len({tuple(r.token_ids) for r in runs}) == 1, "a seed fixes the sample, batched or not"
+    picked = choose(rt, engine.head, QUESTIONS[1], ["yes", "no", "maybe"])
+    rt.executor = InlineExecutor()
+    assert choose(rt, engine.head, QUESTIONS[1], ["yes", "no", "maybe"]).scores == pytest.approx(
+        picked.scores, abs=1e-5
+    )
+
+
+def test_snapshots_never_change_under_encoding_eviction_and_questions(rt: Runtime, scheduled: Scheduler):
+    spec = StreamSpec("s", 2, Grid(56, 56), 2)
+    policy = EvictionPolicy(max_cache_tokens=len(rt.prefix_ids()) + 24, sink_chunks=1)
+    engine = StreamEngine(rt, spec, policy)
+    frames = frames_for(spec, 40)
+    held = []
+    for i in range(0, 40, 2):
+        v = engine.append(frames[i : i + 2], [i / 2, (i + 1) / 2], [i, i + 1])
+        held.append((v, v.view.kv[:, :, :, : v.tokens].clone()))
+        in_threads([lambda v=v: ask(rt, v, QUESTIONS[0], GenerationParams(max_tokens=3))] * 2)
+    assert engine.head.stats.evictions > 0
+    for v, before in held:
+        assert torch.equal(v.view.kv[:, :, :, : v.tokens], before), f"version {v.id} changed"
+
+
+def test_regions_return_to_the_pool(rt: Runtime):
+    used = rt.pool.used_tokens
+    region = rt.pool.alloc(100)
+    item = Item(1, region, 0)
+    assert rt.pool.used_tokens == used + 100 and item.dest is region
+    del item, region
+    assert rt.pool.used_tokens == used

@@ -1,0 +1,87 @@
+"""A camera password reaches the camera and nothing else: not Redis, not a log line, not
+`streamvqa status`, not /metrics. The password comes from the environment through ${VAR} in the
+cameras file, the RTSP server really requires it, and the whole pipeline runs on it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+import redis
+
+from tests.conftest import free_port
+from tests.pipeline import Services, head, wait_for
+from tests.rtsp_server import RtspServer, gst_available
+
+PASSWORD = "Sup3r-s3cret-PW"
+USER = "viewer"
+
+
+def all_redis_bytes(r: redis.Redis) -> list[bytes]:
+    """Every key name and every value of every type, as bytes."""
+    out = []
+    for key in r.scan_iter(count=1000):
+        out.append(key)
+        kind = r.type(key).decode()
+        if kind == "string":
+            out.append(r.get(key) or b"")
+        elif kind == "hash":
+            out += [b for kv in r.hgetall(key).items() for b in kv]
+        elif kind == "stream":
+            out += [b for _, fields in r.xrange(key) for kv in fields.items() for b in kv]
+        elif kind == "list":
+            out += r.lrange(key, 0, -1)
+        elif kind in ("set", "zset"):
+            out += list(r.smembers(key)) if kind == "set" else r.zrange(key, 0, -1)
+    return out
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_camera_password_is_in_no_redis_key_no_log_line_no_status(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    cameras = tmp_path / "cameras.yaml"
+    with RtspServer(fps=10, width=160, height=120, credentials=(USER, PASSWORD)) as server:
+        cameras.write_text(
+            "cameras:\n"
+            f"  - {{name: cam1, url: 'rtsp://{USER}:${{CAM_PASSWORD}}@127.0.0.1:{server.port}/cam1', fps: 4}}\n"
+            # never connects: its errors quote the URL, with the password, on every retry
+            f"  - {{name: down, url: 'rtsp://{USER}:${{CAM_PASSWORD}}@127.0.0.1:{free_port()}/x', fps: 2}}\n"
+        )
+        services = Services(
+            redis_url,
+            tmp_path,
+            CAM_PASSWORD=PASSWORD,
+            SVQA_CAMERAS_FILE=str(cameras),
+            SVQA_LOG_LEVEL="DEBUG",
+            SVQA_OPEN_TIMEOUT_S="2",
+            SVQA_RECONNECT_MIN_S="0.2",
+            SVQA_RECONNECT_MAX_S="0.5",
+        )
+        metrics_port = free_port()
+        try:
+            services.start("ingest", "--metrics-port", str(metrics_port))
+            services.start("worker", "--chunk-frames", "2")
+            wait_for(lambda: head(r, "cam1"), 180, "a cache version of the password-protected camera", services)
+            wait_for(lambda: r.xlen("svqa:{down}:events") >= 3, 60, "retries of the camera that is down", services)
+            scraped = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read()
+            status = subprocess.run(
+                [sys.executable, "-m", "apps.cli", "status", "--redis-url", redis_url],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            services.stop_all()
+    assert status.returncode == 0, status.stderr
+    assert "down" in status.stdout and "never connected" in status.stdout  # a camera that never connected shows
+    assert f"{USER}:***@" in status.stdout
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert "connected" in logs and f"{USER}:***@" in logs  # the URL is logged, redacted
+    secret = PASSWORD.encode()
+    leaks = [b[:200] for b in all_redis_bytes(r) if secret in b]
+    assert not leaks, leaks
+    assert PASSWORD not in logs
+    assert PASSWORD not in status.stdout + status.stderr
+    assert secret not in scraped
