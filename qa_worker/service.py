@@ -68,6 +68,8 @@ class QAService:
         # free slot is taken before an entry is read, so at most max_in_flight are taken at once.
         self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
         self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
+        self.in_flight: set[str] = set()  # entry ids being answered: a reclaim must not start them twice
+        self._in_flight_lock = threading.Lock()
         self._last_claim = 0.0
         self._last_prune = time.monotonic()
         self.versions_failed: BaseException | None = None
@@ -111,6 +113,10 @@ class QAService:
 
     def _dispatch(self, entries: list[redisio.Entry]) -> None:
         for entry in entries:
+            with self._in_flight_lock:
+                if entry[1] in self.in_flight:
+                    continue  # our own, still being answered (idle only because it is slow)
+                self.in_flight.add(entry[1])
             self.slots.acquire()
             self.questions_pool.submit(self._answer_one, entry)
 
@@ -122,6 +128,8 @@ class QAService:
         except Exception:
             log.exception("question handling failed", entry=entry[1])
         finally:
+            with self._in_flight_lock:
+                self.in_flight.discard(entry[1])
             self.slots.release()
 
 

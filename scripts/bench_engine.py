@@ -25,14 +25,14 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
-from common.engine.answer import ask, question_suffix_ids
+from common.engine.answer import Generation, ask, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels
 from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream import ChunkJob, StreamEngine
 
 QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
 
@@ -241,6 +241,62 @@ def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
     return out
 
 
+def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_tokens: int) -> dict:
+    """The scheduler's batches: per-chunk vision and prefill time with one chunk from each of N
+    streams in one batch (every stream at `cache_tokens`), and decode with C questions on C
+    different streams advanced together."""
+    free_gpu()
+    engines = [filled_engine(rt, cache_tokens) for _ in range(max(*streams, *questions))]
+    log(f"{len(engines)} streams filled to {engines[0].head.tokens} tokens")
+    frames = np.random.default_rng(0).integers(0, 256, (4, 448, 448, 3), dtype=np.uint8)
+    out: dict = {"cache_tokens": engines[0].head.tokens, "chunks": [], "decode": []}
+    prefill_input = torch.randn(512, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
+    for n in streams:
+        batch = engines[:n]
+        heads = [e.head for e in batch]
+
+        def encode(with_vision: bool, batch=batch, heads=heads) -> None:
+            jobs = []
+            for e in batch:
+                chunk = e.prepare(list(frames))
+                if not with_vision:
+                    chunk.pixels, chunk.embeds = None, prefill_input
+                jobs.append(ChunkJob(e, chunk))
+            ChunkJob.run_batch(jobs)
+            for e, head in zip(batch, heads, strict=True):
+                e.cache.head = head  # roll back: every repeat sees the same cache sizes
+
+        both = timed(lambda: encode(True), repeat=3, warmup=1)
+        prefill = timed(lambda: encode(False), repeat=3, warmup=1)
+        row = {"streams": n, "chunk_ms": round(both / n, 2), "prefill_ms": round(prefill / n, 2)}
+        row["vision_ms"] = round((both - prefill) / n, 2)
+        out["chunks"].append(row)
+        log(f"batched chunks {row}")
+    for c in questions:
+        jobs = [Generation(rt, e.head, QUESTION, GenerationParams(max_tokens=64)) for e in engines[:c]]
+        sync()
+        t0 = time.perf_counter()
+        active = list(jobs)
+        while active:
+            Generation.step_batch(active)
+            active = [j for j in active if not j.done]
+        sync()
+        seconds = time.perf_counter() - t0
+        tokens = sum(len(j.future.result().token_ids) for j in jobs)
+        firsts = [j.future.result().first_token_s * 1000 for j in jobs]
+        row = {
+            "questions": c,
+            "aggregate_tok_s": round(tokens / seconds, 1),
+            "per_question_tok_s": round(tokens / seconds / c, 1),
+            "first_token_ms_max": round(max(firsts), 1),
+        }
+        out["decode"].append(row)
+        log(f"batched decode {row}")
+    del engines
+    free_gpu()
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random-3b")
@@ -252,10 +308,16 @@ def main() -> None:
     p.add_argument("--long-chunks", type=int, default=400)
     p.add_argument("--long-budget", type=int, default=32768)
     p.add_argument("--profile", action="store_true", help="profile one question at the largest cache size")
+    p.add_argument("--batch-streams", default="1,16,64", help="chunks batched from this many streams")
+    p.add_argument("--batch-questions", default="1,8,32", help="questions decoded together")
+    p.add_argument("--batch-cache-tokens", type=int, default=32768)
+    p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: the free GPU memory)")
     args = p.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
-    rt = Runtime(load_model(args.model, device=args.device), compile_vision=args.compile_vision)
+    rt = Runtime(
+        load_model(args.model, device=args.device), pool_tokens=args.pool_tokens, compile_vision=args.compile_vision
+    )
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -270,6 +332,12 @@ def main() -> None:
         "vision_batched": bench_vision_batched(rt, tuple(int(n) for n in args.vision_batches.split(","))),
         "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),
+        "batched": bench_batched(
+            rt,
+            [int(n) for n in args.batch_streams.split(",")],
+            [int(n) for n in args.batch_questions.split(",")],
+            args.batch_cache_tokens,
+        ),
     }
     print(json.dumps(result, indent=1))
 

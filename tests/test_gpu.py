@@ -1,46 +1,96 @@
-"""GPU-only checks (skipped on CPU machines; run on the device with `pytest tests/test_gpu.py`)."""
+"""GPU-only checks (skipped on CPU machines; run on the device with `pytest tests/test_gpu.py`).
+
+The CPU oracles prove the batching logic in fp32; these prove that the CUDA paths (varlen flash
+attention over pool regions, split-KV, decode replayed from CUDA graphs) compute the same thing.
+"""
 
 from __future__ import annotations
 
+import threading
+
+import numpy as np
 import pytest
 import torch
-
-from common.engine.lm import _attention_with_lse
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.mark.parametrize("n", [45, 4096, 99_885])
-def test_flash_attention_log_sum_exp_matches_maths_on_a_strided_cache_view(n):
-    """The question path merges flash attention over the cache with its own tokens by log-sum-exp:
-    both the output and the LSE of the CUDA kernel must be what the maths says, on a view of an
-    arena (odd length, strided), in bf16."""
-    torch.manual_seed(0)
-    q = torch.randn(2, 1, 8 * 31, 128, device="cuda", dtype=torch.bfloat16)
-    arena = torch.randn(2, 2, n + 7, 128, device="cuda", dtype=torch.bfloat16)
-    k, v = arena[:, 0, :n][:, None], arena[:, 1, :n][:, None]
-    out, lse = _attention_with_lse(q, k, v, 128**-0.5)
-    scores = (q.float() @ k.float().transpose(-1, -2)) * 128**-0.5
-    assert torch.allclose(lse, torch.logsumexp(scores, -1), atol=1e-3)
-    assert torch.allclose(out.float(), torch.softmax(scores, -1) @ v.float(), atol=2e-2)
-
-
-def test_decode_as_cuda_graph_equals_the_same_steps_launched_eagerly(monkeypatch):
-    import numpy as np
-
-    from common.engine import answer
-    from common.engine.grid import Grid, StreamSpec
+@pytest.fixture(scope="module")
+def rt():
     from common.engine.model import load_model
     from common.engine.runtime import Runtime
+
+    return Runtime(load_model("tiny-random", device="cuda", dtype="bfloat16"), pool_tokens=1 << 18)
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
+    """Overlapping regions (two questions on one version), causal own pieces, split bases."""
+    from common.engine.lm import Item, KVView
+
+    lm = rt.lm
+    torch.manual_seed(0)
+    base = rt.pool.alloc(20_000)
+    base.kv.normal_()
+    scratch = [rt.pool.alloc(64) for _ in range(3)]
+    for s in scratch:
+        s.kv.normal_()
+    items = [
+        Item(5, scratch[0], 10, base=KVView(base, 20_000)),
+        Item(1, scratch[1], 30, base=KVView(base, 12_345)),
+        Item(3, scratch[2], 0, base=KVView(base, 7)),
+    ]
+    plan = lm.plan(items, split)
+    q = torch.randn(9, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
+    kv = rt.pool.slabs[plan.slab][0]
+    for causal, pieces in plan.pieces.items():
+        out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+        lm.flash = False
+        try:
+            ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+        finally:
+            lm.flash = True
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2)
+        assert torch.allclose(out.float(), ref_out.float(), atol=2e-2)
+
+
+def _engine(rt, name: str, grid, n_chunks: int, seed: int):
+    from common.engine.grid import StreamSpec
     from common.engine.stream import StreamEngine
 
-    rt = Runtime(load_model("tiny-random", device="cuda"))
-    engine = StreamEngine(rt, StreamSpec("cam", 2.0, Grid(56, 84), 4))
-    rng = np.random.default_rng(0)
-    for _ in range(3):
-        engine.append([rng.integers(0, 256, (56, 84, 3), dtype=np.uint8) for _ in range(4)])
-    params = answer.GenerationParams(max_tokens=48)
-    graphed = answer.ask(rt, engine.head, "What happens?", params)
+    engine = StreamEngine(rt, StreamSpec(name, 2.0, grid, 4))
+    rng = np.random.default_rng(seed)
+    for _ in range(n_chunks):
+        engine.append([rng.integers(0, 256, (grid.height, grid.width, 3), dtype=np.uint8) for _ in range(4)])
+    return engine
+
+
+def test_batched_graphed_decode_equals_one_at_a_time_eager(rt, monkeypatch):
+    from common.engine import answer
+    from common.engine.grid import Grid
+    from common.engine.params import GenerationParams
+    from common.engine.scheduler import Scheduler
+    from common.engine.work import InlineExecutor
+
+    engines = [_engine(rt, f"s{i}", g, n, i) for i, (g, n) in enumerate([(Grid(56, 84), 3), (Grid(84, 56), 5)])]
+    params = GenerationParams(max_tokens=24)
+    asks = [(e, q) for e in engines for q in ("What happens?", "Anything red?", "Count them.")]
+    scheduler = Scheduler().start()
+    rt.executor = scheduler
+    batched: list = [None] * len(asks)
+    threads = [
+        threading.Thread(target=lambda i=i, e=e, q=q: batched.__setitem__(i, answer.ask(rt, e.head, q, params)))
+        for i, (e, q) in enumerate(asks)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    scheduler.stop()
+    rt.executor = InlineExecutor()
     monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
-    eager = answer.ask(rt, engine.head, "What happens?", params)
-    assert graphed.token_ids == eager.token_ids and len(graphed.token_ids) > 1
+    for (e, q), got in zip(asks, batched, strict=True):
+        alone = answer.ask(rt, e.head, q, params)
+        assert got.token_ids[:8] == alone.token_ids[:8] and len(got.token_ids) > 1

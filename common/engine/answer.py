@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kvcache import Version
-from common.engine.lm import Item, split_for
+from common.engine.lm import DecodeGraphs, Item, split_for
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 from common.engine.work import StepJob, fail_all
+
+CUDA_GRAPHS = True  # replay decode steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
 
 @dataclass
@@ -150,11 +152,17 @@ class Generation(StepJob):
 
 def _forward(gens: Sequence[Generation]) -> torch.Tensor:
     """One forward of every generation's pending tokens; logits (B, V) at each one's last token."""
-    lm = gens[0].rt.lm
+    rt = gens[0].rt
+    lm = rt.lm
     ids = [t for g in gens for t in g.pending]
     positions = torch.cat([text_positions(g.pos, len(g.pending)) for g in gens], dim=1)
     split = split_for(len(ids), max(g.version.tokens for g in gens)) if lm.flash else 1
-    hidden = lm.forward(lm.embed(ids), positions, lm.plan([g.item() for g in gens], split))
+    items = [g.item() for g in gens]
+    if lm.flash and CUDA_GRAPHS and len(ids) == len(gens) <= DecodeGraphs.BUCKETS[-1]:
+        if rt.decode_graphs is None:
+            rt.decode_graphs = DecodeGraphs(lm)
+        return rt.decode_graphs.logits(ids, positions.to(lm.device), items, split)
+    hidden = lm.forward(lm.embed(ids), positions, lm.plan(items, split))
     last = torch.tensor([len(g.pending) for g in gens]).cumsum(0) - 1
     return lm.logits(hidden[last.to(hidden.device)])
 
@@ -175,7 +183,7 @@ def ask(
     future = rt.executor.submit(job)
     emitted = ""
     while on_delta is not None:
-        tokens = _latest(updates, wait=not future.done())
+        tokens = _next(updates, wait=not future.done())
         if tokens is None:
             if future.done() and updates.empty():
                 break
@@ -201,15 +209,12 @@ def ask(
     )
 
 
-def _latest(updates: queue.SimpleQueue[list[int]], wait: bool) -> list[int] | None:
-    """The newest token list waiting (older ones are prefixes of it), or None after a short wait."""
+def _next(updates: queue.SimpleQueue[list[int]], wait: bool) -> list[int] | None:
+    """The next token list the generation reported, or None after a short wait."""
     try:
-        latest = updates.get(timeout=0.02) if wait else updates.get_nowait()
+        return updates.get(timeout=0.02) if wait else updates.get_nowait()
     except queue.Empty:
         return None
-    while not updates.empty():
-        latest = updates.get_nowait()
-    return latest
 
 
 def choose(rt: Runtime, version: Version, question: str, choices: list[str]) -> Choice:

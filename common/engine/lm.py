@@ -242,3 +242,63 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     """Qwen2.5-VL's RMSNorm (fp32 statistics, weight applied in the model dtype) in one fused op."""
     normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
     return norm.weight * normed.to(x.dtype)
+
+
+class DecodeGraphs:
+    """Decode steps (one token per item) replayed from CUDA graphs, one per batch-size bucket and
+    split: eagerly a step is thousands of small kernel launches from Python, which is what bounds
+    decode speed. A batch is padded to its bucket with rows that read and write a 1-token dummy
+    region; the plan's indices are copied into the graph's own buffers before each replay."""
+
+    BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+    def __init__(self, lm: LanguageModel):
+        self.lm = lm
+        self.dummy = lm.pool.alloc(1)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.mempool = torch.cuda.graph_pool_handle()
+
+    def logits(self, tokens: list[int], positions: torch.Tensor, items: list[Item], split: int) -> torch.Tensor:
+        n = len(items)
+        bucket = next((b for b in self.BUCKETS if b >= n), None)
+        if bucket is None:
+            raise ValueError(f"{n} decode rows: more than the largest bucket {self.BUCKETS[-1]}")
+        pad = bucket - n
+        items = items + [Item(1, self.dummy, 0, base=KVView(self.dummy, 1))] * pad
+        plan = self.lm.plan(items, split)
+        key = (bucket, split, plan.slab)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = _Graph(self.lm, plan, bucket, self.mempool)
+        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
+        return graph.replay(tokens + [0] * pad, positions, plan)[:n]
+
+
+class _Graph:
+    def __init__(self, lm: LanguageModel, plan: Plan, bucket: int, mempool):
+        self.lm, self.plan = lm, plan  # the plan's tensors are the graph's index buffers
+        dev = lm.device
+        self.tokens = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(3, bucket, dtype=torch.long, device=dev)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()  # warm-up outside the graph (allocations, kernel selection)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+            self.out = self._step()
+
+    def _step(self) -> torch.Tensor:
+        return self.lm.logits(self.lm.forward(self.lm.embed(self.tokens), self.positions, self.plan))
+
+    def replay(self, tokens: list[int], positions: torch.Tensor, plan: Plan) -> torch.Tensor:
+        self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
+        self.positions.copy_(positions, non_blocking=True)
+        self.plan.slots.copy_(plan.slots, non_blocking=True)
+        for causal, pieces in plan.pieces.items():
+            mine = self.plan.pieces[causal]
+            for name in ("rows", "cu_q", "starts", "lengths"):
+                getattr(mine, name).copy_(getattr(pieces, name), non_blocking=True)
+        self.graph.replay()
+        return self.out
