@@ -22,6 +22,7 @@ SERVICES = {
     "transcript": "qa_worker.client",
     "status": "apps.status",
     "demo": "apps.demo",
+    "api": "api.service",
 }
 
 
@@ -31,6 +32,7 @@ CONFIGS = {
     "encoder": ("encoder_worker.config", "EncoderConfig"),
     "qa": ("qa_worker.config", "QAConfig"),
     "worker": ("apps.worker_config", "WorkerConfig"),
+    "api": ("api.config", "ApiConfig"),
 }
 
 

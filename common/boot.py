@@ -84,7 +84,8 @@ def startup_fields(cfg: Any) -> dict[str, Any]:
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         value = getattr(cfg, f.name)
         if f.name not in always and value != default:
-            changed[f.name] = redact_text(value) if isinstance(value, str) else value
+            secret = f.metadata.get("secret") and value is not None  # a token: that it is set, never what it is
+            changed[f.name] = "***" if secret else redact_text(value) if isinstance(value, str) else value
     return out | {"settings": changed}
 
 

@@ -142,13 +142,20 @@ def env_name(name: str) -> str:
     return ENV_PREFIX + name.upper()
 
 
+def env_names(cls: type, name: str) -> tuple[str, ...]:
+    """The variables a field is read from, first found wins. A config class may set ``ENV_PREFIX``
+    (``SVQA_API_``) so its own names come first and the shared ``SVQA_<FIELD>`` still applies."""
+    own = getattr(cls, "ENV_PREFIX", ENV_PREFIX) + name.upper()
+    return tuple(dict.fromkeys((own, env_name(name))))
+
+
 def _parse_cli(cls: type, argv: Sequence[str], prog: str | None) -> dict[str, Any]:
     doc = (cls.__doc__ or "").strip()
     p = _Parser(prog=prog, description=doc.splitlines()[0] if doc else None, allow_abbrev=False)
     p.add_argument("--config", metavar="PATH", help=f"YAML config file (or {env_name(CONFIG_FLAG)})")
     for f, tp in _fields(cls):
         default = "required" if f.default is dataclasses.MISSING else f"default {_default(f)!r}"
-        help_ = f"{f.metadata.get('help', '')} [{env_name(f.name)}; {default}]".strip()
+        help_ = f"{f.metadata.get('help', '')} [{env_names(cls, f.name)[0]}; {default}]".strip()
         if tp is bool:
             p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
         else:
@@ -237,7 +244,10 @@ def load_config(
     raw: dict[str, tuple[Any, str]] = {}  # field -> (value, where it came from)
     if yaml_path:
         raw |= {k: (v, f"{yaml_path}: {k}") for k, v in _yaml_layer(yaml_path, names).items()}
-    raw |= {n: (env[env_name(n)], env_name(n)) for n in names if env_name(n) in env}
+    for n in names:
+        var = next((v for v in env_names(cls, n) if v in env), None)
+        if var is not None:
+            raw[n] = (env[var], var)
     raw |= {n: (v, _flag(n)) for n, v in cli.items()}
     values = {}
     for f, tp in fields:
@@ -246,7 +256,7 @@ def load_config(
             values[f.name] = _convert(tp, v, where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise ConfigError(
-                f"missing required setting {f.name!r} (set {_flag(f.name)}, {env_name(f.name)} "
+                f"missing required setting {f.name!r} (set {_flag(f.name)}, {env_names(cls, f.name)[0]} "
                 f"or {f.name}: in the config file)"
             )
     try:
@@ -257,7 +267,7 @@ def load_config(
 
 # --------------------------------------------------------------------------- cameras file
 
-JobKind = Literal["caption", "subtitles", "custom"]
+JobKind = Literal["caption", "subtitles", "custom", "alert"]
 SubtitleFormat = Literal["vtt", "srt"]
 MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
 MAX_FPS = 240.0
@@ -302,13 +312,21 @@ class Job:
     every_s: float | None = None  # run every N seconds of capture time ...
     every_versions: int | None = None  # ... and/or every N new cache versions
     formats: tuple[SubtitleFormat, ...] = ("vtt",)
+    # kind "alert": `prompt` is a yes/no question; it fires when P(yes) >= threshold for `debounce`
+    # runs in a row, then not again before `cooldown_s` nor before the answer has turned to no.
+    threshold: float = 0.5
+    debounce: int = 1
+    cooldown_s: float = 300.0
+    webhook: str | None = None  # http(s) URL that receives each alert as a JSON POST
+    mqtt: str | None = None  # mqtt://[user:password@]host[:port]/topic
 
     def __post_init__(self) -> None:
         _check_name("name", self.name)
         if self.stream != "*":
             _check_name("stream", self.stream)
-        if self.kind == "custom" and not (self.prompt or "").strip():
-            raise ConfigError("prompt: required for kind 'custom'")
+        if self.kind in ("custom", "alert") and not (self.prompt or "").strip():
+            raise ConfigError(f"prompt: required for kind {self.kind!r}")
+        self._check_alert()
         if self.prompt is not None and len(self.prompt) > MAX_QUESTION_CHARS:
             raise ConfigError(f"prompt: longer than {MAX_QUESTION_CHARS} chars")
         if self.every_s is None and self.every_versions is None:
@@ -319,6 +337,30 @@ class Job:
             raise ConfigError(f"every_versions: must be >= 1, got {self.every_versions}")
         if len(set(self.formats)) != len(self.formats):
             raise ConfigError(f"formats: duplicates in {list(self.formats)}")
+
+    def _check_alert(self) -> None:
+        if self.kind != "alert":
+            if self.webhook or self.mqtt:
+                raise ConfigError(f"webhook: only alert jobs deliver (kind is {self.kind!r})")
+            return
+        if not 0.0 <= self.threshold <= 1.0:
+            raise ConfigError(f"threshold: must be in [0, 1], got {self.threshold}")
+        if self.debounce < 1:
+            raise ConfigError(f"debounce: must be >= 1, got {self.debounce}")
+        if self.cooldown_s < 0:
+            raise ConfigError(f"cooldown_s: must be >= 0, got {self.cooldown_s}")
+        _check_url("webhook", self.webhook, ("http", "https"), need_path=False)
+        _check_url("mqtt", self.mqtt, ("mqtt", "mqtts"), need_path=True)
+
+
+def _check_url(field: str, url: str | None, schemes: tuple[str, ...], need_path: bool) -> None:
+    if url is None:
+        return
+    parts = urlsplit(url)
+    if parts.scheme not in schemes or not parts.hostname:
+        raise ConfigError(f"{field}: expected {'|'.join(schemes)}://host..., got {redact_url(url)!r}")
+    if need_path and not parts.path.strip("/"):
+        raise ConfigError(f"{field}: no topic in {redact_url(url)!r} (…/topic)")
 
 
 @dataclass(frozen=True)

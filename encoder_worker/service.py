@@ -135,6 +135,8 @@ class EncoderService:
         owned = self.owned.get(keys.stream_of(frames_key))
         if owned is None:
             return  # lease lost between read and handle: the new owner gets it redelivered
+        if not self._renew_if_due(owned):
+            return
         msg = decode_frame(fields)  # SchemaError: rejected by the boundary
         try:
             owned.add(entry_id, msg)
@@ -149,6 +151,18 @@ class EncoderService:
                     owned.reject(eid, {}, f"chunk failed: {type(e).__name__}: {e}"[:500])
             owned.pending = []
             raise
+
+    def _renew_if_due(self, owned: OwnedStream) -> bool:
+        """Keep this stream's lease between its entries (encoding several chunks can outlast a
+        lease on a slow device); each stream is renewed only by the task handling it."""
+        if time.monotonic() - owned.renewed_at < self.cfg.lease_ms / 3000:
+            return True
+        if self.leases[owned.name].renew():
+            owned.renewed_at = time.monotonic()
+            return True
+        log.warning("lease lost; another encoder owns the stream now", stream=owned.name)
+        self._drop(owned.name)
+        return False
 
     def _reject(self, frames_key: str, entry_id: str, fields: dict, reason: str) -> None:
         name = keys.stream_of(frames_key)

@@ -65,6 +65,7 @@ class OwnedStream:
         self.dropped_late = 0
         self._last_drop_event = -DROP_EVENT_EVERY_S
         self.ended = False
+        self.renewed_at = time.monotonic()  # when its lease was last renewed
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
 
     @property

@@ -8,6 +8,7 @@ the encoder (backpressure) instead of growing the stream without bound.
 
 from __future__ import annotations
 
+import io
 import queue
 import random
 import threading
@@ -15,8 +16,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import redis
 import structlog
+from PIL import Image
 
 from common import metrics, redisio
 from common.engine.grid import Grid, choose_grid
@@ -41,6 +44,10 @@ RESUME_SCAN = 200  # newest frames entries searched for the last valid frame whe
 FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
 FPS_WINDOW_FRAMES = 4096  # enough for any sane fps over the window
 UP_EVENTS = {"connected": 1, "error": 0, "stalled": 0, "reconnecting": 0, "gave_up": 0, "eof": 0}
+# The newest frame as a JPEG (for the web page and alerts): at most this often, so it costs little CPU.
+LATEST_FRAME_EVERY_S = 1.0
+LATEST_FRAME_TTL_S = 3600  # a stream gone for an hour stops showing a picture
+JPEG_QUALITY = 80
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,8 @@ class Source:
         self.last_pts = self.resume_pts  # of the newest frame published
         self._recent: deque[float] = deque(maxlen=FPS_WINDOW_FRAMES)  # publish times (monotonic)
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
+        self._last_jpeg = -LATEST_FRAME_EVERY_S
+        self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
         self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -181,6 +190,7 @@ class Source:
             pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
         fields = encode_frame(msg, codec=self.cfg.frame_codec)
         pipe.xadd(keys.frames(self.spec.stream), fields, **self._trim())
+        self._latest_frame(pipe, msg)
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
@@ -210,6 +220,19 @@ class Source:
     def recent_fps(self) -> float:
         now = time.monotonic()
         return sum(1 for t in self._recent if now - t <= FPS_WINDOW_S) / FPS_WINDOW_S
+
+    def _latest_frame(self, pipe: redis.client.Pipeline, msg: FrameMsg | EndOfStream) -> None:
+        """Queue the newest frame as a JPEG: at most once a second, and a file's last frame at its end."""
+        if isinstance(msg, FrameMsg):
+            self._unsaved = msg
+            if time.monotonic() - self._last_jpeg < LATEST_FRAME_EVERY_S:
+                return
+        if self._unsaved is None:
+            return
+        frame, self._unsaved, self._last_jpeg = self._unsaved, None, time.monotonic()
+        latest = {"jpeg": to_jpeg(frame.rgb()), "seq": frame.seq, "ts": frame.ts}
+        pipe.hset(keys.latest_frame(self.spec.stream), mapping=latest)
+        pipe.expire(keys.latest_frame(self.spec.stream), LATEST_FRAME_TTL_S)
 
     def _grid(self, container) -> Grid:
         """The stream's fixed model grid: kept from an earlier run, else chosen from the source size."""
@@ -290,6 +313,12 @@ class Source:
             metrics.INGEST_UP.labels(self.spec.stream).set(UP_EVENTS[kind])
         self.log.info(kind, **fields)
         redisio.event(self.r, self.spec.stream, "ingest", kind, **fields)
+
+
+def to_jpeg(rgb: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(rgb).save(out, format="JPEG", quality=JPEG_QUALITY)
+    return out.getvalue()
 
 
 def _offer(out: queue.Queue, item: object, session_over: threading.Event) -> bool:

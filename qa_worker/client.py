@@ -147,13 +147,12 @@ def _restarted(attempt: int) -> None:
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:
-    from qa_worker.subtitles import Cue, to_srt, to_webvtt
+    from common.wire.transcript import Cue, render_transcript
 
     entries = client.transcript(ns.stream)
     if ns.format == "json":
         print(json.dumps(entries, indent=1))
         return 0
     cues = [Cue(float(e["start"]), float(e["end"]), e["text"]) for e in entries]
-    origin = cues[0].start if cues and cues[0].start > 1e8 else 0.0  # live: times are unix seconds
-    print(to_srt(cues, origin) if ns.format == "srt" else to_webvtt(cues, origin), end="")
+    print(render_transcript(cues, ns.format), end="")
     return 0

@@ -1,37 +1,49 @@
-"""Periodic jobs from the cameras file: captions, custom prompts, subtitle transcription.
+"""Periodic jobs from the cameras file: captions, custom prompts, subtitle transcription, alerts.
 
 A job runs on a stream every `every_s` seconds of capture time and/or every `every_versions`
 new cache versions, against the head version at that moment. Caption and custom answers go
 to `svqa:{cam}:job:{name}`; subtitle cues go to `svqa:{cam}:transcript` (the source of truth)
-and, when a directory is configured, to WebVTT/SRT files rewritten from it.
+and, when a directory is configured, to WebVTT/SRT files rewritten from it. Alert jobs score a
+yes/no question and, when it turns to yes, add an entry to `svqa:{cam}:alerts` and hand it to
+the delivery thread (`qa_worker.alerts`).
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import redis
 import structlog
 
 from common import metrics, redisio
 from common.config import Job
-from common.engine.answer import ask
+from common.engine.answer import ask, choose
 from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
-from qa_worker.subtitles import SUBTITLE_PROMPT, Cue, SubtitleTracker, parse_model_output, to_srt, to_webvtt
+from common.wire.transcript import Cue, render_transcript
+from qa_worker.alerts import YES_NO, Alert, Delivery, Gate, p_yes
+from qa_worker.subtitles import SUBTITLE_PROMPT, SubtitleTracker, parse_model_output
 
 log = structlog.get_logger()
 
 CAPTION_PROMPT = "Describe what is happening in the video right now in one or two sentences."
 TRANSCRIPT_MAXLEN = 100_000
+ALERTS_MAXLEN = 10_000
+ALERT_FRAME_TTL_S = 7 * 24 * 3600
 
-Answer = Callable[[Version, str], str]  # (version, prompt) -> model text
+
+class Answer(Protocol):
+    """The model as jobs use it: free text for prompts, option scores for alerts."""
+
+    def __call__(self, version: Version, prompt: str) -> str: ...
+    def choose(self, version: Version, question: str, choices: Sequence[str]) -> list[float]: ...
 
 
 @dataclass
@@ -41,6 +53,11 @@ class Schedule:
     last_version: int = -1
     last_t: float | None = None  # capture time of the last run's version end
     tracker: SubtitleTracker = field(default_factory=SubtitleTracker)
+    gate: Gate | None = None  # alert jobs
+
+    def __post_init__(self) -> None:
+        if self.job.kind == "alert":
+            self.gate = Gate(self.job.debounce, self.job.cooldown_s)
 
     def due(self, version: Version) -> bool:
         if version.id <= self.last_version or not version.chunks:
@@ -53,8 +70,20 @@ class Schedule:
         return by_versions or by_time
 
 
+@dataclass(frozen=True)
+class ModelAnswer:
+    rt: Runtime
+    max_tokens: int = 128
+
+    def __call__(self, version: Version, prompt: str) -> str:
+        return ask(self.rt, version, prompt, GenerationParams(max_tokens=self.max_tokens)).text
+
+    def choose(self, version: Version, question: str, choices: Sequence[str]) -> list[float]:
+        return choose(self.rt, version, question, list(choices)).scores
+
+
 def model_answer(rt: Runtime, max_tokens: int = 128) -> Answer:
-    return lambda version, prompt: ask(rt, version, prompt, GenerationParams(max_tokens=max_tokens)).text
+    return ModelAnswer(rt, max_tokens)
 
 
 class JobRunner:
@@ -70,6 +99,7 @@ class JobRunner:
         self.r, self.lookup, self.answer = r, lookup, answer
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
+        self.delivery = Delivery() if any(j.kind == "alert" for j in jobs) else None
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
             if sched.job.kind == "subtitles":
                 recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
@@ -92,6 +122,10 @@ class JobRunner:
         sched.last_t = t1
         prompt = job.prompt or (SUBTITLE_PROMPT if job.kind == "subtitles" else CAPTION_PROMPT)
         try:
+            if job.kind == "alert":
+                self._alert(sched, version, bound)
+                metrics.JOB_RUNS.labels(job.name, sched.stream, "ok").inc()
+                return
             text = self.answer(version, prompt)
         except QuestionError as e:
             bound.error("job failed", error=str(e))
@@ -111,11 +145,43 @@ class JobRunner:
         metrics.JOB_RUNS.labels(job.name, sched.stream, "ok").inc()
         bound.info("job ran", chars=len(text))
 
+    def _alert(self, sched: Schedule, version: Version, bound: structlog.typing.FilteringBoundLogger) -> None:
+        job, (t0, t1) = sched.job, version.capture_range or (0.0, 0.0)
+        assert sched.gate is not None and self.delivery is not None and job.prompt
+        score = p_yes(self.answer.choose(version, job.prompt, YES_NO))
+        bound.debug("alert scored", score=round(score, 4))
+        if not sched.gate.observe(score >= job.threshold, time.monotonic()):
+            return
+        alert_id = Alert.new_id()
+        frame = keys.alert_frame(sched.stream, alert_id)
+        pipe = self.r.pipeline(transaction=False)  # a copy: the latest frame is overwritten every second
+        pipe.copy(keys.latest_frame(sched.stream), frame)
+        pipe.expire(frame, ALERT_FRAME_TTL_S)
+        copied = pipe.execute()[0]
+        alert = Alert(
+            id=alert_id,
+            stream=sched.stream,
+            job=job.name,
+            question=job.prompt,
+            score=score,
+            threshold=job.threshold,
+            version=version.id,
+            t_start=t0,
+            t_end=t1,
+            at=time.time(),
+            frame=frame if copied else None,
+        )
+        redisio.xadd_capped(self.r, keys.alerts(sched.stream), alert.fields(), ALERTS_MAXLEN)
+        self.delivery.submit(alert, {"webhook": job.webhook, "mqtt": job.mqtt})
+        bound.info("alert", alert=alert_id, score=round(score, 4))
+
     def flush(self) -> None:
-        """End of service: close open cues so the transcript holds everything seen."""
+        """End of service: close open cues so the transcript holds everything seen; deliver queued alerts."""
         for sched in self.schedules:
             if sched.job.kind == "subtitles":
                 self._emit_cues(sched, sched.tracker.flush(), None)
+        if self.delivery is not None:
+            self.delivery.close()
 
     def _emit_cues(self, sched: Schedule, cues: list[Cue], version: Version | None) -> None:
         if not cues:
@@ -137,12 +203,9 @@ class JobRunner:
             Cue(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode())
             for _, f in self.r.xrange(keys.transcript(sched.stream))
         ]
-        cues.sort(key=lambda c: c.start)
-        origin = cues[0].start if cues[0].start > 1e8 else 0.0  # live streams carry unix times
         self.transcript_dir.mkdir(parents=True, exist_ok=True)
         for fmt in sched.job.formats:
-            text = to_webvtt(cues, origin) if fmt == "vtt" else to_srt(cues, origin)
-            _write_atomic(self.transcript_dir / f"{sched.stream}.{fmt}", text)
+            _write_atomic(self.transcript_dir / f"{sched.stream}.{fmt}", render_transcript(cues, fmt))
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -35,6 +35,9 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from common.wire.transcript import Cue, to_srt, to_webvtt  # re-exported: the writers moved to wire
+from common.wire.transcript import clean_chars as _clean_chars
+
 __all__ = [
     "SUBTITLE_PROMPT",
     "Cue",
@@ -93,22 +96,6 @@ _NONE_RE = re.compile(
     r"on\s+(?:the\s+)?screen|in\s+(?:the|this)\s+(?:image|frame|video|scene|screen)))*)$"
 )
 _QUOTE_PAIRS = {'"': '"', "'": "'", "“": "”", "‘": "’", "«": "»", "„": "“", "「": "」", "『": "』", "`": "`"}
-
-
-def _clean_chars(s: str) -> str:
-    """Drop control characters (line breaks kept), lone surrogates and non-characters; tabs become spaces."""
-    out = []
-    for ch in s:
-        cat = unicodedata.category(ch)
-        if ch == "\t":
-            out.append(" ")
-        elif ch in "\n\r\x0b\x0c\x1c\x1d\x1e\x85":  # what str.splitlines() splits on
-            out.append("\n")
-        elif cat in ("Cc", "Cs") or ch in "\ufffe\uffff\ufeff\ufffd":
-            continue
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def _strip_quotes(s: str) -> str:
@@ -230,22 +217,6 @@ def _at_least(a: str, b: str, threshold: float) -> bool:
 # --------------------------------------------------------------------------------------------
 # Cues and the tracker
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Cue:
-    """One subtitle cue. Times are capture times in seconds (media time for files, unix time for live);
-    writers format them relative to an ``origin``."""
-
-    start: float
-    end: float
-    text: str
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.start) and math.isfinite(self.end)):
-            raise ValueError(f"cue times must be finite: {self.start!r}, {self.end!r}")
-        if self.end <= self.start:
-            raise ValueError(f"cue end {self.end!r} must be after start {self.start!r}")
 
 
 @dataclass
@@ -386,75 +357,6 @@ class SubtitleTracker:
         """Close all open cues (end of stream); returns them sorted by start. The tracker stays usable."""
         opened, self._open = self._open, []
         return self._close(opened)
-
-
-# --------------------------------------------------------------------------------------------
-# Writers
-# --------------------------------------------------------------------------------------------
-
-
-def _cue_lines(text: str) -> list[str]:
-    lines = []
-    for raw in _clean_chars(str(text)).splitlines():
-        line = " ".join(raw.split())
-        if line:
-            lines.append(line)
-    return lines
-
-
-def _ms_range(cue: Cue, origin: float) -> tuple[int, int] | None:
-    start = max(0, round((cue.start - origin) * 1000))
-    end = round((cue.end - origin) * 1000)
-    if end <= 0:
-        return None
-    return start, max(end, start + 1)
-
-
-def _fmt(ms: int, sep: str) -> str:
-    h, rem = divmod(ms, 3_600_000)
-    m, rem = divmod(rem, 60_000)
-    s, ms = divmod(rem, 1000)
-    return f"{h:02d}:{m:02d}:{s:02d}{sep}{ms:03d}"
-
-
-def _prepared(cues: Sequence[Cue], origin: float) -> list[tuple[int, int, list[str]]]:
-    if not math.isfinite(origin):
-        raise ValueError(f"origin must be finite: {origin!r}")
-    out = []
-    for cue in cues:
-        rng = _ms_range(cue, origin)
-        lines = _cue_lines(cue.text)
-        if rng is None or not lines:
-            continue
-        out.append((rng[0], rng[1], lines))
-    out.sort(key=lambda x: (x[0], x[1]))  # stable: equal times keep input order
-    return out
-
-
-def _vtt_escape(line: str) -> str:
-    return line.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def to_webvtt(cues: Sequence[Cue], origin: float = 0.0) -> str:
-    """A WebVTT file: ``WEBVTT`` header, cues sorted by start, times relative to ``origin`` (``HH:MM:SS.mmm``,
-    hours may exceed 99). ``&``, ``<``, ``>`` are escaped, so ``-->`` never appears in cue text."""
-    parts = ["WEBVTT\n\n"]
-    for start, end, lines in _prepared(cues, origin):
-        body = "\n".join(_vtt_escape(line) for line in lines)
-        parts.append(f"{_fmt(start, '.')} --> {_fmt(end, '.')}\n{body}\n\n")
-    return "".join(parts)
-
-
-def to_srt(cues: Sequence[Cue], origin: float = 0.0) -> str:
-    """A SubRip file: 1-based index, ``HH:MM:SS,mmm --> HH:MM:SS,mmm``, text, blank line between cues.
-
-    SRT has no escaping: text is written as is (``-->`` becomes ``→``); players may interpret
-    ``<i>``-like tags. Empty string for no cues."""
-    parts = []
-    for i, (start, end, lines) in enumerate(_prepared(cues, origin), 1):
-        body = "\n".join(line.replace("-->", "\u2192") for line in lines)
-        parts.append(f"{i}\n{_fmt(start, ',')} --> {_fmt(end, ',')}\n{body}\n\n")
-    return "".join(parts)
 
 
 # --------------------------------------------------------------------------------------------

@@ -47,6 +47,8 @@ def ingest_job(r: redis.Redis) -> None:
     r.xrevrange(keys.frames(CAM), count=10)
     r.xadd(keys.events(CAM), {"type": "connected"})
     r.get(keys.head(CAM))
+    r.hset(keys.latest_frame(CAM), mapping={"jpeg": b"\xff\xd8", "seq": 0, "ts": 0.0})
+    r.expire(keys.latest_frame(CAM), 60)
 
 
 def encoder_job(r: redis.Redis) -> None:
@@ -81,6 +83,9 @@ def qa_job(r: redis.Redis) -> None:
     r.expire(keys.answer("q1"), 60)
     r.xadd(keys.ANSWERS, {"type": "final", "id": "q1", "text": "hi"})
     r.xadd(keys.transcript(CAM), {"start": "0", "end": "1", "text": "x"})
+    r.copy(keys.latest_frame(CAM), keys.alert_frame(CAM, "a1"), replace=True)  # an alert job fired
+    r.expire(keys.alert_frame(CAM, "a1"), 60)
+    r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
 
@@ -96,6 +101,8 @@ def test_each_role_does_its_job_and_not_anothers(server):
     api.xadd(keys.QUESTIONS, {"stream": CAM, "question": "and now?"})
     assert api.get(keys.head(CAM)) and api.hgetall(keys.meta(CAM)) and api.xinfo_groups(keys.frames(CAM))
     assert api.xrange(keys.events(CAM)) and api.xrange(keys.answer("q1")) and api.xlen(keys.DEAD_LETTER)
+    assert api.exists(keys.meta(CAM)) and api.hgetall(keys.latest_frame(CAM)) and api.xrevrange(keys.alerts(CAM))
+    assert api.hgetall(keys.alert_frame(CAM, "a1")) and api.pttl(keys.lease(CAM))
     ingest_job(ingest)
     Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
     encoder_job(worker)
@@ -122,5 +129,7 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: api.set(keys.head(CAM), b"x"))
     assert denied(lambda: api.xadd(keys.answer("q1"), {"type": "final"}))
     assert denied(lambda: api.xreadgroup(keys.QA_GROUP, "api", {keys.QUESTIONS: ">"}))
+    assert denied(lambda: api.xadd(keys.alerts(CAM), {"id": "forged"}))
+    assert denied(lambda: qa.hset(keys.latest_frame(CAM), "jpeg", b"forged"))
     anonymous = redis.Redis(port=server.port)
     assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))

@@ -20,8 +20,9 @@ import jsonschema
 import pytest
 import yaml
 
+from api.config import ApiConfig
 from apps import cli
-from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, load_cameras_file, load_config
+from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, env_names, load_cameras_file, load_config
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
@@ -38,10 +39,12 @@ CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses
     "ingest": (IngestConfig,),
     "encoder": (EncoderConfig,),
     "qa": (QAConfig,),
+    "api": (ApiConfig,),
     "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= apps.worker.WorkerConfig)
 }
 GPU_COMMANDS = {"encoder", "qa", "worker"}
 METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104}
+HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own readiness probe, no metrics port
 # Compose defaults that differ from the dataclass default on purpose.
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
 HF_CACHE = "/home/streamvqa/.cache/huggingface"
@@ -224,7 +227,8 @@ def test_svqa_variables_are_config_fields_of_the_service(raw):
     """Every SVQA_* a service sets or interpolates is read by that service's config dataclass."""
     for name, (sub, svc) in python_services(raw).items():
         assert sub in CONFIG_CLASSES, f"{name}: no config dataclass known for `streamvqa {sub}`"
-        known = {env_name(f) for f in field_names(CONFIG_CLASSES[sub])} | {env_name(CONFIG_FLAG)}
+        known = {v for cls in CONFIG_CLASSES[sub] for f in field_names((cls,)) for v in env_names(cls, f)}
+        known.add(env_name(CONFIG_FLAG))
         env = environment(svc)
         for key, value in env.items():
             if key.startswith(ENV_PREFIX):
@@ -245,13 +249,15 @@ def test_services_load_their_config_from_the_compose_environment(raw, compose):
         for cls in CONFIG_CLASSES[sub]:
             cfg = load_config(cls, [], env=env, prog=f"streamvqa {sub}")
             for f in dataclasses.fields(cls):
-                if env_name(f.name) in interpolated and f.name not in DELIBERATE_DEFAULTS:
+                var = next((v for v in env_names(cls, f.name) if v in interpolated), None)
+                if var is not None and f.name not in DELIBERATE_DEFAULTS:
                     assert getattr(cfg, f.name) == f.default, (
-                        f"{name}: {env_name(f.name)} default {env[env_name(f.name)]!r} != {cls.__name__} "
-                        f"default {f.default!r}"
+                        f"{name}: {var} default {env[var]!r} != {cls.__name__} default {f.default!r}"
                     )
-            assert cfg.metrics_port == METRICS_PORTS[sub], f"{name}: SVQA_METRICS_PORT"
-            assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
+            if sub in METRICS_PORTS:
+                assert cfg.metrics_port == METRICS_PORTS[sub], f"{name}: SVQA_METRICS_PORT"
+            if hasattr(cfg, "cameras_file"):
+                assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
             assert cfg.redis_url == "redis://redis:6379/0", f"{name}: SVQA_REDIS_URL"
 
 
@@ -283,7 +289,7 @@ def test_each_profile_runs_one_whole_pipeline_and_never_both(compose, env_exampl
     services = compose["services"]
     commands = {n: sub for n, (sub, _) in python_services(compose).items()}
     always = {n for n, s in services.items() if not s.get("profiles")}
-    assert {commands.get(n) for n in always} - {None} == {"ingest"} and "redis" in always
+    assert {commands.get(n) for n in always} - {None} == {"ingest", "api"} and "redis" in always  # api: any profile
     by_profile: dict[str, set[str]] = {}
     for name, svc in services.items():
         for profile in svc.get("profiles") or []:
@@ -311,12 +317,18 @@ def test_depends_on_targets_exist_and_are_healthchecked(compose):
 def test_metrics_ports_healthchecks_and_restart(compose):
     seen: dict[int, str] = {}
     for name, (sub, svc) in python_services(compose).items():
-        port = int(environment(svc)["SVQA_METRICS_PORT"])
-        assert port == METRICS_PORTS[sub], f"{name}: metrics port {port}"
-        assert port not in seen, f"{name} and {seen.get(port)} share metrics port {port}"
-        seen[port] = name
-        assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
-        assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
+        if sub in HTTP_PORTS:  # ready = Redis reachable, from the service's own probe on its own port
+            test = " ".join(svc["healthcheck"]["test"])
+            assert f"http://127.0.0.1:{HTTP_PORTS[sub]}/health/ready" in test, f"{name}: healthcheck"
+            assert load_config(CONFIG_CLASSES[sub][0], [], env=environment(svc)).port == HTTP_PORTS[sub]
+            assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), f"{name}: publish on loopback"
+        else:
+            port = int(environment(svc)["SVQA_METRICS_PORT"])
+            assert port == METRICS_PORTS[sub], f"{name}: metrics port {port}"
+            assert port not in seen, f"{name} and {seen.get(port)} share metrics port {port}"
+            seen[port] = name
+            assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
+            assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
         # ingest restarts on failure only: a finished file source must not be replayed forever;
         # GPU roles a few times only: a model that cannot load (exit 4) must not restart-loop
         expected = "on-failure" if sub == "ingest" else "on-failure:5"
@@ -400,7 +412,9 @@ def test_bind_mounts_exist_or_are_documented(compose):
 
 
 def test_cameras_file_is_mounted_where_services_read_it(compose):
-    for name, (_, svc) in python_services(compose).items():
+    for name, (sub, svc) in python_services(compose).items():
+        if "cameras_file" not in field_names(CONFIG_CLASSES[sub]):
+            continue
         target = environment(svc)["SVQA_CAMERAS_FILE"]
         (m,) = [m for m in mounts(svc) if m["target"] == target]
         assert m["type"] == "bind" and m["source"] == "./deploy/cameras.yaml" and m.get("read_only"), name

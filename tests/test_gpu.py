@@ -42,8 +42,8 @@ def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
     ]
     plan = lm.plan(items, split)
     q = torch.randn(9, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
-    kv = rt.pool.slabs[plan.slab][0]
-    for causal, pieces in plan.pieces.items():
+    for (slab, causal), pieces in plan.pieces.items():
+        kv = rt.pool.slabs[slab][0]
         out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
         lm.flash = False
         try:

@@ -6,6 +6,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+from api.config import ApiConfig
 from apps import cli
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
@@ -23,7 +24,7 @@ def test_ci_runs_the_readme_test_command():
 
 def test_every_setting_is_in_the_configuration_table():
     table = README[README.index("## Configuration") : README.index("## Operating it")]
-    for cls in (IngestConfig, EncoderConfig, QAConfig):
+    for cls in (IngestConfig, EncoderConfig, QAConfig, ApiConfig):
         for f in dataclasses.fields(cls):
             assert f"`{f.name}`" in table, f"{cls.__name__}.{f.name} missing from the README's configuration table"
 

@@ -33,9 +33,10 @@ SPECS = [
 QUESTIONS = ["What is happening?", "Is anything red?", "Describe the scene in detail, please."]
 
 
-@pytest.fixture(scope="module")
-def rt() -> Runtime:
-    return Runtime(load_model("tiny-random"))
+@pytest.fixture(scope="module", params=[None, 3000], ids=["one-slab", "many-slabs"])
+def rt(request) -> Runtime:
+    """Also with small pool slabs, so one batch reads and writes regions of several slabs."""
+    return Runtime(load_model("tiny-random"), pool_tokens=request.param)
 
 
 def frames_for(spec: StreamSpec, n: int) -> list[np.ndarray]:

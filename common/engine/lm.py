@@ -68,10 +68,15 @@ class Plan:
     """Device-side indices of one batch: where each token's K/V go and which key ranges each query
     row reads. Fixed shapes for a fixed batch structure, so a decode step can be a CUDA graph."""
 
-    slab: int
-    slots: torch.Tensor  # (T,) slot of each new token in the slab
-    pieces: dict[bool, Pieces]  # causal -> pieces
+    writes: dict[int, tuple[torch.Tensor | None, torch.Tensor]]  # slab -> (token rows or None = all, slots)
+    pieces: dict[tuple[int, bool], Pieces]  # (slab, causal) -> pieces
     max_q: int
+
+    @property
+    def single_slab(self) -> int | None:
+        """The one slab every write and read of this batch is in (the usual case on a GPU)."""
+        slabs = set(self.writes) | {slab for slab, _ in self.pieces}
+        return slabs.pop() if len(slabs) == 1 else None
 
 
 @dataclass
@@ -113,22 +118,30 @@ class LanguageModel:
 
     def plan(self, items: list[Item], split: int = 1) -> Plan:
         """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long."""
-        slabs = {it.dest.slab for it in items} | {it.base.region.slab for it in items if it.base}
-        if len(slabs) != 1:
-            raise ValueError(f"a batch must live in one pool slab, got slabs {sorted(slabs)}")
-        slots, own, base, row = [], [], [], 0
+        writes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        pieces: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
+        row = 0
         for it in items:
             if it.at + it.n > it.dest.size:
                 raise ValueError(f"region of {it.dest.size} tokens too small for {it.at + it.n}")
-            slots.append(torch.arange(it.n) + it.dest.start + it.at)
-            own.append((row, it.n, it.dest.start, it.at + it.n))
+            rows = torch.arange(row, row + it.n)
+            writes.setdefault(it.dest.slab, []).append((rows, rows - row + it.dest.start + it.at))
+            pieces.setdefault((it.dest.slab, True), []).append((row, it.n, it.dest.start, it.at + it.n))
             if it.base is not None:
-                base += _split(row, it.n, it.base.region.start, it.base.length, split)
+                key = (it.base.region.slab, False)
+                pieces.setdefault(key, []).extend(_split(row, it.n, it.base.region.start, it.base.length, split))
             row += it.n
-        pieces = {True: self._pieces(own)}
-        if base:
-            pieces[False] = self._pieces(base)
-        return Plan(slabs.pop(), torch.cat(slots).to(self.device), pieces, max(it.n for it in items))
+        return Plan(
+            {slab: self._writes(w, row) for slab, w in writes.items()},
+            {key: self._pieces(host) for key, host in pieces.items()},
+            max(it.n for it in items),
+        )
+
+    def _writes(self, writes: list[tuple[torch.Tensor, torch.Tensor]], n_rows: int):
+        rows = torch.cat([r for r, _ in writes])
+        slots = torch.cat([s for _, s in writes]).to(self.device)
+        everything = len(rows) == n_rows  # then rows are 0..T-1 in order: no gather needed
+        return (None if everything else rows.to(self.device)), slots
 
     def _pieces(self, host: list[tuple[int, int, int, int]]) -> Pieces:
         rows = torch.cat([torch.arange(r0, r0 + n) for r0, n, _, _ in host])
@@ -143,23 +156,27 @@ class LanguageModel:
         """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
         and returns the final-norm hidden states (T, D)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        slab = self.pool.slabs[plan.slab]
         x = embeds.to(self.dtype)
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer, _rms_norm(layer.input_layernorm, x), cos, sin, slab[i], plan)
+            x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, plan)
             x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
         return _rms_norm(self.norm, x)
 
-    def _attention(self, layer, h: torch.Tensor, cos, sin, kv: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, plan: Plan) -> torch.Tensor:
         attn = layer.self_attn
         n = h.shape[0]
         q = apply_rope(attn.q_proj(h).view(n, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
         k = apply_rope(attn.k_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
         v = attn.v_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
-        kv[0].index_copy_(1, plan.slots, k)
-        kv[1].index_copy_(1, plan.slots, v)
+        for slab, (rows, slots) in plan.writes.items():
+            kv = self.pool.slabs[slab][i]
+            kv[0].index_copy_(1, slots, k if rows is None else k.index_select(1, rows))
+            kv[1].index_copy_(1, slots, v if rows is None else v.index_select(1, rows))
         q = q.transpose(0, 1)  # (T, H, hd)
-        parts = [self._piece_attention(q, kv, p, causal, plan.max_q) for causal, p in plan.pieces.items()]
+        parts = [
+            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
+            for (slab, causal), p in plan.pieces.items()
+        ]
         out = _merge(n, parts)
         return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
@@ -265,13 +282,16 @@ class DecodeGraphs:
             raise ValueError(f"{n} decode rows: more than the largest bucket {self.BUCKETS[-1]}")
         pad = bucket - n
         items = items + [Item(1, self.dummy, 0, base=KVView(self.dummy, 1))] * pad
+        tokens = tokens + [0] * pad
+        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
         plan = self.lm.plan(items, split)
-        key = (bucket, split, plan.slab)
+        if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary, so eager
+            return self.lm.logits(self.lm.forward(self.lm.embed(tokens), positions, plan))[:n]
+        key = (bucket, split, plan.single_slab)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _Graph(self.lm, plan, bucket, self.mempool)
-        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
-        return graph.replay(tokens + [0] * pad, positions, plan)[:n]
+        return graph.replay(tokens, positions, plan)[:n]
 
 
 class _Graph:
@@ -295,9 +315,10 @@ class _Graph:
     def replay(self, tokens: list[int], positions: torch.Tensor, plan: Plan) -> torch.Tensor:
         self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
         self.positions.copy_(positions, non_blocking=True)
-        self.plan.slots.copy_(plan.slots, non_blocking=True)
-        for causal, pieces in plan.pieces.items():
-            mine = self.plan.pieces[causal]
+        for slab, (_, slots) in plan.writes.items():
+            self.plan.writes[slab][1].copy_(slots, non_blocking=True)
+        for key, pieces in plan.pieces.items():
+            mine = self.plan.pieces[key]
             for name in ("rows", "cu_q", "starts", "lengths"):
                 getattr(mine, name).copy_(getattr(pieces, name), non_blocking=True)
         self.graph.replay()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from tokenizers import Tokenizer
 
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
@@ -34,6 +35,8 @@ class Runtime:
         self.pool = _make_pool(loaded, pool_tokens)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
+        self._user_tokenizer = Tokenizer.from_str(loaded.tokenizer.backend_tokenizer.to_str())
+        self._user_tokenizer.encode_special_tokens = True
         self.ids = loaded.ids
         self.device = loaded.device
         # Who runs GPU work: alone and at once by default; a service installs a Scheduler that
@@ -43,8 +46,14 @@ class Runtime:
 
     def encode(self, text: str, *, user: bool = False) -> list[int]:
         """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing
-        is off, so ``<|im_start|>`` in a question is ordinary text, never a control token."""
-        return self.tokenizer(text, add_special_tokens=False, split_special_tokens=user).input_ids
+        is off, so ``<|im_start|>`` in a question is ordinary text, never a control token.
+
+        User text goes through its own copy of the tokenizer with that setting fixed: transformers'
+        `split_special_tokens` flips a flag on the shared Rust tokenizer for the call, which races
+        when questions are tokenized in several threads at once."""
+        if user:
+            return self._user_tokenizer.encode(text, add_special_tokens=False).ids
+        return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")

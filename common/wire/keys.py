@@ -61,3 +61,18 @@ def meta(cam: str) -> str:
 def job_output(cam: str, job: str) -> str:
     """Answers of a periodic job (caption, custom prompt) on one stream."""
     return f"{PREFIX}:{{{cam}}}:job:{job}"
+
+
+def latest_frame(cam: str) -> str:
+    """Hash written by ingest, overwritten about once a second: `jpeg`, `seq`, `ts` of the newest frame."""
+    return f"{PREFIX}:{{{cam}}}:frame:latest"
+
+
+def alerts(cam: str) -> str:
+    """Alerts fired by the stream's alert jobs (capped stream)."""
+    return f"{PREFIX}:{{{cam}}}:alerts"
+
+
+def alert_frame(cam: str, alert_id: str) -> str:
+    """The latest-frame hash as it was when an alert fired (a copy, with a TTL)."""
+    return f"{PREFIX}:{{{cam}}}:alert:{alert_id}:frame"

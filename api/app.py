@@ -1,0 +1,72 @@
+"""The FastAPI application: routes, errors, limits, the web page and health probes.
+
+Stateless: everything it shows or asks goes through Redis, so any number of copies can run
+behind a load balancer, and it needs neither a GPU nor torch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis.asyncio as aredis
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import FileResponse, JSONResponse
+from fastapi.staticfiles import StaticFiles
+
+from api import ask, chat, errors, guard, replies, streams
+from api.config import ApiConfig
+from common.redisio import SOCKET_MARGIN_S
+from common.wire import keys
+
+WEB = Path(__file__).resolve().parent / "web"
+
+
+def connect(cfg: ApiConfig) -> aredis.Redis:
+    """A client whose socket timeout sits above the longest blocking read (XREAD BLOCK)."""
+    return aredis.Redis.from_url(
+        cfg.redis_url,
+        socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+    )
+
+
+def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
+    app = FastAPI(
+        title="streamvqa",
+        version="0.1.0",
+        summary="Ask questions about live video.",
+        description="Streams, questions (server-sent events), transcripts, job outputs and alerts; "
+        "an OpenAI-compatible chat endpoint where `model` names the stream.",
+    )
+    app.state.cfg, app.state.r = cfg, r or connect(cfg)
+    app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
+    errors.install(app)
+    for module in (streams, ask, chat):
+        app.include_router(module.router)
+    app.get("/health/live", tags=["health"], summary="The process answers")(live)
+    app.get("/health/ready", tags=["health"], summary="Redis reachable (and the stream's encoder lease held)")(ready)
+    app.get("/", include_in_schema=False)(page)
+    app.mount("/web", StaticFiles(directory=WEB), name="web")
+    return app
+
+
+async def live() -> dict:
+    return {"status": "ok"}
+
+
+async def ready(request: Request, stream: str | None = Query(None, description="also require its lease")):
+    r = request.app.state.r
+    try:
+        await r.ping()
+        holder = await r.get(keys.lease(replies.stream_name(stream))) if stream else None
+    except (aredis.ConnectionError, aredis.TimeoutError, OSError) as e:
+        return errors.response(503, f"redis unreachable: {type(e).__name__}")
+    if stream and holder is None:
+        return errors.response(503, f"no encoder holds stream {stream!r}", param="stream")
+    body = {"status": "ready", "redis": True}
+    return JSONResponse(body | ({"stream": stream, "encoder": holder.decode()} if stream else {}))
+
+
+async def page() -> FileResponse:
+    return FileResponse(WEB / "index.html", media_type="text/html", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,70 @@
+"""`POST /api/streams/{name}/ask`: a question answered as server-sent events or as one JSON object.
+
+Events: `delta` ({"text"}) as tokens are decoded, then one `final` (the worker's final answer:
+text or choice and scores, version, t_start/t_end, latencies), or `error` when none came in time.
+`restart` ({"attempt"}) says the worker answering died and another starts over: drop the text so
+far; the deltas after it concatenate to the final text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import errors, replies
+from api.guard import require_token
+from common.wire.schemas import AnswerDelta, FinalAnswer, Question
+
+router = APIRouter(prefix="/api", tags=["ask"], dependencies=[Depends(require_token)])
+
+
+class AskRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    question: str = Field(description="what to ask about the stream's video so far")
+    max_tokens: int | None = Field(None, description="1..2048; the worker's default when absent")
+    temperature: float | None = Field(None, description="0 = greedy (default)")
+    top_p: float | None = None
+    choices: list[str] | None = Field(None, description="multiple choice: the answer is one of these, with scores")
+    at: int | Literal["latest"] | None = Field(None, description="a cache version id, or latest (default)")
+    stream: bool = Field(True, description="server-sent events (default) or one JSON object")
+
+
+@router.post(
+    "/streams/{name}/ask",
+    responses={200: {"content": {"text/event-stream": {}, "application/json": {}}}},
+    summary="Ask a question about a stream (SSE: delta events, then final)",
+)
+async def ask(name: str, body: AskRequest, request: Request):
+    r, cfg = request.app.state.r, request.app.state.cfg
+    await replies.known_stream(r, name)
+    at = None if body.at == "latest" else body.at
+    options = body.model_dump(exclude={"question", "stream", "at"})
+    q = replies.question(name, body.question, at=at, **options)
+    await replies.submit(r, q)
+    headers = {"X-Question-Id": q.id}
+    if body.stream:
+        return StreamingResponse(_events(request, q), media_type="text/event-stream", headers=headers)
+    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+    if final.error is not None:
+        return errors.response(422, final.error, param="question", headers=headers)
+    return JSONResponse(replies.final_json(final), headers=headers)
+
+
+async def _events(request: Request, q: Question) -> AsyncIterator[bytes]:
+    r, cfg = request.app.state.r, request.app.state.cfg
+    try:
+        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        async for reply, restarted in replies.newest_attempt(stream):
+            if restarted:
+                yield replies.sse("restart", {"attempt": reply.attempt})
+            if isinstance(reply, AnswerDelta):
+                yield replies.sse("delta", {"text": reply.text})
+            elif isinstance(reply, FinalAnswer):
+                yield replies.sse("final", replies.final_json(reply))
+    except TimeoutError as e:
+        yield replies.sse("error", errors.body(504, str(e)))

@@ -1,0 +1,133 @@
+"""OpenAI-compatible endpoints: `POST /v1/chat/completions` (streaming and not) and `GET /v1/models`.
+
+`model` names the stream, so any OpenAI client or tool can ask a camera. The question is the
+last user message (text parts only: the stream is the video); earlier turns are not sent, because
+every question is answered against the video alone. Extra OpenAI parameters are accepted and
+ignored; `n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
+`streamvqa` object beside the standard fields.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from api import errors, replies
+from api.guard import require_token
+from api.streams import stream_names
+from common.wire.schemas import AnswerDelta, FinalAnswer, Question
+
+router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_token)])
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields
+
+    model: str = Field(description="the stream name")
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+
+
+def question_text(messages: list[Message]) -> str:
+    users = [m for m in messages if m.role == "user"]
+    if not users:
+        raise errors.ApiError(400, "no user message", param="messages")
+    content = users[-1].content
+    if isinstance(content, list):
+        if any(part.get("type") != "text" for part in content):
+            raise errors.ApiError(400, "only text content is supported: the stream is the video", param="messages")
+        content = "\n".join(str(part.get("text", "")) for part in content)
+    if not content:
+        raise errors.ApiError(400, "the last user message is empty", param="messages")
+    return content
+
+
+@router.get("/models", summary="The streams, as OpenAI models")
+async def models(request: Request) -> dict:
+    names = await stream_names(request.app.state.r)
+    return {
+        "object": "list",
+        "data": [{"id": n, "object": "model", "created": 0, "owned_by": "streamvqa"} for n in names],
+    }
+
+
+@router.post("/chat/completions", summary="Ask a stream, OpenAI style (model = stream name)")
+async def chat(body: ChatRequest, request: Request):
+    r, cfg = request.app.state.r, request.app.state.cfg
+    if body.n not in (None, 1):
+        raise errors.ApiError(400, "n must be 1", param="n")
+    await replies.known_stream(r, body.model)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    q = replies.question(
+        body.model, question_text(body.messages), max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p
+    )
+    await replies.submit(r, q)
+    if body.stream:
+        return StreamingResponse(_chunks(request, q), media_type="text/event-stream")
+    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+    if final.error is not None:
+        raise errors.ApiError(422, final.error, param="messages")
+    message = {"role": "assistant", "content": final.text}
+    return _envelope(q, "chat.completion") | {
+        "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],
+        "usage": _usage(final),
+        "streamvqa": replies.final_json(final),
+    }
+
+
+def _envelope(q: Question, kind: str) -> dict:
+    return {"id": f"chatcmpl-{q.id}", "object": kind, "created": int(time.time()), "model": q.stream}
+
+
+def _finish(q: Question, final: FinalAnswer) -> str:
+    return "length" if final.tokens is not None and final.tokens >= q.max_tokens else "stop"
+
+
+def _usage(final: FinalAnswer) -> dict:
+    prompt, completion = final.cache_tokens or 0, final.tokens or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _chunk(q: Question, delta: dict, finish: str | None = None) -> dict:
+    return _envelope(q, "chat.completion.chunk") | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+async def _chunks(request: Request, q: Question) -> AsyncIterator[bytes]:
+    r, cfg = request.app.state.r, request.app.state.cfg
+    yield replies.sse_data(_chunk(q, {"role": "assistant", "content": ""}))
+    sent, current = "", ""  # what the client has; the text of the newest attempt
+    try:
+        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        async for reply, restarted in replies.newest_attempt(stream):
+            if isinstance(reply, AnswerDelta):
+                # OpenAI chunks cannot be taken back: after a restart, send only what goes past the text
+                # already sent (the same text again under greedy decoding, the usual case)
+                current = reply.text if restarted else current + reply.text
+                if current.startswith(sent) and len(current) > len(sent):
+                    yield replies.sse_data(_chunk(q, {"content": current[len(sent) :]}))
+                    sent = current
+            elif reply.error is not None:
+                yield replies.sse_data(errors.body(422, reply.error, "messages"))
+            else:
+                extra = {"usage": _usage(reply), "streamvqa": replies.final_json(reply)}
+                yield replies.sse_data(_chunk(q, {}, _finish(q, reply)) | extra)
+    except TimeoutError as e:
+        yield replies.sse_data(errors.body(504, str(e)))
+    yield replies.sse_data("[DONE]")

@@ -1,0 +1,120 @@
+"""The question protocol over redis.asyncio: XADD to `svqa:questions`, read `svqa:answer:{id}`.
+
+The same messages as `qa_worker.client` (the sync client), encoded and validated by the same
+schema functions, so what the API sends is exactly what a worker accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import redis.asyncio as aredis
+
+from api import errors
+from common.wire import keys
+from common.wire.schemas import (
+    AnswerDelta,
+    FinalAnswer,
+    Question,
+    SchemaError,
+    check_stream_name,
+    decode_answer,
+    encode_question,
+    parse_question,
+)
+
+
+def stream_name(name: str, field: str = "stream") -> str:
+    """A name that may become part of a key (stream, job, alert id): checked like a stream name."""
+    try:
+        return check_stream_name(field, name)
+    except SchemaError as e:
+        raise errors.schema_error(e) from None
+
+
+async def known_stream(r: aredis.Redis, name: str) -> str:
+    """404 unless ingest or an encoder has ever written the stream."""
+    if not await r.exists(keys.meta(stream_name(name)), keys.head(name)):
+        raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
+    return name
+
+
+def question(stream: str, text: str, **options: Any) -> Question:
+    """A validated question: checked by the same parser the worker runs on what it reads."""
+    options = {k: v for k, v in options.items() if v is not None}
+    if "choices" in options:
+        options["choices"] = tuple(options["choices"])
+    try:
+        q = Question(id=uuid.uuid4().hex, stream=stream, question=text, **options)
+        return parse_question(encode_question(q))
+    except SchemaError as e:
+        raise errors.schema_error(e) from None
+
+
+async def submit(r: aredis.Redis, q: Question) -> None:
+    await r.xadd(keys.QUESTIONS, encode_question(q))
+
+
+async def replies(
+    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int
+) -> AsyncIterator[AnswerDelta | FinalAnswer]:
+    """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
+    deadline, last = time.monotonic() + timeout_s, "0"
+    while (left := deadline - time.monotonic()) > 0:
+        block = max(1, int(min(left * 1000, block_ms)))  # BLOCK 0 would mean forever
+        for _, entries in await r.xread({keys.answer(qid): last}, block=block) or []:
+            for entry_id, fields in entries:
+                last = entry_id
+                reply = decode_answer(fields)
+                yield reply
+                if isinstance(reply, FinalAnswer):
+                    return
+    raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
+
+
+async def newest_attempt(
+    replies_: AsyncIterator[AnswerDelta | FinalAnswer],
+) -> AsyncIterator[tuple[AnswerDelta | FinalAnswer, bool]]:
+    """(reply, restarted): deltas of a dead worker's attempt that arrive after its successor's are
+    dropped; ``restarted`` marks the first delta of a newer attempt, whose text starts over."""
+    attempt = 0
+    async for reply in replies_:
+        if isinstance(reply, AnswerDelta):
+            if reply.attempt < attempt:
+                continue
+            restarted, attempt = 0 < attempt < reply.attempt, max(attempt, reply.attempt)
+            yield reply, restarted
+        else:
+            yield reply, False
+
+
+async def final_of(r: aredis.Redis, qid: str, timeout_s: float, block_ms: int) -> FinalAnswer:
+    try:
+        async for reply in replies(r, qid, timeout_s, block_ms):
+            if isinstance(reply, FinalAnswer):
+                return reply
+    except TimeoutError as e:
+        raise errors.ApiError(504, str(e)) from None
+    raise AssertionError("unreachable")
+
+
+def final_json(final: FinalAnswer) -> dict[str, Any]:
+    out = dataclasses.asdict(final)
+    out["scores"] = dict(final.scores) if final.scores is not None else None
+    return out
+
+
+def sse(event: str, data: dict[str, Any] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"event: {event}\ndata: {text}\n\n".encode()
+
+
+def sse_data(data: dict[str, Any] | str) -> bytes:
+    """An unnamed event (what OpenAI streaming clients read)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()

@@ -1,0 +1,118 @@
+"""What the workers wrote, read back: stream status, events, latest frame, transcript, job outputs, alerts."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import redis.asyncio as aredis
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from api import errors, replies
+from api.guard import require_token
+from common import status
+from common.wire import keys
+from common.wire.transcript import Cue, render_transcript
+
+router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
+
+Count = Query(50, ge=1, le=1000, description="newest entries to return")
+SUBTITLE_TYPES = {"vtt": "text/vtt; charset=utf-8", "srt": "application/x-subrip; charset=utf-8"}
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode() if isinstance(x, bytes) else x
+
+
+def entries(raw: list) -> list[dict[str, str]]:
+    """XREVRANGE replies (newest first) -> dicts with their entry `id`, oldest first."""
+    return [{"id": _text(i)} | {_text(k): _text(v) for k, v in f.items()} for i, f in reversed(raw)]
+
+
+async def stream_names(r: aredis.Redis) -> list[str]:
+    return status.stream_names([k for p in status.STREAM_PATTERNS async for k in r.scan_iter(p)])
+
+
+async def collect(r: aredis.Redis, names: list[str]) -> dict:
+    pipe = r.pipeline(transaction=False)
+    status.queue_all(pipe, names)
+    return status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+
+
+@router.get("/streams", summary="Every stream with its status, and the question queue")
+async def list_streams(request: Request) -> dict:
+    r = request.app.state.r
+    return await collect(r, await stream_names(r))
+
+
+@router.get("/streams/{name}", summary="One stream's status")
+async def one_stream(name: str, request: Request) -> dict:
+    r = request.app.state.r
+    found = await collect(r, [await replies.known_stream(r, name)])
+    return found["streams"][0]
+
+
+@router.get("/streams/{name}/events", summary="The stream's recent events (ingest and encoder)")
+async def events(name: str, request: Request, count: int = Count) -> dict:
+    r = request.app.state.r
+    return {"events": entries(await r.xrevrange(keys.events(await replies.known_stream(r, name)), count=count))}
+
+
+async def _jpeg(r: aredis.Redis, key: str, what: str) -> Response:
+    frame = await r.hgetall(key)
+    if b"jpeg" not in frame:
+        raise errors.ApiError(404, f"no {what}")
+    headers = {"Cache-Control": "no-store", "X-Frame-Seq": _text(frame[b"seq"]), "X-Frame-Ts": _text(frame[b"ts"])}
+    return Response(frame[b"jpeg"], media_type="image/jpeg", headers=headers)
+
+
+@router.get("/streams/{name}/frame.jpg", summary="The newest frame (JPEG, refreshed about once a second)")
+async def latest_frame(name: str, request: Request) -> Response:
+    return await _jpeg(request.app.state.r, keys.latest_frame(replies.stream_name(name)), "frame yet")
+
+
+@router.get("/streams/{name}/transcript", summary="On-screen text transcribed by subtitle jobs")
+async def transcript(
+    name: str, request: Request, format: Literal["json", "vtt", "srt"] = "json", count: int = Query(10_000, ge=1)
+):
+    r = request.app.state.r
+    found = entries(await r.xrevrange(keys.transcript(await replies.known_stream(r, name)), count=count))
+    if format == "json":
+        return {"stream": name, "cues": found}
+    cues = [Cue(float(e["start"]), float(e["end"]), e["text"]) for e in found]
+    return PlainTextResponse(render_transcript(cues, format), media_type=SUBTITLE_TYPES[format])
+
+
+@router.get("/streams/{name}/jobs", summary="Names of the stream's caption/custom jobs that wrote outputs")
+async def jobs(name: str, request: Request) -> dict:
+    r = request.app.state.r
+    prefix = keys.job_output(await replies.known_stream(r, name), "")
+    found = sorted({_text(k)[len(prefix) :] async for k in r.scan_iter(prefix + "*")})
+    return {"stream": name, "jobs": found}
+
+
+@router.get("/streams/{name}/jobs/{job}", summary="A caption/custom job's outputs")
+async def job_outputs(name: str, job: str, request: Request, count: int = Count) -> dict:
+    r = request.app.state.r
+    key = keys.job_output(await replies.known_stream(r, name), replies.stream_name(job, "job"))
+    return {"stream": name, "job": job, "outputs": entries(await r.xrevrange(key, count=count))}
+
+
+@router.get("/streams/{name}/alerts", summary="The stream's recent alerts")
+async def stream_alerts(name: str, request: Request, count: int = Count) -> dict:
+    r = request.app.state.r
+    return {"alerts": entries(await r.xrevrange(keys.alerts(await replies.known_stream(r, name)), count=count))}
+
+
+@router.get("/alerts", summary="Recent alerts of every stream, newest last")
+async def all_alerts(request: Request, count: int = Count) -> dict:
+    r = request.app.state.r
+    found = [a for n in await stream_names(r) for a in entries(await r.xrevrange(keys.alerts(n), count=count))]
+    return {"alerts": sorted(found, key=lambda a: float(a["at"]))[-count:]}
+
+
+@router.get("/streams/{name}/alerts/{alert_id}/frame.jpg", summary="The frame an alert fired on")
+async def alert_frame(name: str, alert_id: str, request: Request) -> Response:
+    key = keys.alert_frame(replies.stream_name(name), replies.stream_name(alert_id, "alert_id"))
+    return await _jpeg(request.app.state.r, key, "frame for this alert")

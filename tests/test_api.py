@@ -1,0 +1,439 @@
+"""`streamvqa api` and its web page against a live pipeline: generated H.264 -> ingest -> worker
+(tiny-random, with subtitle, caption and alert jobs) -> Redis -> the API, all real processes; the
+page driven in headless Chromium. One pipeline for the whole module (it is the slow part).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+import yaml
+from PIL import Image
+
+from apps.samplevideo import write_sample_video
+from common.wire import keys
+from common.wire.schemas import FinalAnswer, encode_delta, encode_final
+from tests.alerting import Broker, Webhook, broker, webhook
+from tests.conftest import RedisServer, free_port
+from tests.pipeline import Services, head, wait_for
+from tests.subtitle_readers import validate_srt, validate_webvtt
+
+CAM = "cam1"
+TOKEN = "test-token-0123456789abcdef"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+FRAMES = 12  # 6 s at 2 fps
+REPO = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("SVQA_TEST_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@dataclass
+class Live:
+    base: str
+    redis_url: str
+    r: redis.Redis
+    http: httpx.Client
+    services: Services
+    hook: Webhook
+    mq: Broker
+
+
+def cameras_file(path: Path, video: str, hook: Webhook, mq: Broker) -> Path:
+    jobs = [
+        {"name": "subs", "stream": CAM, "kind": "subtitles", "every_versions": 1},
+        {"name": "captions", "stream": CAM, "kind": "caption", "every_versions": 2},
+        # threshold 0: tiny-random's P(yes) is arbitrary, so the alert fires on its first run, once
+        {
+            "name": "door",
+            "stream": CAM,
+            "kind": "alert",
+            "prompt": "Is there text on the screen?",
+            "every_versions": 1,
+            "threshold": 0.0,
+            "webhook": hook.url,
+            "mqtt": mq.url,
+        },
+    ]
+    path.write_text(yaml.safe_dump({"cameras": [{"name": CAM, "url": video, "fps": 2}], "jobs": jobs}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory) -> Iterator[Live]:
+    workdir = tmp_path_factory.mktemp("api")
+    server = RedisServer(workdir)
+    server.start()
+    with webhook(fail_first=2) as hook, broker(workdir) as mq:
+        video = write_sample_video(str(workdir / "clip.mp4"), seconds=6, fps=10, width=160, height=120)
+        cams = cameras_file(workdir / "cameras.yaml", video, hook, mq)
+        services = Services(server.url, workdir, SVQA_CAMERAS_FILE=str(cams))
+        port = free_port()
+        services.start("api", "--port", str(port), SVQA_API_TOKEN=TOKEN)
+        services.start("worker")
+        ingest = services.start("ingest")
+        base = f"http://127.0.0.1:{port}"
+        r = redis.Redis.from_url(server.url)
+        try:
+            with httpx.Client(base_url=base, headers=AUTH, timeout=60) as http:
+                wait_for(lambda: _ready(http), 60, "the API ready", services)
+                assert ingest.wait(timeout=120) == 0, services.logs()
+                wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == FRAMES - 1, 120, "frames", services)
+                yield Live(base, server.url, r, http, services, hook, mq)
+        finally:
+            services.stop_all()
+            server.stop()
+
+
+def _ready(http: httpx.Client) -> bool:
+    try:
+        return http.get("/health/ready").status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict | str]]:
+    return _parse_sse(response.iter_lines())
+
+
+def _parse_sse(lines: Iterable[str] | str) -> list[tuple[str, dict | str]]:
+    events, name, data = [], "message", ""
+    for line in lines.splitlines() if isinstance(lines, str) else lines:
+        if line.startswith("event: "):
+            name = line[7:]
+        elif line.startswith("data: "):
+            data += line[6:]
+        elif not line and data:
+            events.append((name, data if data == "[DONE]" else json.loads(data)))
+            name, data = "message", ""
+    return events
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["code"] == status and error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+def test_streams_status_and_events(live):
+    found = live.http.get("/api/streams").json()
+    (cam,) = found["streams"]
+    h = head(live.r, CAM)
+    assert cam["stream"] == CAM and cam["grid"] and cam["lease"]["holder"]
+    assert cam["head"]["version"] >= h.version - 1 and cam["head"]["tokens"] > 0
+    assert cam["head"]["last_frame_seq"] == FRAMES - 1
+    assert cam["head"]["time_range"][1] == pytest.approx(5.5)
+    assert cam["state"] == "eof" and cam["connected"] is False, "the file ended: its last ingest event is eof"
+    assert cam["dropped"] == 0 and cam["head"]["lag_s"] is None  # a file: no wall-clock lag
+    assert found["questions"]["consumers"] >= 1
+    assert live.http.get(f"/api/streams/{CAM}").json()["head"]["tokens"] > 0
+    kinds = [e["type"] for e in live.http.get(f"/api/streams/{CAM}/events").json()["events"]]
+    assert "connected" in kinds and kinds[-1] in ("eof", "eos", "encoder_attached")
+    assert_error(live.http.get("/api/streams/nope"), 404, "stream")
+    assert_error(live.http.get("/api/streams/bad:name"), 400, "stream")
+
+
+def test_latest_frame_is_a_jpeg_of_the_model_grid(live):
+    response = live.http.get(f"/api/streams/{CAM}/frame.jpg")
+    assert response.status_code == 200 and response.headers["content-type"] == "image/jpeg"
+    assert response.headers["cache-control"] == "no-store"
+    assert int(response.headers["x-frame-seq"]) == FRAMES - 1, "a file's last frame is kept at its end"
+    image = Image.open(io.BytesIO(response.content))
+    meta = live.r.hgetall(keys.meta(CAM))
+    assert image.size == (int(meta[b"width"]), int(meta[b"height"]))
+    assert 0 < live.r.ttl(keys.latest_frame(CAM)) <= 3600
+    assert_error(live.http.get("/api/streams/nope/frame.jpg"), 404)
+
+
+# ----------------------------------------------------------------------------- ask
+
+
+def test_ask_streams_deltas_that_concatenate_to_the_final_answer(live):
+    body = {"question": "What is written on the screen?", "max_tokens": 12}
+    with live.http.stream("POST", f"/api/streams/{CAM}/ask", json=body) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(response)
+    *deltas, (kind, final) = events
+    assert kind == "final" and final["error"] is None, final
+    assert deltas and all(k == "delta" for k, _ in deltas)
+    assert "".join(d["text"] for _, d in deltas) == final["text"]
+    assert 1 <= final["tokens"] <= 12 and final["t_end"] == pytest.approx(5.5) and final["first_token_s"] > 0
+    # the same question, non-streaming, `at` the version it saw: greedy decoding gives the same text
+    again = live.http.post(f"/api/streams/{CAM}/ask", json=body | {"stream": False, "at": final["version"]}).json()
+    assert again["text"] == final["text"] and again["version"] == final["version"]
+
+
+def test_multiple_choice(live):
+    body = {"question": "Is the ball red?", "choices": ["yes", "no"], "stream": False}
+    final = live.http.post(f"/api/streams/{CAM}/ask", json=body).json()
+    assert final["choice"] in ("yes", "no") and set(final["scores"]) == {"yes", "no"}
+    assert final["choice"] == max(final["scores"], key=final["scores"].get)
+
+
+def test_bad_questions_get_4xx_json(live):
+    url = f"/api/streams/{CAM}/ask"
+    assert_error(live.http.post(url, json={}), 422, "question")
+    assert_error(live.http.post(url, json={"question": "x", "max_tokens": 0}), 400, "max_tokens")
+    assert_error(live.http.post(url, json={"question": "x", "choices": ["only one"]}), 400, "choices")
+    assert_error(live.http.post(url, json={"question": "x", "bogus": 1}), 422, "bogus")
+    assert_error(live.http.post(url, json={"question": "   "}), 400, "question")
+    assert_error(live.http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 422)
+    assert_error(live.http.post("/api/streams/nope/ask", json={"question": "x"}), 404, "stream")
+    # a version the worker does not hold: the worker's error comes back as 422
+    assert_error(live.http.post(url, json={"question": "x", "at": 10**9, "stream": False}), 422, "question")
+    assert_error(live.http.post(url, json={"question": "x" * 70_000}), 413)
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while it streams in
+        yield b'{"question": "'
+        for _ in range(100):
+            yield b"x" * 1000
+        yield b'"}'
+
+    assert_error(live.http.post(url, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert_error(live.http.get("/no/such/route"), 404)
+    assert_error(live.http.get(url), 405)
+
+
+def test_token_required_when_configured(live):
+    for path in ("/api/streams", "/v1/models", f"/api/streams/{CAM}/frame.jpg"):
+        error = assert_error(httpx.get(live.base + path), 401)
+        assert error["type"] == "authentication_error"
+    wrong = httpx.get(live.base + "/api/streams", headers={"Authorization": "Bearer wrong-token-0000000000"})
+    assert_error(wrong, 401)
+    assert wrong.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(live.base + "/health/live").status_code == 200  # probes need no token
+    assert httpx.get(live.base + "/").status_code == 200  # nor the page itself (it asks for the token)
+
+
+# ----------------------------------------------------------------------------- OpenAI
+
+
+def test_openai_client_lists_streams_and_asks(live):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=live.base + "/v1", api_key=TOKEN, max_retries=0, timeout=60)
+    assert [m.id for m in client.models.list()] == [CAM]
+    question = [{"role": "system", "content": "ignored"}, {"role": "user", "content": "What do you see?"}]
+    done = client.chat.completions.create(model=CAM, messages=question, max_tokens=10)
+    assert done.model == CAM and done.choices[0].finish_reason == "length"
+    assert done.choices[0].message.role == "assistant" and done.usage.completion_tokens == 10
+    text = done.choices[0].message.content
+    assert text
+    chunks = list(client.chat.completions.create(model=CAM, messages=question, max_tokens=10, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # greedy: same text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(Exception) as unknown:
+        client.chat.completions.create(model="nope", messages=question)
+    assert getattr(unknown.value, "status_code", None) == 404
+
+
+def test_openai_bad_requests(live):
+    url = "/v1/chat/completions"
+    assert_error(live.http.post(url, json={"model": CAM, "messages": []}), 422, "messages")
+    assert_error(live.http.post(url, json={"model": CAM, "messages": [{"role": "system", "content": "x"}]}), 400)
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
+    assert_error(live.http.post(url, json={"model": CAM, "messages": image}), 400, "messages")
+    assert_error(live.http.post(url, json={"model": CAM, "messages": [{"role": "user", "content": "x"}], "n": 2}), 400)
+
+
+# ----------------------------------------------------------------------------- jobs, transcript, alerts
+
+
+def test_transcript_in_json_vtt_and_srt(live):
+    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), 60, "a subtitle cue", live.services)
+    cues = live.http.get(f"/api/streams/{CAM}/transcript").json()["cues"]
+    assert cues and all(c["job"] == "subs" and float(c["end"]) > float(c["start"]) for c in cues)
+    vtt = live.http.get(f"/api/streams/{CAM}/transcript", params={"format": "vtt"})
+    assert vtt.headers["content-type"].startswith("text/vtt")
+    validate_webvtt(vtt.text)
+    srt = live.http.get(f"/api/streams/{CAM}/transcript", params={"format": "srt"})
+    validate_srt(srt.text)
+    assert srt.text.count("-->") == vtt.text.count("-->") == len(cues)
+    assert_error(live.http.get(f"/api/streams/{CAM}/transcript", params={"format": "doc"}), 422, "query.format")
+
+
+def test_caption_job_outputs(live):
+    wait_for(lambda: live.r.xlen(keys.job_output(CAM, "captions")), 60, "a caption", live.services)
+    assert live.http.get(f"/api/streams/{CAM}/jobs").json()["jobs"] == ["captions"]
+    outputs = live.http.get(f"/api/streams/{CAM}/jobs/captions", params={"count": 5}).json()["outputs"]
+    assert outputs and all(o["job"] == "captions" and "text" in o and int(o["version"]) >= 0 for o in outputs)
+    assert live.http.get(f"/api/streams/{CAM}/jobs/nope").json()["outputs"] == []
+
+
+def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):
+    wait_for(lambda: live.hook.accepted and live.mq.messages, 60, "alert delivered", live.services)
+    (alert,) = live.http.get(f"/api/streams/{CAM}/alerts").json()["alerts"]
+    assert live.http.get("/api/alerts").json()["alerts"] == [alert]
+    assert alert["job"] == "door" and alert["question"] == "Is there text on the screen?"
+    assert 0.0 <= float(alert["score"]) <= 1.0 and float(alert["t_end"]) > float(alert["t_start"])
+    # the receiver failed twice: three tries of the same alert, then exactly one accepted
+    assert [body["id"] for _, body in live.hook.requests] == [alert["id"]] * 3
+    assert {headers["Idempotency-Key"] for headers, _ in live.hook.requests} == {alert["id"]}
+    assert [a["id"] for a in live.hook.accepted] == [m["id"] for m in live.mq.messages] == [alert["id"]]
+    frame = live.http.get(f"/api/streams/{CAM}/alerts/{alert['id']}/frame.jpg")
+    assert frame.status_code == 200 and frame.content[:2] == b"\xff\xd8"
+    assert "s3cr3t" not in live.services.logs(), "webhook URLs can carry secrets: never logged"
+
+
+# ----------------------------------------------------------------------------- health, OpenAPI, process
+
+
+def test_health_and_openapi(live):
+    assert httpx.get(live.base + "/health/live").json() == {"status": "ok"}
+    assert httpx.get(live.base + "/health/ready").json()["redis"] is True
+    ready = httpx.get(live.base + "/health/ready", params={"stream": CAM}).json()
+    assert ready["encoder"] == live.r.get(keys.lease(CAM)).decode()
+    assert_error(httpx.get(live.base + "/health/ready", params={"stream": "nope"}), 503, "stream")
+    spec = httpx.get(live.base + "/openapi.json").json()
+    assert {"/api/streams/{name}/ask", "/v1/chat/completions", "/v1/models", "/health/ready"} <= set(spec["paths"])
+    assert httpx.get(live.base + "/docs").status_code == 200
+
+
+def test_not_ready_without_redis_but_alive():
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    async def probe() -> tuple[httpx.Response, httpx.Response]:
+        app = create_app(ApiConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return await client.get("/health/live"), await client.get("/health/ready")
+
+    live_probe, ready_probe = asyncio.run(probe())
+    assert live_probe.status_code == 200
+    assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
+
+
+def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
+    """A worker that died mid-answer: its successor answers again from the start (attempt 2), and a
+    late delta of attempt 1 arrives after that. Entries written by hand, the way workers write them."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:
+        for n in range(2):  # one question per request below
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            key = keys.answer(qid.decode())
+            for text, attempt in (("The do", 1), ("The ", 2), ("or", 1), ("door is ", 2), ("open.", 2)):
+                r.xadd(key, encode_delta(text, attempt))
+            r.xadd(key, encode_final(FinalAnswer(id=qid.decode(), stream="ghost", text="The door is open.", tokens=5)))
+
+    async def ask() -> tuple[list, list]:
+        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            native = await client.post("/api/streams/ghost/ask", json={"question": "Is the door open?"})
+            body = {"model": "ghost", "messages": [{"role": "user", "content": "Is the door open?"}], "stream": True}
+            chat = await client.post("/v1/chat/completions", json=body)
+        return _parse_sse(native.text), _parse_sse(chat.text)
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    native, chat = asyncio.run(ask())
+    thread.join(10)
+    assert [k for k, _ in native] == ["delta", "restart", "delta", "delta", "delta", "final"]  # the late "or" dropped
+    after_restart = native[native.index(("restart", {"attempt": 2})) + 1 : -1]
+    assert "".join(d["text"] for _, d in after_restart) == native[-1][1]["text"] == "The door is open."
+    content = "".join(c["choices"][0]["delta"].get("content") or "" for _, c in chat[:-1] if c.get("choices"))
+    assert content == "The door is open." and chat[-1] == ("message", "[DONE]")
+
+
+def test_api_never_imports_torch(live):
+    """The API process as `streamvqa api` starts it (through the CLI), up to serving: no torch."""
+    code = (
+        "import sys, uvicorn; uvicorn.run = lambda app, **kw: print(type(app).__name__); "
+        "from apps.cli import main; main(['api', '--redis-url', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'; print('ok')"
+    )
+    argv = [sys.executable, "-c", code, live.redis_url]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert out.returncode == 0 and out.stdout.split() == ["FastAPI", "ok"], out.stderr
+
+
+def test_loud_warning_without_token_beyond_localhost(live, tmp_path):
+    services = Services(live.redis_url, tmp_path)
+    proc = services.start("api", "--host", "0.0.0.0", "--port", str(free_port()))
+    try:
+        wait_for(lambda: "WITHOUT AUTHENTICATION" in services.logs(), 30, "the warning", services)
+    finally:
+        services.stop_all()
+    assert proc.returncode is not None
+    assert TOKEN not in (services.logs() + live.services.logs()), "the token is never logged"
+
+
+# ----------------------------------------------------------------------------- the page, in Chromium
+
+
+def test_web_page_in_chromium(live, tmp_path):
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"chromium not found at {CHROMIUM}")
+    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), 60, "a subtitle cue", live.services)
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 600})
+            page.set_default_timeout(60_000)
+            page.goto(live.base + "/")
+            page.wait_for_selector("#error:not([hidden])")  # no token yet: the page says so
+            page.fill("#token", TOKEN)
+            page.press("#token", "Enter")
+            card = page.locator(f'article.camera[data-stream="{CAM}"]')
+            card.wait_for()
+            page.wait_for_function("document.querySelector('article.camera .frame img').naturalWidth > 0")
+            page.wait_for_function("document.querySelectorAll('article.camera .transcript li:not(.muted)').length > 0")
+            assert page.locator("#alerts li b").first.inner_text() == f"{CAM} · door"
+            assert card.locator(".badge").inner_text() == "file ended"
+            assert card.locator(".status").inner_text().count("\n") >= 5
+            page.evaluate(_RECORD_DELTAS)
+            card.locator("input[name=question]").fill("What is written on the screen?")
+            card.locator("button[type=submit]").click()
+            page.wait_for_function("document.querySelector('article.camera').dataset.answered === '1'")
+            answer = card.locator(".answer").inner_text()
+            seen = page.evaluate("window.answerStates")
+            assert answer and len(seen) > 2 and seen[-1] == answer, "the answer grew as it streamed"
+            assert all(answer.startswith(s) for s in seen if s)
+            assert "version" in card.locator(".answer-meta").inner_text()
+            time.sleep(1.2)  # one more frame refresh, so the picture is settled for the screenshot
+            shot = REPO / "docs" / "web-ui.png" if os.environ.get("SVQA_UPDATE_SCREENSHOT") else tmp_path / "web-ui.png"
+            page.screenshot(path=str(shot))  # SVQA_UPDATE_SCREENSHOT=1 refreshes the README's picture
+            assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
+
+
+# Records every text the answer box shows while the answer streams in.
+_RECORD_DELTAS = """
+window.answerStates = [];
+const box = document.querySelector('article.camera .answer');
+new MutationObserver(() => window.answerStates.push(box.textContent))
+  .observe(box, {childList: true, characterData: true, subtree: true});
+"""

@@ -1,0 +1,136 @@
+"""scripts/bench_pipeline.py run as the lead runs it, as a CPU smoke run with tiny-random: every
+field of its JSON with sane values, its table, and nothing it started left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+DURATION_S = 10
+
+
+def bench(tmp_path: Path, *args: str) -> subprocess.Popen[str]:
+    """The benchmark as a process whose temp files all land in tmp_path/tmp (checked afterwards)."""
+    (tmp_path / "tmp").mkdir()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp_path / "tmp")}
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_pipeline.py"), "--model", "tiny-random", "--device", "cpu"]
+    with open(tmp_path / "stderr.txt", "w") as err:
+        return subprocess.Popen([*cmd, *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+
+
+def assert_nothing_left(tmp_path: Path) -> None:
+    """No temp dir, and no process running from it or naming it (redis-server runs in its --dir)."""
+    tmp = str(tmp_path / "tmp")
+    assert list(Path(tmp).glob("svqa-bench-*")) == []  # (torch keeps its compile cache there: not ours)
+    left = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            cwd = os.readlink(proc / "cwd")
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        if tmp in cmdline or cwd.startswith(tmp):
+            left.append(f"{proc.name}: {cmdline!r} in {cwd}")
+    assert left == []
+
+
+def check_spread(spread: dict[str, int], per_camera: list[int]) -> None:
+    assert spread == {"min": min(per_camera), "max": max(per_camera), "total": sum(per_camera)}
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
+    out = tmp_path / "result.json"
+    proc = bench(
+        tmp_path,
+        *("--cameras", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
+        *("--settle-timeout", "0", "--start-timeout", "120", "--out", str(out)),
+    )
+    stdout, _ = proc.communicate(timeout=280)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    run = json.loads(stdout.strip().splitlines()[-1])
+    report = json.loads(out.read_text())
+    assert report["runs"] == [run] and report["max_cameras_zero_drops"] in (None, 2)
+    assert report["hardware"]["cpus"] >= 1 and "--duration" in report["command"]
+    assert "every camera has a version" in stderr and f"{DURATION_S}/{DURATION_S} s" in stderr  # progress lines
+
+    assert (run["cameras"], run["askers"], run["model"], run["device"]) == (2, 1, "tiny-random", "cpu")
+    assert (run["max_tokens"], run["max_cache_tokens"], run["segment_store"]) == (32, 32768, "memory://bench")
+    assert DURATION_S <= run["duration_s"] < DURATION_S + 5
+    assert run["warmup_s"] >= 3 and isinstance(run["settled"], bool)
+
+    frames = run["frames"]
+    per_camera = frames["per_camera"]
+    assert per_camera["cameras"] == ["cam000", "cam001"]
+    for kind in ("published", "encoded", "dropped"):
+        assert len(per_camera[kind]) == 2
+        check_spread(frames[kind], per_camera[kind])
+    # live cameras are paced by the wall clock: never more than fps x the window (+1 at its edge)
+    assert 0.5 * 2 * DURATION_S <= frames["published"]["min"] <= frames["published"]["max"] <= 2 * run["duration_s"] + 1
+    assert frames["encoded"]["min"] > 0
+    assert sum(frames["dropped_by_reason"].values()) == frames["dropped"]["total"]
+    assert frames["dropped_by_reason"].get("bad", 0) == 0  # late, maybe, on a busy machine; refused, never
+    handled = frames["encoded"]["total"] + frames["dropped"]["total"]
+    assert frames["dropped_fraction"] == round(frames["dropped"]["total"] / handled, 4)
+    assert frames["not_yet_encoded_at_end"]["min"] >= 0
+
+    lag = run["encoder_lag_s"]
+    assert lag["samples"] >= DURATION_S  # two heads a second, whatever the load
+    assert 0 <= lag["p50"] <= lag["p95"] <= lag["max"] < 300  # seconds, on the same clock as the frames
+
+    assert run["errors"] == 0 and run["error_samples"] == []
+    assert run["answers"] > 0 and run["answers_per_s"] > 0
+    client, server = run["client_latency_s"], run["server_first_token_s"]
+    assert 0 < server["p50"] <= server["p95"] and client["p50"] <= client["p95"]
+    assert client["p50"] >= server["p50"]  # each question's wait includes its first token
+
+    table = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "plot_pipeline.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0, table.stderr
+    assert table.stdout.splitlines()[2].startswith("| 2 | 1 | ")
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(240)
+def test_interrupt_stops_every_process_and_removes_the_temp_dir(tmp_path):
+    proc = bench(
+        tmp_path, "--cameras", "1", "--askers", "1", "--warmup", "0", "--settle-timeout", "0", "--duration", "600"
+    )
+    deadline = time.monotonic() + 180
+    while " asked, " not in (tmp_path / "stderr.txt").read_text():  # measuring: every part is running
+        assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "stderr.txt").read_text()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and stdout == ""
+    assert "interrupted" in (tmp_path / "stderr.txt").read_text()
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.timeout(180)
+def test_a_service_that_dies_fails_the_run_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setenv("SVQA_CHUNK_FRAMES", "3")  # the services read SVQA_*: the worker refuses to start
+    proc = bench(tmp_path, "--cameras", "1", "--askers", "1", "--duration", "5", "--logs", str(tmp_path / "logs"))
+    stdout, _ = proc.communicate(timeout=150)
+    assert proc.returncode == 1, (tmp_path / "stderr.txt").read_text()
+    (run,) = [json.loads(line) for line in stdout.splitlines()]
+    assert run["cameras"] == 1 and run["failed"].startswith("worker exited with 2: ")
+    assert "chunk_frames must be a positive even number" in run["failed"]
+    (log,) = (tmp_path / "logs").glob("*/worker.log")  # kept for a post-mortem
+    assert "chunk_frames must be a positive even number" in log.read_text()
+    assert_nothing_left(tmp_path)
