@@ -1,7 +1,8 @@
 """Engine benchmark: prints one JSON object. Run on a GPU with random-3b (real 3B compute).
 
     python scripts/bench_engine.py --model random-3b --sizes 8192,32768,100000
-    python scripts/bench_engine.py --model tiny-random --device cpu --sizes 1024 --long-chunks 20  # smoke run
+    python scripts/bench_engine.py --model tiny-random --device cpu --sizes 1024 --long-chunks 20 \
+        --vision-batches 1,4 --batch-streams 1,2 --batch-questions 1,2 --batch-cache-tokens 1024  # CPU smoke run
 
 Measures: vision ms per 4-frame chunk (448², 896²) and per chunk when 1, 16 or 64 chunks share
 one forward (against transformers' own tower); chunk prefill ms, question first-token
