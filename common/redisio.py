@@ -142,28 +142,6 @@ def _check_block(r: redis.Redis, block_ms: int) -> None:
         raise ValueError(f"block_ms={block_ms} >= socket timeout {timeout} s: use connect(block_ms=...)")
 
 
-def read_group(
-    r: redis.Redis,
-    stream_keys: Iterable[str],
-    group: str,
-    consumer: str,
-    *,
-    count: int = 10,
-    block_ms: int = 5000,
-) -> list[Entry]:
-    """This consumer's pending entries if it has any (after a crash), else new ones (blocking).
-
-    Stateless: entries left un-acked come back on every call. A consumer that keeps entries
-    pending across reads on purpose (the encoder, until a chunk is complete) uses GroupReader.
-    """
-    streams = list(stream_keys)
-    pending = _drop_trimmed(r, group, _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, "0"), count)))
-    if pending:
-        return pending
-    _check_block(r, block_ms)
-    return _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, ">"), count, block=block_ms))
-
-
 class GroupReader:
     """Reads a consumer group the restart-safe way, keeping a cursor per stream.
 
@@ -316,8 +294,14 @@ def delivery_counts(r: redis.Redis, group: str, consumer: str, entries: list[Ent
     counts: dict[str, int] = {}
     for stream in dict.fromkeys(s for s, _, _ in entries):
         ids = [e for s, e, _ in entries if s == stream]
-        pend = r.xpending_range(stream, group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
-                                count=len(ids) + 1000, consumername=consumer)  # fmt: skip
+        pend = r.xpending_range(
+            stream,
+            group,
+            min=min(ids, key=_id_key),
+            max=max(ids, key=_id_key),
+            count=len(ids) + 1000,
+            consumername=consumer,
+        )
         counts |= {_str(p["message_id"]): int(p["times_delivered"]) for p in pend}
     return counts
 

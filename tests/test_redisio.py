@@ -21,7 +21,6 @@ from common.redisio import (
     ensure_group,
     process,
     prune_consumers,
-    read_group,
     redact,
     ride_out,
     trim_consumed,
@@ -29,6 +28,7 @@ from common.redisio import (
     xadd_capped,
 )
 from common.wire import keys
+from tests.groupread import read_group
 
 S, G = "svqa:{t}:s", "grp"
 
