@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import structlog
@@ -21,7 +20,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from common.logs import redact_text
+from common.logs import redact_text, redact_url
 from common.wire import keys
 
 log = structlog.get_logger(__name__)
@@ -50,15 +49,6 @@ class RedisGone(RuntimeError):
 
 def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def connect(url: str, *, block_ms: int = 5000, retries: int = CONNECT_RETRIES) -> redis.Redis:
@@ -101,7 +91,7 @@ def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis
         finally:
             probe.close()
         if time.monotonic() + 0.1 > deadline:
-            raise TimeoutError(f"Redis at {redact(url)} not reachable after {timeout_s:g} s: {last}")
+            raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {last}")
         time.sleep(0.1)
 
 
