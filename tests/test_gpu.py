@@ -44,10 +44,10 @@ def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
     q = torch.randn(9, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     for (slab, causal), pieces in plan.pieces.items():
         kv = rt.pool.slabs[slab][0]
-        out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+        out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q, plan.max_k)
         lm.flash = False
         try:
-            ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+            ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q, plan.max_k)
         finally:
             lm.flash = True
         finite = torch.isfinite(ref_lse)

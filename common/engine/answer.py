@@ -156,7 +156,7 @@ def _forward(gens: Sequence[Generation]) -> torch.Tensor:
     lm = rt.lm
     ids = [t for g in gens for t in g.pending]
     positions = torch.cat([text_positions(g.pos, len(g.pending)) for g in gens], dim=1)
-    split = split_for(len(ids), max(g.version.tokens for g in gens)) if lm.flash else 1
+    split = split_for(len(gens), max(g.version.tokens for g in gens), lm.n_heads) if lm.flash else 1
     items = [g.item() for g in gens]
     if lm.flash and CUDA_GRAPHS and len(ids) == len(gens) <= DecodeGraphs.BUCKETS[-1]:
         if rt.decode_graphs is None:

@@ -71,6 +71,7 @@ class Plan:
     writes: dict[int, tuple[torch.Tensor | None, torch.Tensor]]  # slab -> (token rows or None = all, slots)
     pieces: dict[tuple[int, bool], Pieces]  # (slab, causal) -> pieces
     max_q: int
+    max_k: int  # the longest key range, rounded up to a power of two (flash sizes its work by it)
 
     @property
     def single_slab(self) -> int | None:
@@ -85,6 +86,7 @@ class Pieces:
     cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
     starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
     lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
+    empty_rows: torch.Tensor  # (R,) bool: the row's piece has no keys
     host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
 
 
@@ -131,10 +133,12 @@ class LanguageModel:
                 key = (it.base.region.slab, False)
                 pieces.setdefault(key, []).extend(_split(row, it.n, it.base.region.start, it.base.length, split))
             row += it.n
+        longest = max(length for host in pieces.values() for _, _, _, length in host)
         return Plan(
             {slab: self._writes(w, row) for slab, w in writes.items()},
             {key: self._pieces(host) for key, host in pieces.items()},
             max(it.n for it in items),
+            1 << max(8, (longest - 1).bit_length()),
         )
 
     def _writes(self, writes: list[tuple[torch.Tensor, torch.Tensor]], n_rows: int):
@@ -148,8 +152,9 @@ class LanguageModel:
         cu_q = torch.tensor([0, *accumulate(n for _, n, _, _ in host)], dtype=torch.int32)
         starts = torch.tensor([s for _, _, s, _ in host] + [0], dtype=torch.int32)
         lengths = torch.tensor([k for _, _, _, k in host], dtype=torch.int32)
+        empty = torch.cat([torch.full((n,), k == 0) for _, n, _, k in host])
         dev = self.device
-        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), host)
+        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), empty.to(dev), host)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -174,13 +179,13 @@ class LanguageModel:
             kv[1].index_copy_(1, slots, v if rows is None else v.index_select(1, rows))
         q = q.transpose(0, 1)  # (T, H, hd)
         parts = [
-            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
+            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q, plan.max_k)
             for (slab, causal), p in plan.pieces.items()
         ]
         out = _merge(n, parts)
         return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
 
-    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
+    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int, max_k: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
         if self.flash:
             out, lse = torch.ops.aten._flash_attention_forward(
@@ -190,7 +195,7 @@ class LanguageModel:
                 p.cu_q,
                 p.starts,
                 max_q,
-                kv.shape[2],
+                max_k,
                 0.0,
                 causal,
                 False,
@@ -198,7 +203,7 @@ class LanguageModel:
                 seqused_k=p.lengths,
             )[:2]
             lse = lse.transpose(0, 1)  # (H, R) -> (R, H)
-            empty = (p.lengths == 0).repeat_interleave(p.cu_q.diff(), output_size=p.rows.shape[0])
+            empty = p.empty_rows
             return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], -math.inf), p.rows
         outs, lses = [], []
         for r0, n, start, length in p.host:
@@ -233,11 +238,13 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
     return [(row, n, start + s * step, max(0, min(step, length - s * step))) for s in range(split)]
 
 
-def split_for(n_queries: int, base_tokens: int, n_sm: int = 132) -> int:
-    """Split-KV factor: enough pieces that (pieces x heads) fills the GPU's SMs twice over."""
+def split_for(n_items: int, base_tokens: int, heads: int, n_sm: int = 132) -> int:
+    """Split-KV factor: flash attention runs one block per (piece, head) for the few query rows of
+    a question, so a handful of questions over a long cache needs its bases cut into pieces to
+    keep every SM busy (twice over); with many questions one piece each already does."""
     if base_tokens < SPLIT_KV_MIN_TOKENS:
         return 1
-    return max(1, min(16, (2 * n_sm) // max(1, n_queries * 16)))
+    return max(1, min(16, (2 * n_sm) // max(1, n_items * heads)))
 
 
 def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -287,7 +294,7 @@ class DecodeGraphs:
         plan = self.lm.plan(items, split)
         if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary, so eager
             return self.lm.logits(self.lm.forward(self.lm.embed(tokens), positions, plan))[:n]
-        key = (bucket, split, plan.single_slab)
+        key = (bucket, split, plan.single_slab, plan.max_k)
         graph = self.graphs.get(key)
         if graph is None:
             graph = self.graphs[key] = _Graph(self.lm, plan, bucket, self.mempool)
@@ -319,7 +326,7 @@ class _Graph:
             self.plan.writes[slab][1].copy_(slots, non_blocking=True)
         for key, pieces in plan.pieces.items():
             mine = self.plan.pieces[key]
-            for name in ("rows", "cu_q", "starts", "lengths"):
+            for name in ("rows", "cu_q", "starts", "lengths", "empty_rows"):
                 getattr(mine, name).copy_(getattr(pieces, name), non_blocking=True)
         self.graph.replay()
         return self.out

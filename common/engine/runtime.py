@@ -69,8 +69,9 @@ class Runtime:
 
     def new_cache(self, spec: StreamSpec, policy: EvictionPolicy) -> StreamCache:
         """An empty cache for one stream on this device (its positions follow the stream's fps and grid)."""
-        return StreamCache(self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps),
-                           grid_hw=spec.grid.merged_hw)  # fmt: skip
+        return StreamCache(
+            self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps), grid_hw=spec.grid.merged_hw
+        )
 
 
 def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:

@@ -7,11 +7,11 @@ forwards, so there is no lock that threads take turns on. Each step:
    short, and questions may be waiting on them;
 2. questions: every active generation advances by one token in one batched forward; questions
    waiting to start join it (their prefill rides in the same forward), up to `max_batch`;
-3. chunks: when encoding has had less than its share of recent GPU time (or nothing else
-   waits), up to `max_chunks` chunks — at most one per stream, streams taken round-robin — go
-   through one vision and one prefill forward. A person asking gets priority, but live cameras
-   keep a guaranteed share, and when the GPU cannot keep up every stream falls behind (and
-   drops frames) alike.
+3. chunks, after the questions' step (a new question never waits behind an encode step): when
+   encoding has had less than its share of recent GPU time (or nothing else waits), up to
+   `max_chunks` chunks, at most one per stream, streams taken round-robin, go through one vision
+   and one prefill forward. A person asking gets priority, but live cameras keep a guaranteed
+   share, and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class SchedulePolicy:
     max_batch: int = 64  # generations advanced together
-    max_chunks: int = 16  # chunks encoded together
+    max_chunks: int = 4  # chunks encoded together: bounds how long one encode step holds up questions
     encode_share: float = 0.5  # of GPU time, guaranteed to encoding while questions also wait
     window_s: float = 2.0  # the share is measured over about this long
 
@@ -100,10 +100,10 @@ class Scheduler:
         self._run_tasks()
         self._admit()
         questions = bool(self._active)
+        if questions:  # first, so a question that just arrived is prefilled before any encoding
+            self._timed(False, self._decode)
         if self._lanes and (not questions or self._encode_is_due()):
             self._timed(True, self._encode)
-        if self._active:
-            self._timed(False, self._decode)
 
     def _run_tasks(self) -> None:
         while True:
