@@ -11,7 +11,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 import structlog
@@ -21,7 +20,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from common.logs import redact_text
+from common.logs import redact_text, redact_url
 from common.wire import keys
 
 log = structlog.get_logger(__name__)
@@ -50,15 +49,6 @@ class RedisGone(RuntimeError):
 
 def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
-
-
-def redact(url: str) -> str:
-    """The URL without its password, for logs and errors."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 def connect(url: str, *, block_ms: int = 5000, retries: int = CONNECT_RETRIES) -> redis.Redis:
@@ -101,7 +91,7 @@ def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis
         finally:
             probe.close()
         if time.monotonic() + 0.1 > deadline:
-            raise TimeoutError(f"Redis at {redact(url)} not reachable after {timeout_s:g} s: {last}")
+            raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {last}")
         time.sleep(0.1)
 
 
@@ -140,28 +130,6 @@ def _check_block(r: redis.Redis, block_ms: int) -> None:
     timeout = r.connection_pool.connection_kwargs.get("socket_timeout")
     if timeout is not None and block_ms / 1000 >= timeout:
         raise ValueError(f"block_ms={block_ms} >= socket timeout {timeout} s: use connect(block_ms=...)")
-
-
-def read_group(
-    r: redis.Redis,
-    stream_keys: Iterable[str],
-    group: str,
-    consumer: str,
-    *,
-    count: int = 10,
-    block_ms: int = 5000,
-) -> list[Entry]:
-    """This consumer's pending entries if it has any (after a crash), else new ones (blocking).
-
-    Stateless: entries left un-acked come back on every call. A consumer that keeps entries
-    pending across reads on purpose (the encoder, until a chunk is complete) uses GroupReader.
-    """
-    streams = list(stream_keys)
-    pending = _drop_trimmed(r, group, _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, "0"), count)))
-    if pending:
-        return pending
-    _check_block(r, block_ms)
-    return _entries(r.xreadgroup(group, consumer, dict.fromkeys(streams, ">"), count, block=block_ms))
 
 
 class GroupReader:
@@ -316,8 +284,14 @@ def delivery_counts(r: redis.Redis, group: str, consumer: str, entries: list[Ent
     counts: dict[str, int] = {}
     for stream in dict.fromkeys(s for s, _, _ in entries):
         ids = [e for s, e, _ in entries if s == stream]
-        pend = r.xpending_range(stream, group, min=min(ids, key=_id_key), max=max(ids, key=_id_key),
-                                count=len(ids) + 1000, consumername=consumer)  # fmt: skip
+        pend = r.xpending_range(
+            stream,
+            group,
+            min=min(ids, key=_id_key),
+            max=max(ids, key=_id_key),
+            count=len(ids) + 1000,
+            consumername=consumer,
+        )
         counts |= {_str(p["message_id"]): int(p["times_delivered"]) for p in pend}
     return counts
 

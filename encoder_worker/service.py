@@ -127,9 +127,14 @@ class EncoderService:
 
     def _process(self, entries: list[redisio.Entry]) -> None:
         redisio.process(
-            self.r, keys.ENCODER_GROUP, self.cfg.consumer, entries, self._handle, self._reject,
+            self.r,
+            keys.ENCODER_GROUP,
+            self.cfg.consumer,
+            entries,
+            self._handle,
+            self._reject,
             max_deliveries=self.cfg.max_deliveries,
-        )  # fmt: skip
+        )
 
     def _handle(self, frames_key: str, entry_id: str, fields: dict, deliveries: int) -> None:
         owned = self.owned.get(keys.stream_of(frames_key))

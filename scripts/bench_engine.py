@@ -1,13 +1,18 @@
 """Engine benchmark: prints one JSON object. Run on a GPU with random-3b (real 3B compute).
 
     python scripts/bench_engine.py --model random-3b --sizes 8192,32768,100000
+    python scripts/bench_engine.py --model tiny-random --device cpu --sizes 1024 --long-chunks 20 \
+        --vision-batches 1,4 --batch-streams 1,2 --batch-questions 1,2 --batch-cache-tokens 1024  # CPU smoke run
 
-Measures: vision ms per 4-frame chunk (448², 896²); chunk prefill ms, question first-token
+Measures: vision ms per 4-frame chunk (448², 896²) and per chunk when 1, 16 or 64 chunks share
+one forward (against transformers' own tower); chunk prefill ms, question first-token
 latency and decode tokens/s at each cache size; the stateless baseline (transformers'
 own forward re-prefilling the whole context for each question); GPU memory over a long
 stream with eviction.
 
     python scripts/bench_engine.py --model random-3b --eviction-cost
+    python scripts/bench_engine.py --model tiny-random --device cpu --eviction-cost \
+        --eviction-budget 1024 --eviction-side 112  # CPU smoke run
 
 measures only what exact eviction costs against rebase: ms per chunk amortized over several
 evictions at a 32K budget with 448² frames, and the memory of the kept vision embeddings.
@@ -90,6 +95,36 @@ def bench_vision(rt: Runtime, side: int) -> dict:
     ms = timed(lambda: rt.vision(pixels, grid_thw))
     out = {"side": side, "tokens": grid.tokens_per_patch * 2, "vision_ms": round(ms, 1)}
     log(f"vision {out}")
+    return out
+
+
+def bench_vision_batched(rt: Runtime, counts: tuple[int, ...] = (1, 16, 64), side: int = 448) -> dict:
+    """Per-chunk vision time when `n` 4-frame chunks go through one forward, against transformers'
+    tower on one chunk. Pixels start on the device: this is the tower, not the host copy."""
+    grid = Grid(side, side)
+    frames = np.random.default_rng(0).integers(0, 256, (4, side, side, 3), dtype=np.uint8)
+    pixels, grid_thw = frames_to_pixels(frames, grid)
+    pixels = pixels.to(rt.device)
+    visual = rt.loaded.model.model.visual
+    grid_tensor = torch.tensor([grid_thw], device=rt.device)
+
+    @torch.inference_mode()
+    def transformers_tower() -> None:
+        visual(pixels.to(visual.dtype), grid_thw=grid_tensor)
+
+    batches = []
+    for n in counts:
+        ms = timed(lambda n=n: rt.vision_batch([(pixels, grid_thw)] * n), repeat=3, warmup=1)
+        batches.append({"chunks": n, "batch_ms": round(ms, 1), "ms_per_chunk": round(ms / n, 2)})
+        log(f"vision batch {batches[-1]}")
+    out = {
+        "side": side,
+        "frames_per_chunk": 4,
+        "tokens_per_chunk": grid.tokens_per_patch * 2,
+        "transformers_ms_per_chunk": round(timed(transformers_tower), 2),
+        "batches": batches,
+    }
+    free_gpu()
     return out
 
 
@@ -274,8 +309,7 @@ def bench_eviction_cost(rt: Runtime, budget: int, side: int, cycles: int) -> dic
     """Per policy: a stream of 4-frame chunks (random embeddings: LM cost depends on sizes, not
     content) run until `cycles` evictions after the first; amortized ms per chunk over the chunks
     after the first eviction (steady state: each eviction's work spread over the chunks until the
-    next). A CPU smoke run of the same code: --model tiny-random --device cpu --eviction-cost
-    --eviction-budget 4096 --eviction-side 224."""
+    next)."""
     return {mode: _eviction_run(rt, mode, budget, side, cycles) for mode in ("rebase", "exact")}
 
 
@@ -320,8 +354,8 @@ def run_info(rt: Runtime, model: str) -> dict:
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "model": model,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "nvidia_smi": gpu_info() if torch.cuda.is_available() else "",
+        "device": torch.cuda.get_device_name() if rt.device.type == "cuda" else platform.processor(),
+        "nvidia_smi": gpu_info() if rt.device.type == "cuda" else "",
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "dtype": str(rt.lm.dtype),
@@ -331,6 +365,9 @@ def run_info(rt: Runtime, model: str) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random-3b")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
+    p.add_argument("--compile-vision", action="store_true", help="torch.compile the vision blocks (GPU only)")
+    p.add_argument("--vision-batches", default="1,16,64", help="chunks per vision forward to time")
     p.add_argument("--sizes", default="8192,32768,100000")
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--long-chunks", type=int, default=400)
@@ -340,7 +377,6 @@ def main() -> None:
     p.add_argument("--batch-questions", default="1,8,32", help="questions decoded together")
     p.add_argument("--batch-cache-tokens", type=int, default=32768)
     p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: the free GPU memory)")
-    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--eviction-cost", action="store_true", help="only: exact vs rebase eviction, per chunk")
     p.add_argument("--eviction-budget", type=int, default=32768)
     p.add_argument("--eviction-side", type=int, default=448)
@@ -348,7 +384,9 @@ def main() -> None:
     args = p.parse_args()
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
-    rt = Runtime(load_model(args.model, device=args.device), pool_tokens=args.pool_tokens)
+    rt = Runtime(
+        load_model(args.model, device=args.device), pool_tokens=args.pool_tokens, compile_vision=args.compile_vision
+    )
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     if args.eviction_cost:
         cost = bench_eviction_cost(rt, args.eviction_budget, args.eviction_side, args.eviction_cycles)
@@ -357,6 +395,8 @@ def main() -> None:
     result = {
         **run_info(rt, args.model),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
+        "vision_compiled": args.compile_vision and rt.device.type == "cuda",
+        "vision_batched": bench_vision_batched(rt, tuple(int(n) for n in args.vision_batches.split(","))),
         "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),
         "batched": bench_batched(

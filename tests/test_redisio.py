@@ -9,6 +9,7 @@ import time
 import pytest
 import redis
 
+from common.logs import MASK, redact_url
 from common.redisio import (
     DEAD_LETTER_MAX_FIELDS,
     DEAD_LETTER_MAX_VALUE,
@@ -21,14 +22,13 @@ from common.redisio import (
     ensure_group,
     process,
     prune_consumers,
-    read_group,
-    redact,
     ride_out,
     trim_consumed,
     wait_for_redis,
     xadd_capped,
 )
 from common.wire import keys
+from tests.groupread import read_group
 
 S, G = "svqa:{t}:s", "grp"
 
@@ -313,6 +313,6 @@ def test_wait_for_redis(redis_url):
 
 
 def test_redact():
-    assert redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
-    assert redact("redis://u:pw@h/0") == "redis://u:***@h/0"
-    assert redact("redis://h:1/0") == "redis://h:1/0"
+    assert redact_url("redis://:pw@h:6379/0") == f"redis://:{MASK}@h:6379/0"
+    assert redact_url("redis://u:pw@h/0") == f"redis://u:{MASK}@h/0"
+    assert redact_url("redis://h:1/0") == "redis://h:1/0"

@@ -24,6 +24,7 @@ from encoder_worker.service import EncoderService
 from ingest.config import IngestConfig
 from ingest.source import Source, SourceSpec
 from qa_worker.answering import Answerer
+from tests.groupread import read_group
 
 CAM = "cam"
 FRAME = np.zeros((56, 56, 3), np.uint8)
@@ -165,7 +166,7 @@ def answerer(rt, redis_url):
 
 def ask(a: Answerer, fields: dict) -> FinalAnswer:
     eid = a.r.xadd(keys.QUESTIONS, fields).decode()
-    a.handle_entries(redisio.read_group(a.r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
+    a.handle_entries(read_group(a.r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     assert a.r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
     qid = fields.get("id", eid)
     replies = [decode_answer(f) for _, f in a.r.xrange(keys.answer(qid))]
@@ -187,7 +188,7 @@ def test_question_delivered_too_often_gets_an_error_unprocessed(answerer):
     eid = r.xadd(keys.QUESTIONS, {"id": "q1", "stream": CAM, "question": "hi"}).decode()
     r.xreadgroup(keys.QA_GROUP, "dead", {keys.QUESTIONS: ">"})
     r.xclaim(keys.QUESTIONS, keys.QA_GROUP, "qa", 0, [eid], retrycount=9)
-    answerer.handle_entries(redisio.read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
+    answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer("q1"))]
     assert "delivered" in final.error and r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
 
@@ -197,7 +198,7 @@ def test_retried_answer_deltas_carry_their_attempt_and_reply_ttl_is_capped(answe
     eid = r.xadd(keys.QUESTIONS, {"id": "q2", "stream": CAM, "question": "hi", "reply_ttl": "604800"}).decode()
     r.xreadgroup(keys.QA_GROUP, "dead", {keys.QUESTIONS: ">"})  # attempt 1 died
     r.xclaim(keys.QUESTIONS, keys.QA_GROUP, "qa", 0, [eid])
-    answerer.handle_entries(redisio.read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
+    answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     replies = [decode_answer(f) for _, f in r.xrange(keys.answer("q2"))]
     assert {d.attempt for d in replies[:-1]} == {3}, "claimed once, read from history once: delivery 3"
     assert "".join(d.text for d in replies[:-1]) == replies[-1].text

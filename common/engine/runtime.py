@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from tokenizers import Tokenizer
 
@@ -11,6 +13,7 @@ from common.engine.kvcache import StreamCache
 from common.engine.lm import DecodeGraphs, LanguageModel
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
 from common.engine.pool import KVPool
+from common.engine.vision import GridTHW, VisionTower
 from common.engine.work import Executor, InlineExecutor
 
 POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
@@ -20,10 +23,15 @@ CPU_SLAB_TOKENS = 1 << 16
 class Runtime:
     """A loaded model plus our language-model runner; shared by every stream on a device."""
 
-    def __init__(self, loaded: LoadedModel, pool_tokens: int | None = None):
+    def __init__(self, loaded: LoadedModel, pool_tokens: int | None = None, compile_vision: bool = False):
         """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
-        `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed)."""
+        `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
+        `compile_vision`: torch.compile the vision blocks (GPU only: on a CPU inductor spends a
+        minute building C++ for little gain)."""
         self.loaded = loaded
+        # before the pool, which takes what memory is left: the tower holds a padded MLP copy
+        backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
+        self.vision_tower = VisionTower(loaded, compile_backend=backend)
         self.pool = _make_pool(loaded, pool_tokens)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
@@ -50,21 +58,20 @@ class Runtime:
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
 
-    @torch.inference_mode()
-    def vision(self, pixels: torch.Tensor, grid_thw: tuple[int, int, int]) -> torch.Tensor:
-        visual = self.loaded.model.model.visual
-        grid = torch.tensor([grid_thw], device=self.loaded.device)
-        out = visual(pixels.to(self.loaded.device, visual.dtype), grid_thw=grid)
-        return out.pooler_output.to(self.lm.dtype)
+    def vision(self, pixels: torch.Tensor, grid_thw: GridTHW) -> torch.Tensor:
+        """One chunk's merged video embeddings (a batch of one)."""
+        return self.vision_batch([(pixels, grid_thw)])[0]
 
-    def vision_batch(self, chunks: list[tuple[torch.Tensor, tuple[int, int, int]]]) -> list[torch.Tensor]:
-        """Merged vision embeddings of several chunks (pixels, grid_thw), in order."""
-        return [self.vision(pixels, grid_thw) for pixels, grid_thw in chunks]
+    def vision_batch(self, chunks: Sequence[tuple[torch.Tensor, GridTHW]]) -> list[torch.Tensor]:
+        """Merged vision embeddings of several chunks (pixels, grid_thw) of any streams and grids,
+        in order, from one forward; each equals that chunk encoded alone."""
+        return [embeds.to(self.lm.dtype) for embeds in self.vision_tower(chunks)]
 
     def new_cache(self, spec: StreamSpec, policy: EvictionPolicy) -> StreamCache:
         """An empty cache for one stream on this device (its positions follow the stream's fps and grid)."""
-        return StreamCache(self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps),
-                           grid_hw=spec.grid.merged_hw)  # fmt: skip
+        return StreamCache(
+            self.lm, spec.name, policy, interval=self.loaded.temporal_interval(spec.fps), grid_hw=spec.grid.merged_hw
+        )
 
 
 def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:
