@@ -12,7 +12,6 @@ from typing import Any
 
 from common.logs import redact_url
 from common.wire import keys
-from common.wire.manifest import manifest_ranges
 from common.wire.meta import StreamMeta
 from common.wire.schemas import SchemaError, manifest_from_bytes
 
@@ -96,7 +95,7 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
         "tokens": m.cache_tokens,
         "last_frame_seq": m.last_frame_seq,
         "time_range": [m.first_ts, m.last_ts],
-        "ranges": [list(r) for r in manifest_ranges(m)],  # several once salient chunks are kept
+        "ranges": [list(r) for r in m.ranges()],  # several once salient chunks are kept
         "age_s": round(now - m.created_at, 1),
         "lag_s": round(now - m.last_ts, 1) if live and m.last_ts else None,  # live capture times are wall-clock
         "evicted_tokens": m.evicted_tokens,

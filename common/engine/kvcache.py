@@ -30,6 +30,7 @@ from common.engine.lm import Item, KVView, LanguageModel
 from common.engine.pool import Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
 from common.engine.salience import mean_embedding, salience
+from common.engine.spans import capture_ranges
 
 # (embeds (T, D), positions (3, T), item): runs them as `item` says (causally after what its region
 # holds before them) and writes their K/V there. One LanguageModel.forward by default; a scheduler
@@ -139,7 +140,7 @@ class Version:
 
     @property
     def capture_ranges(self) -> list[tuple[float, float]]:
-        return capture_ranges(self.placements)
+        return capture_ranges((p.segment.frame_seqs, p.segment.capture_range) for p in self.chunks)
 
     def kv_bytes(self) -> int:
         kv = self.view.kv
@@ -148,23 +149,6 @@ class Version:
     @property
     def region(self) -> Region:
         return self.view.region
-
-
-def capture_ranges(placements: tuple[Placement, ...] | list[Placement]) -> list[tuple[float, float]]:
-    """The capture-time ranges a cache covers: one per run of chunks whose frames are consecutive
-    (eviction leaves gaps, so a cache with salient chunks kept covers several ranges)."""
-    ranges: list[tuple[float, float]] = []
-    last_seq = None
-    for p in placements:
-        if p.segment.n_patches == 0:
-            continue
-        (first, last), (start, end) = p.segment.frame_seqs, p.segment.capture_range
-        if ranges and first == last_seq + 1:
-            ranges[-1] = (ranges[-1][0], end)
-        else:
-            ranges.append((start, end))
-        last_seq = last
-    return ranges
 
 
 class StreamCache:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from common.engine.grid import Grid, StreamSpec
-from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version, capture_ranges
+from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version
 from common.wire.schemas import Manifest, SegmentRecord
 
 
@@ -75,8 +75,3 @@ def _placement(r: SegmentRecord) -> Placement:
         r.id, r.tokens, r.first_patch, r.n_patches, r.frame_seqs, r.capture_range, r.padded_frames, r.salience
     )
     return Placement(segment, r.offset, r.patch_now, r.t_delta)
-
-
-def manifest_ranges(m: Manifest) -> list[tuple[float, float]]:
-    """The capture-time ranges a manifest's version covers (several once salient chunks are kept)."""
-    return capture_ranges(from_manifest(m).cache.placements)

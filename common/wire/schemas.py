@@ -27,6 +27,7 @@ import numpy as np
 from PIL import Image
 
 from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
+from common.engine.spans import capture_ranges
 
 SCHEMA_VERSION = 1
 FIELD = "m"  # the one stream field that carries a msgpack payload
@@ -420,6 +421,10 @@ class Manifest:
     @property
     def segment_ids(self) -> tuple[str, ...]:
         return tuple(s.id for s in self.segments)
+
+    def ranges(self) -> list[tuple[float, float]]:
+        """The capture-time ranges this version covers (several once salient chunks are kept)."""
+        return capture_ranges((s.frame_seqs, s.capture_range) for s in self.segments if s.n_patches)
 
 
 def _validate_manifest(m: Manifest) -> None:
