@@ -92,10 +92,21 @@ def level_number(level: str) -> int:
     return num
 
 
+class _CurrentStderr:
+    """Whatever `sys.stderr` is at each write: a logger configured once must not hold on to a
+    stream that was replaced (and closed) since, as pytest's capture does between tests."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | None = None) -> None:
     """Configure structlog, stdlib logging and the uncaught-exception hooks of every thread."""
     num = level_number(level)
-    out = stream or sys.stderr
+    out = stream or _CurrentStderr()
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=out.isatty())
     exc = _JSON_EXC if json else structlog.processors.format_exc_info
     structlog.configure(
