@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -88,6 +90,12 @@ def qa_job(r: redis.Redis) -> None:
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
+    # what per-stream question queues and worker heartbeats will need (the names are not in keys.py yet)
+    own_queue = f"{keys.PREFIX}:{{{CAM}}}:questions"
+    redisio.ensure_group(r, own_queue, keys.QA_GROUP)
+    r.xadd(own_queue, {"stream": CAM, "question": "forwarded"})
+    r.xreadgroup(keys.QA_GROUP, "qa", {own_queue: ">"})
+    r.exists(f"{keys.PREFIX}:worker:qa")
 
 
 def test_each_role_does_its_job_and_not_anothers(server):
@@ -122,6 +130,8 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: qa.xadd(keys.frames(CAM), {"m": b"x"}))
     assert denied(lambda: client.xrange(keys.frames(CAM)))
     assert denied(lambda: client.xrange(keys.QUESTIONS))  # others' questions
+    assert denied(lambda: client.xadd(f"{keys.PREFIX}:{{{CAM}}}:questions", {"stream": CAM}))  # the workers' queue
+    assert denied(lambda: ingest.xadd(f"{keys.PREFIX}:{{{CAM}}}:questions", {"stream": CAM}))
     assert denied(lambda: client.xadd(keys.answer("q1"), {"type": "final", "id": "q1", "text": "forged"}))
     assert denied(lambda: client.get(keys.head(CAM)))
     assert denied(lambda: client.delete(keys.answer("q1")))
@@ -133,3 +143,29 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: qa.hset(keys.latest_frame(CAM), "jpeg", b"forged"))
     anonymous = redis.Redis(port=server.port)
     assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))
+
+
+def test_redis_users_script_makes_working_passwords_kept_only_as_hashes(tmp_path: Path):
+    """scripts/redis-users.sh: deploy/users.acl with hashes, .env (0600) with the passwords that log in."""
+    repo = ACL.parent.parent
+    (tmp_path / "deploy").mkdir()
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(ACL, tmp_path / "deploy")
+    shutil.copy(repo / ".env.example", tmp_path)
+    shutil.copy(repo / "scripts" / "redis-users.sh", tmp_path / "scripts")
+    subprocess.run([str(tmp_path / "scripts" / "redis-users.sh")], check=True, capture_output=True, timeout=30)
+    env = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines() if "=" in line)
+    assert (tmp_path / ".env").stat().st_mode & 0o077 == 0, ".env holds passwords: owner only"
+    acl = (tmp_path / "deploy" / "users.acl").read_text()
+    server = RedisServer(tmp_path, args=("--aclfile", str(tmp_path / "deploy" / "users.acl")))
+    server.start()
+    try:
+        roles = ("ingest", "encoder", "qa", "worker", "client", "api")
+        for role in roles:
+            password = env[f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"]
+            assert len(password) >= 32 and password not in acl
+            assert redisio.connect(f"redis://{role}:{password}@127.0.0.1:{server.port}/0", retries=0).ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            as_role(server, "qa").ping()  # the example's password is gone
+    finally:
+        server.stop()

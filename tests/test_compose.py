@@ -15,6 +15,7 @@ import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import jsonschema
 import pytest
@@ -49,7 +50,17 @@ HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own read
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
 HF_CACHE = "/home/streamvqa/.cache/huggingface"
 SEGMENTS = "/var/lib/streamvqa/segments"
-COPY_STEP = "cp deploy/cameras.example.yaml deploy/cameras.yaml"
+# Files compose mounts that the user creates, and the command that creates each (documented).
+CREATED_BY = {
+    "deploy/cameras.yaml": "cp deploy/cameras.example.yaml deploy/cameras.yaml",
+    "deploy/users.acl": "scripts/redis-users.sh",
+}
+USERS_ACL = REPO / "deploy" / "users.acl.example"
+# Each service's Redis password: a variable compose requires (`${VAR:?...}`), set in .env by
+# scripts/redis-users.sh; empty in .env.example. ROLE_OF: which ACL user each subcommand connects as.
+PASSWORD_VAR = re.compile(r"STREAMVQA_REDIS_PASSWORD_(?P<role>[A-Z]+)")
+ROLE_OF = {"ingest": "ingest", "encoder": "encoder", "qa": "qa", "worker": "worker", "api": "api"}
+TEST_PASSWORDS = {f"STREAMVQA_REDIS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLE_OF.values()}
 
 # ----------------------------------------------------------------------------- interpolation
 
@@ -125,7 +136,7 @@ def raw() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def compose(raw) -> dict[str, Any]:
-    return resolve(raw, {})  # every variable at its default
+    return resolve(raw, TEST_PASSWORDS)  # every variable at its default, the passwords set
 
 
 @pytest.fixture(scope="module")
@@ -210,6 +221,10 @@ def test_compose_validates_against_the_compose_specification(raw, compose):
 def test_env_example_lists_every_interpolated_variable_with_its_default(raw, env_example):
     defaults: dict[str, set[str]] = {}
     for name, op, arg in interpolations(raw):
+        if PASSWORD_VAR.fullmatch(name):  # a secret has no default: compose refuses to start without it
+            assert op == ":?" and "scripts/redis-users.sh" in (arg or ""), f"${{{name}:?run scripts/redis-users.sh}}"
+            defaults.setdefault(name, set()).add("")
+            continue
         assert op in (":-", None), f"${{{name}}}: use ${{{name}:-default}} (documented default)"
         defaults.setdefault(name, set()).add(arg if op else "")
     for name, values in defaults.items():
@@ -234,6 +249,8 @@ def test_svqa_variables_are_config_fields_of_the_service(raw):
             if key.startswith(ENV_PREFIX):
                 assert key in known, f"{name}: {key} is not a field of {[c.__name__ for c in CONFIG_CLASSES[sub]]}"
             for var, _, _ in interpolations(value):
+                if PASSWORD_VAR.fullmatch(var) and key.endswith("REDIS_URL"):
+                    continue  # the password part of the service's Redis URL (test_each_service_is_its_redis_user)
                 if var.startswith(ENV_PREFIX) or key.startswith(ENV_PREFIX):
                     assert var == key, f"{name}: {key} takes its value from {var}"
         for var, _, _ in interpolations(svc):
@@ -258,7 +275,36 @@ def test_services_load_their_config_from_the_compose_environment(raw, compose):
                 assert cfg.metrics_port == METRICS_PORTS[sub], f"{name}: SVQA_METRICS_PORT"
             if hasattr(cfg, "cameras_file"):
                 assert cfg.cameras_file == "/etc/streamvqa/cameras.yaml", f"{name}: SVQA_CAMERAS_FILE"
-            assert cfg.redis_url == "redis://redis:6379/0", f"{name}: SVQA_REDIS_URL"
+            assert urlsplit(cfg.redis_url).hostname == "redis", f"{name}: SVQA_REDIS_URL"
+
+
+def acl_users() -> dict[str, str]:
+    """deploy/users.acl.example: user name -> its rules."""
+    lines = [line.split(maxsplit=2) for line in USERS_ACL.read_text().splitlines() if line.strip()]
+    assert all(parts[0] == "user" for parts in lines)
+    return {parts[1]: parts[2] for parts in lines}
+
+
+def test_each_service_is_its_own_redis_user_with_a_password_from_env(raw, compose):
+    """Least privilege: every service connects as the ACL user of its role, never as `default`,
+    with the password compose interpolates from that role's variable (none in compose.yaml)."""
+    users = acl_users()
+    assert "nopass" in users["default"] and users["default"].endswith("-@all +ping"), "default: PING only"
+    for name, (sub, svc) in python_services(compose).items():
+        written = environment(raw["services"][name])["SVQA_REDIS_URL"]
+        role = ROLE_OF[sub]
+        assert [v for v, _, _ in interpolations(written)] == [f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"], name
+        url = urlsplit(environment(svc)["SVQA_REDIS_URL"])
+        assert (url.username, url.password) == (role, f"pw-{role}"), f"{name}: Redis user {url.username}"
+        assert role in users and f">change-me-{role} " in users[role], f"{name}: no ACL user {role!r}"
+        assert url.hostname == "redis" and url.port == 6379, name
+    redis = compose["services"]["redis"]
+    cmd = _command(redis)
+    acl_file = cmd[cmd.index("--aclfile") + 1]
+    (m,) = [m for m in mounts(redis) if m["target"] == acl_file]
+    assert m["type"] == "bind" and m["source"] == "./deploy/users.acl" and m.get("read_only"), m
+    assert m.get("bind", {}).get("create_host_path") is False, "a missing ACL file must stop compose"
+    assert "change-me" not in COMPOSE.read_text() and not re.search(r"redis://\w+:[^$@]+@", COMPOSE.read_text())
 
 
 # ----------------------------------------------------------------------------- services
@@ -404,10 +450,11 @@ def test_bind_mounts_exist_or_are_documented(compose):
             # a file the user creates from its example: compose must refuse to start without it
             # (otherwise Docker mounts an empty directory in its place)
             assert create is False, f"{name}: {m['source']} missing; set bind.create_host_path: false"
-            example = src.with_name(src.stem + ".example" + src.suffix)
-            assert example.is_file(), f"{name}: {m['source']} has no example {example.name}"
-            copy = f"cp {example.relative_to(REPO)} {src.relative_to(REPO)}"
-            assert copy in compose_text and copy in env_text, f"document `{copy}` in compose.yaml and .env.example"
+            examples = [src.with_name(src.stem + ".example" + src.suffix), src.with_name(src.name + ".example")]
+            assert any(e.is_file() for e in examples), f"{name}: {m['source']} has no example"
+            step = CREATED_BY[src.relative_to(REPO).as_posix()]
+            for doc in (compose_text, env_text, (REPO / "README.md").read_text()):
+                assert step in doc, f"document `{step}` in compose.yaml, .env.example and README.md"
             assert m.get("read_only"), f"{name}: mount {m['source']} read-only"
 
 
