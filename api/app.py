@@ -21,10 +21,11 @@ from common.wire import keys
 WEB = Path(__file__).resolve().parent / "web"
 
 
-def connect(cfg: ApiConfig) -> aredis.Redis:
-    """A client whose socket timeout sits above the longest blocking read (XREAD BLOCK)."""
+def connect(cfg: ApiConfig, url: str | None = None) -> aredis.Redis:
+    """A client (of ``cfg.redis_url`` unless ``url``) whose socket timeout sits above the longest
+    blocking read (XREAD BLOCK)."""
     return aredis.Redis.from_url(
-        cfg.redis_url,
+        url or cfg.redis_url,
         socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S,
         socket_connect_timeout=5.0,
         health_check_interval=30,
@@ -40,6 +41,9 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
         "an OpenAI-compatible chat endpoint where `model` names the stream.",
     )
     app.state.cfg, app.state.r = cfg, r or connect(cfg)
+    # frames and frame pictures (latest frame, alert frames): on their own Redis when one is set
+    apart = cfg.frames_redis_url not in (None, cfg.redis_url)
+    app.state.frames = connect(cfg, cfg.frames_redis_url) if apart else app.state.r
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)
     for module in (streams, ask, chat):

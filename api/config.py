@@ -15,6 +15,7 @@ class ApiConfig:
     ENV_PREFIX: ClassVar[str] = "SVQA_API_"  # SVQA_API_PORT; shared settings (SVQA_REDIS_URL) still apply
 
     redis_url: str = "redis://localhost:6379/0"
+    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     host: str = "127.0.0.1"
     port: int = 8080
     # when set, every /api and /v1 request needs `Authorization: Bearer <token>`; never logged

@@ -34,22 +34,27 @@ async def stream_names(r: aredis.Redis) -> list[str]:
     return status.stream_names([k for p in status.STREAM_PATTERNS async for k in r.scan_iter(p)])
 
 
-async def collect(r: aredis.Redis, names: list[str]) -> dict:
+async def collect(request: Request, names: list[str]) -> dict:
+    r, frames = request.app.state.r, request.app.state.frames
     pipe = r.pipeline(transaction=False)
     status.queue_all(pipe, names)
-    return status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+    found = status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+    if frames is r:
+        return found
+    pipe = frames.pipeline(transaction=False)
+    status.queue_frames(pipe, names)
+    return status.frames_from(found, await pipe.execute(raise_on_error=False))
 
 
 @router.get("/streams", summary="Every stream with its status, and the question queue")
 async def list_streams(request: Request) -> dict:
-    r = request.app.state.r
-    return await collect(r, await stream_names(r))
+    return await collect(request, await stream_names(request.app.state.r))
 
 
 @router.get("/streams/{name}", summary="One stream's status")
 async def one_stream(name: str, request: Request) -> dict:
     r = request.app.state.r
-    found = await collect(r, [await replies.known_stream(r, name)])
+    found = await collect(request, [await replies.known_stream(r, name)])
     return found["streams"][0]
 
 
@@ -69,7 +74,7 @@ async def _jpeg(r: aredis.Redis, key: str, what: str) -> Response:
 
 @router.get("/streams/{name}/frame.jpg", summary="The newest frame (JPEG, refreshed about once a second)")
 async def latest_frame(name: str, request: Request) -> Response:
-    return await _jpeg(request.app.state.r, keys.latest_frame(replies.stream_name(name)), "frame yet")
+    return await _jpeg(request.app.state.frames, keys.latest_frame(replies.stream_name(name)), "frame yet")
 
 
 @router.get("/streams/{name}/transcript", summary="On-screen text transcribed by subtitle jobs")
@@ -115,4 +120,4 @@ async def all_alerts(request: Request, count: int = Count) -> dict:
 @router.get("/streams/{name}/alerts/{alert_id}/frame.jpg", summary="The frame an alert fired on")
 async def alert_frame(name: str, alert_id: str, request: Request) -> Response:
     key = keys.alert_frame(replies.stream_name(name), replies.stream_name(alert_id, "alert_id"))
-    return await _jpeg(request.app.state.r, key, "frame for this alert")
+    return await _jpeg(request.app.state.frames, key, "frame for this alert")

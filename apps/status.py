@@ -21,10 +21,16 @@ def streams(r: redis.Redis) -> list[str]:
     return status.stream_names(k for pattern in status.STREAM_PATTERNS for k in r.scan_iter(pattern))
 
 
-def collect(r: redis.Redis) -> dict:
+def collect(r: redis.Redis, frames: redis.Redis | None = None) -> dict:
+    """``frames``: the Redis holding the frames streams, when it is not ``r``."""
     names, pipe = streams(r), r.pipeline(transaction=False)
     status.queue_all(pipe, names)
-    return status.all_from(names, pipe.execute(raise_on_error=False), time.time())
+    found = status.all_from(names, pipe.execute(raise_on_error=False), time.time())
+    if frames is None or frames is r:
+        return found
+    pipe = frames.pipeline(transaction=False)
+    status.queue_frames(pipe, names)
+    return status.frames_from(found, pipe.execute(raise_on_error=False))
 
 
 def _ranges(ranges: list[list[float]]) -> str:
@@ -57,10 +63,12 @@ def render(found: dict) -> str:
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamvqa status", description=__doc__.splitlines()[0])
     p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
+    p.add_argument("--frames-redis-url", default=os.environ.get("SVQA_FRAMES_REDIS_URL"), help="if not --redis-url")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv[1:])
     configure_logging("WARNING")
     r = boot.connect_tool(ns.redis_url, "streamvqa status")
-    found = collect(r)
+    frames = boot.connect_tool(ns.frames_redis_url, "streamvqa status") if ns.frames_redis_url else None
+    found = collect(r, frames)
     print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

@@ -75,6 +75,18 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
     return cfg, r
 
 
+def frames_redis(cfg: Any, r: redis.Redis) -> redis.Redis:
+    """The Redis for frames and frame pictures (``frames_redis_url``): ``r`` itself when none is set.
+    Frames are only in transit, so they may live on an instance without persistence (README)."""
+    url = getattr(cfg, "frames_redis_url", None)
+    if url is None or url == cfg.redis_url:
+        return r
+    try:
+        return redisio.wait_for_redis(url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
+    except TimeoutError as e:
+        fail(EXIT_REDIS, "frames redis unusable at start", error=str(e))
+
+
 def startup_fields(cfg: Any) -> dict[str, Any]:
     """Model, device and streams always; every other setting only where it differs from its default."""
     always = ("model", "device", "streams", "stream", "cameras_file")

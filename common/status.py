@@ -119,6 +119,19 @@ def _from_events(events: list[tuple[Any, dict]]) -> dict:
     return {"state": state, "connected": connected, "dropped": dropped, "last_event": last}
 
 
+def queue_frames(pipe: Any, names: list[str]) -> None:
+    """Queue each stream's frames queue, for a frames Redis apart from the one ``queue_all`` reads."""
+    for name in names:
+        queue_group(pipe, keys.frames(name))
+
+
+def frames_from(found: dict, replies: list[Any]) -> dict:
+    """``found`` (from ``all_from``) with each stream's frames queue taken from ``queue_frames``'s replies."""
+    for i, stream in enumerate(found["streams"]):
+        stream["frames"] = group_from(replies[2 * i : 2 * i + 2], keys.ENCODER_GROUP)
+    return found
+
+
 def queue_all(pipe: Any, names: list[str]) -> None:
     """Queue every stream's status and the question queue's."""
     for name in names:

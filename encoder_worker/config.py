@@ -14,6 +14,7 @@ from common.wire.schemas import check_stream_name
 @dataclass(frozen=True)
 class EncoderConfig:
     redis_url: str = "redis://localhost:6379/0"
+    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     streams: tuple[str, ...] = ()  # stream names this worker may encode (leases decide who does)
     cameras_file: str | None = None  # alternatively: every camera in this file
     model: str = DEFAULT_MODEL  # hub id, local path, tiny-random, random-3b

@@ -26,7 +26,7 @@ from common.segment_store import SegmentStore, open_store
 from common.wire import keys
 from common.wire.schemas import decode_frame
 from encoder_worker.config import EncoderConfig
-from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, event, open_stream
+from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
 
 log = structlog.get_logger()
 
@@ -35,13 +35,22 @@ PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames gr
 
 
 class EncoderService:
-    def __init__(self, cfg: EncoderConfig, rt: Runtime, r: redis.Redis, store: SegmentStore):
+    def __init__(
+        self, cfg: EncoderConfig, rt: Runtime, r: redis.Redis, store: SegmentStore, frames: redis.Redis | None = None
+    ):
+        """``frames``: the Redis holding the frames streams (default ``r``, which keeps the rest)."""
         self.cfg, self.rt, self.r, self.store = cfg, rt, r, store
+        self.frames = frames or r
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
         self.reader = redisio.GroupReader(
-            r, [], keys.ENCODER_GROUP, cfg.consumer, count=READ_PER_STREAM * len(self.names), block_ms=cfg.block_ms
+            self.frames,
+            [],
+            keys.ENCODER_GROUP,
+            cfg.consumer,
+            count=READ_PER_STREAM * len(self.names),
+            block_ms=cfg.block_ms,
         )
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and
         # share its batches; entries of one stream stay in order, in one task.
@@ -88,7 +97,7 @@ class EncoderService:
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
             for name in self.owned:
-                redisio.prune_consumers(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer)
+                redisio.prune_consumers(self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer)
 
     def after_outage(self) -> None:
         """Redis is back: keep only streams whose lease and head are still ours, finish their chunks,
@@ -113,21 +122,23 @@ class EncoderService:
                     self._drop(name)
             elif lease.acquire():
                 try:
-                    self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name)
+                    self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name, self.frames)
                 except StreamNotReady:
                     lease.release()  # ingest has not described the stream yet; try again later
                     continue
                 # Frames another consumer read but never acked belong to a dead owner: take them over
                 # before reading on, so nothing is skipped and the file source is not held back.
-                redisio.ensure_group(self.r, keys.frames(name), keys.ENCODER_GROUP)
-                redisio.claim_stale(self.r, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
+                redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
+                redisio.claim_stale(
+                    self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000
+                )
                 self.reader.add(keys.frames(name))
                 event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def _process(self, entries: list[redisio.Entry]) -> None:
         redisio.process(
-            self.r,
+            self.frames,
             keys.ENCODER_GROUP,
             self.cfg.consumer,
             entries,
@@ -175,7 +186,7 @@ class EncoderService:
         if owned is not None:
             owned.reject(entry_id, fields, reason)
         else:
-            redisio.dead_letter(self.r, frames_key, entry_id, fields, reason, group=keys.ENCODER_GROUP)
+            dead_letter_frame(self.r, self.frames, frames_key, entry_id, fields, reason)
             event(self.r, name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
     def _drop(self, name: str) -> None:
@@ -190,5 +201,5 @@ class EncoderService:
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(EncoderConfig, argv, "streamvqa encoder")
     rt = boot.load_runtime(cfg.model, cfg.device)
-    service = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r))
+    service = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r), boot.frames_redis(cfg, r))
     return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

@@ -8,6 +8,9 @@ The stream's own history is the reference for what a frame may claim: its seq mu
 last one within a bound (``frame_follow_problem``), and an end-of-stream marker is obeyed only
 when it names the last frame seen (ingest writes EndOfStream(last seq it sent) after that frame).
 Anything else is dead-lettered with an event, so one forged entry cannot stop the stream.
+
+Frames are read, acked and claimed on the ``frames`` Redis (it may be an instance without
+persistence); versions, head, lease, events and dead letters stay on the durable one, ``r``.
 """
 
 from __future__ import annotations
@@ -55,8 +58,17 @@ class LeaseLost(RuntimeError):
 class OwnedStream:
     """A stream this worker holds the lease for, with its engine and not-yet-encoded frames."""
 
-    def __init__(self, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, engine: StreamEngine, live: bool):
+    def __init__(
+        self,
+        r: redis.Redis,
+        store: SegmentStore,
+        cfg: EncoderConfig,
+        engine: StreamEngine,
+        live: bool,
+        frames: redis.Redis | None = None,
+    ):
         self.r, self.store, self.cfg = r, store, cfg
+        self.frames = frames or r
         self.engine = engine
         self.name = engine.spec.name
         self.live = live
@@ -89,7 +101,7 @@ class OwnedStream:
             return self._end(entry_id, msg)
         if msg.seq <= self.last_seq:
             metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
-            self.r.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            self.frames.xack(frames_key, keys.ENCODER_GROUP, entry_id)
             return None
         grid = self.engine.spec.grid
         if (msg.h, msg.w) != (grid.height, grid.width):
@@ -114,7 +126,7 @@ class OwnedStream:
             return None
         version = self.flush()
         self.ended = True
-        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
+        self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
         event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
         return version
 
@@ -122,12 +134,12 @@ class OwnedStream:
         """Dead-letter one frames entry (acked) and say so on the stream's events."""
         metrics.FRAMES_DROPPED.labels(self.name, "bad").inc()
         log.warning("frame dead-lettered", stream=self.name, entry=entry_id, reason=reason)
-        redisio.dead_letter(self.r, keys.frames(self.name), entry_id, fields, reason, group=keys.ENCODER_GROUP)
+        dead_letter_frame(self.r, self.frames, keys.frames(self.name), entry_id, fields, reason)
         event(self.r, self.name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
     def _drop_late(self, entry_id: str) -> None:
         metrics.FRAMES_DROPPED.labels(self.name, "late").inc()
-        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
+        self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
         self.dropped_late += 1
         if time.monotonic() - self._last_drop_event > DROP_EVENT_EVERY_S:  # tell operators, without flooding
             self._last_drop_event = time.monotonic()
@@ -151,7 +163,7 @@ class OwnedStream:
         version = self.engine.head
         if self.published != version.id:
             self.publish(version)
-        self.r.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
+        self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
         self.pending = []
         lag = time.time() - frames[-1].ts if self.live else None
         if lag is not None:
@@ -216,7 +228,9 @@ def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpe
     return meta.spec(name, chunk_frames), meta.live
 
 
-def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str) -> OwnedStream:
+def open_stream(
+    rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str, frames: redis.Redis | None = None
+) -> OwnedStream:
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty."""
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
@@ -237,7 +251,7 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
     sinks = dict(on_segment=persist, on_embeds=persist_embeds)
     raw = r.get(keys.head(name))
     if raw is None:
-        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, **sinks), live)
+        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, **sinks), live, frames)
         owned.publish(owned.engine.head)
         return owned
     state = from_manifest(manifest_from_bytes(raw))
@@ -250,7 +264,19 @@ def open_stream(rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderCo
         **sinks,
     )
     log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
-    return OwnedStream(r, store, cfg, engine, live)
+    return OwnedStream(r, store, cfg, engine, live, frames)
+
+
+def dead_letter_frame(
+    r: redis.Redis, frames: redis.Redis, frames_key: str, entry_id: str, fields: dict, reason: str
+) -> None:
+    """The record on the durable Redis (where operators read dead letters), then the ack where the
+    frame is; one transaction when both are one Redis."""
+    if frames is r:
+        redisio.dead_letter(r, frames_key, entry_id, fields, reason, group=keys.ENCODER_GROUP)
+        return
+    redisio.dead_letter(r, frames_key, entry_id, fields, reason)
+    frames.xack(frames_key, keys.ENCODER_GROUP, entry_id)
 
 
 def event(r: redis.Redis, stream: str, kind: str, **fields: object) -> None:

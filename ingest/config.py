@@ -14,6 +14,7 @@ from common.wire.schemas import check_stream_name
 @dataclass(frozen=True)
 class IngestConfig:
     redis_url: str = "redis://localhost:6379/0"
+    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     url: str | None = None  # a file, rtsp://, http(s):// (HLS), /dev/videoN
     stream: str | None = None  # the stream (camera) name
     fps: float = 2.0

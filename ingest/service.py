@@ -34,8 +34,9 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
     ]
 
 
-def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
-    sources = [Source(r, spec, cfg, stop) for spec in source_specs(cfg)]
+def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.Redis | None = None) -> int:
+    """``frames``: where frames and the latest-frame pictures go (default ``r``)."""
+    sources = [Source(r, spec, cfg, stop, frames) for spec in source_specs(cfg)]
     results: dict[str, int] = {}
 
     def one(source: Source) -> None:
@@ -65,4 +66,4 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event) -> int:
 
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(IngestConfig, argv, "streamvqa ingest")
-    return run(cfg, r, boot.stop_on_signals())
+    return run(cfg, r, boot.stop_on_signals(), boot.frames_redis(cfg, r))

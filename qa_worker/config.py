@@ -13,6 +13,7 @@ from common.wire.schemas import check_stream_name
 @dataclass(frozen=True)
 class QAConfig:
     redis_url: str = "redis://localhost:6379/0"
+    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     streams: tuple[str, ...] = ()  # streams whose versions this worker mirrors and answers on
     cameras_file: str | None = None  # alternatively every camera in this file (and its jobs)
     model: str = DEFAULT_MODEL

@@ -95,8 +95,10 @@ class JobRunner:
         streams: list[str],
         answer: Answer,
         transcript_dir: str | None = None,
+        frames: redis.Redis | None = None,
     ):
         self.r, self.lookup, self.answer = r, lookup, answer
+        self.frames = frames or r  # where ingest keeps the latest frame; an alert's copy goes beside it
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
         self.delivery = Delivery() if any(j.kind == "alert" for j in jobs) else None
@@ -154,7 +156,7 @@ class JobRunner:
             return
         alert_id = Alert.new_id()
         frame = keys.alert_frame(sched.stream, alert_id)
-        pipe = self.r.pipeline(transaction=False)  # a copy: the latest frame is overwritten every second
+        pipe = self.frames.pipeline(transaction=False)  # a copy: the latest frame is overwritten every second
         pipe.copy(keys.latest_frame(sched.stream), frame)
         pipe.expire(frame, ALERT_FRAME_TTL_S)
         copied = pipe.execute()[0]

@@ -45,7 +45,10 @@ def served_streams(cfg: QAConfig) -> list[str]:
 
 
 class QAService:
-    def __init__(self, cfg: QAConfig, rt: Runtime, r: redis.Redis, versions: VersionSource):
+    def __init__(
+        self, cfg: QAConfig, rt: Runtime, r: redis.Redis, versions: VersionSource, frames: redis.Redis | None = None
+    ):
+        """``frames``: the Redis holding frame pictures, for alerts (default ``r``)."""
         self.cfg, self.rt, self.r = cfg, rt, r
         self.versions = versions
         self.answerer = Answerer(
@@ -60,7 +63,9 @@ class QAService:
             max_deliveries=cfg.max_deliveries,
         )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
-        self.jobs = JobRunner(r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir)
+        self.jobs = JobRunner(
+            r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir, frames=frames
+        )
         self.reader = redisio.GroupReader(
             r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
@@ -137,5 +142,5 @@ def main(argv: list[str]) -> int:
     cfg, r = boot.start(QAConfig, argv, "streamvqa qa")
     rt = boot.load_runtime(cfg.model, cfg.device)
     mirror = Mirror(rt, r, open_store(cfg.segment_store, r), served_streams(cfg), cfg.block_ms)
-    service = QAService(cfg, rt, r, mirror)
+    service = QAService(cfg, rt, r, mirror, boot.frames_redis(cfg, r))
     return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

@@ -60,6 +60,8 @@ CREATED_BY = {
     "deploy/users.acl": "scripts/redis-users.sh",
 }
 USERS_ACL = REPO / "deploy" / "users.acl.example"
+# Redis services -> the variable of the URL each python service uses for it (frames: no persistence)
+REDIS_SERVICES = {"redis": "SVQA_REDIS_URL", "redis-frames": "SVQA_FRAMES_REDIS_URL"}
 # Each service's Redis password: a variable compose requires (`${VAR:?...}`), set in .env by
 # scripts/redis-users.sh; empty in .env.example. ROLE_OF: which ACL user each subcommand connects as.
 PASSWORD_VAR = re.compile(r"STREAMVQA_REDIS_PASSWORD_(?P<role>[A-Z]+)")
@@ -341,19 +343,20 @@ def test_each_service_is_its_own_redis_user_with_a_password_from_env(raw, compos
     users = acl_users()
     assert "nopass" in users["default"] and users["default"].endswith("-@all +ping"), "default: PING only"
     for name, (sub, svc) in python_services(compose).items():
-        written = environment(raw["services"][name])["SVQA_REDIS_URL"]
         role = ROLE_OF[sub]
-        assert [v for v, _, _ in interpolations(written)] == [f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"], name
-        url = urlsplit(environment(svc)["SVQA_REDIS_URL"])
-        assert (url.username, url.password) == (role, f"pw-{role}"), f"{name}: Redis user {url.username}"
         assert role in users and f">change-me-{role} " in users[role], f"{name}: no ACL user {role!r}"
-        assert url.hostname == "redis" and url.port == 6379, name
-    redis = compose["services"]["redis"]
-    cmd = _command(redis)
-    acl_file = cmd[cmd.index("--aclfile") + 1]
-    (m,) = [m for m in mounts(redis) if m["target"] == acl_file]
-    assert m["type"] == "bind" and m["source"] == "./deploy/users.acl" and m.get("read_only"), m
-    assert m.get("bind", {}).get("create_host_path") is False, "a missing ACL file must stop compose"
+        for host, var in REDIS_SERVICES.items():
+            written = environment(raw["services"][name])[var]
+            assert [v for v, _, _ in interpolations(written)] == [f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"], name
+            url = urlsplit(environment(svc)[var])
+            assert (url.username, url.password) == (role, f"pw-{role}"), f"{name}: {var} user {url.username}"
+            assert url.hostname == host and url.port == 6379, f"{name}: {var}"
+    for redis in REDIS_SERVICES:  # both load the one ACL file
+        cmd = _command(compose["services"][redis])
+        acl_file = cmd[cmd.index("--aclfile") + 1]
+        (m,) = [m for m in mounts(compose["services"][redis]) if m["target"] == acl_file]
+        assert m["type"] == "bind" and m["source"] == "./deploy/users.acl" and m.get("read_only"), m
+        assert m.get("bind", {}).get("create_host_path") is False, "a missing ACL file must stop compose"
     assert "change-me" not in COMPOSE.read_text() and not re.search(r"redis://\w+:[^$@]+@", COMPOSE.read_text())
 
 
@@ -406,8 +409,9 @@ def test_depends_on_targets_exist_and_are_healthchecked(compose):
             assert target in services, f"{name}: depends on unknown service {target}"
             if spec.get("condition") == "service_healthy":
                 assert "healthcheck" in services[target], f"{name}: waits for {target}, which has no healthcheck"
-        if name != "redis":
-            assert deps.get("redis", {}).get("condition") == "service_healthy", f"{name}: depends_on redis healthy"
+        if name not in REDIS_SERVICES:
+            for redis in REDIS_SERVICES:
+                assert deps.get(redis, {}).get("condition") == "service_healthy", f"{name}: depends_on {redis} healthy"
 
 
 def test_metrics_ports_healthchecks_and_restart(compose):
@@ -443,6 +447,21 @@ def test_redis_is_durable_and_healthchecked(compose):
     assert " ".join(redis["healthcheck"]["test"]) == "CMD redis-cli ping"
     for port in redis.get("ports", []):
         assert str(port).startswith("127.0.0.1:"), "publish Redis on loopback only"
+
+
+def test_frames_redis_keeps_nothing_on_disk_and_is_bounded(compose, env_example):
+    frames = compose["services"]["redis-frames"]
+    assert frames["image"] == compose["services"]["redis"]["image"]
+    cmd = _command(frames)
+    opts = {cmd[i]: cmd[i + 1] for i in range(1, len(cmd) - 1, 2)}
+    assert opts["--appendonly"] == "no" and opts["--save"] == "", "frames are in transit: no AOF, no RDB"
+    assert opts["--maxmemory"] == env_example["STREAMVQA_FRAMES_MAXMEMORY"]
+    assert opts["--maxmemory-policy"] == "volatile-ttl", "only pictures (with a TTL) may be evicted, never a stream"
+    assert not [m for m in mounts(frames) if m["type"] == "volume"], "nothing to keep"
+    assert not frames.get("ports"), "only the services reach it"
+    assert " ".join(frames["healthcheck"]["test"]) == "CMD redis-cli ping"
+    for name, (_, svc) in python_services(compose).items():
+        assert "SVQA_FRAMES_REDIS_URL" in environment(svc), f"{name}: frames on redis-frames"
 
 
 def test_gpu_services_reserve_a_gpu_and_share_caches(compose):
