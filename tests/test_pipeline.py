@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import uuid
 from pathlib import Path
 
 import pytest
@@ -188,20 +190,99 @@ def test_qa_kill9_with_question_in_flight_is_answered_exactly_once(rt, redis_url
     qa = services.start("qa", "--consumer", "qa-a")
     assert ingest(services, video).wait(timeout=120) == 0, services.logs()
     wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 120, "frames encoded", services)
-    client = Client(r)
     question = "Tell me everything about the video in great detail."
-    qid = client.submit(CAM, question, max_tokens=2048)
-    wait_for(lambda: r.xlen(keys.answer(qid)) > 0, 60, "the first delta", services)
+    reader = Reader(r, question, max_tokens=2048)  # a client reading the deltas all along
+    qid = reader.qid
+    wait_for(lambda: reader.deltas, 60, "the first delta read", services)
     qa.kill()
     qa.wait()
     assert _final(r, qid) is None, "the killed worker had already finished"
     # a different worker takes over the dead one's pending question
     services.start("qa", "--consumer", "qa-b", "--claim-idle-ms", "2000")
-    final = wait_for(lambda: _final(r, qid), 180, "the answer after takeover", services)
+    final = reader.result(180)
     finals = [f for _, f in r.xrange(keys.answer(qid)) if f[b"type"] == b"final"]
     audit = [f for _, f in r.xrange(keys.ANSWERS) if f[b"id"] == qid.encode()]
     assert len(finals) == 1 and len(audit) == 1
     assert_matches_offline(rt, r, video, final, question, 2048)
+    # what the client kept concatenates to exactly the final text: the dead attempt's part is dropped
+    assert reader.restarts == [2] and reader.dropped, "the client saw the first attempt and its restart"
+    assert "".join(reader.deltas) == final.text
+
+
+def test_worker_kill9_mid_answer_and_restart_with_questions_queued(redis_url, tmp_path, video):
+    """`streamvqa worker` killed (-9) while it streams an answer and a new one started while
+    questions wait: the `streamvqa ask` reading that answer ends with exactly the final text after
+    its restart notice (the dead attempt's text is not shown again as part of it), and every queued
+    question is answered from the restored stream — none gets "no frames yet" because the new
+    worker answered before it had reopened the stream (its predecessor's lease still held)."""
+    r = redis.Redis.from_url(redis_url)
+    services = Services(redis_url, tmp_path, SVQA_STREAMS=CAM, SVQA_LEASE_MS="8000", SVQA_CLAIM_IDLE_MS="2000")
+    try:
+        worker = services.start("worker", "--consumer", "worker-a")
+        assert ingest(services, video).wait(timeout=120) == 0, services.logs()
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 11, 120, "all 12 frames encoded", services)
+        cli = [str(Path(sys.executable).parent / "streamvqa"), "ask", "--redis-url", redis_url, "--stream", CAM]
+        ask = subprocess.Popen(
+            [*cli, "--max-tokens", "2048", "--timeout", "240", "Describe every detail."],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        (answer,) = wait_for(lambda: list(r.scan_iter(keys.answer("*"))), 60, "the answer stream", services)
+        wait_for(lambda: r.xlen(answer) > 2, 60, "a few deltas", services)
+        worker.kill()
+        worker.wait()
+        qid = answer.decode().removeprefix(keys.answer(""))
+        assert _final(r, qid) is None, "the killed worker had already finished"
+        queued = [Client(r).submit(CAM, f"Question {i}?", max_tokens=4) for i in range(8)]  # no worker running
+        services.start("worker", "--consumer", "worker-b")
+
+        out, err = ask.communicate(timeout=240)
+        assert ask.returncode == 0, err.decode()
+        final = _final(r, qid)
+        printed = out.decode()
+        assert b"answer restarted from the beginning" in err, err.decode()
+        assert printed.endswith("\n" + final.text + "\n"), "stdout ends with the whole answer, once"
+        dead_attempt = printed[: -len(final.text) - 2]
+        assert dead_attempt, "the client showed the dead attempt's text before the restart notice"
+        for q in queued:
+            got = wait_for(lambda q=q: _final(r, q), 120, "a queued question's answer", services)
+            assert got.error is None, got.error
+            assert got.version == head(r, CAM).version
+    finally:
+        services.stop_all()
+
+
+class Reader:
+    """A client in a thread asking one question and keeping deltas as the protocol says (the
+    highest attempt's only): ``dropped`` holds what it had of earlier attempts."""
+
+    def __init__(self, r: redis.Redis, question: str, **options):
+        self.r, self.deltas, self.dropped, self.restarts = r, [], [], []
+        self.qid = uuid.uuid4().hex
+        self.box: dict = {}
+        options = {**options, "id": self.qid}
+        self.thread = threading.Thread(target=self._ask, args=(question, options), daemon=True)
+        self.thread.start()
+
+    def _ask(self, question: str, options: dict) -> None:
+        try:
+            self.box["final"] = Client(self.r).ask(
+                CAM, question, on_delta=self.deltas.append, on_restart=self._restart, timeout_s=240, **options
+            )
+        except Exception as e:  # re-raised by result()
+            self.box["error"] = e
+
+    def _restart(self, attempt: int) -> None:
+        self.restarts.append(attempt)
+        self.dropped += self.deltas
+        self.deltas.clear()
+
+    def result(self, timeout_s: float) -> FinalAnswer:
+        self.thread.join(timeout_s)
+        if "error" in self.box:
+            raise self.box["error"]
+        assert "final" in self.box, "no final answer"
+        return self.box["final"]
 
 
 def _final(r: redis.Redis, qid: str) -> FinalAnswer | None:
