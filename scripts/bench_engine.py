@@ -219,7 +219,7 @@ def profile_steps(rt: Runtime, versions: list, label: str, steps: int = 8) -> di
             "graph_launches": graphs / n,
         }
         if phase == "decode":
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20), file=sys.stderr, flush=True)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), file=sys.stderr, flush=True)
     log(f"steps {out}")
     return out
 
