@@ -166,6 +166,7 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     first = [ask(rt, base, QUESTION, GenerationParams(max_tokens=1)).first_token_s * 1000 for _ in range(7)][2:]
+    ask(rt, base, QUESTION, GenerationParams(max_tokens=8))  # warm-up: decode graphs captured (and compiled)
     decode = ask(rt, base, QUESTION, GenerationParams(max_tokens=decode_tokens))
     if profile:
         profile_question(rt, base)
@@ -178,6 +179,53 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
         "question_tokens": len(question_suffix_ids(rt, QUESTION)),
         "question_peak_gpu_mib": torch.cuda.max_memory_allocated() >> 20 if torch.cuda.is_available() else None,
     }
+
+
+def profile_steps(rt: Runtime, versions: list, label: str, steps: int = 8) -> dict:
+    """One question per version advanced together: the first step (every question's prefill),
+    then `steps` decode steps, under torch.profiler. Per step: GPU kernels launched, GPU busy
+    time by kind (flash attention, matrix products, everything else), host syncs, and wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=steps + 4)) for v in versions]
+    out = {"label": label, "questions": len(jobs)}
+    for phase, n in (("prefill", 1), ("decode", steps)):
+        sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                Generation.step_batch(jobs)
+            sync()
+            wall = (time.perf_counter() - t0) / n
+        kinds: dict[str, float] = {}
+        kernels = syncs = copies = graphs = 0
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                kernels += 1
+                name = e.name.lower()
+                kind = "flash" if "flash" in name else "gemm" if any(k in name for k in GEMM_NAMES) else "other"
+                kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us()
+            elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+                syncs += 1
+            elif e.name.startswith("cudaMemcpy"):
+                copies += 1
+            elif e.name == "cudaGraphLaunch":
+                graphs += 1
+        out[phase] = {
+            "wall_ms": round(wall * 1000, 3),
+            "gpu_ms": {k: round(v / 1000 / n, 3) for k, v in sorted(kinds.items())},
+            "kernels": kernels // n,
+            "host_syncs": syncs / n,
+            "memcpy_calls": copies / n,
+            "graph_launches": graphs / n,
+        }
+        if phase == "decode":
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), file=sys.stderr, flush=True)
+    log(f"steps {out}")
+    return out
+
+
+GEMM_NAMES = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")
 
 
 def profile_question(rt: Runtime, version) -> None:
@@ -271,6 +319,8 @@ def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_t
                     chunk.pixels, chunk.embeds = None, prefill_input
                 jobs.append(ChunkJob(e, chunk))
             ChunkJob.run_batch(jobs)
+            for job in jobs:
+                job.future.result()  # a batch that failed must not pass for a fast one
             for e, head in zip(batch, heads, strict=True):
                 e.cache.head = head  # roll back: every repeat sees the same cache sizes
 
@@ -281,26 +331,58 @@ def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_t
         out["chunks"].append(row)
         log(f"batched chunks {row}")
     for c in questions:
-        jobs = [Generation(rt, e.head, QUESTION, GenerationParams(max_tokens=64)) for e in engines[:c]]
-        sync()
-        t0 = time.perf_counter()
-        active = list(jobs)
-        while active:
-            Generation.step_batch(active)
-            active = [j for j in active if not j.done]
-        sync()
-        seconds = time.perf_counter() - t0
-        tokens = sum(len(j.future.result().token_ids) for j in jobs)
-        firsts = [j.future.result().first_token_s * 1000 for j in jobs]
-        row = {
-            "questions": c,
-            "aggregate_tok_s": round(tokens / seconds, 1),
-            "per_question_tok_s": round(tokens / seconds / c, 1),
-            "first_token_ms_max": round(max(firsts), 1),
-        }
-        out["decode"].append(row)
-        log(f"batched decode {row}")
+        batched_decode(rt, [e.head for e in engines[:c]], tokens=8)  # warm-up: graphs for this batch size
+        out["decode"].append(batched_decode(rt, [e.head for e in engines[:c]]))
     del engines
+    free_gpu()
+    return out
+
+
+def batched_decode(rt: Runtime, versions: list, tokens: int = 64) -> dict:
+    """One question per version, all advanced together until each has `tokens` tokens."""
+    jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=tokens)) for v in versions]
+    sync()
+    t0 = time.perf_counter()
+    active = list(jobs)
+    while active:
+        Generation.step_batch(active)
+        active = [j for j in active if not j.done]
+    sync()
+    seconds = time.perf_counter() - t0
+    total = sum(len(j.future.result().token_ids) for j in jobs)
+    firsts = [j.future.result().first_token_s * 1000 for j in jobs]
+    row = {
+        "questions": len(jobs),
+        "aggregate_tok_s": round(total / seconds, 1),
+        "per_question_tok_s": round(total / seconds / len(jobs), 1),
+        "first_token_ms_max": round(max(firsts), 1),
+    }
+    log(f"batched decode {row}")
+    return row
+
+
+def bench_questions(rt: Runtime, sizes: list[int], questions: list[int], cache_tokens: int, tokens: int) -> dict:
+    """Only the question path: a lone question at each cache size (first token, decode tok/s),
+    questions batched on different streams at `cache_tokens`, and a profile of each."""
+    out: dict = {"lone": [], "batched": [], "profiles": []}
+    for n in sizes:
+        version = filled_engine(rt, n).head
+        first = [ask(rt, version, QUESTION, GenerationParams(max_tokens=1)).first_token_s * 1000 for _ in range(7)][2:]
+        decode = ask(rt, version, QUESTION, GenerationParams(max_tokens=tokens))
+        decode = ask(rt, version, QUESTION, GenerationParams(max_tokens=tokens))  # graphs captured by the first
+        row = {"cache_tokens": version.tokens, "first_token_ms": round(statistics.median(first), 1)}
+        row["decode_tok_s"] = round(decode.tokens_per_s, 1)
+        out["lone"].append(row)
+        log(f"lone question {row}")
+        out["profiles"].append(profile_steps(rt, [version], f"lone at {version.tokens}"))
+        del version
+        free_gpu()
+    versions = [filled_engine(rt, cache_tokens).head for _ in range(max(questions))]
+    for c in questions:
+        batched_decode(rt, versions[:c], tokens=8)  # warm-up: graphs for this batch size
+        out["batched"].append(batched_decode(rt, versions[:c], tokens))
+        out["profiles"].append(profile_steps(rt, versions[:c], f"{c} questions at {versions[0].tokens}"))
+    del versions
     free_gpu()
     return out
 
@@ -377,6 +459,7 @@ def main() -> None:
     p.add_argument("--batch-questions", default="1,8,32", help="questions decoded together")
     p.add_argument("--batch-cache-tokens", type=int, default=32768)
     p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: the free GPU memory)")
+    p.add_argument("--questions-only", action="store_true", help="only: the question path, profiled")
     p.add_argument("--eviction-cost", action="store_true", help="only: exact vs rebase eviction, per chunk")
     p.add_argument("--eviction-budget", type=int, default=32768)
     p.add_argument("--eviction-side", type=int, default=448)
@@ -392,6 +475,11 @@ def main() -> None:
         cost = bench_eviction_cost(rt, args.eviction_budget, args.eviction_side, args.eviction_cycles)
         print(json.dumps({**run_info(rt, args.model), "eviction_cost": cost}, indent=1))
         return
+    questions = [int(n) for n in args.batch_questions.split(",")]
+    if args.questions_only:
+        q = bench_questions(rt, sizes, questions, args.batch_cache_tokens, args.decode_tokens)
+        print(json.dumps({**run_info(rt, args.model), "questions": q}, indent=1))
+        return
     result = {
         **run_info(rt, args.model),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
@@ -402,7 +490,7 @@ def main() -> None:
         "batched": bench_batched(
             rt,
             [int(n) for n in args.batch_streams.split(",")],
-            [int(n) for n in args.batch_questions.split(",")],
+            questions,
             args.batch_cache_tokens,
         ),
     }

@@ -19,13 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kvcache import Version
-from common.engine.lm import DecodeGraphs, Item, split_for
+from common.engine.lm import Item, StepGraphs
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 from common.engine.work import StepJob, fail_all
 
-CUDA_GRAPHS = True  # replay decode steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
+CUDA_GRAPHS = True  # replay question steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
 
 @dataclass
@@ -105,7 +105,7 @@ class Generation(StepJob):
         ids = _question_ids(rt, question)  # a bad question fails here, before it is queued
         self.rt, self.version, self.params = rt, version, params
         self.on_tokens, self.keep_logits = on_tokens, keep_logits
-        self.scratch = rt.lm.pool.alloc(len(ids) + params.max_tokens)
+        self.scratch = rt.lm.pool.alloc(max(len(ids) + params.max_tokens, StepGraphs.prefill_room(len(ids))))
         self.pending, self.length, self.pos = ids, 0, version.text_start
         self.tokens: list[int] = []
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -120,8 +120,8 @@ class Generation(StepJob):
     def step_batch(cls, jobs: Sequence[StepJob]) -> None:
         gens = [j for j in jobs if isinstance(j, Generation)]
         try:
-            logits = _forward(gens)
-            greedy = logits.argmax(dim=-1).tolist()  # the one host sync of a step
+            logits, greedy_ids = _forward(gens)
+            greedy = greedy_ids.tolist()  # the one host sync of a step
             for i, g in enumerate(gens):
                 g._advance(logits[i], greedy[i])
         except Exception as e:
@@ -150,21 +150,25 @@ class Generation(StepJob):
         self.future.set_result(Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits))
 
 
-def _forward(gens: Sequence[Generation]) -> torch.Tensor:
-    """One forward of every generation's pending tokens; logits (B, V) at each one's last token."""
+def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of every generation's pending tokens: logits (B, V) at each one's last token
+    and their greedy picks (B,), on the device."""
     rt = gens[0].rt
     lm = rt.lm
     ids = [t for g in gens for t in g.pending]
-    positions = torch.cat([text_positions(g.pos, len(g.pending)) for g in gens], dim=1)
-    split = split_for(len(gens), max(g.version.tokens for g in gens), lm.n_heads) if lm.flash else 1
+    positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
     items = [g.item() for g in gens]
-    if lm.flash and CUDA_GRAPHS and len(ids) == len(gens) <= DecodeGraphs.BUCKETS[-1]:
-        if rt.decode_graphs is None:
-            rt.decode_graphs = DecodeGraphs(lm)
-        return rt.decode_graphs.logits(ids, positions.to(lm.device), items, split)
-    hidden = lm.forward(lm.embed(ids), positions, lm.plan(items, split))
+    split = lm.split_for(len(gens), max(len(g.pending) for g in gens), max(g.version.tokens for g in gens))
+    if lm.flash and CUDA_GRAPHS:
+        if rt.step_graphs is None:
+            rt.step_graphs = StepGraphs(lm)
+        graphed = rt.step_graphs.run(ids, positions, items, split)
+        if graphed is not None:
+            return graphed
+    hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))
     last = torch.tensor([len(g.pending) for g in gens]).cumsum(0) - 1
-    return lm.logits(hidden[last.to(hidden.device)])
+    logits = lm.logits(hidden[last.to(hidden.device, non_blocking=True)])
+    return logits, logits.argmax(dim=-1)
 
 
 def ask(

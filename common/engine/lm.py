@@ -64,14 +64,53 @@ class Item:
 
 
 @dataclass
-class Plan:
-    """Device-side indices of one batch: where each token's K/V go and which key ranges each query
-    row reads. Fixed shapes for a fixed batch structure, so a decode step can be a CUDA graph."""
-
-    writes: dict[int, tuple[torch.Tensor | None, torch.Tensor]]  # slab -> (token rows or None = all, slots)
-    pieces: dict[tuple[int, bool], Pieces]  # (slab, causal) -> pieces
-    max_q: int
+class Pieces:
+    rows: torch.Tensor  # (R,) query row of each piece row (pieces back to back)
+    cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
+    cu_q_packed: torch.Tensor  # cu_q times the query heads per KV head (GQA rows packed, see _piece_attention)
+    starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
+    lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
+    host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
     max_k: int  # the longest key range, rounded up to a power of two (flash sizes its work by it)
+    copies: int  # rows are this many copies of every query row in order (0: any other layout)
+
+
+Span = slice  # a run of one of a plan's buffers
+PieceSpans = tuple[Span, Span, Span, Span, Span, list[tuple[int, int, int, int]], int]
+
+
+@dataclass
+class Plan:
+    """Indices of one batch: where each token's K/V go and which key ranges each query row reads.
+    Fixed shapes for a fixed batch structure, so a step can be a CUDA graph. Every index lives in
+    one of two buffers (int64, int32) and is a view of it, so moving a plan to the device, or
+    into a graph's buffers, is two copies and no host sync."""
+
+    longs: torch.Tensor
+    ints: torch.Tensor
+    write_spans: dict[int, tuple[Span | None, Span]]  # slab -> (token rows or None = all, slots)
+    piece_spans: dict[tuple[int, bool], PieceSpans]  # (slab, causal) -> rows, cu_q, cu_q packed, starts, lengths
+    n_rows: int
+    max_q: int
+
+    def __post_init__(self) -> None:
+        longs, ints = self.longs, self.ints
+        self.writes = {slab: (None if r is None else longs[r], longs[s]) for slab, (r, s) in self.write_spans.items()}
+        self.pieces = {
+            key: Pieces(longs[r], ints[c], ints[cp], ints[st], ints[n], host, _max_k(host), copies)
+            for key, (r, c, cp, st, n, host, copies) in self.piece_spans.items()
+        }
+        # every row's pieces stacked alike: the merge is a reduction over a stack, no scatter
+        self.stacked = all(p.copies for p in self.pieces.values())
+
+    def to(self, device: torch.device) -> Plan:
+        longs, ints = (t.to(device, non_blocking=True) for t in (self.longs, self.ints))
+        return Plan(longs, ints, self.write_spans, self.piece_spans, self.n_rows, self.max_q)
+
+    @property
+    def shape(self) -> tuple:
+        """What a CUDA graph of this plan depends on besides its index values."""
+        return tuple((key, p.max_k, len(p.host)) for key, p in self.pieces.items())
 
     @property
     def single_slab(self) -> int | None:
@@ -80,20 +119,28 @@ class Plan:
         return slabs.pop() if len(slabs) == 1 else None
 
 
-@dataclass
-class Pieces:
-    rows: torch.Tensor  # (R,) query row of each piece row (pieces back to back)
-    cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
-    starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
-    lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
-    empty_rows: torch.Tensor  # (R,) bool: the row's piece has no keys
-    host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
+class _Packer:
+    """Index lists laid out back to back in an int64 and an int32 buffer; spans name the views."""
+
+    def __init__(self) -> None:
+        self.longs: list[int] = []
+        self.ints: list[int] = []
+
+    def long(self, values: list[int]) -> slice:
+        self.longs += values
+        return slice(len(self.longs) - len(values), len(self.longs))
+
+    def int(self, values: list[int]) -> slice:
+        self.ints += values
+        return slice(len(self.ints) - len(values), len(self.ints))
 
 
 class LanguageModel:
     def __init__(self, loaded: LoadedModel, pool: KVPool):
         text = loaded.model.model.language_model
         cfg = loaded.text_config
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"MLP activation {cfg.hidden_act!r}: only silu is implemented")
         self.layers = text.layers
         self.norm = text.norm
         self.embed_tokens = text.embed_tokens
@@ -108,53 +155,90 @@ class LanguageModel:
         self.dtype = loaded.dtype
         self.pool = pool
         self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
+        with torch.no_grad():
+            self.weights = [_LayerWeights.of(layer) for layer in self.layers]
+        self.eps = self.norm.variance_epsilon
+        self._attention_input, self._output_and_mlp = _attention_input, _output_and_mlp
+        self._merge, self._merge_stacked = _merge, _merge_stacked
+        if self.device.type == "cuda" and FUSE:
+            # Tensors only, one shape per batch size (dynamic): one compiled graph serves every layer
+            # and every batch; each fuses the elementwise chains around the matrix products.
+            self._attention_input = torch.compile(_attention_input, dynamic=True)
+            self._output_and_mlp = torch.compile(_output_and_mlp, dynamic=True)
+            self._merge = torch.compile(_merge, dynamic=True)
+            self._merge_stacked = torch.compile(_merge_stacked, dynamic=True)
 
     @torch.inference_mode()
     def embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, device=self.device)
-        return self.embed_tokens(ids.to(self.device))
+        ids = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids)
+        return self.embed_tokens(ids.to(self.device, non_blocking=True))
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def plan(self, items: list[Item], split: int = 1) -> Plan:
-        """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long."""
-        writes: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    def split_for(self, n_items: int, rows_per_item: int, base_tokens: int, n_sm: int = 132) -> int:
+        """Split-KV factor for items of up to `rows_per_item` query rows over bases of up to
+        `base_tokens`. Flash attention runs a thread block per query head and piece for one-row
+        items (and splits the keys further itself), and one per KV head and 128 packed rows for
+        more (see _flash); a handful of questions over a long cache needs its bases cut into
+        pieces to keep every SM busy (twice over), while many questions fill it with one each."""
+        if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS:
+            return 1
+        group = self.n_heads // self.n_kv_heads
+        blocks = self.n_heads if rows_per_item == 1 else self.n_kv_heads * -(-rows_per_item * group // 128)
+        return max(1, min(MAX_SPLIT, (2 * n_sm) // (n_items * blocks)))
+
+    def plan(self, items: list[Item], split: int = 1, device: bool = True) -> Plan:
+        """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long. With
+        `device=False` the buffers stay in host memory (to be copied into a graph's)."""
+        writes: dict[int, tuple[list[int], list[int]]] = {}
         pieces: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
+        bases: dict[tuple[int, bool], list[list[tuple[int, int, int, int]]]] = {}
         row = 0
         for it in items:
             if it.at + it.n > it.dest.size:
                 raise ValueError(f"region of {it.dest.size} tokens too small for {it.at + it.n}")
-            rows = torch.arange(row, row + it.n)
-            writes.setdefault(it.dest.slab, []).append((rows, rows - row + it.dest.start + it.at))
+            rows, slots = writes.setdefault(it.dest.slab, ([], []))
+            rows += range(row, row + it.n)
+            slots += range(it.dest.start + it.at, it.dest.start + it.at + it.n)
             pieces.setdefault((it.dest.slab, True), []).append((row, it.n, it.dest.start, it.at + it.n))
             if it.base is not None:
                 key = (it.base.region.slab, False)
-                pieces.setdefault(key, []).extend(_split(row, it.n, it.base.region.start, it.base.length, split))
+                bases.setdefault(key, []).append(_split(row, it.n, it.base.region.start, it.base.length, split))
             row += it.n
-        longest = max(length for host in pieces.values() for _, _, _, length in host)
-        return Plan(
-            {slab: self._writes(w, row) for slab, w in writes.items()},
-            {key: self._pieces(host) for key, host in pieces.items()},
+        for key, per_item in bases.items():  # split-major: piece s of every item, then piece s + 1
+            pieces[key] = [piece for same_split in zip(*per_item, strict=True) for piece in same_split]
+        pack = _Packer()
+        write_spans = {
+            slab: (None if len(rows) == row else pack.long(rows), pack.long(slots))  # all rows in order: no gather
+            for slab, (rows, slots) in writes.items()
+        }
+        piece_spans = {key: self._piece_spans(pack, host, row) for key, host in pieces.items()}
+        plan = Plan(
+            torch.tensor(pack.longs, dtype=torch.long),
+            torch.tensor(pack.ints, dtype=torch.int32),
+            write_spans,
+            piece_spans,
+            row,
             max(it.n for it in items),
-            1 << max(8, (longest - 1).bit_length()),
         )
+        return plan.to(self.device) if device else plan
 
-    def _writes(self, writes: list[tuple[torch.Tensor, torch.Tensor]], n_rows: int):
-        rows = torch.cat([r for r, _ in writes])
-        slots = torch.cat([s for _, s in writes]).to(self.device)
-        everything = len(rows) == n_rows  # then rows are 0..T-1 in order: no gather needed
-        return (None if everything else rows.to(self.device)), slots
-
-    def _pieces(self, host: list[tuple[int, int, int, int]]) -> Pieces:
-        rows = torch.cat([torch.arange(r0, r0 + n) for r0, n, _, _ in host])
-        cu_q = torch.tensor([0, *accumulate(n for _, n, _, _ in host)], dtype=torch.int32)
-        starts = torch.tensor([s for _, _, s, _ in host] + [0], dtype=torch.int32)
-        lengths = torch.tensor([k for _, _, _, k in host], dtype=torch.int32)
-        empty = torch.cat([torch.full((n,), k == 0) for _, n, _, k in host])
-        dev = self.device
-        return Pieces(rows.to(dev), cu_q.to(dev), starts.to(dev), lengths.to(dev), empty.to(dev), host)
+    def _piece_spans(self, pack: _Packer, host: list[tuple[int, int, int, int]], n_rows: int) -> PieceSpans:
+        cu_q = [0, *accumulate(n for _, n, _, _ in host)]
+        group = self.n_heads // self.n_kv_heads
+        rows = [r for r0, n, _, _ in host for r in range(r0, r0 + n)]
+        copies = len(rows) // n_rows
+        return (
+            pack.long(rows),
+            pack.int(cu_q),
+            pack.int([c * group for c in cu_q]),
+            pack.int([s for _, _, s, _ in host] + [0]),
+            pack.int([k for _, _, _, k in host]),
+            host,
+            copies if rows == list(range(n_rows)) * copies else 0,
+        )
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
@@ -162,55 +246,74 @@ class LanguageModel:
         and returns the final-norm hidden states (T, D)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
         x = embeds.to(self.dtype)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, _rms_norm(layer.input_layernorm, x), cos, sin, plan)
-            x = x + layer.mlp(_rms_norm(layer.post_attention_layernorm, x))
-        return _rms_norm(self.norm, x)
+        h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)
+        norms = [w.norm1 for w in self.weights[1:]] + [self.norm.weight]
+        for i, (w, next_norm) in enumerate(zip(self.weights, norms, strict=True)):
+            q, k, v = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
+            x, h = self._output_and_mlp(
+                x, self._attention(i, q, k, v, plan), w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps
+            )
+        return h
 
-    def _attention(self, i: int, layer, h: torch.Tensor, cos, sin, plan: Plan) -> torch.Tensor:
-        attn = layer.self_attn
-        n = h.shape[0]
-        q = apply_rope(attn.q_proj(h).view(n, self.n_heads, self.head_dim).transpose(0, 1), cos, sin)
-        k = apply_rope(attn.k_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1), cos, sin)
-        v = attn.v_proj(h).view(n, self.n_kv_heads, self.head_dim).transpose(0, 1)
+    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """q (T, H, hd), k and v (T, kv_heads, hd) -> attended (T, H, hd); K/V written to the pool."""
         for slab, (rows, slots) in plan.writes.items():
             kv = self.pool.slabs[slab][i]
-            kv[0].index_copy_(1, slots, k if rows is None else k.index_select(1, rows))
-            kv[1].index_copy_(1, slots, v if rows is None else v.index_select(1, rows))
-        q = q.transpose(0, 1)  # (T, H, hd)
+            kv[0].index_copy_(1, slots, (k if rows is None else k.index_select(0, rows)).transpose(0, 1))
+            kv[1].index_copy_(1, slots, (v if rows is None else v.index_select(0, rows)).transpose(0, 1))
         parts = [
-            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q, plan.max_k)
+            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
             for (slab, causal), p in plan.pieces.items()
         ]
-        out = _merge(n, parts)
-        return attn.o_proj(out.reshape(n, self.n_heads * self.head_dim))
+        return self._merge_stacked(q.shape[0], parts) if plan.stacked else self._merge(q.shape[0], parts)
 
-    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int, max_k: int):
+    def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
         if self.flash:
-            out, lse = torch.ops.aten._flash_attention_forward(
-                q.index_select(0, p.rows),
-                kv[0].transpose(0, 1),  # (slots, kv_heads, hd): a strided view, read in place
-                kv[1].transpose(0, 1),
-                p.cu_q,
-                p.starts,
-                max_q,
-                max_k,
-                0.0,
-                causal,
-                False,
-                scale=self.head_dim**-0.5,
-                seqused_k=p.lengths,
-            )[:2]
-            lse = lse.transpose(0, 1)  # (H, R) -> (R, H)
-            empty = p.empty_rows
-            return out.masked_fill(empty[:, None, None], 0.0), lse.masked_fill(empty[:, None], -math.inf), p.rows
+            q = q if p.copies == 1 else q.index_select(0, p.rows)
+            return (*self._flash(q, kv, p, causal, max_q), p.rows)
         outs, lses = [], []
         for r0, n, start, length in p.host:
             o, lse = self._cpu_attention(q[r0 : r0 + n], kv[:, :, start : start + length], causal)
             outs.append(o)
             lses.append(lse)
         return torch.cat(outs), torch.cat(lses), p.rows
+
+    def _flash(self, q: torch.Tensor, kv: torch.Tensor, p: Pieces, causal: bool, max_q: int):
+        """Varlen flash attention of q (R, H, hd) over the pieces' key ranges of one slab layer.
+
+        A non-causal piece (a base) read by several query rows has the query heads that share a
+        KV head packed as rows (GQA packing: (R, H) -> (R * group, kv_heads)), so each KV block is
+        read once per block of rows instead of once per query head; flash does this itself for
+        single-row queries (decode). An empty piece gives lse +inf in flash: -inf here."""
+        rows, group = q.shape[0], self.n_heads // self.n_kv_heads
+        packed = not causal and max_q > 1 and group > 1
+        if packed:
+            q = (
+                q.view(rows, self.n_kv_heads, group, self.head_dim)
+                .transpose(1, 2)
+                .reshape(-1, self.n_kv_heads, self.head_dim)
+            )
+        out, lse = torch.ops.aten._flash_attention_forward(
+            q,
+            kv[0].transpose(0, 1),  # (slots, kv_heads, hd): a strided view, read in place
+            kv[1].transpose(0, 1),
+            p.cu_q_packed if packed else p.cu_q,
+            p.starts,
+            max_q * group if packed else max_q,
+            p.max_k,
+            0.0,
+            causal,
+            False,
+            scale=self.head_dim**-0.5,
+            seqused_k=p.lengths,
+        )[:2]
+        if packed:
+            out = out.view(rows, group, self.n_kv_heads, self.head_dim).transpose(1, 2).reshape(rows, self.n_heads, -1)
+            lse = lse.view(self.n_kv_heads, rows, group).transpose(0, 1).reshape(rows, self.n_heads)
+        else:
+            lse = lse.transpose(0, 1)  # (H, R) -> (R, H)
+        return out, lse
 
     def _cpu_attention(self, q: torch.Tensor, kv: torch.Tensor, causal: bool):
         """Exact fp32 attention of q (n, H, hd) over kv (2, kv_heads, L, hd), causal aligned bottom-right."""
@@ -238,19 +341,15 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
     return [(row, n, start + s * step, max(0, min(step, length - s * step))) for s in range(split)]
 
 
-def split_for(n_items: int, base_tokens: int, heads: int, n_sm: int = 132) -> int:
-    """Split-KV factor: flash attention runs one block per (piece, head) for the few query rows of
-    a question, so a handful of questions over a long cache needs its bases cut into pieces to
-    keep every SM busy (twice over); with many questions one piece each already does."""
-    if base_tokens < SPLIT_KV_MIN_TOKENS:
-        return 1
-    return max(1, min(16, (2 * n_sm) // max(1, n_items * heads)))
+MAX_SPLIT = 64
 
 
 def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Softmax over the union of every piece a row read, from each piece's output and log-sum-exp."""
+    """Softmax over the union of every piece a row read, from each piece's output and log-sum-exp.
+    A piece with no keys has lse -inf (+inf from flash, which writes zeros to its output)."""
     outs = torch.cat([o for o, _, _ in parts]).float()
     lses = torch.cat([lse for _, lse, _ in parts])  # (R, H)
+    lses = lses.masked_fill(lses == math.inf, -math.inf)
     rows = torch.cat([r for _, _, r in parts])
     heads = lses.shape[1]
     peak = torch.full((n_rows, heads), -math.inf, device=lses.device).scatter_reduce(
@@ -262,71 +361,189 @@ def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return (out / total[..., None]).to(parts[0][0].dtype)
 
 
-def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+def _merge_stacked(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """`_merge` where every part's rows are whole copies of rows 0..n_rows-1 in order (a plan's
+    `stacked`): a reduction over the stack. One piece per row is already the answer."""
+    if len(parts) == 1 and parts[0][0].shape[0] == n_rows:
+        return parts[0][0]
+    heads, head_dim = parts[0][0].shape[1:]
+    outs = torch.cat([o for o, _, _ in parts]).view(-1, n_rows, heads, head_dim)
+    lses = torch.cat([lse for _, lse, _ in parts]).view(-1, n_rows, heads)
+    lses = lses.masked_fill(lses == math.inf, -math.inf)
+    weight = torch.exp(lses - lses.amax(0))
+    out = (outs.float() * weight[..., None]).sum(0) / weight.sum(0)[..., None]
+    return out.to(outs.dtype)
+
+
+def _max_k(host: list[tuple[int, int, int, int]]) -> int:
+    """The longest key range, rounded up to a power of two (flash sizes its work by it)."""
+    return 1 << max(8, (max(length for _, _, _, length in host) - 1).bit_length())
+
+
+def _rms_norm_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen2.5-VL's RMSNorm (fp32 statistics, weight applied in the model dtype) in one fused op."""
-    normed = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon)
-    return norm.weight * normed.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-class DecodeGraphs:
-    """Decode steps (one token per item) replayed from CUDA graphs, one per batch-size bucket and
-    split: eagerly a step is thousands of small kernel launches from Python, which is what bounds
-    decode speed. A batch is padded to its bucket with rows that read and write a 1-token dummy
-    region; the plan's indices are copied into the graph's own buffers before each replay."""
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return _rms_norm_weight(x, norm.weight, norm.variance_epsilon)
+
+
+FUSE = True  # torch.compile the elementwise chains of a layer on GPUs (off: the same functions, eager)
+
+
+@dataclass
+class _LayerWeights:
+    """One decoder layer's weights as the fused forward takes them: q, k and v as one matrix and
+    gate and up as another (one product each instead of three and two). The modules' own
+    weights become views of these, so nothing is stored twice."""
+
+    norm1: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    norm2: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    @classmethod
+    def of(cls, layer) -> _LayerWeights:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, _ = _fuse_linears([mlp.gate_proj, mlp.up_proj])
+        for name, lin in (("o_proj", attn.o_proj), ("down_proj", mlp.down_proj)):
+            if lin.bias is not None:
+                raise ValueError(f"{name} with a bias: not Qwen2.5-VL's layout")
+        return cls(
+            layer.input_layernorm.weight,
+            qkv,
+            qkv_bias,
+            attn.o_proj.weight,
+            layer.post_attention_layernorm.weight,
+            gate_up,
+            mlp.down_proj.weight,
+        )
+
+
+def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    weight = torch.cat([lin.weight for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = torch.cat(biases) if all(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        raise ValueError("some of the fused projections have a bias and some not")
+    row = 0
+    for lin in linears:
+        n = lin.out_features
+        lin.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
+        if bias is not None:
+            lin.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
+        row += n
+    return weight, bias
+
+
+def _attention_input(h, qkv_w, qkv_b, cos, sin, n_heads: int, n_kv_heads: int):
+    """Normed hidden (T, D) -> q (T, H, hd), k and v (T, kv_heads, hd), q and k rotated."""
+    n = h.shape[0]
+    head_dim = cos.shape[-1]
+    q, k, v = F.linear(h, qkv_w, qkv_b).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    cos, sin = cos[:, None], sin[:, None]
+    q = apply_rope(q.view(n, n_heads, head_dim), cos, sin)
+    k = apply_rope(k.view(n, n_kv_heads, head_dim), cos, sin)
+    return q, k, v.reshape(n, n_kv_heads, head_dim)
+
+
+def _output_and_mlp(x, attended, o_w, norm2, gate_up_w, down_w, next_norm, eps: float):
+    """The rest of a layer and the next one's input norm: (x, normed x) after it."""
+    x = x + F.linear(attended.reshape(x.shape[0], -1), o_w)
+    gate, up = F.linear(_rms_norm_weight(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
+    x = x + F.linear(F.silu(gate) * up, down_w)
+    return x, _rms_norm_weight(x, next_norm, eps)
+
+
+class StepGraphs:
+    """Question steps replayed from CUDA graphs: eagerly a step is thousands of small kernel
+    launches from Python, which is what bounds a question's speed. Two shapes are graphed:
+
+    - decode steps (one token per item), per batch-size bucket and split; a batch is padded to
+      its bucket with rows that read and write a 1-token dummy region;
+    - a lone question's prefill (one item of several tokens), per length bucket; its tokens are
+      padded at the end (causal: a padding token is seen by no real one) into its own region.
+
+    Anything else (a question joining a batch mid-decode) runs eagerly. The plan's indices,
+    tokens and positions are copied into the graph's own buffers before each replay."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+    PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+
+    @classmethod
+    def prefill_room(cls, n: int) -> int:
+        """Scratch tokens a prefill of `n` tokens needs for it to be graphed (its padded length)."""
+        return next((b for b in cls.PREFILL_BUCKETS if b >= n), n)
 
     def __init__(self, lm: LanguageModel):
         self.lm = lm
         self.dummy = lm.pool.alloc(1)
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
-    def logits(self, tokens: list[int], positions: torch.Tensor, items: list[Item], split: int) -> torch.Tensor:
-        n = len(items)
-        bucket = next((b for b in self.BUCKETS if b >= n), None)
-        if bucket is None:
-            raise ValueError(f"{n} decode rows: more than the largest bucket {self.BUCKETS[-1]}")
-        pad = bucket - n
-        items = items + [Item(1, self.dummy, 0, base=KVView(self.dummy, 1))] * pad
-        tokens = tokens + [0] * pad
-        positions = torch.cat([positions, positions[:, -1:].expand(3, pad)], dim=1) if pad else positions
-        plan = self.lm.plan(items, split)
-        if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary, so eager
-            return self.lm.logits(self.lm.forward(self.lm.embed(tokens), positions, plan))[:n]
-        key = (bucket, split, plan.single_slab, plan.max_k)
+    def run(self, tokens: list[int], positions: list[int], items: list[Item], split: int):
+        """(logits (B, V), greedy ids (B,)) at each item's last token, on the device; or None when
+        this batch's shape is not graphed."""
+        shape = self._padded(tokens, positions, items)
+        if shape is None:
+            return None
+        tokens, positions, padded, last = shape
+        plan = self.lm.plan(padded, split, device=False)
+        if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary
+            return None
+        key = (tuple(it.n for it in padded), split, plan.single_slab, plan.shape)
         graph = self.graphs.get(key)
         if graph is None:
-            graph = self.graphs[key] = _Graph(self.lm, plan, bucket, self.mempool)
-        return graph.replay(tokens, positions, plan)[:n]
+            graph = self.graphs[key] = _Graph(self.lm, plan, len(tokens), self.mempool)
+        logits, greedy = graph.replay(tokens, positions, plan)
+        return logits[last], greedy[last]
+
+    def _padded(self, tokens: list[int], positions: list[int], items: list[Item]):
+        if all(it.n == 1 for it in items):
+            bucket = next((b for b in self.BUCKETS if b >= len(items)), None)
+            if bucket is None:
+                return None
+            pad = bucket - len(items)
+            dummy = Item(1, self.dummy, 0, base=KVView(self.dummy, 1))
+            return tokens + [0] * pad, positions + positions[-1:] * pad, items + [dummy] * pad, slice(0, len(items))
+        if len(items) > 1:
+            return None
+        (it,) = items
+        bucket = next((b for b in self.PREFILL_BUCKETS if b >= it.n), None)
+        if bucket is None or it.at + bucket > it.dest.size:
+            return None
+        pad = bucket - it.n
+        more = list(range(positions[-1] + 1, positions[-1] + 1 + pad))
+        return tokens + [0] * pad, positions + more, [Item(bucket, it.dest, it.at, it.base)], slice(it.n - 1, it.n)
 
 
 class _Graph:
-    def __init__(self, lm: LanguageModel, plan: Plan, bucket: int, mempool):
-        self.lm, self.plan = lm, plan  # the plan's tensors are the graph's index buffers
+    def __init__(self, lm: LanguageModel, host_plan: Plan, rows: int, mempool):
+        self.lm = lm
         dev = lm.device
-        self.tokens = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(3, bucket, dtype=torch.long, device=dev)
+        self.plan = host_plan.to(dev)  # its buffers are the graph's index buffers
+        self.io = torch.zeros(4, rows, dtype=torch.long, device=dev)  # tokens, then (t, h, w) positions
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._step()  # warm-up outside the graph (allocations, kernel selection)
+            self._step()  # warm-up outside the graph (allocations, kernel selection, compilation)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
             self.out = self._step()
 
-    def _step(self) -> torch.Tensor:
-        return self.lm.logits(self.lm.forward(self.lm.embed(self.tokens), self.positions, self.plan))
+    def _step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.lm.logits(self.lm.forward(self.lm.embed(self.io[0]), self.io[1:], self.plan))
+        return logits, logits.argmax(dim=-1)
 
-    def replay(self, tokens: list[int], positions: torch.Tensor, plan: Plan) -> torch.Tensor:
-        self.tokens.copy_(torch.tensor(tokens), non_blocking=True)
-        self.positions.copy_(positions, non_blocking=True)
-        for slab, (_, slots) in plan.writes.items():
-            self.plan.writes[slab][1].copy_(slots, non_blocking=True)
-        for key, pieces in plan.pieces.items():
-            mine = self.plan.pieces[key]
-            for name in ("rows", "cu_q", "starts", "lengths", "empty_rows"):
-                getattr(mine, name).copy_(getattr(pieces, name), non_blocking=True)
+    def replay(self, tokens: list[int], positions: list[int], host_plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+        self.io.copy_(torch.tensor([tokens, positions, positions, positions]), non_blocking=True)
+        self.plan.longs.copy_(host_plan.longs, non_blocking=True)
+        self.plan.ints.copy_(host_plan.ints, non_blocking=True)
         self.graph.replay()
         return self.out

@@ -60,7 +60,7 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin of shape (L, head_dim) for (3, L) positions, computed as Qwen2.5-VL does:
     frequency k takes its angle from axis t, h or w by `mrope_section`, then both halves."""
-    freqs = positions.to(inv_freq.device)[..., None].float() * inv_freq.float()  # (3, L, hd/2)
+    freqs = positions.to(inv_freq.device, non_blocking=True)[..., None].float() * inv_freq.float()  # (3, L, hd/2)
     parts = freqs.split(mrope_section, dim=-1)
     freqs = torch.cat([part[axis % 3] for axis, part in enumerate(parts)], dim=-1)  # (L, hd/2)
     emb = torch.cat([freqs, freqs], dim=-1)

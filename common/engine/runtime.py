@@ -10,7 +10,7 @@ from tokenizers import Tokenizer
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
-from common.engine.lm import DecodeGraphs, LanguageModel
+from common.engine.lm import LanguageModel, StepGraphs
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
 from common.engine.pool import KVPool
 from common.engine.vision import GridTHW, VisionTower
@@ -42,7 +42,7 @@ class Runtime:
         # Who runs GPU work: alone and at once by default; a service installs a Scheduler that
         # batches every stream's chunks and every question's steps.
         self.executor: Executor = InlineExecutor()
-        self.decode_graphs: DecodeGraphs | None = None  # built on the first decode step on a GPU
+        self.step_graphs: StepGraphs | None = None  # built on the first question step on a GPU
 
     def encode(self, text: str, *, user: bool = False) -> list[int]:
         """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing
