@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,7 +15,7 @@ from common.engine.kvcache import Version
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream import Appended, StreamEngine
 
 QUESTION = "What is happening in the video?"
 
@@ -24,15 +25,28 @@ def make_frames(n: int, grid: Grid, seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, (grid.height, grid.width, 3), dtype=np.uint8) for _ in range(n)]
 
 
-def append_chunk(engine: StreamEngine, frames: list[np.ndarray], i: int, chunk: int) -> Version:
-    """Frames i..i+chunk of `frames` as one chunk; frame k is captured at k / fps and has seq k."""
+def submit_chunk(engine: StreamEngine, frames: list[np.ndarray], i: int, chunk: int) -> Future[Appended]:
+    """Frames i..i+chunk of `frames` as one chunk, queued; frame k is captured at k / fps and has seq k."""
     part = frames[i : i + chunk]
     fps = engine.spec.fps
-    return engine.append(part, [(i + k) / fps for k in range(len(part))], list(range(i, i + len(part))))
+    return engine.submit(engine.prepare(part, [(i + k) / fps for k in range(len(part))], range(i, i + len(part))))
 
 
-def stream(rt: Runtime, frames, grid: Grid, fps: float, chunk: int, policy: EvictionPolicy | None = None):
-    engine = StreamEngine(rt, StreamSpec("cam", fps, grid, chunk), policy)
+def append_chunk(engine: StreamEngine, frames: list[np.ndarray], i: int, chunk: int) -> Version:
+    """`submit_chunk`, waited for and published."""
+    return engine.finish(submit_chunk(engine, frames, i, chunk).result())
+
+
+def stream(
+    rt: Runtime,
+    frames,
+    grid: Grid,
+    fps: float,
+    chunk: int,
+    policy: EvictionPolicy | None = None,
+    name: str = "cam",
+):
+    engine = StreamEngine(rt, StreamSpec(name, fps, grid, chunk), policy)
     for i in range(0, len(frames), chunk):
         append_chunk(engine, frames, i, chunk)
     return engine

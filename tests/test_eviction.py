@@ -5,31 +5,43 @@ inference over the prompt built from only the frames the cache still holds: gree
 and first-token logits within 1e-4. The same comparison with `rebase` must fail (its retained
 chunks keep K/V computed while evicted chunks were there), so the oracle cannot pass vacuously.
 Salient chunks ("star memory") keep scene changes through many evictions, still exactly.
+
+An exact eviction's rebuild runs in pieces through the scheduler, batched with other streams'
+chunks; the result equals the rebuild done alone, and a question on the version before the
+eviction gets the same answer while the rebuild is under way.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 
 import pytest
 import redis
+import torch
 
 from apps import status
 from apps.samplevideo import render_scene, write_scenes_video
 from common.config import ConfigError, load_config
+from common.engine.answer import Answer, Decoded, Generation, ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels
 from common.engine.grid import Grid, StreamSpec, resize_to_grid
 from common.engine.model import load_model
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.salience import mean_embedding, salience
-from common.engine.stream import StreamEngine
+from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.work import InlineExecutor
 from common.wire import keys
 from common.wire.manifest import to_manifest
 from common.wire.schemas import manifest_to_bytes
 from encoder_worker.config import EncoderConfig
 from ingest.video import iter_file_frames
 from tests.engine_helpers import (
+    QUESTION,
     append_chunk,
     compare_with_offline,
     kept_frames,
@@ -37,6 +49,7 @@ from tests.engine_helpers import (
     policy_keeping,
     same_kv,
     stream,
+    submit_chunk,
 )
 
 GRID = Grid(56, 56)  # 4 tokens per temporal patch (2 frames)
@@ -47,16 +60,29 @@ def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
 
 
+@pytest.fixture(params=["inline", "scheduler"])
+def executor(rt: Runtime, request) -> Iterator[str]:
+    """Each oracle both ways: jobs run alone, and through a running scheduler."""
+    if request.param == "scheduler":
+        rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
+    yield request.param
+    if isinstance(rt.executor, Scheduler):
+        rt.executor.stop()
+    rt.executor = InlineExecutor()
+
+
 # fps (0.75 and 3: fractional seconds per grid), sink chunks, frames per chunk
 CASES = [(1, 1, 4), (3, 0, 2), (0.75, 2, 6), (2, 2, 2), (3, 1, 6), (0.75, 0, 4)]
+PIECE = 6  # tokens re-prefilled per step: pieces cut through patches and chunks, which must not matter
 
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["exact", "rebase"])
 @pytest.mark.parametrize(("fps", "sink", "chunk"), CASES, ids=[f"fps{f}-sink{s}-chunk{c}" for f, s, c in CASES])
-def test_answer_after_evictions_equals_one_shot_on_the_retained_frames(rt, mode, fps, sink, chunk):
+def test_answer_after_evictions_equals_one_shot_on_the_retained_frames(rt, executor, mode, fps, sink, chunk):
     chunk_tokens = 2 * chunk  # chunk / 2 patches of 4 tokens
-    policy = policy_keeping(rt, (sink + 4) * chunk_tokens, (sink + 2) * chunk_tokens, sink_chunks=sink, mode=mode)
+    budget, keep = (sink + 4) * chunk_tokens, (sink + 2) * chunk_tokens
+    policy = policy_keeping(rt, budget, keep, sink_chunks=sink, mode=mode, rebuild_piece_tokens=PIECE)
     frames = make_frames((sink + 14) * chunk, GRID, seed=chunk + sink)
     engine = StreamEngine(rt, StreamSpec("cam", fps, GRID, chunk), policy)
     compared = []
@@ -122,6 +148,8 @@ def test_policy_evicts_ordinary_chunks_first_and_salient_ones_least_salient_firs
         EvictionPolicy(mode="fresh")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="salient"):
         EvictionPolicy(salient_chunks=-1)
+    with pytest.raises(ValueError, match="rebuild_piece_tokens"):
+        EvictionPolicy(rebuild_piece_tokens=0)
 
 
 def test_salience_is_zero_for_a_static_scene_and_large_at_a_change(rt):
@@ -167,3 +195,115 @@ def test_benchmark_hook_runs_on_cpu(rt):
     assert cost["rebase"]["evictions"] == cost["exact"]["evictions"] == 3
     assert cost["rebase"]["kept_embeds_mib"] == 0 and cost["exact"]["kept_embeds_mib"] > 0
     assert all(c["amortized_chunk_ms"] > 0 and c["measured_chunks"] >= 4 for c in cost.values())
+
+
+# -- the rebuild as the scheduler's work ---------------------------------------------------------
+# These drive a Scheduler step by step from the test (no loop thread), so what each step runs is
+# certain; spies on the real jobs record it.
+
+B_GRID = Grid(84, 56)  # another stream "b" (3 fps, 2-frame chunks) on another grid, no eviction
+
+
+@pytest.fixture
+def stepped(rt: Runtime, monkeypatch) -> Iterator[tuple[Scheduler, list[list[str]]]]:
+    """A scheduler driven by hand, and what each of its steps ran: "question" for a decode step,
+    "<stream>:chunk" or "<stream>:rebuild" for each job of an encode step."""
+    ran: list[list[str]] = []
+    run_batch, step_batch = ChunkJob.run_batch, Generation.step_batch
+    # encode_share 1.0: an encode step follows every question step (a piece between tokens)
+    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4, encode_share=1.0))
+
+    def chunks(cls, jobs):
+        if rt.executor is scheduler:
+            ran[-1].extend(f"{j.lane}:{'rebuild' if j.rebuild else 'chunk'}" for j in jobs)
+        run_batch(jobs)
+
+    def questions(cls, jobs):
+        if rt.executor is scheduler:
+            ran[-1].append("question")
+        step_batch(jobs)
+
+    monkeypatch.setattr(ChunkJob, "run_batch", classmethod(chunks))
+    monkeypatch.setattr(Generation, "step_batch", classmethod(questions))
+    yield scheduler, ran
+    rt.executor = InlineExecutor()
+
+
+def drive(scheduler: Scheduler, ran: list[list[str]], futures: list[Future], check: Callable[[], None]) -> None:
+    """Step until every future is done, calling `check` after each step."""
+    for _ in range(200):
+        if all(f.done() for f in futures):
+            return
+        ran.append([])
+        scheduler.step()
+        check()
+    raise AssertionError(f"not done after 200 steps: {ran}")
+
+
+def exact_stream(rt: Runtime, frames, n_chunks: int) -> StreamEngine:
+    """Stream "a" (2-frame chunks of 4 tokens) with `n_chunks` appended alone, exact eviction at 7
+    chunks down to 3, rebuilds in 3-token pieces: the 7th chunk's rebuild (its last two chunks,
+    8 tokens) takes 3 pieces."""
+    policy = policy_keeping(rt, 6 * 4, 3 * 4, sink_chunks=1, mode="exact", rebuild_piece_tokens=3)
+    return stream(rt, frames[: 2 * n_chunks], GRID, 2, 2, policy, name="a")
+
+
+def same_answer(got: Answer | Decoded, want: Answer | Decoded) -> bool:
+    """Greedy tokens equal and first-token logits within 1e-4."""
+    return got.token_ids == want.token_ids and torch.allclose(got.first_logits, want.first_logits, atol=1e-4, rtol=0)
+
+
+def test_exact_rebuild_is_batched_with_other_streams_chunks_and_equals_it_alone(rt, stepped):
+    scheduler, ran = stepped
+    frames, b_frames = make_frames(14, GRID, seed=5), make_frames(8, B_GRID, seed=6)
+    a, b = exact_stream(rt, frames, 6), stream(rt, b_frames[:2], B_GRID, 3, 2, name="b")
+    before = a.head
+    rt.executor = scheduler  # a's evicting chunk and three of b's, queued together
+    rebuilt, *b_chunks = [submit_chunk(a, frames, 12, 2)] + [submit_chunk(b, b_frames, i, 2) for i in (2, 4, 6)]
+
+    def head_stays_until_rebuilt() -> None:
+        assert a.head is before or rebuilt.done(), "a half-rebuilt version was published"
+
+    drive(scheduler, ran, [rebuilt, *b_chunks], head_stays_until_rebuilt)
+    rt.executor = InlineExecutor()
+    assert ran == [["a:chunk", "b:chunk"], ["b:chunk", "a:rebuild"], ["b:chunk", "a:rebuild"], ["a:rebuild"]]
+    after = a.finish(rebuilt.result())
+    for f in b_chunks:
+        b.finish(f.result())
+    assert after.stats.evictions == 1
+    assert [p.segment.id for p in after.chunks] == ["f000000000000", "f000000000010.r1", "f000000000012.r1"]
+
+    # the same chunks, one thing at a time; and a fresh encode of the frames a keeps
+    alone_a, alone_b = exact_stream(rt, frames, 7), stream(rt, b_frames, B_GRID, 3, 2, name="b")
+    assert same_kv(after, alone_a.head) and same_kv(b.head, alone_b.head)
+    params = GenerationParams(max_tokens=8)
+    got, want = (ask(rt, v, QUESTION, params, keep_logits=True) for v in (after, alone_a.head))
+    assert same_answer(got, want)
+    assert same_kv(after, stream(rt, kept_frames(after, frames), GRID, 2, 2).head)
+
+
+def test_a_question_on_the_version_before_an_eviction_is_unchanged_by_the_rebuild(rt, stepped):
+    scheduler, ran = stepped
+    frames = make_frames(14, GRID, seed=7)
+    params = GenerationParams(max_tokens=6)
+    a = exact_stream(rt, frames, 6)
+    before, kv = a.head, a.head.view.kv[:, :, :, : a.head.tokens].clone()
+    want = ask(rt, before, QUESTION, params, keep_logits=True)
+
+    rt.executor = scheduler
+    chunk = submit_chunk(a, frames, 12, 2)
+    ran.append([])
+    scheduler.step()  # the chunk is prefilled and sets off the eviction
+    question = scheduler.submit(Generation(rt, before, QUESTION, params, keep_logits=True))
+
+    def head_stays_until_rebuilt() -> None:
+        assert a.head is before or chunk.done(), "a half-rebuilt version was published"
+
+    drive(scheduler, ran, [chunk, question], head_stays_until_rebuilt)
+    rt.executor = InlineExecutor()
+    assert ran[:4] == [["a:chunk"], ["question", "a:rebuild"], ["question", "a:rebuild"], ["question", "a:rebuild"]]
+    assert same_answer(question.result(), want)
+    assert torch.equal(before.view.kv[:, :, :, : before.tokens], kv)
+    after = a.finish(chunk.result())
+    assert after.stats.evictions == 1 and a.head is after
+    assert same_kv(after, stream(rt, kept_frames(after, frames), GRID, 2, 2).head)

@@ -112,3 +112,46 @@ def test_graphed_question_prefill_and_decode_equal_eager(rt, monkeypatch):
         eager = answer.ask(rt, engine.head, q, params, keep_logits=True)
         assert got.token_ids[:8] == eager.token_ids[:8]
         assert torch.allclose(got.first_logits, eager.first_logits, atol=2e-2, rtol=0)
+
+
+def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt):
+    """An exact eviction's rebuild, cut into pieces that ride in encode steps with another stream's
+    chunks (flash over pool regions, bf16), against the rebuild as one piece run alone."""
+    from common.engine.answer import ask
+    from common.engine.eviction import EvictionPolicy
+    from common.engine.grid import Grid, StreamSpec
+    from common.engine.params import GenerationParams
+    from common.engine.scheduler import Scheduler
+    from common.engine.stream import StreamEngine
+    from common.engine.work import InlineExecutor
+
+    grid = Grid(56, 56)  # 8 tokens per 4-frame chunk
+    rng = np.random.default_rng(3)
+    frames = [rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(4 * 24)]
+    prefix = len(rt.prefix_ids())
+
+    def run(piece: int) -> StreamEngine:
+        policy = EvictionPolicy(prefix + 12 * 8, 0.5, sink_chunks=1, mode="exact", rebuild_piece_tokens=piece)
+        engine = StreamEngine(rt, StreamSpec("exact", 2.0, grid, 4), policy)
+        for i in range(0, len(frames), 4):
+            engine.append(frames[i : i + 4], frame_seqs=list(range(i, i + 4)))
+        return engine
+
+    scheduler = Scheduler().start()
+    rt.executor = scheduler
+    other = threading.Thread(target=_engine, args=(rt, "other", Grid(84, 56), 12, 9))
+    other.start()
+    batched = run(piece=5)
+    other.join(timeout=120)
+    scheduler.stop()
+    rt.executor = InlineExecutor()
+    alone = run(piece=1 << 20)
+    head, ref = batched.head, alone.head
+    assert head.stats.evictions >= 2 and [p.segment.id for p in head.placements] == [
+        p.segment.id for p in ref.placements
+    ]
+    n = head.tokens
+    assert torch.allclose(head.view.kv[:, :, :, :n].float(), ref.view.kv[:, :, :, :n].float(), atol=5e-2)
+    params = GenerationParams(max_tokens=12)
+    got, want = (ask(rt, v, "What happens?", params) for v in (head, ref))
+    assert got.token_ids[:8] == want.token_ids[:8]

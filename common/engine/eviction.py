@@ -14,7 +14,10 @@ What the retained chunks become (`mode`):
 - `rebase`: their keys are turned to contiguous positions (bounded positions, layer-0 keys equal
   a fresh encode), but deeper layers keep what they computed while evicted chunks were there.
 - `exact`: they are prefilled again from their kept vision embeddings at contiguous positions,
-  so the cache equals a fresh encode of exactly the retained frames, at every layer.
+  so the cache equals a fresh encode of exactly the retained frames, at every layer. The prefill
+  runs in pieces of at most `rebuild_piece_tokens` tokens, one per encode step of the scheduler
+  (batched with other streams' chunks, questions served between pieces), so rebuilding a 32K
+  cache never holds the GPU for one long step.
 - `absolute`: nothing moves; positions keep counting (for comparison).
 """
 
@@ -34,6 +37,7 @@ class EvictionPolicy:
     sink_chunks: int = 1
     mode: EvictionMode = "rebase"
     salient_chunks: int = 0  # middle chunks kept for their salience (inside max_cache_tokens)
+    rebuild_piece_tokens: int = 4096  # exact: tokens re-prefilled per encode step
 
     def __post_init__(self) -> None:
         if self.max_cache_tokens is not None and self.max_cache_tokens <= 0:
@@ -44,6 +48,8 @@ class EvictionPolicy:
             raise ValueError("sink_chunks must be >= 0")
         if self.salient_chunks < 0:
             raise ValueError("salient_chunks must be >= 0")
+        if self.rebuild_piece_tokens <= 0:
+            raise ValueError("rebuild_piece_tokens must be positive")
         if self.mode not in MODES:
             raise ValueError(f"eviction mode must be one of {', '.join(MODES)}, got {self.mode!r}")
 

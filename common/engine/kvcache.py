@@ -13,8 +13,11 @@ one per temporal patch); that, with the segment's original K/V, rebuilds the exa
 anywhere (the segment store ships segments and versions between processes this way).
 
 Exact eviction (see eviction.py) instead prefills the chunks after the first evicted one again,
-from their kept vision embeddings (`rebuild`). Their K/V are new, so they become new segments
-(`rebuilt_id`) with zero deltas, and travel between processes like any other segment.
+from their kept vision embeddings, into a fresh region (a `Rebuild`, run a piece at a time by
+whoever runs the stream's chunks: the scheduler batches each piece with other streams' work).
+The head stays the version before the eviction until the last piece is written. The re-prefilled
+chunks' K/V are new, so they become new segments (`rebuilt_id`) with zero deltas, and travel
+between processes like any other segment.
 """
 
 from __future__ import annotations
@@ -31,11 +34,6 @@ from common.engine.pool import Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
 from common.engine.salience import mean_embedding, salience
 from common.engine.spans import capture_ranges
-
-# (embeds (T, D), positions (3, T), item): runs them as `item` says (causally after what its region
-# holds before them) and writes their K/V there. One LanguageModel.forward by default; a scheduler
-# may batch it with other work instead.
-Prefill = Callable[[torch.Tensor, torch.Tensor, Item], object]
 
 
 @dataclass(frozen=True)
@@ -151,6 +149,39 @@ class Version:
         return self.view.region
 
 
+@dataclass
+class Rebuild:
+    """An exact eviction under way. The retained chunks before the first one that lost a chunk
+    before it are already copied into `region`; the rest are prefilled again from their kept
+    embeddings at their re-based positions, a piece of at most `piece_tokens` tokens at a time. Each
+    piece runs causally after everything the region holds before it, so together the pieces compute
+    what one prefill of all of them would: a fresh encode of exactly the retained frames. Nothing is
+    published until `StreamCache.complete`; until then questions read the version before the
+    eviction (`base`), never a half-built region."""
+
+    base: Version  # the head it replaces
+    region: Region
+    placements: tuple[Placement, ...]  # the version to publish
+    next_patch: int
+    stats: CacheStats
+    gone: tuple[str, ...]  # chunk ids evicted (their kept embeddings go when it is published)
+    embeds: torch.Tensor  # (T, D): the re-prefilled chunks' kept embeddings, back to back
+    positions: torch.Tensor  # (3, T): theirs, re-based
+    at: int  # region slot of the first re-prefilled token
+    piece_tokens: int
+    written: int = 0  # tokens prefilled so far
+
+    @property
+    def finished(self) -> bool:
+        return self.written == len(self.embeds)
+
+    def next_piece(self) -> tuple[torch.Tensor, torch.Tensor, Item]:
+        """(embeds, positions, item) of the next piece, for a forward that runs it now."""
+        a = self.written
+        b = self.written = min(a + self.piece_tokens, len(self.embeds))
+        return self.embeds[a:b], self.positions[:, a:b], Item(b - a, self.region, self.at + a)
+
+
 class StreamCache:
     """The writer side: appends chunks, evicts, publishes versions. One writer per stream.
 
@@ -167,10 +198,8 @@ class StreamCache:
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
         head_room: int = 1024,
-        prefill: Prefill | None = None,
     ):
         self.lm = lm
-        self.prefill: Prefill = prefill or (lambda embeds, pos, item: lm.forward(embeds, pos, lm.plan([item])))
         self.stream = stream
         self.policy = policy
         self.interval = interval
@@ -198,10 +227,12 @@ class StreamCache:
         placement = Placement(segment, offset=0, first_patch=0)
         return self._publish((placement,), video_start=video_start, next_patch=0, stats=CacheStats())
 
-    def publish_chunk(self, segment: Segment, embeds: torch.Tensor | None = None) -> Version:
+    def publish_chunk(self, segment: Segment, embeds: torch.Tensor | None = None) -> Version | Rebuild:
         """The chunk's K/V were written by the caller at reserve()'s start; publish the version that
         holds it, evicting first when it would go over budget (no over-budget version is ever seen).
-        `embeds` are the chunk's vision embeddings: exact eviction keeps them, salience reads them."""
+        `embeds` are the chunk's vision embeddings: exact eviction keeps them, salience reads them.
+        An exact eviction publishes nothing yet: it returns the `Rebuild` for the caller to run, and
+        `complete` publishes once every piece is written."""
         head = self._require_head()
         segment = self._take_embeds(segment, embeds)
         placements = (*head.placements, Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches))
@@ -229,7 +260,7 @@ class StreamCache:
             for p in placements[n_same:]:
                 self._place(region.kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
         else:
-            self._repack(placements, head.placements if head else (), load)
+            self._region = self._repack(placements, head.placements if head else (), load)
         return self._publish(
             tuple(placements),
             video_start=state.video_start,
@@ -255,30 +286,16 @@ class StreamCache:
         if chunk_ids and chunk_ids[-1] in self.embeds:
             self._last_mean = mean_embedding(self.embeds[chunk_ids[-1]])
 
-    def rebuild(
-        self,
-        placements: list[Placement],
-        first_stale: int,
-        source: tuple[Placement, ...],
-        *,
-        video_start: int,
-        eviction: int,
-        prefill: Prefill | None = None,
-    ) -> list[Placement]:
-        """Write `placements` (re-based) into a fresh region: those before `first_stale` are copied
-        from `source` (nothing before them changed, so neither did their K/V); the rest are prefilled
-        again from their kept embeddings at their positions, in one causal prefill after the first
-        ones, which is what a fresh encode of exactly these chunks computes. The re-prefilled chunks
-        become new segments (ids from `rebuilt_id`, zero deltas). Returns the placements to publish;
-        nothing is published here, so no question sees the region half built."""
-        fresh = [self._renewed(p, eviction) for p in placements[first_stale:]]
-        self._repack(placements[:first_stale], source, load=None, tokens=sum(p.segment.tokens for p in placements))
-        if fresh:
-            embeds = torch.cat([self.embeds[p.segment.chunk_id] for p in fresh])
-            hw, step = self.grid_hw, self.interval
-            pos = [video_positions(video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
-            (prefill or self.prefill)(embeds, torch.cat(pos, dim=1), Item(len(embeds), self._region, fresh[0].offset))
-        return [*placements[:first_stale], *fresh]
+    def complete(self, rebuild: Rebuild) -> Version:
+        """Publish the version a finished rebuild holds."""
+        if not rebuild.finished or self.head is not rebuild.base:
+            raise RuntimeError("a rebuild is published once, whole, over the head it started from")
+        self._region = rebuild.region
+        for cid in rebuild.gone:
+            self.embeds.pop(cid, None)
+        return self._publish(
+            rebuild.placements, video_start=rebuild.base.video_start, next_patch=rebuild.next_patch, stats=rebuild.stats
+        )
 
     # -- internals ---------------------------------------------------------------------
     def _require_head(self) -> Version:
@@ -312,9 +329,9 @@ class StreamCache:
         self.head = version
         return version
 
-    def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version:
-        """Write the retained segments of `candidate` into a fresh region, re-based (or re-prefilled)
-        as the policy says, then publish."""
+    def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version | Rebuild:
+        """Write the retained segments of `candidate` into a fresh region, re-based, and publish; or,
+        for an exact eviction, start re-prefilling them there (a `Rebuild`)."""
         head = self._require_head()
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
         gone = [candidate[i] for i in sorted(dropped)]
@@ -329,14 +346,43 @@ class StreamCache:
         # A chunk without embeddings (encoded before the stream switched to exact) can only be
         # re-based: this eviction then rebases, and later ones are exact once those chunks are gone.
         if self.policy.exact and all(p.segment.chunk_id in self.embeds for p in stale):
-            placements = self.rebuild(
-                placements, first_stale, candidate, video_start=head.video_start, eviction=stats.evictions
-            )
-        else:
-            self._repack(placements, candidate, load=None)
+            return self._rebuild(placements, first_stale, candidate, next_patch, stats, gone)
+        self._region = self._repack(placements, candidate, load=None)
         for p in gone:
             self.embeds.pop(p.segment.chunk_id, None)
         return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
+
+    def _rebuild(
+        self,
+        placements: list[Placement],
+        first_stale: int,
+        candidate: tuple[Placement, ...],
+        next_patch: int,
+        stats: CacheStats,
+        gone: list[Placement],
+    ) -> Rebuild:
+        """A fresh region with `placements` before `first_stale` copied from `candidate` (nothing
+        before them changed, so neither did their K/V), and the rest to prefill again as new segments
+        (ids from `rebuilt_id`, zero deltas). `first_stale` is never past the newest chunk, which
+        always stays, so there is at least one piece."""
+        head = self._require_head()
+        fresh = [self._renewed(p, stats.evictions) for p in placements[first_stale:]]
+        tokens = sum(p.segment.tokens for p in placements)
+        region = self._repack(placements[:first_stale], candidate, load=None, tokens=tokens)
+        hw, step = self.grid_hw, self.interval
+        positions = [video_positions(head.video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
+        return Rebuild(
+            base=head,
+            region=region,
+            placements=(*placements[:first_stale], *fresh),
+            next_patch=next_patch,
+            stats=stats,
+            gone=tuple(p.segment.chunk_id for p in gone),
+            embeds=torch.cat([self.embeds[p.segment.chunk_id] for p in fresh]),
+            positions=torch.cat(positions, dim=1),
+            at=fresh[0].offset,
+            piece_tokens=self.policy.rebuild_piece_tokens,
+        )
 
     def _moved(self, kept: list[Placement], next_patch: int) -> tuple[list[Placement], int]:
         """`kept` packed back to back from offset 0, re-based when the policy says so; and the
@@ -375,14 +421,14 @@ class StreamCache:
         source: tuple[Placement, ...],
         load: Callable[[Segment], torch.Tensor] | None,
         tokens: int = 0,
-    ) -> None:
-        """Write `placements` into a fresh region (room for at least `tokens`): segments in `source`
+    ) -> Region:
+        """`placements` written into a fresh region (room for at least `tokens`): segments in `source`
         (placed in the current region) are copied from it, turned by the change in their deltas; the
         rest come from `load` (original K/V). The old region lives on in the versions that hold it."""
         held = {p.segment.id: p for p in source}
         old_kv = self._region.kv
         total = max(tokens, sum(p.segment.tokens for p in placements))
-        self._region = self.lm.pool.alloc(max(self._region.size, total))
+        region = self.lm.pool.alloc(max(self._region.size, total))
         for p in placements:
             n = p.segment.tokens
             if p.segment.id in held:
@@ -393,7 +439,8 @@ class StreamCache:
             else:
                 raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
             shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
-            self._place(self._region.kv, p.offset, data, shift, p.segment.tokens_per_patch)
+            self._place(region.kv, p.offset, data, shift, p.segment.tokens_per_patch)
+        return region
 
     def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
         if p.segment.n_patches == 0:

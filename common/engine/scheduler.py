@@ -12,6 +12,10 @@ forwards, so there is no lock that threads take turns on. Each step:
    `max_chunks` chunks, at most one per stream, streams taken round-robin, go through one vision
    and one prefill forward. A person asking gets priority, but live cameras keep a guaranteed
    share, and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
+   A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
+   `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
+   streams' chunks, until its rebuilt version is published: questions keep their turn between
+   pieces, and the stream's next chunk waits for the rebuild, as it must.
 """
 
 from __future__ import annotations
@@ -146,6 +150,16 @@ class Scheduler:
                 cls.run_batch(jobs)
             except Exception as e:
                 fail_all(jobs, e)
+        self._requeue([job for job in batch if not job.done])
+
+    def _requeue(self, unfinished: list[BatchJob]) -> None:
+        """A job that needs more batches (an exact eviction's rebuild) stays first in its lane, and
+        the lane goes to the back of the line like any other with work left."""
+        with self._lock:
+            for job in unfinished:
+                queue = self._lanes.pop(job.lane, deque())
+                queue.appendleft(job)
+                self._lanes[job.lane] = queue
 
     def _encode_is_due(self) -> bool:
         return self._encode_s < self.policy.encode_share * self._total_s or self._total_s == 0.0

@@ -20,7 +20,7 @@ import torch
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels, pad_to_temporal
 from common.engine.grid import FrameError, StreamSpec
-from common.engine.kvcache import CacheState, Segment, Version
+from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
@@ -180,9 +180,11 @@ class StreamEngine:
         )
         return Item(n_tokens, region, start), pos, segment
 
-    def _end(self, item: Item, segment: Segment, embeds: torch.Tensor) -> Appended:
-        before = {p.segment.id for p in self.head.placements}
-        version = self.cache.publish_chunk(segment, embeds)
+    def _appended(
+        self, previous: Version, version: Version, item: Item, segment: Segment, embeds: torch.Tensor
+    ) -> Appended:
+        """What `finish` hands on once `version` (the chunk's, replacing `previous`) is published."""
+        before = {p.segment.id for p in previous.placements}
         new = []
         for p in version.placements:
             if p.segment.id in before:
@@ -203,13 +205,17 @@ class StreamEngine:
 
 
 class ChunkJob(BatchJob):
-    """One chunk of one stream; a batch is at most one chunk per stream (each writes its stream's
-    head), run through one vision forward and one prefill forward."""
+    """One chunk of one stream. A batch holds at most one job per stream (each writes its stream's
+    head) and runs them through one vision forward and one prefill forward. A chunk that sets off
+    an exact eviction stays in its lane for more batches, adding one piece of the rebuild to each
+    batch's prefill, until the rebuilt version is published; other streams' chunks ride along."""
 
     def __init__(self, engine: StreamEngine, chunk: Chunk):
         super().__init__()
         self.engine, self.chunk = engine, chunk
         self.lane = engine.spec.name
+        self.started: tuple[Item, Segment] | None = None  # where the chunk was prefilled; its segment
+        self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled
 
     @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
@@ -218,19 +224,45 @@ class ChunkJob(BatchJob):
             raise ValueError("a batch holds at most one chunk per stream")
         try:
             _vision(chunk_jobs)
-            started = [j.engine._start(j.chunk) for j in chunk_jobs]
+            inputs = [j._input() for j in chunk_jobs]
             lm = chunk_jobs[0].engine.rt.lm
-            embeds = torch.cat([j.chunk.embeds for j in chunk_jobs])
-            positions = torch.cat([pos for _, pos, _ in started], dim=1)
-            lm.forward(embeds, positions, lm.plan([item for item, _, _ in started]))
-            results = [
-                j.engine._end(item, seg, j.chunk.embeds) for j, (item, _, seg) in zip(chunk_jobs, started, strict=True)
-            ]
+            embeds = torch.cat([e for e, _, _ in inputs])
+            positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
+            lm.forward(embeds, positions, lm.plan([item for _, _, item in inputs]))
+            results = [j._output() for j in chunk_jobs]
         except Exception as e:
             fail_all(chunk_jobs, e)
             return
         for job, result in zip(chunk_jobs, results, strict=True):
-            job.future.set_result(result)
+            if result is not None:
+                job.future.set_result(result)
+
+    def _input(self) -> tuple[torch.Tensor, torch.Tensor, Item]:
+        """What this job adds to the batch's prefill: its chunk, or the next piece of its rebuild."""
+        if self.rebuild is not None:
+            return self.rebuild.next_piece()
+        assert self.chunk.embeds is not None  # made by _vision
+        item, positions, segment = self.engine._start(self.chunk)
+        self.started = (item, segment)
+        return self.chunk.embeds, positions, item
+
+    def _output(self) -> Appended | None:
+        """After the forward: the result once the chunk's version is published; None while the
+        rebuild has pieces left (the head stays the version before the eviction meanwhile)."""
+        assert self.started is not None
+        cache, (item, segment) = self.engine.cache, self.started
+        previous = self.engine.head
+        if self.rebuild is None:
+            published = cache.publish_chunk(segment, self.chunk.embeds)
+            if isinstance(published, Rebuild):
+                self.rebuild = published
+                return None
+            version = published
+        elif self.rebuild.finished:
+            version = cache.complete(self.rebuild)
+        else:
+            return None
+        return self.engine._appended(previous, version, item, segment, self.chunk.embeds)
 
 
 def _vision(jobs: Sequence[ChunkJob]) -> None:

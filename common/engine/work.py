@@ -3,8 +3,10 @@
 Three shapes of work (vLLM's v1 engine separates the same way: the scheduler decides, the work
 knows how to run itself):
 
-- a `BatchJob` runs once; jobs of one class run together in one call (`run_batch`), e.g. the
-  chunks of many streams through one vision forward and one prefill forward;
+- a `BatchJob` belongs to a lane (a stream); jobs of one class, one per lane, run together in one
+  call (`run_batch`), e.g. the chunks of many streams through one vision forward and one prefill
+  forward. A job usually finishes in one batch; one that does not (a chunk that set off an exact
+  eviction, whose rebuild runs a piece per batch) stays first in its lane for the next;
 - a `StepJob` runs for many steps; every active job of one class advances by one step in one
   call (`step_batch`), e.g. one decode step of every question being answered;
 - a task is any callable that needs the GPU alone for a moment (a mirror applying a version).
@@ -23,27 +25,27 @@ from typing import Any, ClassVar, Protocol, TypeVar
 T = TypeVar("T")
 
 
-class BatchJob:
-    lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
-
-    def __init__(self) -> None:
-        self.future: Future[Any] = Future()
-
-    @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        """Run every job; resolve each job's future (result or exception)."""
-        raise NotImplementedError
-
-
-class StepJob:
-    max_batch: ClassVar[int] = 64
-
+class Job:
     def __init__(self) -> None:
         self.future: Future[Any] = Future()
 
     @property
     def done(self) -> bool:
         return self.future.done()
+
+
+class BatchJob(Job):
+    lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        """Run one batch of every job; resolve the future of each job that is finished (result or
+        exception). A job left unresolved runs again, before anything else of its lane."""
+        raise NotImplementedError
+
+
+class StepJob(Job):
+    max_batch: ClassVar[int] = 64
 
     @classmethod
     def step_batch(cls, jobs: Sequence[StepJob]) -> None:
@@ -57,19 +59,18 @@ class Executor(Protocol):
 
 
 class InlineExecutor:
-    """Runs each job alone, now, in the calling thread; a lock keeps threads out of each other's
-    forwards (a `streamvqa qa` mirror thread and its question thread, for example)."""
+    """Runs each job alone and to its end (every batch or step of it), now, in the calling thread; a
+    lock keeps threads out of each other's forwards (a `streamvqa qa` mirror thread and its question
+    thread, for example)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
 
     def submit(self, job: BatchJob | StepJob) -> Future[Any]:
+        run = type(job).run_batch if isinstance(job, BatchJob) else type(job).step_batch
         with self._lock:
-            if isinstance(job, BatchJob):
-                type(job).run_batch([job])
-            else:
-                while not job.done:
-                    type(job).step_batch([job])
+            while not job.done:
+                run([job])
         return job.future
 
     def call(self, fn: Callable[[], T]) -> T:
