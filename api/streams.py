@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from api import errors, replies
 from api.guard import require_token
-from common import status
+from common import placement, status
 from common.wire import keys
 from common.wire.transcript import Cue, render_transcript
 
@@ -37,10 +37,16 @@ async def stream_names(r: aredis.Redis) -> list[str]:
 async def collect(r: aredis.Redis, names: list[str]) -> dict:
     pipe = r.pipeline(transaction=False)
     status.queue_all(pipe, names)
-    return status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+    return status.all_from(names, await pipe.execute(raise_on_error=False), time.time()) | {"workers": await workers(r)}
 
 
-@router.get("/streams", summary="Every stream with its status, and the question queue")
+async def workers(r: aredis.Redis) -> list[dict]:
+    ids, pipe = placement.worker_ids(await r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
+    placement.queue_workers(pipe, ids)
+    return status.workers_from(ids, await pipe.execute(raise_on_error=False))
+
+
+@router.get("/streams", summary="Every stream with its status, the workers holding them, and the question queue")
 async def list_streams(request: Request) -> dict:
     r = request.app.state.r
     return await collect(r, await stream_names(r))
