@@ -204,8 +204,10 @@ class EncoderService:
             return bool(
                 self.r.xpending_range(keys.questions(name), keys.QA_GROUP, "-", "+", 1, consumername=self.cfg.consumer)
             )
-        except redis.ResponseError:  # no queue or no group yet: nothing taken
-            return False
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return False  # no queue or no group yet: nothing taken
 
     def _process(self, entries: list[redisio.Entry]) -> None:
         redisio.process(
