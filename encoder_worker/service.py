@@ -42,6 +42,7 @@ PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames gr
 LEASE_CHECK_MAX_S = 1.0  # leases renewed and free streams tried at least this often
 HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
 HAND_OFF_WAIT_S = 10.0  # a stream handed off waits this long at most for its partial chunk
+STOP_WAIT_S = 10.0  # at a clean stop, questions being answered here get this long to finish
 
 
 class EncoderService:
@@ -86,7 +87,12 @@ class EncoderService:
     def run(self, stop: threading.Event) -> None:
         log.info("encoder started", streams=self.names, consumer=self.cfg.consumer, max_streams=self.cfg.max_streams)
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+        # Streams are released only once the questions taken here are answered: the next owner
+        # would otherwise take them over while they are still being answered.
+        deadline = time.monotonic() + STOP_WAIT_S
         for name in list(self.owned):
+            while self._questions_taken(name) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self._release(name)
         self.placement.leave()
 
