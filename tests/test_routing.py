@@ -16,8 +16,11 @@ from common import redisio
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.placement import Placement, WorkerLoad
+from common.segment_store import MemoryStore
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, decode_answer
+from encoder_worker.config import EncoderConfig
+from encoder_worker.service import EncoderService
 from qa_worker.answering import Answerer
 from qa_worker.routing import Router, forward, requeue, take_over
 
@@ -27,6 +30,11 @@ CAM = "cam1"
 @pytest.fixture
 def r(redis_url: str) -> redis.Redis:
     return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
 
 
 def queued(r: redis.Redis, cam: str = CAM) -> list[dict[bytes, bytes]]:
@@ -44,8 +52,7 @@ def test_the_same_question_forwarded_twice_is_queued_once(r):
     assert 0 < r.pttl(keys.forwarded(CAM, "other-question")) <= 60_000
 
 
-def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r):
-    rt = Runtime(load_model("tiny-random"))  # only the error replies are produced here
+def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r, rt):
     answerer = Answerer(rt, r, lambda s, at: None, lambda s: s == CAM, consumer="a")
     router = Router(
         r, lambda s: s == CAM, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3
@@ -132,3 +139,46 @@ def test_heartbeats_show_live_workers_and_forget_dead_ones(r):
     assert b.beat([]) == [] and r.smembers(keys.WORKERS) == {b"b"}
     b.leave()
     assert not r.exists(keys.WORKERS, keys.worker("b"))
+
+
+def test_workers_take_streams_up_to_capacity_and_hand_off_to_a_newcomer(r, rt, redis_url):
+    """In process: three encoders step side by side over one Redis; placement settles as the rule says."""
+    cams = ("c1", "c2", "c3")
+    for cam in cams:  # described by ingest; no frames needed to own a stream
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+
+    store = MemoryStore()  # the segment store every worker reaches
+
+    def worker(name: str, capacity: int | None) -> EncoderService:
+        cfg = EncoderConfig(
+            redis_url=redis_url, streams=cams, consumer=name, max_streams=capacity, block_ms=20, lease_ms=1000
+        )
+        return EncoderService(cfg, rt, r, store)
+
+    def settle(workers: list[EncoderService], want: dict[str, int], timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while {w.cfg.consumer: len(w.owned) for w in workers} != want:
+            assert time.monotonic() < deadline, {w.cfg.consumer: sorted(w.owned) for w in workers}
+            for w in workers:
+                w.step()
+
+    a = worker("a", 2)
+    settle([a], {"a": 2})  # alone, but at capacity: one stream stays free
+    b = worker("b", None)
+    settle([a, b], {"a": 2, "b": 1})  # the free one is taken; 2 and 1 differ by one: nothing moves
+    taken = []  # a question of each of a's streams that a's QA (same consumer name) is answering
+    for cam in a.owned:
+        forward(r, cam, f"q-{cam}", {b"stream": cam.encode(), b"question": b"hi"}, ttl_s=60)
+        taken += redisio.GroupReader(r, [keys.questions(cam)], keys.QA_GROUP, "a", block_ms=20).read()
+    c = worker("c", None)
+    with pytest.raises(AssertionError):  # "a" is two above the newcomer, but its questions hold the stream
+        settle([a, b, c], {"a": 1, "b": 1, "c": 1}, timeout_s=1.5)
+    assert a.leaving in a.owned and a.leaving not in a.answering()  # still held; new questions wait
+    for queue, entry_id, _ in taken:  # answered
+        r.xack(queue, keys.QA_GROUP, entry_id)
+    settle([a, b, c], {"a": 1, "b": 1, "c": 1})  # now it hands one off
+    released = [f for cam in cams for _, f in r.xrange(keys.events(cam)) if f[b"type"] == b"encoder_released"]
+    assert [f[b"consumer"] for f in released] == [b"a"]
+    assert {r.get(keys.lease(cam)) for cam in cams} == {b"a", b"b", b"c"}
+    loads = {w.worker: (w.load, w.capacity) for w in a.placement.beat(a.owned)}
+    assert loads == {"b": (1, None), "c": (1, None)}
