@@ -3,7 +3,8 @@
 `svqa:questions` is the public entry point; any QA process reads it (group `qa`) and forwards each
 valid question to its stream's own queue, `svqa:{cam}:questions`, which only the processes that
 answer that stream read: the lease owner in `streamvqa worker`, the mirrors in split mode. An
-invalid question (unparsable, unknown stream) gets its error reply right there.
+invalid question (unparsable, unknown stream) gets its error reply right there, and so does one
+for a stream that was never started (no head: "no frames yet"), rather than wait for it.
 
 Exactly once by question id: forwarding is one Lua script on the stream's hash slot that sets the
 question's forwarded-marker (NX, with a TTL) and adds the entry only if the marker was new; the
@@ -106,7 +107,8 @@ class Router:
             q = parse_question(fields, entry_id=entry_id)
         except SchemaError:
             q = None
-        if q is None or not self.serves(q.stream):
+        # A stream with no head has never been started: nothing to wait for, "no frames yet" now.
+        if q is None or not self.serves(q.stream) or not self.r.exists(keys.head(q.stream)):
             self.reply(queue, entry_id, fields, attempt)  # its error reply, acked
             return
         forward(self.r, q.stream, q.id, fields, self.marker_ttl_s)

@@ -53,13 +53,14 @@ def test_the_same_question_forwarded_twice_is_queued_once(r):
 
 
 def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r, rt):
-    answerer = Answerer(rt, r, lambda s, at: None, lambda s: s == CAM, consumer="a")
-    router = Router(
-        r, lambda s: s == CAM, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3
-    )
+    known = {CAM, "cam2"}.__contains__
+    answerer = Answerer(rt, r, lambda s, at: None, known, consumer="a")
+    router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
+    r.set(keys.head(CAM), b"a manifest")  # CAM has been started; cam2 never was
     redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
     good = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "what now?"}).decode()
     unknown = r.xadd(keys.QUESTIONS, {"stream": "nope", "question": "hi"}).decode()
+    unstarted = r.xadd(keys.QUESTIONS, {"stream": "cam2", "question": "hi"}).decode()
     bad = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "hi", "max_tokens": "many"}).decode()
     entries = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100).read()
     router.route([e for e in entries if e[1] == good])
@@ -73,7 +74,8 @@ def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r
     assert [f[b"id"].decode() for f in queued(r)].count(good) == 1
     assert [f[b"question"] for f in queued(r)] == [b"what now?", b"later"]
     assert r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0, "every shared entry acked"
-    for qid, word in ((unknown, "unknown stream"), (bad, "max_tokens")):
+    assert not queued(r, "cam2"), "nothing to wait for: answered at once"
+    for qid, word in ((unknown, "unknown stream"), (unstarted, "no frames yet"), (bad, "max_tokens")):
         (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
         assert isinstance(final, FinalAnswer) and word in final.error
 
