@@ -11,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from api import errors, replies
 from api.guard import require_token
-from common import status
+from common import placement, status
 from common.wire import keys
 from common.wire.transcript import Cue, render_transcript
 
@@ -38,7 +38,9 @@ async def collect(request: Request, names: list[str]) -> dict:
     r, frames = request.app.state.r, request.app.state.frames
     pipe = r.pipeline(transaction=False)
     status.queue_all(pipe, names)
-    found = status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+    found = status.all_from(names, await pipe.execute(raise_on_error=False), time.time()) | {
+        "workers": await workers(r)
+    }
     if frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
@@ -46,7 +48,13 @@ async def collect(request: Request, names: list[str]) -> dict:
     return status.frames_from(found, await pipe.execute(raise_on_error=False))
 
 
-@router.get("/streams", summary="Every stream with its status, and the question queue")
+async def workers(r: aredis.Redis) -> list[dict]:
+    ids, pipe = placement.worker_ids(await r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
+    placement.queue_workers(pipe, ids)
+    return status.workers_from(ids, await pipe.execute(raise_on_error=False))
+
+
+@router.get("/streams", summary="Every stream with its status, the workers holding them, and the question queue")
 async def list_streams(request: Request) -> dict:
     return await collect(request, await stream_names(request.app.state.r))
 

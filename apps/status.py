@@ -1,7 +1,8 @@
 """`streamvqa status`: what a person looks at first when something seems wrong.
 
 Per stream: its source and grid (from ingest's meta), the head version (tokens, the capture-time
-ranges it holds, age), frames waiting for the encoder, the lease holder; then the question queue.
+ranges it holds, age), frames and questions waiting, the worker that holds it; then each worker's
+load (streams held / capacity) and the shared question queue.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import time
 
 import redis
 
-from common import boot, status
+from common import boot, placement, status
 from common.logs import configure_logging
+from common.wire import keys
 
 
 def streams(r: redis.Redis) -> list[str]:
@@ -25,12 +27,18 @@ def collect(r: redis.Redis, frames: redis.Redis | None = None) -> dict:
     """``frames``: the Redis holding the frames streams, when it is not ``r``."""
     names, pipe = streams(r), r.pipeline(transaction=False)
     status.queue_all(pipe, names)
-    found = status.all_from(names, pipe.execute(raise_on_error=False), time.time())
+    found = status.all_from(names, pipe.execute(raise_on_error=False), time.time()) | {"workers": workers(r)}
     if frames is None or frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
     status.queue_frames(pipe, names)
     return status.frames_from(found, pipe.execute(raise_on_error=False))
+
+
+def workers(r: redis.Redis) -> list[dict]:
+    ids, pipe = placement.worker_ids(r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
+    placement.queue_workers(pipe, ids)
+    return status.workers_from(ids, pipe.execute(raise_on_error=False))
 
 
 def _ranges(ranges: list[list[float]]) -> str:
@@ -42,19 +50,23 @@ def render(found: dict) -> str:
     for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
-        frames = s["frames"]
+        frames, questions = s["frames"], s["questions"]
         lines.append(
             f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
             f"seq {head.get('last_frame_seq', '-'):<6} video {_ranges(head.get('ranges') or [])}  "
             f"age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
-            f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} encoder {lease}  {s['source'] or ''}"
+            f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} "
+            f"questions {questions.get('lag', 0) + questions.get('pending', 0):<4} worker {lease}  {s['source'] or ''}"
         )
         if s["grid"] is None:  # ingest describes a stream once its source opened
             ev = s["last_event"] or {}
             lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
+    for w in found["workers"]:
+        capacity = "unbounded" if w["capacity"] is None else w["capacity"]
+        lines.append(f"worker {w['worker']:<24} {w['load']}/{capacity} streams: {','.join(w['streams']) or '-'}")
     q = found["questions"]
     lines.append(
-        f"questions: {q.get('lag', 0)} queued, {q.get('pending', 0)} being answered, "
+        f"questions: {q.get('lag', 0)} to route, {q.get('pending', 0)} being routed, "
         f"{q.get('consumers', 0)} qa workers; dead letters: {found['dead_letters']}"
     )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from common import placement
 from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
@@ -51,7 +52,7 @@ def group_from(replies: list[Any], group: str) -> dict:
     return info
 
 
-_PER_STREAM = 7  # replies queue_stream adds
+_PER_STREAM = 9  # replies queue_stream adds
 
 
 def queue_stream(pipe: Any, name: str) -> None:
@@ -62,10 +63,11 @@ def queue_stream(pipe: Any, name: str) -> None:
     pipe.get(keys.lease(name))
     pipe.pttl(keys.lease(name))
     pipe.xrevrange(keys.events(name), count=RECENT_EVENTS)
+    queue_group(pipe, keys.questions(name))
 
 
 def stream_from(name: str, replies: list[Any], now: float) -> dict:
-    meta_raw, head_raw, xlen, groups, holder, ttl, events = replies
+    meta_raw, head_raw, xlen, groups, holder, ttl, events, q_len, q_groups = replies
     out: dict = {"stream": name}
     try:
         meta = StreamMeta.from_hash(meta_raw if isinstance(meta_raw, dict) else {})
@@ -81,6 +83,7 @@ def stream_from(name: str, replies: list[Any], now: float) -> dict:
         out["head"] = _head(head_raw, out["live"], now)
     out["frames"] = group_from([xlen, groups], keys.ENCODER_GROUP)
     out["lease"] = {"holder": _text(holder), "ttl_ms": ttl} if holder else None
+    out["questions"] = group_from([q_len, q_groups], keys.QA_GROUP)  # routed here, for its owner
     out |= _from_events(events if isinstance(events, list) else [])
     return out
 
@@ -150,3 +153,16 @@ def all_from(names: list[str], replies: list[Any], now: float) -> dict:
         "questions": group_from(rest[:2], keys.QA_GROUP),
         "dead_letters": rest[2],
     }
+
+
+# --------------------------------------------------------------------------- workers (placement)
+# Two steps: the ids from `keys.WORKERS` (SMEMBERS), then ``placement.queue_workers(pipe, ids)`` and
+# ``workers_from`` on its replies.
+
+
+def workers_from(ids: list[str], replies: list[Any]) -> list[dict]:
+    """Live stream-owning workers: the streams each holds, its load and capacity (None: no bound)."""
+    return [
+        {"worker": w.worker, "streams": list(w.streams), "load": w.load, "capacity": w.capacity}
+        for w in placement.workers_from(ids, replies)
+    ]

@@ -28,7 +28,8 @@ class EncoderConfig:
     rebase: bool = True  # kept for old configs: false is eviction=absolute
     salient_chunks: int = 0  # chunks kept for a scene change, inside max_cache_tokens
     max_lag_s: float = 10.0  # live streams: frames older than this are dropped, not encoded
-    lease_ms: int = 15000
+    lease_ms: int = 5000  # a dead worker's streams are taken over within about lease_ms + 2 s
+    max_streams: int | None = None  # capacity: streams this worker holds at most (None: no bound)
     block_ms: int = 1000
     versions_maxlen: int = 1000
     keep_versions: int = 4  # segments of this many recent versions survive garbage collection
@@ -43,6 +44,8 @@ class EncoderConfig:
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
+        if self.max_streams is not None and self.max_streams < 0:
+            raise ValueError(f"max_streams must be 0 or more, got {self.max_streams}")
         for name in self.streams:
             check_stream_name("streams", name)
         if not self.streams and not self.cameras_file:

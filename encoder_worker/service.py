@@ -1,5 +1,11 @@
 """`streamvqa encoder`: take leases on streams, read their frames, publish cache versions.
 
+Placement (`common.placement`): at every lease check (at least once a second) the worker renews
+its leases, writes its heartbeat, takes free streams when it is first in line and below
+`max_streams`, and hands one stream off, at most every HAND_OFF_EVERY_S, when another worker
+holds two fewer. A dead worker's streams are therefore taken over within about lease_ms +
+2 x LEASE_CHECK_MAX_S (+ the time to restore the cache from the segment store).
+
 One loop: keep leases, read frames of owned streams (consumer group `enc`, own pending entries
 first after a restart), hand each to its OwnedStream inside the processing boundary
 (`redisio.process`): a bad entry, or one delivered too often, is dead-lettered with an event;
@@ -22,6 +28,7 @@ from common.config import load_cameras_file
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.lease import Lease
+from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
 from common.wire.schemas import decode_frame
@@ -32,6 +39,10 @@ log = structlog.get_logger()
 
 READ_PER_STREAM = 16  # frames entries read per owned stream and step
 PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames groups
+LEASE_CHECK_MAX_S = 1.0  # leases renewed and free streams tried at least this often
+HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
+HAND_OFF_WAIT_S = 10.0  # a stream handed off waits this long at most for its partial chunk
+STOP_WAIT_S = 10.0  # at a clean stop, questions being answered here get this long to finish
 
 
 class EncoderService:
@@ -44,6 +55,11 @@ class EncoderService:
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
+        self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms)
+        self.leaving: str | None = None  # the stream being handed off to a less loaded worker
+        self._leaving_since = 0.0
+        self._last_hand_off = -HAND_OFF_EVERY_S
+        self._free_since: dict[str, float] = {}  # streams seen without a lease, and since when
         self.reader = redisio.GroupReader(
             self.frames,
             [],
@@ -56,9 +72,12 @@ class EncoderService:
         # share its batches; entries of one stream stay in order, in one task.
         self.streams_pool = ThreadPoolExecutor(max_workers=max(1, len(self.names)), thread_name_prefix="stream")
         self._last_lease_check = 0.0
+        self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._last_prune = time.monotonic()
 
     # -- a version source for QA in the same process (qa_worker.service.VersionSource) -----------
+    exclusive = True  # the lease owner alone answers a stream's questions
+
     def get(self, stream: str, at: int | None = None) -> Version | None:
         """The head of an owned stream (`at` answers only when it names the head)."""
         owned = self.owned.get(stream)
@@ -70,20 +89,21 @@ class EncoderService:
     def serves(self, stream: str) -> bool:
         return stream in self.names
 
-    def wait_ready(self, stop: threading.Event) -> None:
-        """Until every served stream that has a head is restored (a dead predecessor's lease
-        expires within lease_ms), so a question never meets a stream not yet reopened."""
-        deadline = time.monotonic() + 2 * self.cfg.lease_ms / 1000 + 5
-        while waiting := [n for n in self.names if n not in self.owned and self.r.exists(keys.head(n))]:
-            if stop.wait(0.1) or time.monotonic() > deadline:
-                log.warning("streams not restored in time; answering anyway", streams=waiting)
-                return
+    def answering(self) -> list[str]:
+        """Owned streams, restored; not the one being handed off (its questions wait for the next owner)."""
+        return [n for n in list(self.owned) if n != self.leaving]
 
     def run(self, stop: threading.Event) -> None:
-        log.info("encoder started", streams=self.names, consumer=self.cfg.consumer)
+        log.info("encoder started", streams=self.names, consumer=self.cfg.consumer, max_streams=self.cfg.max_streams)
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+        # Streams are released only once the questions taken here are answered: the next owner
+        # would otherwise take them over while they are still being answered.
+        deadline = time.monotonic() + STOP_WAIT_S
         for name in list(self.owned):
+            while self._questions_taken(name) and time.monotonic() < deadline:
+                time.sleep(0.05)
             self._release(name)
+        self.placement.leave()
 
     def step(self) -> None:
         """One blocking read of frames, then every stream's entries at once (one task per stream)."""
@@ -94,6 +114,8 @@ class EncoderService:
         for done in [self.streams_pool.submit(self._process, entries) for entries in by_stream.values()]:
             done.result()  # an outage raised in a task is ridden out by run()
         self._keep_leases_if_due()
+        if self.leaving is not None:
+            self._finish_hand_off(self.leaving)
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
             for name in self.owned:
@@ -110,31 +132,97 @@ class EncoderService:
         self.reader.reset()
 
     def _keep_leases_if_due(self) -> None:
-        if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
+        if time.monotonic() - self._last_lease_check > self._lease_check_s:
             self._keep_leases()
 
     def _keep_leases(self) -> None:
+        """Renew what we hold, say so (heartbeat), take free streams, maybe start one hand-off."""
         self._last_lease_check = time.monotonic()
-        for name, lease in self.leases.items():
-            if name in self.owned:
-                if not lease.renew():
-                    log.warning("lease lost; another encoder owns the stream now", stream=name)
-                    self._drop(name)
-            elif lease.acquire():
-                try:
-                    self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name, self.frames)
-                except StreamNotReady:
-                    lease.release()  # ingest has not described the stream yet; try again later
-                    continue
-                # Frames another consumer read but never acked belong to a dead owner: take them over
-                # before reading on, so nothing is skipped and the file source is not held back.
-                redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
-                redisio.claim_stale(
-                    self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000
-                )
-                self.reader.add(keys.frames(name))
-                event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+        for name in list(self.owned):
+            if not self.leases[name].renew():
+                log.warning("lease lost; another encoder owns the stream now", stream=name)
+                self._drop(name)
+        held = set(self.owned)
+        others = self.placement.beat(held)
+        self._take_free(others)
+        self._start_hand_off_if_due(others)
+        if set(self.owned) != held:
+            self.placement.beat(self.owned)  # the others decide on what we hold now
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
+
+    def _take_free(self, others: list[WorkerLoad]) -> None:
+        for name in self.names:
+            if name in self.owned:
+                continue
+            if not self.placement.has_room(len(self.owned)):
+                return
+            first = self.placement.first_in_line(len(self.owned), others)
+            if (first or self._free_too_long(name)) and self.leases[name].acquire():
+                self._open(name)
+
+    def _free_too_long(self, name: str) -> bool:
+        """A stream nobody took for a whole lease (the workers first in line do not list it, say):
+        whoever has room takes it."""
+        if self.r.exists(keys.lease(name)):
+            self._free_since.pop(name, None)
+            return False
+        since = self._free_since.setdefault(name, time.monotonic())
+        return time.monotonic() - since > self.cfg.lease_ms / 1000
+
+    def _open(self, name: str) -> None:
+        """Restore a stream whose lease we just took (nothing re-encoded) and start reading its frames."""
+        self._free_since.pop(name, None)
+        try:
+            self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name, self.frames)
+        except StreamNotReady:
+            self.leases[name].release()  # ingest has not described the stream yet; try again later
+            return
+        # Frames another consumer read but never acked belong to a dead or departed owner: take
+        # them over before reading on, so nothing is skipped and the file source is not held back.
+        redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
+        redisio.claim_stale(self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
+        self.reader.add(keys.frames(name))
+        event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+
+    def _start_hand_off_if_due(self, others: list[WorkerLoad]) -> None:
+        """Above the fair share: stop answering one stream's questions, release it soon after."""
+        if self.leaving is not None or time.monotonic() - self._last_hand_off < HAND_OFF_EVERY_S:
+            return
+        if not self.owned or not self.placement.should_hand_off(len(self.owned), others):
+            return
+        self.leaving = min(self.owned, key=lambda n: len(self.owned[n].pending))  # nearest a chunk boundary
+        self._leaving_since = time.monotonic()
+        log.info("handing a stream off to a less loaded worker", stream=self.leaving, held=len(self.owned))
+
+    def _finish_hand_off(self, name: str) -> None:
+        """Release the stream once its questions taken here are answered and, preferably, at a chunk
+        boundary; a partial chunk's frames stay un-acked and its next owner claims them."""
+        owned = self.owned.get(name)
+        if owned is None:  # lost meanwhile
+            self.leaving = None
+            return
+        if owned.pending and time.monotonic() - self._leaving_since < HAND_OFF_WAIT_S:
+            return
+        if self._questions_taken(name):
+            return
+        self.leaving = None
+        self._last_hand_off = time.monotonic()
+        self._release(name)
+        event(self.r, name, "encoder_released", consumer=self.cfg.consumer, unencoded=len(owned.pending))
+        log.info("stream handed off", stream=name, held=len(self.owned))
+        self.placement.beat(self.owned)
+
+    def _questions_taken(self, name: str) -> bool:
+        """Has this process (QA in `streamvqa worker` uses the same consumer name) questions of the
+        stream still pending, i.e. being answered?"""
+        try:
+            return bool(
+                self.r.xpending_range(keys.questions(name), keys.QA_GROUP, "-", "+", 1, consumername=self.cfg.consumer)
+            )
+        except redis.ResponseError as e:
+            if "NOGROUP" not in str(e):
+                raise
+            return False  # no queue or no group yet: nothing taken
 
     def _process(self, entries: list[redisio.Entry]) -> None:
         redisio.process(
@@ -192,6 +280,8 @@ class EncoderService:
     def _drop(self, name: str) -> None:
         self.owned.pop(name, None)
         self.reader.remove(keys.frames(name))
+        if self.leaving == name:
+            self.leaving = None
 
     def _release(self, name: str) -> None:
         self._drop(name)

@@ -59,17 +59,18 @@ class Answerer:
         self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
 
     def handle_entries(self, entries: list[redisio.Entry]) -> None:
-        """Answer `svqa:questions` entries, each inside the processing boundary; never raises for
+        """Answer question entries, each inside the processing boundary; never raises for
         what an entry holds (only for Redis being unreachable)."""
         redisio.process(
             self.r, keys.QA_GROUP, self.consumer, entries, self.handle, self.reject, max_deliveries=self.max_deliveries
         )
 
-    def handle(self, _stream: str, entry_id: str, fields: dict, attempt: int = 1) -> None:
-        """Answer one entry and ack it (``attempt``: its delivery count, carried by the deltas)."""
+    def handle(self, queue: str, entry_id: str, fields: dict, attempt: int = 1) -> None:
+        """Answer one entry of ``queue`` (`svqa:questions` or a stream's own) and ack it there
+        (``attempt``: its delivery count, carried by the deltas)."""
         qid = question_id_of(fields, entry_id)
         if qid is None:
-            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, "no usable question id", group=keys.QA_GROUP)
+            redisio.dead_letter(self.r, queue, entry_id, fields, "no usable question id", group=keys.QA_GROUP)
             return
         bound = log.bind(qid=qid)
         if self._already_answered(qid):
@@ -84,19 +85,19 @@ class Answerer:
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
             if final.first_token_s is not None:
                 metrics.FIRST_TOKEN_SECONDS.observe(final.first_token_s)
-        self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
+        self.r.xack(queue, keys.QA_GROUP, entry_id)
 
-    def reject(self, _stream: str, entry_id: str, fields: dict, reason: str) -> None:
+    def reject(self, queue: str, entry_id: str, fields: dict, reason: str) -> None:
         """The boundary's verdict on an entry that failed: an error reply if it has an id, else a
         dead letter; acked either way."""
         qid = question_id_of(fields, entry_id)
         if qid is None:
-            redisio.dead_letter(self.r, keys.QUESTIONS, entry_id, fields, reason, group=keys.QA_GROUP)
+            redisio.dead_letter(self.r, queue, entry_id, fields, reason, group=keys.QA_GROUP)
             return
         if not self._already_answered(qid):
             self._finish(FinalAnswer(id=qid, stream=None, error=f"question not answered: {reason}"), self.reply_ttl_s)
             metrics.QUESTIONS.labels("error").inc()
-        self.r.xack(keys.QUESTIONS, keys.QA_GROUP, entry_id)
+        self.r.xack(queue, keys.QA_GROUP, entry_id)
 
     def _answer(self, qid: str, entry_id: str, fields: dict, attempt: int, bound) -> tuple[FinalAnswer, int]:
         """The final answer and how long its reply stream lives."""

@@ -57,7 +57,10 @@ class StreamMirror:
 
 
 class Mirror:
-    """Mirrors every served stream; `get(stream)` is the head, `get(stream, at)` a recent version."""
+    """Mirrors every served stream; `get(stream)` is the head, `get(stream, at)` a recent version.
+    The constructor catches every stream up from its head, so questions can be answered at once."""
+
+    exclusive = False  # every QA process that mirrors a stream answers its questions
 
     def __init__(self, rt: Runtime, r: redis.Redis, store: SegmentStore, streams: list[str], block_ms: int = 1000):
         self.r, self.block_ms = r, block_ms
@@ -73,8 +76,8 @@ class Mirror:
     def serves(self, stream: str) -> bool:
         return stream in self.streams
 
-    def wait_ready(self, stop: threading.Event) -> None:
-        """Ready at once: the constructor caught up every stream from its head."""
+    def answering(self) -> list[str]:
+        return list(self.streams)
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set():

@@ -1,8 +1,10 @@
-"""`streamvqa qa`: answer questions from `svqa:questions` against mirrored cache versions.
+"""`streamvqa qa`: answer questions against mirrored cache versions.
 
-Two threads: the mirror tails cache versions; the main loop reads questions (consumer group
-`qa`, own pending entries first after a restart), reclaims questions of dead workers, and runs
-periodic jobs when they are due.
+Two threads: the mirror tails cache versions; the main loop reads `svqa:questions` and the queues
+of the streams it answers now (consumer group `qa`, own pending entries first after a restart),
+forwards each question of the shared queue to its stream's queue (`qa_worker.routing`), answers
+those of its streams' queues, reclaims questions of dead workers, and runs periodic jobs when
+they are due.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
 from qa_worker.jobs import JobRunner, model_answer
 from qa_worker.mirror import Mirror
+from qa_worker.routing import Router, requeue, take_over
 
 log = structlog.get_logger()
 
@@ -34,10 +37,14 @@ PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the questions
 class VersionSource(Protocol):
     """Where versions come from: a Mirror (separate encoder) or the encoder in this process."""
 
+    # True when only this process answers the streams it answers now (it holds their leases): it
+    # then takes over their pending questions at once when it gets a stream.
+    exclusive: bool
+
     def get(self, stream: str, at: int | None = None) -> Version | None: ...
-    def serves(self, stream: str) -> bool: ...
+    def serves(self, stream: str) -> bool: ...  # known here: a question for another gets an error reply
+    def answering(self) -> list[str]: ...  # streams whose own question queues this process reads now
     def run(self, stop: threading.Event) -> None: ...
-    def wait_ready(self, stop: threading.Event) -> None: ...
 
 
 def served_streams(cfg: QAConfig) -> list[str]:
@@ -66,14 +73,24 @@ class QAService:
         self.jobs = JobRunner(
             r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir, frames=frames
         )
+        self.router = Router(
+            r,
+            versions.serves,
+            self.answerer.handle,
+            self.answerer.reject,
+            consumer=cfg.consumer,
+            marker_ttl_s=cfg.reply_ttl_s,
+            max_deliveries=cfg.max_deliveries,
+        )
         self.reader = redisio.GroupReader(
             r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
+        self.queues: set[str] = set()  # the per-stream question queues the reader follows now
         # Questions are answered side by side, so the GPU scheduler batches their decode steps; a
         # free slot is taken before an entry is read, so at most max_in_flight are taken at once.
         self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
         self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
-        self.in_flight: set[str] = set()  # entry ids being answered: a reclaim must not start them twice
+        self.in_flight: set[tuple[str, str]] = set()  # (queue, entry id) being answered: never twice at once
         self._in_flight_lock = threading.Lock()
         self._last_claim = 0.0
         self._last_prune = time.monotonic()
@@ -83,9 +100,6 @@ class QAService:
         log.info("qa started", consumer=self.cfg.consumer)
         versions = threading.Thread(target=self._run_versions, args=(stop,), name="versions", daemon=True)
         versions.start()
-        # Questions wait until the streams this worker serves are restored: after a restart, a
-        # stream with a head must not answer "no frames yet".
-        self.versions.wait_ready(stop)
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.reader.reset)
         self.questions_pool.shutdown(wait=True)  # questions in flight get their final answers
         self.jobs.flush()
@@ -103,25 +117,46 @@ class QAService:
             stop.set()
 
     def step(self) -> None:
+        self._follow_streams()
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
-            stale = redisio.claim_stale(
-                self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms
-            )
-            self._dispatch(stale)
-            redisio.trim_consumed(self.r, keys.QUESTIONS, keys.QA_GROUP)
+            for queue in [keys.QUESTIONS, *sorted(self.queues)]:
+                stale = redisio.claim_stale(self.r, queue, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms)
+                self._dispatch(stale)
+                redisio.trim_consumed(self.r, queue, keys.QA_GROUP)
         self._dispatch(self.reader.read())
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
-            redisio.prune_consumers(self.r, keys.QUESTIONS, keys.QA_GROUP, self.cfg.consumer)
+            for queue in [keys.QUESTIONS, *sorted(self.queues)]:
+                redisio.prune_consumers(self.r, queue, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
 
+    def _follow_streams(self) -> None:
+        """Read the question queues of the streams answered here now. A stream just taken over
+        brings the questions its previous owner had taken and not answered (read as our own
+        pending history next)."""
+        wanted = {keys.questions(s) for s in self.versions.answering()}
+        for queue in self.queues - wanted:
+            self.reader.remove(queue)
+        for queue in sorted(wanted - self.queues):
+            self.reader.add(queue)
+            if self.versions.exclusive:
+                take_over(self.r, queue, self.cfg.consumer)
+        self.queues = wanted
+
     def _dispatch(self, entries: list[redisio.Entry]) -> None:
+        self.router.route([e for e in entries if e[0] == keys.QUESTIONS])  # fast: no model involved
+        answering = set(self.versions.answering())
         for entry in entries:
+            if entry[0] == keys.QUESTIONS:
+                continue
+            if keys.stream_of(entry[0]) not in answering:
+                requeue(self.r, entry, self.cfg.consumer)  # the stream moved on: its new owner answers
+                continue
             with self._in_flight_lock:
-                if entry[1] in self.in_flight:
+                if entry[:2] in self.in_flight:
                     continue  # our own, still being answered (idle only because it is slow)
-                self.in_flight.add(entry[1])
+                self.in_flight.add(entry[:2])
             self.slots.acquire()
             self.questions_pool.submit(self._answer_one, entry)
 
@@ -134,7 +169,7 @@ class QAService:
             log.exception("question handling failed", entry=entry[1])
         finally:
             with self._in_flight_lock:
-                self.in_flight.discard(entry[1])
+                self.in_flight.discard(entry[:2])
             self.slots.release()
 
 

@@ -12,9 +12,11 @@ import redis
 
 from common import redisio
 from common.lease import Lease
+from common.placement import Placement
 from common.wire import keys
 from common.wire.schemas import EndOfStream, encode_delta, encode_frame
 from qa_worker.client import Client
+from qa_worker.routing import forward, requeue, take_over
 from tests.conftest import RedisServer
 
 ACL = Path(__file__).resolve().parent.parent / "deploy" / "users.acl.example"
@@ -71,12 +73,26 @@ def encoder_job(r: redis.Redis) -> None:
     redisio.dead_letter(r, keys.frames(CAM), entries[0][1], entries[0][2], "test", group=keys.ENCODER_GROUP)
     redisio.prune_consumers(r, keys.frames(CAM), keys.ENCODER_GROUP, "enc")
     r.xadd(keys.events(CAM), {"type": "encoder_attached"})
+    placement = Placement(r, "enc", 4, 5000)  # heartbeat, and the hand-off's look at questions taken
+    placement.beat([CAM])
+    try:
+        r.xpending_range(keys.questions(CAM), keys.QA_GROUP, "-", "+", 1, consumername="enc")
+    except redis.ResponseError as e:  # allowed, only no queue yet
+        assert "NOGROUP" in str(e)
+    placement.leave()
 
 
 def qa_job(r: redis.Redis) -> None:
     reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=50)
     entries = reader.read()
     redisio.claim_stale(r, keys.QUESTIONS, keys.QA_GROUP, "qa", 60_000)
+    for _, eid, fields in entries:  # routing: to the stream's queue, taken over, given back
+        forward(r, CAM, eid, fields, ttl_s=60)
+    reader.add(keys.questions(CAM))
+    take_over(r, keys.questions(CAM), "qa")
+    for entry in reader.read():
+        requeue(r, entry, "qa")
+    redisio.trim_consumed(r, keys.questions(CAM), keys.QA_GROUP)
     r.get(keys.head(CAM))
     r.xread({keys.versions(CAM): "0"}, count=1)
     r.get(keys.segment(CAM, "s1"))
@@ -111,6 +127,9 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert api.xrange(keys.events(CAM)) and api.xrange(keys.answer("q1")) and api.xlen(keys.DEAD_LETTER)
     assert api.exists(keys.meta(CAM)) and api.hgetall(keys.latest_frame(CAM)) and api.xrevrange(keys.alerts(CAM))
     assert api.hgetall(keys.alert_frame(CAM, "a1")) and api.pttl(keys.lease(CAM))
+    Placement(encoder, "enc", None, 5000).beat([CAM])
+    assert api.smembers(keys.WORKERS) == {b"enc"} and api.hgetall(keys.worker("enc"))
+    assert api.xinfo_groups(keys.questions(CAM))
     ingest_job(ingest)
     Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
     encoder_job(worker)
@@ -127,6 +146,10 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: worker.hset(keys.meta(CAM), "height", 1))
     assert denied(lambda: qa.set(keys.head(CAM), b"forged"))
     assert denied(lambda: qa.set(keys.lease(CAM), "qa"))
+    assert denied(lambda: qa.hset(keys.worker("qa"), "streams", CAM))
+    assert denied(lambda: encoder.xadd(keys.questions(CAM), {"stream": CAM, "question": "forged"}))
+    assert denied(lambda: client.xadd(keys.questions(CAM), {"stream": CAM, "question": "skips routing"}))
+    assert denied(lambda: api.hset(keys.worker("enc"), "streams", ""))
     assert denied(lambda: qa.xadd(keys.frames(CAM), {"m": b"x"}))
     assert denied(lambda: client.xrange(keys.frames(CAM)))
     assert denied(lambda: client.xrange(keys.QUESTIONS))  # others' questions

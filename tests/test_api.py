@@ -153,6 +153,8 @@ def test_streams_status_and_events(live):
     assert cam["state"] == "eof" and cam["connected"] is False, "the file ended: its last ingest event is eof"
     assert cam["dropped"] == 0 and cam["head"]["lag_s"] is None  # a file: no wall-clock lag
     assert found["questions"]["consumers"] >= 1
+    (worker,) = found["workers"]  # the same placement section as `streamvqa status`
+    assert worker["worker"] == cam["lease"]["holder"] and worker["streams"] == [CAM] and worker["load"] == 1
     assert live.http.get(f"/api/streams/{CAM}").json()["head"]["tokens"] > 0
     kinds = [e["type"] for e in live.http.get(f"/api/streams/{CAM}/events").json()["events"]]
     assert "connected" in kinds and kinds[-1] in ("eof", "eos", "encoder_attached")

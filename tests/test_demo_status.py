@@ -59,10 +59,13 @@ def test_status_shows_streams_versions_queues_and_leases(redis_url, tmp_path):
         assert cam["stream"] == "cam1" and cam["head"]["last_frame_seq"] == 5 and cam["head"]["tokens"] > 0
         assert cam["lease"]["holder"] and cam["frames"]["pending"] == 0
         assert status["questions"]["length"] == 1
+        (worker,) = status["workers"]  # who holds what, and its load
+        assert worker == {"worker": cam["lease"]["holder"], "streams": ["cam1"], "load": 1, "capacity": None}
         human = subprocess.run(
             [STREAMVQA, "status", "--redis-url", redis_url], capture_output=True, text=True, timeout=60
         )
         assert "cam1" in human.stdout and "questions:" in human.stdout
+        assert f"worker {worker['worker']}" in human.stdout and "1/unbounded streams: cam1" in human.stdout
     finally:
         services.stop_all()
 

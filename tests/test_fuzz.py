@@ -146,7 +146,8 @@ def test_hostile_entries_never_stop_the_worker(worker):
         questions.append((r.xadd(keys.QUESTIONS, fields).decode(), fields))
     for _ in range(N_FRAMES):
         r.xadd(keys.frames(CAM), hostile_frame(rng, 3))
-    wait_for(lambda: drained(r, keys.QUESTIONS, keys.QA_GROUP), 55, "every question handled", services)
+    queues = (keys.QUESTIONS, keys.questions(CAM))  # forwarded from the first to the stream's own
+    wait_for(lambda: all(drained(r, q, keys.QA_GROUP) for q in queues), 55, "every question handled", services)
     wait_for(lambda: drained(r, keys.frames(CAM), keys.ENCODER_GROUP), 20, "every frame entry handled", services)
     elapsed = time.monotonic() - t0
     assert proc.poll() is None, services.logs()

@@ -9,6 +9,7 @@ PREFIX = "svqa"
 QUESTIONS = f"{PREFIX}:questions"
 ANSWERS = f"{PREFIX}:answers"
 DEAD_LETTER = f"{PREFIX}:deadletter"
+WORKERS = f"{PREFIX}:workers"  # set of stream-owning worker ids; a worker is live while its `worker` key exists
 
 ENCODER_GROUP = "enc"
 QA_GROUP = "qa"
@@ -42,6 +43,21 @@ def lease(cam: str) -> str:
 
 def transcript(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:transcript"
+
+
+def questions(cam: str) -> str:
+    """The stream's own question queue: questions forwarded from `QUESTIONS`, read by its owner."""
+    return f"{PREFIX}:{{{cam}}}:questions"
+
+
+def forwarded(cam: str, qid: str) -> str:
+    """Marker (with a TTL) that question `qid` was forwarded to `questions(cam)`: once, whoever retries."""
+    return f"{PREFIX}:{{{cam}}}:fwd:{qid}"
+
+
+def worker(worker_id: str) -> str:
+    """A stream-owning worker's heartbeat (hash with a TTL): capacity and the streams it holds."""
+    return f"{PREFIX}:worker:{worker_id}"
 
 
 def answer(qid: str) -> str:

@@ -1,0 +1,115 @@
+"""Which worker holds which streams: heartbeats, and the rule that spreads streams over workers.
+
+Every stream-owning worker (`streamvqa worker`, `streamvqa encoder`) writes a heartbeat at every
+lease check (about once a second): `keys.worker(id)`, a hash with its capacity and the streams it
+holds, with a TTL of one lease, so that it vanishes with the leases of a dead worker; and its id
+in the set `keys.WORKERS`, which is how the others and `streamvqa status` find it (no key scan).
+
+The rule, applied by each worker on its own from what the heartbeats say (no coordinator):
+- take a free stream while below capacity if no other live worker with room holds fewer streams
+  (the least loaded goes first; a tie is settled by the lease's SET NX);
+- hand one stream off when some other live worker with room holds at least two fewer.
+Together they leave every worker with the floor or the ceiling of streams / live workers (the
+fair share), capped by its capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from common.wire import keys
+
+
+def _text(x: bytes | str) -> str:
+    return x.decode("utf-8", "replace") if isinstance(x, bytes) else x
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """One worker's heartbeat: who it is, what it holds, how much it may hold (None: no bound)."""
+
+    worker: str
+    streams: tuple[str, ...]
+    capacity: int | None
+
+    @property
+    def load(self) -> int:
+        return len(self.streams)
+
+    @property
+    def has_room(self) -> bool:
+        return self.capacity is None or self.load < self.capacity
+
+    def to_hash(self) -> dict[str, str]:
+        # Stream names never hold a comma (check_stream_name), so a comma-joined list is unambiguous.
+        return {"capacity": "" if self.capacity is None else str(self.capacity), "streams": ",".join(self.streams)}
+
+    @classmethod
+    def from_hash(cls, worker: str, raw: dict[Any, Any]) -> WorkerLoad:
+        fields = {_text(k): _text(v) for k, v in raw.items()}
+        capacity = fields.get("capacity", "")
+        streams = tuple(s for s in fields.get("streams", "").split(",") if s)
+        return cls(worker, streams, int(capacity) if capacity.isdigit() else None)
+
+
+def worker_ids(members: Iterable[bytes | str]) -> list[str]:
+    return sorted(_text(m) for m in members)
+
+
+def queue_workers(pipe: Any, ids: list[str]) -> None:
+    """Queue what ``workers_from`` reads (sync or asyncio pipeline alike)."""
+    for worker in ids:
+        pipe.hgetall(keys.worker(worker))
+
+
+def workers_from(ids: list[str], replies: list[Any]) -> list[WorkerLoad]:
+    """Live workers: those whose heartbeat key still exists."""
+    return [WorkerLoad.from_hash(w, raw) for w, raw in zip(ids, replies, strict=True) if isinstance(raw, dict) and raw]
+
+
+class Placement:
+    """This worker's heartbeat and its side of the placement rule."""
+
+    def __init__(self, r: redis.Redis, worker: str, capacity: int | None, ttl_ms: int):
+        self.r, self.worker, self.capacity, self.ttl_ms = r, worker, capacity, ttl_ms
+
+    def beat(self, owned: Iterable[str]) -> list[WorkerLoad]:
+        """Say we are alive and hold ``owned``; returns the other live workers as they last said."""
+        key = keys.worker(self.worker)
+        me = WorkerLoad(self.worker, tuple(sorted(owned)), self.capacity)
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hset(key, mapping=me.to_hash())
+        pipe.pexpire(key, self.ttl_ms)
+        pipe.sadd(keys.WORKERS, self.worker)
+        pipe.smembers(keys.WORKERS)
+        ids = [w for w in worker_ids(pipe.execute()[-1]) if w != self.worker]
+        pipe = self.r.pipeline(transaction=False)
+        queue_workers(pipe, ids)
+        others = workers_from(ids, pipe.execute())
+        if gone := set(ids) - {o.worker for o in others}:  # heartbeats expired: dead workers
+            self.r.srem(keys.WORKERS, *gone)
+        return others
+
+    def leave(self) -> None:
+        """A clean exit: the others need not wait for the heartbeat to expire."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.delete(keys.worker(self.worker))
+        pipe.srem(keys.WORKERS, self.worker)
+        pipe.execute()
+
+    def has_room(self, load: int) -> bool:
+        return self.capacity is None or load < self.capacity
+
+    def first_in_line(self, load: int, others: list[WorkerLoad]) -> bool:
+        """May this worker, holding ``load`` streams, take a free one now?"""
+        return self.has_room(load) and all(load <= o.load for o in others if o.has_room)
+
+    @staticmethod
+    def should_hand_off(load: int, others: list[WorkerLoad]) -> bool:
+        """Is this worker, holding ``load`` streams, two or more above a worker that has room?"""
+        lighter = [o.load for o in others if o.has_room]
+        return bool(lighter) and load >= min(lighter) + 2

@@ -1,0 +1,186 @@
+"""Question routing and stream placement, piece by piece against a real redis-server.
+
+Forwarding from `svqa:questions` to a stream's own queue happens once per question id, however
+often it is retried; questions left behind by a departed owner go to the next one; the placement
+rule spreads streams over workers. The multi-process version is tests/test_placement.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from common import redisio
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.placement import Placement, WorkerLoad
+from common.segment_store import MemoryStore
+from common.wire import keys
+from common.wire.schemas import FinalAnswer, decode_answer
+from encoder_worker.config import EncoderConfig
+from encoder_worker.service import EncoderService
+from qa_worker.answering import Answerer
+from qa_worker.routing import Router, forward, requeue, take_over
+
+CAM = "cam1"
+
+
+@pytest.fixture
+def r(redis_url: str) -> redis.Redis:
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def queued(r: redis.Redis, cam: str = CAM) -> list[dict[bytes, bytes]]:
+    return [f for _, f in r.xrange(keys.questions(cam))]
+
+
+def test_the_same_question_forwarded_twice_is_queued_once(r):
+    fields = {b"stream": CAM.encode(), b"question": b"what now?", b"max_tokens": b"4"}
+    assert forward(r, CAM, "1700000000000-0", fields, ttl_s=60)
+    assert not forward(r, CAM, "1700000000000-0", fields, ttl_s=60)  # a retry: the marker stops it
+    assert forward(r, CAM, "other-question", fields, ttl_s=60)
+    first, second = queued(r)
+    assert first == fields | {b"id": b"1700000000000-0"}, "the id travels explicitly: the entry id is new"
+    assert second[b"id"] == b"other-question"
+    assert 0 < r.pttl(keys.forwarded(CAM, "other-question")) <= 60_000
+
+
+def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r, rt):
+    known = {CAM, "cam2"}.__contains__
+    answerer = Answerer(rt, r, lambda s, at: None, known, consumer="a")
+    router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
+    r.set(keys.head(CAM), b"a manifest")  # CAM has been started; cam2 never was
+    redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
+    good = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "what now?"}).decode()
+    unknown = r.xadd(keys.QUESTIONS, {"stream": "nope", "question": "hi"}).decode()
+    unstarted = r.xadd(keys.QUESTIONS, {"stream": "cam2", "question": "hi"}).decode()
+    bad = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "hi", "max_tokens": "many"}).decode()
+    entries = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100).read()
+    router.route([e for e in entries if e[1] == good])
+    # Forwarder "a" dies before acking (simulated: its ack undone by a fresh delivery): "b" reclaims
+    # the entry and forwards it again.
+    r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "later"})
+    r.xgroup_setid(keys.QUESTIONS, keys.QA_GROUP, "0")
+    again = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "b", block_ms=100).read()
+    assert good in [e[1] for e in again]
+    router.route(again)
+    assert [f[b"id"].decode() for f in queued(r)].count(good) == 1
+    assert [f[b"question"] for f in queued(r)] == [b"what now?", b"later"]
+    assert r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0, "every shared entry acked"
+    assert not queued(r, "cam2"), "nothing to wait for: answered at once"
+    for qid, word in ((unknown, "unknown stream"), (unstarted, "no frames yet"), (bad, "max_tokens")):
+        (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
+        assert isinstance(final, FinalAnswer) and word in final.error
+
+
+def test_a_question_of_a_stream_that_moved_on_goes_back_to_its_queue_once(r):
+    forward(r, CAM, "q1", {b"stream": CAM.encode(), b"question": b"hi"}, ttl_s=60)
+    reader = redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "old", block_ms=100)
+    (entry,) = reader.read()
+    take_over(r, keys.questions(CAM), "new")  # the new owner claimed it first: not ours to give back
+    assert not requeue(r, entry, "old")
+    take_over(r, keys.questions(CAM), "old")
+    assert requeue(r, entry, "old")
+    assert not requeue(r, entry, "old"), "already given back"
+    assert [f[b"id"] for f in queued(r)] == [b"q1"], "moved to the end of the queue, not copied"
+    (again,) = redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "new", block_ms=100).read()
+    assert again[2][b"id"] == b"q1"
+
+
+def test_take_over_claims_every_pending_question_without_counting_a_delivery(r):
+    for i in range(1500):  # more than one page
+        forward(r, CAM, f"q{i}", {b"stream": CAM.encode(), b"question": b"hi"}, ttl_s=60)
+    redisio.ensure_group(r, keys.questions(CAM), keys.QA_GROUP)
+    r.xreadgroup(keys.QA_GROUP, "dead", {keys.questions(CAM): ">"}, count=2000)
+    take_over(r, keys.questions(CAM), "owner")
+    summary = r.xpending(keys.questions(CAM), keys.QA_GROUP)
+    assert summary["pending"] == 1500 and [c["name"] for c in summary["consumers"]] == [b"owner"]
+    pending = r.xpending_range(keys.questions(CAM), keys.QA_GROUP, "-", "+", 10)
+    assert {p["times_delivered"] for p in pending} == {1}
+
+
+def load(worker: str, n: int, capacity: int | None = None) -> WorkerLoad:
+    return WorkerLoad(worker, tuple(f"cam{i}" for i in range(n)), capacity)
+
+
+@pytest.mark.parametrize(
+    ("mine", "capacity", "others", "takes", "hands_off"),
+    [
+        (0, None, [], True, False),  # alone: takes everything
+        (3, None, [], True, False),
+        (0, None, [load("b", 3)], True, False),  # a newcomer goes first ...
+        (3, None, [load("b", 0)], False, True),  # ... and the loaded one hands off
+        (2, None, [load("b", 1)], False, False),  # floor/ceil of the fair share: stable
+        (2, None, [load("b", 2), load("c", 0)], False, True),  # 4 streams, 3 workers: 2,2,0 is not stable
+        (1, None, [load("b", 1)], True, False),  # a tie: the lease decides
+        (2, 2, [], False, False),  # at capacity
+        (3, None, [load("b", 1, capacity=1)], True, False),  # a full worker is not a candidate
+    ],
+)
+def test_placement_rule(mine, capacity, others, takes, hands_off):
+    me = Placement(None, "a", capacity, 1000)  # type: ignore[arg-type]  # the rule needs no Redis
+    assert me.first_in_line(mine, others) is takes
+    assert Placement.should_hand_off(mine, others) is hands_off
+
+
+def test_heartbeats_show_live_workers_and_forget_dead_ones(r):
+    a, b = Placement(r, "a", None, 300), Placement(r, "b", 2, 60_000)
+    a.beat(["cam1", "cam2"])
+    assert b.beat(["cam3"]) == [WorkerLoad("a", ("cam1", "cam2"), None)]
+    assert a.beat(["cam1"]) == [WorkerLoad("b", ("cam3",), 2)]
+    deadline = time.monotonic() + 5
+    while b.beat([]) and time.monotonic() < deadline:  # "a" stops beating: its key expires
+        time.sleep(0.05)
+    assert b.beat([]) == [] and r.smembers(keys.WORKERS) == {b"b"}
+    b.leave()
+    assert not r.exists(keys.WORKERS, keys.worker("b"))
+
+
+def test_workers_take_streams_up_to_capacity_and_hand_off_to_a_newcomer(r, rt, redis_url):
+    """In process: three encoders step side by side over one Redis; placement settles as the rule says."""
+    cams = ("c1", "c2", "c3")
+    for cam in cams:  # described by ingest; no frames needed to own a stream
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+
+    store = MemoryStore()  # the segment store every worker reaches
+
+    def worker(name: str, capacity: int | None) -> EncoderService:
+        cfg = EncoderConfig(
+            redis_url=redis_url, streams=cams, consumer=name, max_streams=capacity, block_ms=20, lease_ms=1000
+        )
+        return EncoderService(cfg, rt, r, store)
+
+    def settle(workers: list[EncoderService], want: dict[str, int], timeout_s: float = 15) -> None:
+        deadline = time.monotonic() + timeout_s
+        while {w.cfg.consumer: len(w.owned) for w in workers} != want:
+            assert time.monotonic() < deadline, {w.cfg.consumer: sorted(w.owned) for w in workers}
+            for w in workers:
+                w.step()
+
+    a = worker("a", 2)
+    settle([a], {"a": 2})  # alone, but at capacity: one stream stays free
+    b = worker("b", None)
+    settle([a, b], {"a": 2, "b": 1})  # the free one is taken; 2 and 1 differ by one: nothing moves
+    taken = []  # a question of each of a's streams that a's QA (same consumer name) is answering
+    for cam in a.owned:
+        forward(r, cam, f"q-{cam}", {b"stream": cam.encode(), b"question": b"hi"}, ttl_s=60)
+        taken += redisio.GroupReader(r, [keys.questions(cam)], keys.QA_GROUP, "a", block_ms=20).read()
+    c = worker("c", None)
+    with pytest.raises(AssertionError):  # "a" is two above the newcomer, but its questions hold the stream
+        settle([a, b, c], {"a": 1, "b": 1, "c": 1}, timeout_s=1.5)
+    assert a.leaving in a.owned and a.leaving not in a.answering()  # still held; new questions wait
+    for queue, entry_id, _ in taken:  # answered
+        r.xack(queue, keys.QA_GROUP, entry_id)
+    settle([a, b, c], {"a": 1, "b": 1, "c": 1})  # now it hands one off
+    released = [f for cam in cams for _, f in r.xrange(keys.events(cam)) if f[b"type"] == b"encoder_released"]
+    assert [f[b"consumer"] for f in released] == [b"a"]
+    assert {r.get(keys.lease(cam)) for cam in cams} == {b"a", b"b", b"c"}
+    loads = {w.worker: (w.load, w.capacity) for w in a.placement.beat(a.owned)}
+    assert loads == {"b": (1, None), "c": (1, None)}
