@@ -106,12 +106,6 @@ def qa_job(r: redis.Redis) -> None:
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
-    # what per-stream question queues and worker heartbeats will need (the names are not in keys.py yet)
-    own_queue = f"{keys.PREFIX}:{{{CAM}}}:questions"
-    redisio.ensure_group(r, own_queue, keys.QA_GROUP)
-    r.xadd(own_queue, {"stream": CAM, "question": "forwarded"})
-    r.xreadgroup(keys.QA_GROUP, "qa", {own_queue: ">"})
-    r.exists(f"{keys.PREFIX}:worker:qa")
 
 
 def test_each_role_does_its_job_and_not_anothers(server):
