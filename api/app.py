@@ -12,23 +12,26 @@ import redis.asyncio as aredis
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from redis.asyncio.cluster import ClusterNode
 
 from api import ask, chat, errors, guard, replies, streams
 from api.config import ApiConfig
-from common.redisio import SOCKET_MARGIN_S
+from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
 WEB = Path(__file__).resolve().parent / "web"
 
 
 def connect(cfg: ApiConfig) -> aredis.Redis:
-    """A client whose socket timeout sits above the longest blocking read (XREAD BLOCK)."""
-    return aredis.Redis.from_url(
-        cfg.redis_url,
-        socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-    )
+    """A client whose socket timeout sits above the longest blocking read (XREAD BLOCK); a cluster
+    client for a redis+cluster:// URL (common.redisio.cluster_nodes)."""
+    options = dict(socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S, socket_connect_timeout=5.0)
+    cluster = cluster_nodes(cfg.redis_url)
+    if cluster is None:
+        return aredis.Redis.from_url(cfg.redis_url, health_check_interval=30, **options)
+    first, nodes = cluster
+    startup = [ClusterNode(host, port) for host, port in nodes[1:]]
+    return aredis.RedisCluster.from_url(first, startup_nodes=startup, health_check_interval=30, **options)  # type: ignore[return-value]
 
 
 def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:

@@ -44,6 +44,14 @@ def transcript(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:transcript"
 
 
+def once(stream_key: str, ident: str) -> str:
+    """Marks that entry ``ident`` was added to ``stream_key`` (a key without a hash tag: ANSWERS,
+    DEAD_LETTER). Its hash tag is the stream's whole name, so a cluster keeps both on one slot and
+    one script may test the marker and add the entry."""
+    assert "{" not in stream_key, stream_key
+    return f"{{{stream_key}}}:once:{ident}"
+
+
 def answer(qid: str) -> str:
     return f"{PREFIX}:answer:{qid}"
 
