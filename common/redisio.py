@@ -227,7 +227,15 @@ def read_streams(
     """
     parts = _by_slot(r, streams)
     if len(parts) == 1:
-        return _entries(_xread(r, parts[0], count, block_ms, group, consumer))
+        try:
+            return _entries(_xread(r, parts[0], count, block_ms, group, consumer))
+        except ResponseError as e:
+            if not str(e).startswith("UNBLOCKED"):
+                raise
+            # The key went away under a blocked XREADGROUP: its slot moved to another node (MIGRATE
+            # deletes it here), or it was deleted. The next read follows the slot or recreates the group.
+            log.info("blocked read ended: stream key gone", error=str(e))
+            return []
     deadline = time.monotonic() + (block_ms or 0) / 1000
     while True:
         pipe = r.pipeline(transaction=False)

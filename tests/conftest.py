@@ -195,7 +195,8 @@ class RedisClusterServers:
             d = workdir / f"node{i}"
             d.mkdir()
             conf = ("--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"))
-            self.nodes.append(RedisServer(d, args=(*conf, "--cluster-node-timeout", "5000")))
+            bus = ("--cluster-port", str(free_port()))  # not port + 10000: that may be taken, or > 65535
+            self.nodes.append(RedisServer(d, args=(*conf, *bus, "--cluster-node-timeout", "5000")))
 
     @property
     def url(self) -> str:
