@@ -209,6 +209,12 @@ def _xread(r: Any, streams: dict[str, str], count: int, block_ms: int | None, gr
     return r.xreadgroup(group, consumer, streams, count, block=block_ms)
 
 
+def _xread_args(streams: dict[str, str], count: int, group: str | None, consumer: str | None) -> list[Any]:
+    """A non-blocking XREAD (XREADGROUP with ``group``) of ``streams``, as a command line."""
+    head = ["XREAD"] if group is None else ["XREADGROUP", "GROUP", group, consumer]
+    return [*head, "COUNT", count, "STREAMS", *streams, *streams.values()]
+
+
 def read_streams(
     r: redis.Redis,
     streams: Mapping[str, str],
@@ -240,7 +246,10 @@ def read_streams(
     while True:
         pipe = r.pipeline(transaction=False)
         for part in parts:
-            _xread(pipe, part, count, None, group, consumer)
+            # Routed to the slot's node here: redis-py would ask the server for the keys of each
+            # XREAD(GROUP) (COMMAND GETKEYS), twice a poll. A redirection is still followed.
+            node = r.get_node_from_key(next(iter(part)))  # type: ignore[attr-defined]
+            pipe.execute_command(*_xread_args(part, count, group, consumer), target_nodes=node)
         got = [e for reply in pipe.execute() for e in _entries(reply)]
         if got or time.monotonic() + POLL_S > deadline:
             return got

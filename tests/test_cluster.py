@@ -4,9 +4,11 @@ under all of them."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
+import httpx
 import pytest
 import redis
 from redis.cluster import RedisCluster
@@ -15,8 +17,10 @@ from common import redisio
 from common.config import ConfigError, check_redis_url
 from common.logs import MASK, redact_url
 from common.wire import keys
+from common.wire.schemas import FinalAnswer, encode_final
 from encoder_worker.stream import publish_fenced
 from tests.conftest import RedisClusterServers
+from tests.pipeline import wait_for
 from tests.test_schemas import _manifest
 
 G, C = "grp", "c1"
@@ -144,3 +148,33 @@ def test_reads_acks_and_writes_go_on_while_a_slot_moves(rc, redis_cluster):
     assert sorted(seen) == sorted(added) and len(set(seen)) == len(seen)
     assert rc.xpending(stream, G)["pending"] == 0
     assert rc.xlen(keys.ANSWERS) == len(added)
+
+
+def test_api_sees_streams_on_every_node_and_answers_on_a_cluster(redis_cluster, rc):
+    """The HTTP API on a cluster URL: SCAN covers every master, the ask round trip works."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    cams = ["a", "b", "c"]  # the hash tags of STREAMS: one per master
+    for cam in cams:
+        rc.hset(keys.meta(cam), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:  # writes the answer the way a QA worker does
+        (_, fields), *_ = wait_for(lambda: rc.xrange(keys.QUESTIONS), 10, "the question")
+        qid = fields[b"id"].decode()
+        rc.xadd(keys.answer(qid), encode_final(FinalAnswer(id=qid, stream="b", text="Yes.", tokens=1)))
+
+    async def use() -> tuple[dict, int, dict]:
+        app = create_app(ApiConfig(redis_url=redis_cluster.url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            streams = (await client.get("/api/streams")).json()
+            ready = (await client.get("/health/ready")).status_code
+            answer = (await client.post("/api/streams/b/ask", json={"question": "Open?", "stream": False})).json()
+        return streams, ready, answer
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    streams, ready, answer = asyncio.run(use())
+    thread.join(10)
+    assert [s["stream"] for s in streams["streams"]] == cams and ready == 200
+    assert answer["text"] == "Yes." and answer["stream"] == "b"
