@@ -139,20 +139,38 @@ def ping_problem(url: str, timeout_s: float) -> str | None:
         probe.close()
 
 
+class NotACluster(ValueError):
+    """A single-node URL names a node of a Redis Cluster: every other slot's key would fail (MOVED)."""
+
+
 def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis.Redis:
-    """Wait until Redis answers PING, then return ``connect(url)``; TimeoutError after timeout_s."""
+    """Wait until Redis answers PING, then return ``connect(url)``; TimeoutError after timeout_s,
+    NotACluster at once when a single-node URL names a cluster node."""
     deadline = time.monotonic() + timeout_s
     while True:
         # A probe without retries: connect()'s own backoff would overshoot the deadline.
         problem = ping_problem(url, max(0.1, min(2.0, deadline - time.monotonic())))
         if problem is None:
             try:
-                return connect(url, block_ms=block_ms)
+                r = connect(url, block_ms=block_ms)
+                _check_not_cluster_node(r, url)
+                return r
             except _PROBE_ERRORS as e:  # went away again (a cluster client connects as it is built)
                 problem = str(e)
         if time.monotonic() + 0.1 > deadline:
             raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {problem}")
         time.sleep(0.1)
+
+
+def _check_not_cluster_node(r: redis.Redis, url: str) -> None:
+    if is_cluster(r):
+        return
+    try:
+        enabled = r.info("cluster").get("cluster_enabled")
+    except ResponseError:  # an ACL user without INFO: nothing to tell by
+        return
+    if enabled:
+        raise NotACluster(f"Redis at {redact_url(url)} is a cluster node: use redis+cluster://host:port[,host:port...]")
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:

@@ -5,6 +5,8 @@ under all of them."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
 
@@ -56,6 +58,16 @@ def test_cluster_url_selects_the_cluster_client_and_never_shows_its_password(red
     with pytest.raises(TimeoutError) as e:
         redisio.wait_for_redis("redis+cluster://u:hunter2@127.0.0.1:1,127.0.0.1:2", 0.3)
     assert "hunter2" not in str(e.value) and MASK in str(e.value)
+    # A plain URL that names one of its nodes would meet MOVED on most keys: refused at start.
+    with pytest.raises(redisio.NotACluster, match=r"redis\+cluster://"):
+        redisio.wait_for_redis(redis_cluster.nodes[0].url.removesuffix("/0"), 2)
+    status = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "status", "--redis-url", redis_cluster.nodes[0].url.removesuffix("/0")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 2 and "redis+cluster://" in status.stderr
 
 
 def test_group_reader_reads_streams_of_every_slot_without_repeating_pending(rc):
@@ -178,3 +190,19 @@ def test_api_sees_streams_on_every_node_and_answers_on_a_cluster(redis_cluster, 
     thread.join(10)
     assert [s["stream"] for s in streams["streams"]] == cams and ready == 200
     assert answer["text"] == "Yes." and answer["stream"] == "b"
+
+
+def test_an_outage_of_one_master_is_ridden_out(redis_cluster, rc):
+    """ride_out (what every service does on an outage) waits until every master answers again."""
+    node = redis_cluster.nodes[1]
+    key = next(s for s in STREAMS if redis_cluster.owner(rc.keyslot(s)) is node)
+    node.stop()
+    assert not redisio._answers(rc)
+    with pytest.raises(redisio.OUTAGE_ERRORS):
+        redisio.connect(redis_cluster.url, retries=1).xadd(key, {"i": "0"})
+    threading.Timer(0.5, node.start).start()
+    t0 = time.monotonic()
+    redisio.ride_out(rc, redis.ConnectionError("node down"), grace_s=30)
+    assert time.monotonic() - t0 >= 0.4 and redisio._answers(rc)
+    redis_cluster.wait_ok()
+    assert rc.xadd(key, {"i": "1"}) and rc.xlen(key) == 1  # the node came back empty (no persistence)
