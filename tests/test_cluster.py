@@ -115,6 +115,8 @@ def test_dead_letter_is_written_once_and_acks(rc):
     assert redisio.dead_letter(rc, src, eid, fields, "bad", group=G) is None and first
     assert rc.xlen(keys.DEAD_LETTER) == 1 and rc.xpending(src, G)["pending"] == 0
     assert rc.keyslot(keys.once(keys.DEAD_LETTER, f"{src}:{eid}")) == rc.keyslot(keys.DEAD_LETTER)
+    for stream in (keys.ANSWERS, keys.frames("cam"), keys.QUESTIONS):
+        assert rc.keyslot(keys.once(stream, "q1")) == rc.keyslot(stream)
 
 
 def test_publish_is_fenced_by_the_lease_on_its_slot(rc):

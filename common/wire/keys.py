@@ -45,10 +45,11 @@ def transcript(cam: str) -> str:
 
 
 def once(stream_key: str, ident: str) -> str:
-    """Marks that entry ``ident`` was added to ``stream_key`` (a key without a hash tag: ANSWERS,
-    DEAD_LETTER). Its hash tag is the stream's whole name, so a cluster keeps both on one slot and
-    one script may test the marker and add the entry."""
-    assert "{" not in stream_key, stream_key
+    """Marks that entry ``ident`` was added to ``stream_key`` (``redisio.xadd_once``), on the stream's
+    hash slot: a per-stream key keeps its ``{cam}`` tag; a key without one (ANSWERS, DEAD_LETTER)
+    becomes the marker's tag, and a key's whole name hashes like a tag of that name."""
+    if "{" in stream_key:
+        return f"{stream_key}:once:{ident}"
     return f"{{{stream_key}}}:once:{ident}"
 
 
