@@ -12,10 +12,11 @@ import redis.asyncio as aredis
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
+from redis.asyncio.cluster import ClusterNode
 
 from api import ask, chat, errors, guard, replies, streams
 from api.config import ApiConfig
-from common.redisio import SOCKET_MARGIN_S
+from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
 WEB = Path(__file__).resolve().parent / "web"
@@ -23,13 +24,15 @@ WEB = Path(__file__).resolve().parent / "web"
 
 def connect(cfg: ApiConfig, url: str | None = None) -> aredis.Redis:
     """A client (of ``cfg.redis_url`` unless ``url``) whose socket timeout sits above the longest
-    blocking read (XREAD BLOCK)."""
-    return aredis.Redis.from_url(
-        url or cfg.redis_url,
-        socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S,
-        socket_connect_timeout=5.0,
-        health_check_interval=30,
-    )
+    blocking read (XREAD BLOCK); a cluster client for a redis+cluster:// URL (common.redisio.cluster_nodes)."""
+    url = url or cfg.redis_url
+    options = dict(socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S, socket_connect_timeout=5.0)
+    cluster = cluster_nodes(url)
+    if cluster is None:
+        return aredis.Redis.from_url(url, health_check_interval=30, **options)
+    first, nodes = cluster
+    startup = [ClusterNode(host, port) for host, port in nodes[1:]]
+    return aredis.RedisCluster.from_url(first, startup_nodes=startup, health_check_interval=30, **options)  # type: ignore[return-value]
 
 
 def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:

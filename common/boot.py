@@ -70,6 +70,8 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
     log.info("starting", service=prog, version=VERSION, **startup_fields(cfg))
     try:
         r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
+    except redisio.NotACluster as e:
+        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     except TimeoutError as e:
         fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
     return cfg, r
@@ -109,6 +111,8 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
         fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     try:
         return redisio.wait_for_redis(url, timeout_s=timeout_s)
+    except redisio.NotACluster as e:
+        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     except TimeoutError as e:
         fail(EXIT_REDIS, "redis unusable", service=prog, error=str(e))
 

@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from common.logs import redact_url
+from common.redisio import cluster_nodes
 from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
 
 T = TypeVar("T")
@@ -435,20 +436,22 @@ def load_cameras_file(path: str | Path) -> CamerasFile:
 
 # --------------------------------------------------------------------------- start-up checks
 
-REDIS_SCHEMES = ("redis", "rediss", "unix")
+REDIS_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
 
 
 def check_redis_url(url: str, where: str) -> None:
-    """A URL redis-py can use: right scheme, a port in range; the message never shows a password."""
+    """A URL redis-py can use: right scheme, a port in range (every node's, for a cluster); the
+    message never shows a password."""
     try:
         parts = urlsplit(url)
-        port = parts.port
+        cluster = cluster_nodes(url)
+        port = parts.port if cluster is None else None
     except ValueError as e:
         raise ConfigError(f"{where}: {redact_url(url)}: {e}") from None
     if parts.scheme not in REDIS_SCHEMES:
         schemes = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise ConfigError(f"{where}: {redact_url(url)}: not a Redis URL (use {schemes})")
-    if parts.scheme != "unix" and not parts.hostname:
+    if parts.scheme != "unix" and cluster is None and not parts.hostname:
         raise ConfigError(f"{where}: {redact_url(url)}: no host")
     if port == 0:
         raise ConfigError(f"{where}: {redact_url(url)}: port 0")

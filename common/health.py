@@ -14,10 +14,9 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import redis
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from redis.backoff import NoBackoff
-from redis.retry import Retry
+
+from common import redisio
 
 PROBE_TIMEOUT_S = 1.0
 
@@ -47,20 +46,7 @@ class Readiness:
         return ok, {"ready": ok, "checks": checks, "leases": self.leases}
 
     def _redis_ok(self) -> bool:
-        if self.redis_url is None:
-            return False
-        probe = redis.Redis.from_url(
-            self.redis_url,
-            socket_timeout=PROBE_TIMEOUT_S,
-            socket_connect_timeout=PROBE_TIMEOUT_S,
-            retry=Retry(NoBackoff(), 0),
-        )
-        try:
-            return bool(probe.ping())
-        except (redis.RedisError, OSError):
-            return False
-        finally:
-            probe.close()
+        return self.redis_url is not None and redisio.ping_problem(self.redis_url, PROBE_TIMEOUT_S) is None
 
 
 READINESS = Readiness()  # one per process

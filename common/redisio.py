@@ -7,16 +7,19 @@ dead consumers with XAUTOCLAIM, and cap every stream.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import redis
 import structlog
 from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterError, RedisClusterException, ResponseError, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
@@ -39,8 +42,25 @@ DEAD_LETTER_MAX_FIELDS = 16
 MAX_DELIVERIES = 3  # an entry handed out more often than this is dead-lettered unprocessed
 DEAD_CONSUMER_IDLE_MS = 3_600_000  # group members silent this long, with nothing pending, are removed
 
-# Redis is unreachable (not: Redis refused a command). BusyLoadingError (replaying AOF) is one.
-OUTAGE_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError)
+POLL_S = 0.05  # a cluster read of streams on several hash slots polls at this pace (see read_streams)
+DEAD_LETTER_ONCE_TTL_S = 86_400  # how long a dead letter's marker stops a redelivered entry's second one
+
+# Redis cannot serve now, whatever the command (not: Redis refused a command). BusyLoadingError
+# (replaying AOF) is one; on a cluster, so is a node that is down (its slots uncovered, the cluster
+# state failed: ClusterDownError is a ClusterError) or a slot whose keys are half moved for longer
+# than redis-py's redirections last (TryAgainError; ClusterError "TTL exhausted").
+OUTAGE_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ClusterError,
+    TryAgainError,
+    SlotNotCoveredError,
+)
+# What a probe of a Redis that is not (yet) there may raise: a cluster client also fails to build
+# while no startup node answers or while the cluster has not covered every slot yet.
+_PROBE_ERRORS = (*OUTAGE_ERRORS, RedisClusterException, OSError)
+# redis+cluster:// (rediss+cluster://) names a Redis Cluster by one or more of its nodes.
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
 
 class RedisGone(RuntimeError):
@@ -51,48 +71,106 @@ def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]] | None:
+    """For ``redis+cluster://[user:password@]host:port[,host:port...][/0][?options]``: redis-py's URL
+    of the first node (credentials, options: they apply to every node) and each node's (host, port).
+    None for a single-node URL; ValueError for a bad host list."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower())
+    if plain is None or not sep:
+        return None
+    netloc, tail = re.match(r"([^/?#]*)(.*)", rest, re.S).groups()
+    userinfo, at, hosts = netloc.rpartition("@")
+    nodes = []
+    for hostport in hosts.split(","):
+        parts = urlsplit(f"//{hostport}")
+        if not parts.hostname or parts.port == 0:
+            raise ValueError(f"bad cluster node {hostport!r} (host:port)")
+        nodes.append((parts.hostname, parts.port or 6379))
+    return f"{plain}://{userinfo}{at}{hosts.split(',')[0]}{tail}", nodes
+
+
+def is_cluster(r: Any) -> bool:
+    return isinstance(r, RedisCluster)
+
+
+def _client(url: str, **options: Any) -> redis.Redis:
+    """redis-py's client for ``url``: a RedisCluster (typed as Redis: same commands) for the cluster
+    schemes, else redis.Redis."""
+    cluster = cluster_nodes(url)
+    if cluster is None:
+        return redis.Redis.from_url(url, **options)
+    first, nodes = cluster
+    return RedisCluster.from_url(first, startup_nodes=[ClusterNode(h, p) for h, p in nodes[1:]], **options)  # type: ignore[return-value]
+
+
 def connect(url: str, *, block_ms: int = 5000, retries: int = CONNECT_RETRIES) -> redis.Redis:
     """A client for ``url`` whose commands survive a Redis restart of up to ~10 s.
 
     ``block_ms`` is the longest blocking read this client will issue; the socket timeout sits
     above it, because redis-py 8's default 5 s would turn a longer XREADGROUP BLOCK into a
-    TimeoutError.
+    TimeoutError. A cluster URL gives a cluster client; it retries (without backoff) on a fresh
+    view of the cluster, and outages beyond that are ridden out by the services (``ride_out``).
     """
-    retry = Retry(ExponentialBackoff(cap=2.0, base=0.05), retries)
-    return redis.Redis.from_url(
+    return _client(
         url,
         socket_timeout=block_ms / 1000 + SOCKET_MARGIN_S,
         socket_connect_timeout=5.0,
         socket_keepalive=True,
-        retry=retry,
+        retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         decode_responses=False,
     )
 
 
+def ping_problem(url: str, timeout_s: float) -> str | None:
+    """Why one PING without retries fails (None: it answered). On a cluster every node must answer,
+    and the client is only built once every slot is covered."""
+    try:
+        probe = _client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
+    except (*_PROBE_ERRORS, redis.RedisError) as e:
+        return str(e) or type(e).__name__
+    try:
+        probe.ping(target_nodes=RedisCluster.ALL_NODES) if is_cluster(probe) else probe.ping()
+        return None
+    except (*_PROBE_ERRORS, redis.RedisError) as e:
+        return str(e) or type(e).__name__
+    finally:
+        probe.close()
+
+
+class NotACluster(ValueError):
+    """A single-node URL names a node of a Redis Cluster: every other slot's key would fail (MOVED)."""
+
+
 def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis.Redis:
-    """Wait until Redis answers PING, then return ``connect(url)``; TimeoutError after timeout_s."""
+    """Wait until Redis answers PING, then return ``connect(url)``; TimeoutError after timeout_s,
+    NotACluster at once when a single-node URL names a cluster node."""
     deadline = time.monotonic() + timeout_s
-    last: Exception | None = None
     while True:
-        left = deadline - time.monotonic()
         # A probe without retries: connect()'s own backoff would overshoot the deadline.
-        probe = redis.Redis.from_url(
-            url,
-            socket_timeout=max(0.1, min(2.0, left)),
-            socket_connect_timeout=max(0.1, min(2.0, left)),
-            retry=Retry(NoBackoff(), 0),
-        )
-        try:
-            probe.ping()
-            return connect(url, block_ms=block_ms)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-            last = e
-        finally:
-            probe.close()
+        problem = ping_problem(url, max(0.1, min(2.0, deadline - time.monotonic())))
+        if problem is None:
+            try:
+                r = connect(url, block_ms=block_ms)
+                _check_not_cluster_node(r, url)
+                return r
+            except _PROBE_ERRORS as e:  # went away again (a cluster client connects as it is built)
+                problem = str(e)
         if time.monotonic() + 0.1 > deadline:
-            raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {last}")
+            raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {problem}")
         time.sleep(0.1)
+
+
+def _check_not_cluster_node(r: redis.Redis, url: str) -> None:
+    if is_cluster(r):
+        return
+    try:
+        enabled = r.info("cluster").get("cluster_enabled")
+    except ResponseError:  # an ACL user without INFO: nothing to tell by
+        return
+    if enabled:
+        raise NotACluster(f"Redis at {redact_url(url)} is a cluster node: use redis+cluster://host:port[,host:port...]")
 
 
 def ensure_group(r: redis.Redis, stream: str, group: str, start_id: str = "0") -> bool:
@@ -127,9 +205,73 @@ def _drop_trimmed(r: redis.Redis, group: str, entries: list[Entry]) -> list[Entr
 
 
 def _check_block(r: redis.Redis, block_ms: int) -> None:
-    timeout = r.connection_pool.connection_kwargs.get("socket_timeout")
+    timeout = r.get_connection_kwargs().get("socket_timeout")
     if timeout is not None and block_ms / 1000 >= timeout:
         raise ValueError(f"block_ms={block_ms} >= socket timeout {timeout} s: use connect(block_ms=...)")
+
+
+def _by_slot(r: redis.Redis, streams: Mapping[str, str]) -> list[dict[str, str]]:
+    """``streams`` split into groups that one command may read: all of them on single-node Redis,
+    one group per hash slot on a cluster."""
+    if not is_cluster(r):
+        return [dict(streams)]
+    parts: dict[int, dict[str, str]] = {}
+    for key, cursor in streams.items():
+        parts.setdefault(r.keyslot(key), {})[key] = cursor
+    return list(parts.values())
+
+
+def _xread(r: Any, streams: dict[str, str], count: int, block_ms: int | None, group: str | None, consumer: str | None):
+    if group is None:
+        return r.xread(streams, count=count, block=block_ms)
+    return r.xreadgroup(group, consumer, streams, count, block=block_ms)
+
+
+def _xread_args(streams: dict[str, str], count: int, group: str | None, consumer: str | None) -> list[Any]:
+    """A non-blocking XREAD (XREADGROUP with ``group``) of ``streams``, as a command line."""
+    head = ["XREAD"] if group is None else ["XREADGROUP", "GROUP", group, consumer]
+    return [*head, "COUNT", count, "STREAMS", *streams, *streams.values()]
+
+
+def read_streams(
+    r: redis.Redis,
+    streams: Mapping[str, str],
+    count: int,
+    *,
+    block_ms: int | None = None,
+    group: str | None = None,
+    consumer: str | None = None,
+) -> list[Entry]:
+    """XREADGROUP (with ``group``) or XREAD of several streams, waiting up to ``block_ms`` if given.
+
+    One command, blocking, where every stream is in one hash slot (always so on single-node Redis).
+    A cluster has no command that reads several slots, so there each slot gets one non-blocking
+    command, all pipelined (one round trip per node), repeated every POLL_S until something comes
+    or ``block_ms`` has passed. Cursors must be ids, ">" or "0": "$" means nothing to a poll.
+    """
+    parts = _by_slot(r, streams)
+    if len(parts) == 1:
+        try:
+            return _entries(_xread(r, parts[0], count, block_ms, group, consumer))
+        except ResponseError as e:
+            if not str(e).startswith("UNBLOCKED"):
+                raise
+            # The key went away under a blocked XREADGROUP: its slot moved to another node (MIGRATE
+            # deletes it here), or it was deleted. The next read follows the slot or recreates the group.
+            log.info("blocked read ended: stream key gone", error=str(e))
+            return []
+    deadline = time.monotonic() + (block_ms or 0) / 1000
+    while True:
+        pipe = r.pipeline(transaction=False)
+        for part in parts:
+            # Routed to the slot's node here: redis-py would ask the server for the keys of each
+            # XREAD(GROUP) (COMMAND GETKEYS), twice a poll. A redirection is still followed.
+            node = r.get_node_from_key(next(iter(part)))  # type: ignore[attr-defined]
+            pipe.execute_command(*_xread_args(part, count, group, consumer), target_nodes=node)
+        got = [e for reply in pipe.execute() for e in _entries(reply)]
+        if got or time.monotonic() + POLL_S > deadline:
+            return got
+        time.sleep(POLL_S)
 
 
 class GroupReader:
@@ -138,7 +280,8 @@ class GroupReader:
     Starts on each stream with this consumer's pending history (id "0", paged by cursor), and
     switches that stream to new entries (">") once its history is drained, so entries the caller
     keeps un-acked are not returned again. Recreates the group if it vanished (Redis restarted
-    without persistence). ``reset()`` goes back to the history, e.g. after claim_stale.
+    without persistence). ``reset()`` goes back to the history, e.g. after claim_stale. On a
+    cluster, streams of several hash slots are read without cross-slot commands (``read_streams``).
     """
 
     def __init__(
@@ -185,17 +328,17 @@ class GroupReader:
             return self._read()
 
     def _read(self) -> list[Entry]:
+        who = {"group": self.group, "consumer": self.consumer}
         history = {s: c for s, c in self.cursors.items() if c != ">"}
         if history:
-            got = _entries(self.r.xreadgroup(self.group, self.consumer, history, self.count))
+            got = read_streams(self.r, history, self.count, **who)
             for s in history:
                 mine = [eid for st, eid, _ in got if st == s]
                 self.cursors[s] = mine[-1] if mine else ">"
             got = _drop_trimmed(self.r, self.group, got)
             if got:
                 return got
-        streams = dict.fromkeys(self.cursors, ">")
-        return _entries(self.r.xreadgroup(self.group, self.consumer, streams, self.count, block=self.block_ms))
+        return read_streams(self.r, dict.fromkeys(self.cursors, ">"), self.count, block_ms=self.block_ms, **who)
 
 
 def claim_stale(
@@ -229,6 +372,26 @@ def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int
     return _str(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
 
 
+# XADD guarded by a marker key in the stream's slot: the entry is added only by whoever sets it.
+_XADD_ONCE = """
+if redis.call('set', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('xadd', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+end
+return false
+"""
+
+
+def xadd_once(
+    r: redis.Redis, key: str, once_key: str, fields: Mapping[Any, Any], maxlen: int, ttl_s: int
+) -> str | None:
+    """XADD ``fields`` to ``key`` (capped) unless ``once_key`` (``keys.once``, same slot) says it was
+    already done in the last ``ttl_s``; the new entry's id, or None. Makes a step that a crash may
+    repeat (the audit copy of an answer, a dead letter) happen once."""
+    flat = [x for kv in fields.items() for x in kv]
+    added = r.eval(_XADD_ONCE, 2, key, once_key, ttl_s, maxlen, *flat)
+    return _str(added) if added else None
+
+
 EVENTS_MAXLEN = 10_000
 
 
@@ -248,8 +411,9 @@ def dead_letter(
     *,
     group: str | None = None,
     maxlen: int = DEAD_LETTER_MAXLEN,
-) -> str:
-    """Record an unprocessable entry on ``keys.DEAD_LETTER``; with ``group``, ack it atomically.
+) -> str | None:
+    """Record an unprocessable entry on ``keys.DEAD_LETTER`` once (None: it already was); with
+    ``group``, ack it after that.
 
     Bounded whatever the entry holds: its first DEAD_LETTER_MAX_FIELDS fields, stored as
     ``f:<name>`` with names cut to DEAD_LETTER_MAX_NAME and values to DEAD_LETTER_MAX_VALUE bytes.
@@ -266,11 +430,13 @@ def dead_letter(
         if len(v) > DEAD_LETTER_MAX_VALUE:
             rec[f"{name}:truncated_from"] = str(len(v))
         rec[name] = v[:DEAD_LETTER_MAX_VALUE]
-    with r.pipeline(transaction=True) as p:
-        p.xadd(keys.DEAD_LETTER, rec, maxlen=maxlen, approximate=True)
-        if group is not None:
-            p.xack(source_stream, group, entry_id)
-        return _str(p.execute()[0])
+    # Two steps (the dead-letter stream and the source are in different slots on a cluster): a
+    # crash between them redelivers the entry, and its marker keeps it to one dead letter.
+    once = keys.once(keys.DEAD_LETTER, f"{source_stream}:{entry_id}")
+    added = xadd_once(r, keys.DEAD_LETTER, once, rec, maxlen, DEAD_LETTER_ONCE_TTL_S)
+    if group is not None:
+        r.xack(source_stream, group, entry_id)
+    return added
 
 
 # --------------------------------------------------------------------------- the processing boundary
@@ -398,8 +564,15 @@ def ride_out(r: redis.Redis, error: Exception, grace_s: float, stop: threading.E
 
 
 def _answers(r: redis.Redis) -> bool:
-    """One PING without retries, on a fresh connection with the client's settings (URL, TLS, ACL user)."""
-    pool = r.connection_pool
+    """Every node of ``r`` (one, or each primary of a cluster) answers a PING on a fresh connection."""
+    if is_cluster(r):
+        nodes = r.get_primaries()  # type: ignore[attr-defined]
+        return bool(nodes) and all(_pool_answers(n.redis_connection.connection_pool) for n in nodes)
+    return _pool_answers(r.connection_pool)
+
+
+def _pool_answers(pool: redis.ConnectionPool) -> bool:
+    """One PING without retries, on a fresh connection with the pool's settings (URL, TLS, ACL user)."""
     kwargs = {**pool.connection_kwargs, "retry": Retry(NoBackoff(), 0), "socket_timeout": 2.0}
     kwargs["socket_connect_timeout"] = 2.0
     conn = pool.connection_class(**kwargs)

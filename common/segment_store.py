@@ -231,11 +231,12 @@ class RedisStore:
         # Escape glob characters: a stream named "cam*" must not match "camX"'s segments.
         pattern = "".join("\\" + c if c in "*?[]\\" else c for c in prefix) + "*"
         stored = [k.decode()[len(prefix) :] for k in self.r.scan_iter(match=pattern, count=1000)]
-        drop = [prefix + s for s in _unkept(stored, keep)]
-        deleted = 0
-        for i in range(0, len(drop), 500):  # one slot (hash tag), so multi-key UNLINK is legal in a cluster
-            deleted += self.r.unlink(*drop[i : i + 500])
-        return deleted
+        # One UNLINK per key, pipelined: a cluster redirects each on its own while their slot moves
+        # (a multi-key command there fails with TRYAGAIN until every key has moved).
+        pipe = self.r.pipeline(transaction=False)
+        for s in _unkept(stored, keep):
+            pipe.unlink(prefix + s)
+        return sum(pipe.execute())
 
     @staticmethod
     def _key(stream: str, segment_id: str) -> str:
@@ -249,13 +250,14 @@ _memory_lock = threading.Lock()
 
 def open_store(url: str, redis_client: redis.Redis | None = None, *, ttl_s: int | None = None) -> SegmentStore:
     """memory://[name] (one instance per URL per process, so encoder and qa share it),
-    dir:///path or a plain path, redis://, rediss:// or unix:// (ttl_s applies to Redis only)."""
+    dir:///path or a plain path, redis://, rediss://, unix:// or a cluster's redis+cluster:// or
+    rediss+cluster:// (ttl_s applies to Redis only)."""
     if url.startswith("memory://"):
         with _memory_lock:
             return _memory_stores.setdefault(url, MemoryStore())
     if url.startswith("dir://"):
         return DirectoryStore(url[len("dir://") :])
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    if url.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):
         if redis_client is None:
             redis_client = connect(url)
         return RedisStore(redis_client, ttl_s)

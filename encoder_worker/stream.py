@@ -182,22 +182,8 @@ class OwnedStream:
     def publish(self, version: Version) -> None:
         """Manifest to `versions` and `head`; segments are already in the store (on_segment)."""
         manifest = to_manifest(version, self.engine.spec)
-        lease = keys.lease(self.name)
-        with self.r.pipeline(transaction=True) as pipe:
-            # Fenced by the lease: if it expired and another encoder owns the stream now, this
-            # write must not land (WATCH aborts the transaction when the lease key changes).
-            pipe.watch(lease)
-            if pipe.get(lease) != self.cfg.consumer.encode():
-                raise LeaseLost(self.name)
-            pipe.multi()
-            pipe.xadd(
-                keys.versions(self.name), encode_manifest(manifest), maxlen=self.cfg.versions_maxlen, approximate=True
-            )
-            pipe.set(keys.head(self.name), manifest_to_bytes(manifest))
-            try:
-                pipe.execute()
-            except redis.WatchError:
-                raise LeaseLost(self.name) from None
+        if not publish_fenced(self.r, self.name, self.cfg.consumer, manifest, self.cfg.versions_maxlen):
+            raise LeaseLost(self.name)
         self.published = version.id
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
@@ -216,6 +202,26 @@ class OwnedStream:
         if self.pending and self.engine.head.last_frame_seq >= self.pending[-1][1].seq:
             self.flush()
         return True
+
+
+# Fenced by the lease: the manifest lands only while this encoder holds the stream (KEYS: lease,
+# versions, head; ARGV: owner, versions maxlen, head bytes, then the versions entry's field, value,
+# ...). One script on the stream's slot: atomic, and legal on a cluster, where a WATCH transaction
+# would abort whenever the slot moves.
+_PUBLISH = """
+if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
+redis.call('set', KEYS[3], ARGV[3])
+return 1
+"""
+
+
+def publish_fenced(r: redis.Redis, name: str, owner: str, manifest: Manifest, versions_maxlen: int) -> bool:
+    """Append ``manifest`` to the stream's versions and make it its head, if ``owner`` holds the
+    lease; False (nothing written) if it does not."""
+    flat = [x for kv in encode_manifest(manifest).items() for x in kv]
+    lease, versions, head = keys.lease(name), keys.versions(name), keys.head(name)
+    return bool(r.eval(_PUBLISH, 3, lease, versions, head, owner, versions_maxlen, manifest_to_bytes(manifest), *flat))
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:

@@ -37,6 +37,21 @@ from common.wire.schemas import (
 
 log = structlog.get_logger()
 
+# The final entry and the reply's expiry, unless the reply already ends with a final entry: then
+# that entry's fields (KEYS[1]: the answer key; ARGV: ttl, then field, value, ...).
+_WRITE_FINAL = """
+local last = redis.call('xrevrange', KEYS[1], '+', '-', 'COUNT', 1)[1]
+if last then
+  local f = last[2]
+  for i = 1, #f, 2 do
+    if f[i] == 'type' and f[i + 1] == 'final' then return f end
+  end
+end
+redis.call('xadd', KEYS[1], '*', unpack(ARGV, 2))
+redis.call('expire', KEYS[1], ARGV[1])
+return false
+"""
+
 VersionLookup = Callable[[str, int | None], Version | None]  # (stream, at) -> version
 
 
@@ -73,8 +88,10 @@ class Answerer:
             redisio.dead_letter(self.r, queue, entry_id, fields, "no usable question id", group=keys.QA_GROUP)
             return
         bound = log.bind(qid=qid)
-        if self._already_answered(qid):
+        existing = self._final_of(qid)
+        if existing is not None:
             bound.info("redelivered question already answered")
+            self._audit(qid, existing, self.max_reply_ttl_s)  # in case the crash came before it
         else:
             metrics.QUEUE_WAIT_SECONDS.observe(queue_wait_s(entry_id))
             t0 = time.perf_counter()
@@ -94,7 +111,10 @@ class Answerer:
         if qid is None:
             redisio.dead_letter(self.r, queue, entry_id, fields, reason, group=keys.QA_GROUP)
             return
-        if not self._already_answered(qid):
+        existing = self._final_of(qid)
+        if existing is not None:
+            self._audit(qid, existing, self.max_reply_ttl_s)
+        else:
             self._finish(FinalAnswer(id=qid, stream=None, error=f"question not answered: {reason}"), self.reply_ttl_s)
             metrics.QUESTIONS.labels("error").inc()
         self.r.xack(queue, keys.QA_GROUP, entry_id)
@@ -164,17 +184,24 @@ class Answerer:
             **common,
         )
 
-    def _already_answered(self, qid: str) -> bool:
+    def _final_of(self, qid: str) -> dict | None:
+        """The fields of the question's final entry, if it has one."""
         last = self.r.xrevrange(keys.answer(qid), count=1)
-        return bool(last) and last[0][1].get(b"type") == b"final"
+        return last[0][1] if last and last[0][1].get(b"type") == b"final" else None
 
     def _finish(self, final: FinalAnswer, ttl: int) -> None:
+        """The final entry, then its audit copy: two steps, as the answer key and `svqa:answers` sit
+        in different slots on a cluster. The first writes only if no final is there yet (one final
+        per question id, whoever answered); the second copies the final that is there, once."""
         fields = encode_final(final)
-        pipe = self.r.pipeline(transaction=True)
-        pipe.xadd(keys.answer(final.id), fields)
-        pipe.expire(keys.answer(final.id), ttl)
-        pipe.xadd(keys.ANSWERS, fields, maxlen=self.answers_maxlen, approximate=True)
-        pipe.execute()
+        flat = [x for kv in fields.items() for x in kv]
+        there = self.r.eval(_WRITE_FINAL, 1, keys.answer(final.id), ttl, *flat)
+        self._audit(final.id, dict(zip(there[::2], there[1::2], strict=True)) if there else fields, ttl)
+
+    def _audit(self, qid: str, fields: dict, ttl: int) -> None:
+        """The final on `svqa:answers`, once per question id: a redelivered question whose final
+        exists calls this again, as the crash may have come between the two steps."""
+        redisio.xadd_once(self.r, keys.ANSWERS, keys.once(keys.ANSWERS, qid), fields, self.answers_maxlen, ttl)
 
 
 def queue_wait_s(entry_id: str | bytes) -> float:

@@ -12,7 +12,7 @@ import threading
 import redis
 import structlog
 
-from common import metrics
+from common import metrics, redisio
 from common.engine.eviction import EvictionPolicy
 from common.engine.kvcache import StreamCache, Version
 from common.engine.runtime import Runtime
@@ -65,7 +65,9 @@ class Mirror:
     def __init__(self, rt: Runtime, r: redis.Redis, store: SegmentStore, streams: list[str], block_ms: int = 1000):
         self.r, self.block_ms = r, block_ms
         self.streams = {name: StreamMirror(rt, store, name) for name in streams}
-        self.cursors = dict.fromkeys((keys.versions(n) for n in streams), "$")
+        # Each cursor is the newest entry's id before catching up from head: a version published in
+        # between is read again and skipped if it is the head. (Not "$": a cluster polls, see read_streams.)
+        self.cursors = {keys.versions(n): _newest_id(r, keys.versions(n)) for n in streams}
         for name in streams:
             self._catch_up(name)
 
@@ -89,13 +91,15 @@ class Mirror:
 
     def poll(self) -> None:
         """One blocking read of new manifests; applies the newest of each stream."""
-        got = self.r.xread(self.cursors, count=100, block=self.block_ms) or []
-        for key, entries in got:
-            key = key.decode() if isinstance(key, bytes) else key
-            self.cursors[key] = entries[-1][0]
+        newest = {
+            key: (eid, fields)
+            for key, eid, fields in redisio.read_streams(self.r, self.cursors, 100, block_ms=self.block_ms)
+        }
+        for key, (entry_id, fields) in newest.items():
+            self.cursors[key] = entry_id
             name = keys.stream_of(key)
             try:
-                self._apply(name, decode_manifest(entries[-1][1]))
+                self._apply(name, decode_manifest(fields))
             except (SchemaError, SegmentStoreError, KeyError) as e:
                 # A segment already collected (we fell behind) or a bad manifest: take the head instead.
                 log.warning("version not applied; catching up from head", stream=name, error=str(e))
@@ -123,3 +127,8 @@ class Mirror:
         version = mirror.apply(manifest)
         metrics.record_version(name, version)
         log.debug("version mirrored", stream=name, version=version.id, tokens=version.tokens)
+
+
+def _newest_id(r: redis.Redis, key: str) -> str:
+    last = r.xrevrange(key, count=1)
+    return last[0][0].decode() if last else "0-0"

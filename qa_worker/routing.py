@@ -6,8 +6,8 @@ answer that stream read: the lease owner in `streamvqa worker`, the mirrors in s
 invalid question (unparsable, unknown stream) gets its error reply right there, and so does one
 for a stream that was never started (no head: "no frames yet"), rather than wait for it.
 
-Exactly once by question id: forwarding is one Lua script on the stream's hash slot that sets the
-question's forwarded-marker (NX, with a TTL) and adds the entry only if the marker was new; the
+Exactly once by question id: forwarding is `redisio.xadd_once` on the stream's hash slot (a Lua script that sets
+the question's marker `keys.once(queue, qid)`, NX with a TTL, and adds the entry only if it was new); the
 shared entry is acked after it. A forwarder that dies between the two leaves the shared entry
 pending, another one reclaims it, and the marker stops the second copy.
 """
@@ -24,13 +24,6 @@ from common.wire import keys
 from common.wire.schemas import SchemaError, parse_question
 
 QUEUE_MAXLEN = 10_000  # per stream: questions waiting for an owner, or answered and not yet trimmed
-
-# KEYS[1] the stream's queue, KEYS[2] the question's marker (both `{cam}`: one slot).
-# ARGV[1] marker TTL in ms, ARGV[2] the queue's MAXLEN, ARGV[3..] field, value, ...
-_FORWARD = """
-if not redis.call('set', KEYS[2], '1', 'NX', 'PX', ARGV[1]) then return false end
-return redis.call('xadd', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
-"""
 
 # KEYS[1] a stream's queue. ARGV[1] group, ARGV[2] entry id, ARGV[3] consumer, ARGV[4] MAXLEN,
 # ARGV[5..] the entry's fields. Moves the entry to the end of the queue, undelivered, only if it is
@@ -53,10 +46,8 @@ def forward(r: redis.Redis, stream: str, qid: str, fields: Mapping[Any, Any], tt
     The forwarded entry carries the question's id explicitly: its own entry id is a new one.
     """
     entry = {k: v for k, v in fields.items() if k not in (b"id", "id")} | {b"id": qid.encode()}
-    added = r.eval(
-        _FORWARD, 2, keys.questions(stream), keys.forwarded(stream, qid), ttl_s * 1000, QUEUE_MAXLEN, *_flat(entry)
-    )
-    return added is not None
+    queue = keys.questions(stream)
+    return redisio.xadd_once(r, queue, keys.once(queue, qid), entry, QUEUE_MAXLEN, ttl_s) is not None
 
 
 def requeue(r: redis.Redis, entry: redisio.Entry, consumer: str) -> bool:

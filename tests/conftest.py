@@ -9,6 +9,9 @@ Redis fixtures start the real ``redis-server`` binary (no mocks): in-memory only
   same port (reconnect tests). It comes back empty: no persistence.
 - ``aof_redis_server``: the same with AOF on (``appendfsync always``): it comes back with its data,
   like the compose deployment's Redis.
+- ``redis_cluster``: a real 3-master Redis Cluster (``--cluster-enabled yes`` x3 joined by
+  ``redis-cli --cluster create``), one per test session, flushed before each test; its ``url`` is
+  the ``redis+cluster://`` form and ``move_slot`` migrates a slot to another master.
 """
 
 from __future__ import annotations
@@ -176,3 +179,95 @@ def aof_redis_server(tmp_path: Path) -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+def _cluster_call(port: int, *args: object) -> object:
+    with redis.Redis(port=port, socket_timeout=10) as r:
+        return r.execute_command(*args)
+
+
+class RedisClusterServers:
+    """Cluster-enabled redis-servers joined into one cluster of masters (no replicas)."""
+
+    def __init__(self, workdir: Path, masters: int = 3) -> None:
+        self.nodes = []
+        for i in range(masters):
+            d = workdir / f"node{i}"
+            d.mkdir()
+            conf = ("--cluster-enabled", "yes", "--cluster-config-file", str(d / "nodes.conf"))
+            bus = ("--cluster-port", str(free_port()))  # not port + 10000: that may be taken, or > 65535
+            self.nodes.append(RedisServer(d, args=(*conf, *bus, "--cluster-node-timeout", "5000")))
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def start(self) -> None:
+        for node in self.nodes:
+            node.start()
+        addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+        create = [REDIS_CLI, "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"]
+        subprocess.run(create, check=True, capture_output=True, timeout=60)
+        self.wait_ok()
+
+    def wait_ok(self, timeout_s: float = 30.0) -> None:
+        """Until every node says cluster_state:ok and agrees on who holds each slot."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            infos = [_cluster_call(n.port, "CLUSTER", "INFO") for n in self.nodes]
+            maps = {str(sorted(map(str, _cluster_call(n.port, "CLUSTER", "SLOTS")))) for n in self.nodes}
+            if all(b"cluster_state:ok" in i for i in infos) and len(maps) == 1:
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis cluster did not reach cluster_state:ok")
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            _cluster_call(node.port, "FLUSHALL")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def owner(self, slot: int) -> RedisServer:
+        for lo, hi, (_, port, *_rest), *_replicas in _cluster_call(self.nodes[0].port, "CLUSTER", "SLOTS"):
+            if lo <= slot <= hi:
+                return next(n for n in self.nodes if n.port == port)
+        raise LookupError(f"slot {slot} is not served")
+
+    def move_slot(self, slot: int, batch: int = 3, pause_s: float = 0.0) -> RedisServer:
+        """Migrate ``slot`` to the next master the way `redis-cli --cluster reshard` does (IMPORTING,
+        MIGRATING, MIGRATE of its keys ``batch`` at a time with ``pause_s`` between, NODE); the
+        cluster serves the slot throughout (ASK redirections). Returns the new owner."""
+        src = self.owner(slot)
+        dst = self.nodes[(self.nodes.index(src) + 1) % len(self.nodes)]
+        src_id, dst_id = (_cluster_call(n.port, "CLUSTER", "MYID").decode() for n in (src, dst))
+        _cluster_call(dst.port, "CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+        _cluster_call(src.port, "CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+        while moving := _cluster_call(src.port, "CLUSTER", "GETKEYSINSLOT", slot, batch):
+            time.sleep(pause_s)
+            _cluster_call(src.port, "MIGRATE", "127.0.0.1", dst.port, "", 0, 10_000, "KEYS", *moving)
+        for node in (dst, src, *(n for n in self.nodes if n not in (src, dst))):
+            _cluster_call(node.port, "CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+        self.wait_ok()
+        return dst
+
+
+@pytest.fixture(scope="session")
+def _session_cluster() -> Iterator[RedisClusterServers]:
+    if not os.access(REDIS_CLI, os.X_OK):
+        pytest.skip(f"redis-cli not found at {REDIS_CLI}")
+    with tempfile.TemporaryDirectory(prefix="svqa-cluster-") as d:
+        cluster = RedisClusterServers(Path(d))
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_session_cluster: RedisClusterServers) -> RedisClusterServers:
+    """The session's 3-master Redis Cluster, flushed (empty) for this test."""
+    _session_cluster.flush()
+    return _session_cluster

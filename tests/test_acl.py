@@ -15,9 +15,11 @@ from common.lease import Lease
 from common.placement import Placement
 from common.wire import keys
 from common.wire.schemas import EndOfStream, encode_delta, encode_frame
+from encoder_worker.stream import publish_fenced
 from qa_worker.client import Client
 from qa_worker.routing import forward, requeue, take_over
 from tests.conftest import RedisServer
+from tests.test_schemas import _manifest
 
 ACL = Path(__file__).resolve().parent.parent / "deploy" / "users.acl.example"
 CAM = "cam1"
@@ -62,12 +64,7 @@ def encoder_job(r: redis.Redis) -> None:
     redisio.delivery_counts(r, keys.ENCODER_GROUP, "enc", entries)
     redisio.claim_stale(r, keys.frames(CAM), keys.ENCODER_GROUP, "enc", 0)
     assert Lease(r, CAM, "enc", 5000).acquire()
-    with r.pipeline(transaction=True) as p:
-        p.watch(keys.lease(CAM))
-        p.multi()
-        p.xadd(keys.versions(CAM), {"m": b"x"})
-        p.set(keys.head(CAM), b"x")
-        p.execute()
+    assert publish_fenced(r, CAM, "enc", _manifest(stream=CAM), 100)
     r.hgetall(keys.meta(CAM))
     r.set(keys.segment(CAM, "s1"), b"kv")
     redisio.dead_letter(r, keys.frames(CAM), entries[0][1], entries[0][2], "test", group=keys.ENCODER_GROUP)
@@ -99,7 +96,8 @@ def qa_job(r: redis.Redis) -> None:
     r.delete(keys.answer("q1"))
     r.xadd(keys.answer("q1"), encode_delta("hi"))
     r.expire(keys.answer("q1"), 60)
-    r.xadd(keys.ANSWERS, {"type": "final", "id": "q1", "text": "hi"})
+    redisio.xadd_once(r, keys.ANSWERS, keys.once(keys.ANSWERS, "q1"), {"type": "final", "id": "q1"}, 100, 60)
+    redisio.dead_letter(r, keys.QUESTIONS, "0-1", {"x": "y"}, "test")
     r.xadd(keys.transcript(CAM), {"start": "0", "end": "1", "text": "x"})
     r.copy(keys.latest_frame(CAM), keys.alert_frame(CAM, "a1"), replace=True)  # an alert job fired
     r.expire(keys.alert_frame(CAM, "a1"), 60)

@@ -241,6 +241,19 @@ def test_group_reader_recreates_vanished_group(redis_url):
     assert _ids(reader.read()) == new
 
 
+def test_group_reader_survives_its_stream_deleted_under_a_blocked_read(redis_url):
+    """Redis ends a blocked XREADGROUP with UNBLOCKED when the key goes (deleted, or MIGRATEd away
+    when a cluster moves its slot): an empty read, and the reader goes on."""
+    r = connect(redis_url)
+    reader = GroupReader(r, [S], G, "c", block_ms=1000)
+    threading.Timer(0.2, lambda: connect(redis_url).delete(S)).start()
+    t0 = time.monotonic()
+    assert reader.read() == [] and time.monotonic() - t0 < 0.9
+    assert reader.read() == []  # the group is recreated
+    new = _add(r, 1)
+    assert _ids(reader.read()) == new
+
+
 def test_trimmed_pending_entries_are_acked_and_skipped(redis_url):
     r = connect(redis_url)
     ensure_group(r, S, G)

@@ -50,14 +50,18 @@ def questions(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:questions"
 
 
-def forwarded(cam: str, qid: str) -> str:
-    """Marker (with a TTL) that question `qid` was forwarded to `questions(cam)`: once, whoever retries."""
-    return f"{PREFIX}:{{{cam}}}:fwd:{qid}"
-
-
 def worker(worker_id: str) -> str:
     """A stream-owning worker's heartbeat (hash with a TTL): capacity and the streams it holds."""
     return f"{PREFIX}:worker:{worker_id}"
+
+
+def once(stream_key: str, ident: str) -> str:
+    """Marks that entry ``ident`` was added to ``stream_key`` (``redisio.xadd_once``), on the stream's
+    hash slot: a per-stream key keeps its ``{cam}`` tag; a key without one (ANSWERS, DEAD_LETTER)
+    becomes the marker's tag, and a key's whole name hashes like a tag of that name."""
+    if "{" in stream_key:
+        return f"{stream_key}:once:{ident}"
+    return f"{{{stream_key}}}:once:{ident}"
 
 
 def answer(qid: str) -> str:
