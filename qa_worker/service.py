@@ -120,6 +120,7 @@ class QAService:
         self._follow_streams()
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
+            self._keep_in_flight_alive()
             for queue in [keys.QUESTIONS, *sorted(self.queues)]:
                 stale = redisio.claim_stale(self.r, queue, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms)
                 self._dispatch(stale)
@@ -130,6 +131,14 @@ class QAService:
             for queue in [keys.QUESTIONS, *sorted(self.queues)]:
                 redisio.prune_consumers(self.r, queue, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
+
+    def _keep_in_flight_alive(self) -> None:
+        with self._in_flight_lock:
+            by_queue: dict[str, list[str]] = {}
+            for queue, entry_id in self.in_flight:
+                by_queue.setdefault(queue, []).append(entry_id)
+        for queue, ids in by_queue.items():
+            redisio.keep_alive(self.r, queue, keys.QA_GROUP, self.cfg.consumer, ids)
 
     def _follow_streams(self) -> None:
         """Read the question queues of the streams answered here now. A stream just taken over

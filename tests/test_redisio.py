@@ -20,6 +20,7 @@ from common.redisio import (
     connect,
     dead_letter,
     ensure_group,
+    keep_alive,
     process,
     prune_consumers,
     ride_out,
@@ -107,6 +108,19 @@ def test_claim_stale_moves_entries_of_dead_consumer(redis_url):
     assert owners == {b"alive"}
     # The claimed entries are now "alive"'s own pending ones: a restart of it sees them too.
     assert _ids(read_group(r, [S], G, "alive", block_ms=100)) == ids
+
+
+def test_keep_alive_keeps_own_slow_entries_from_being_claimed_without_counting_deliveries(redis_url):
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    ids = _add(r, 2)
+    read_group(r, [S], G, "slow", count=1, block_ms=100)  # ids[0]: being worked on, slowly
+    read_group(r, [S], G, "other", count=1, block_ms=100)  # ids[1]: another consumer's
+    time.sleep(0.1)
+    keep_alive(r, S, G, "slow", ids)  # names the other's entry too: it must stay the other's
+    assert _ids(claim_stale(r, S, G, "thief", min_idle_ms=80)) == [ids[1]]
+    pending = {p["message_id"].decode(): p for p in r.xpending_range(S, G, "-", "+", 10)}
+    assert pending[ids[0]]["consumer"] == b"slow" and pending[ids[0]]["times_delivered"] == 1
 
 
 def _dead_letter_rejecter(r):
