@@ -299,6 +299,7 @@ class GroupReader:
         self.r, self.group, self.consumer = r, group, consumer
         self.count, self.block_ms, self.start_id = count, block_ms, start_id
         self.cursors: dict[str, str] = {}
+        self.quiet: set[str] = set()  # streams whose history is re-read without counting deliveries
         for s in streams:
             self.add(s)
 
@@ -308,9 +309,18 @@ class GroupReader:
 
     def remove(self, stream: str) -> None:
         self.cursors.pop(stream, None)
+        self.quiet.discard(stream)
 
     def reset(self) -> None:
+        """Back to this consumer's pending history (after an outage: replies lost on the way).
+
+        Re-read with XPENDING + XRANGE, not XREADGROUP: a re-read in the same life is no new
+        delivery, and counting it would dead-letter entries this process is still working on
+        after an outage or two. The first history read of a life (``add``) does count: that is
+        how a message that kills its consumer is stopped.
+        """
         self.cursors = dict.fromkeys(self.cursors, "0")
+        self.quiet = set(self.cursors)
 
     def read(self) -> list[Entry]:
         if not self.cursors:
@@ -331,14 +341,31 @@ class GroupReader:
         who = {"group": self.group, "consumer": self.consumer}
         history = {s: c for s, c in self.cursors.items() if c != ">"}
         if history:
-            got = read_streams(self.r, history, self.count, **who)
+            counted = {s: c for s, c in history.items() if s not in self.quiet}
+            got = read_streams(self.r, counted, self.count, **who) if counted else []
+            for s in history.keys() & self.quiet:
+                got += self._pending(s, history[s])
             for s in history:
                 mine = [eid for st, eid, _ in got if st == s]
                 self.cursors[s] = mine[-1] if mine else ">"
+                if not mine:
+                    self.quiet.discard(s)
             got = _drop_trimmed(self.r, self.group, got)
             if got:
                 return got
         return read_streams(self.r, dict.fromkeys(self.cursors, ">"), self.count, block_ms=self.block_ms, **who)
+
+    def _pending(self, stream: str, cursor: str) -> list[Entry]:
+        """This consumer's pending entries after ``cursor``, delivery counts untouched."""
+        start = "-" if cursor == "0" else f"({cursor}"
+        pending = self.r.xpending_range(
+            stream, self.group, min=start, max="+", count=self.count, consumername=self.consumer
+        )
+        ids = [_str(p["message_id"]) for p in pending]
+        pipe = self.r.pipeline(transaction=False)
+        for eid in ids:
+            pipe.xrange(stream, eid, eid)
+        return [(stream, eid, rows[0][1] if rows else {}) for eid, rows in zip(ids, pipe.execute(), strict=True)]
 
 
 def claim_stale(

@@ -242,8 +242,12 @@ def test_group_reader_keeps_pending_without_repeating(redis_url):
     new = _add(r, 1)
     assert _ids(restarted.read()) == ids[2:]  # history first (paged by cursor)
     assert _ids(restarted.read()) == new
-    restarted.reset()
+    delivered = {p["message_id"].decode(): p["times_delivered"] for p in r.xpending_range(S, G, "-", "+", 10)}
+    restarted.reset()  # after an outage: the history again, paged, and no delivery counted for it
     assert _ids(restarted.read()) == [*ids[2:], *new][:2]
+    assert _ids(restarted.read()) == [*ids[2:], *new][2:]
+    assert {p["message_id"].decode(): p["times_delivered"] for p in r.xpending_range(S, G, "-", "+", 10)} == delivered
+    assert restarted.read() == []
 
 
 def test_group_reader_recreates_vanished_group(redis_url):
