@@ -6,8 +6,9 @@ holds, with a TTL of one lease, so that it vanishes with the leases of a dead wo
 in the set `keys.WORKERS`, which is how the others and `streamvqa status` find it (no key scan).
 
 The rule, applied by each worker on its own from what the heartbeats say (no coordinator):
-- take a free stream while below capacity if no other live worker with room holds fewer streams
-  (the least loaded goes first; a tie is settled by the lease's SET NX);
+- take free streams up to the fair share: the ceiling of all streams held by workers with room,
+  plus the free ones, over those workers (capped by capacity; a race for one stream is settled
+  by the lease's SET NX);
 - hand one stream off when some other live worker with room holds at least two fewer.
 Together they leave every worker with the floor or the ceiling of streams / live workers (the
 fair share), capped by its capacity.
@@ -104,9 +105,15 @@ class Placement:
     def has_room(self, load: int) -> bool:
         return self.capacity is None or load < self.capacity
 
-    def first_in_line(self, load: int, others: list[WorkerLoad]) -> bool:
-        """May this worker, holding ``load`` streams, take a free one now?"""
-        return self.has_room(load) and all(load <= o.load for o in others if o.has_room)
+    def share(self, load: int, free: int, others: list[WorkerLoad]) -> int:
+        """How many streams this worker, holding ``load`` with ``free`` streams unowned, should hold:
+        the ceiling of what it and the other workers with room hold or could take, over their
+        number, capped by its capacity. Every worker computes the same figure, so a crowd of free
+        streams (a start, a dead worker) is spread in one round instead of one stream a beat."""
+        peers = [o for o in others if o.has_room]
+        total = load + free + sum(o.load for o in peers)
+        fair = -(-total // (len(peers) + 1))
+        return fair if self.capacity is None else min(fair, self.capacity)
 
     @staticmethod
     def should_hand_off(load: int, others: list[WorkerLoad]) -> bool:

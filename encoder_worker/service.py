@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import redis
@@ -151,21 +152,30 @@ class EncoderService:
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def _take_free(self, others: list[WorkerLoad]) -> None:
-        for name in self.names:
-            if name in self.owned:
-                continue
+        free = self._free_streams()
+        share = self.placement.share(len(self.owned), len(free), others)
+        # Each worker starts at its own place in the list, so workers taking at once rarely collide.
+        start = zlib.crc32(self.cfg.consumer.encode()) % len(free) if free else 0
+        for name in free[start:] + free[:start]:
             if not self.placement.has_room(len(self.owned)):
                 return
-            first = self.placement.first_in_line(len(self.owned), others)
-            if (first or self._free_too_long(name)) and self.leases[name].acquire():
+            if (len(self.owned) < share or self._free_too_long(name)) and self.leases[name].acquire():
                 self._open(name)
 
+    def _free_streams(self) -> list[str]:
+        """Served streams nobody holds a lease on (one pipelined EXISTS each)."""
+        names = [n for n in self.names if n not in self.owned]
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.exists(keys.lease(name))
+        free = [n for n, held in zip(names, pipe.execute(), strict=True) if not held]
+        for name in set(self._free_since) - set(free):
+            del self._free_since[name]
+        return free
+
     def _free_too_long(self, name: str) -> bool:
-        """A stream nobody took for a whole lease (the workers first in line do not list it, say):
-        whoever has room takes it."""
-        if self.r.exists(keys.lease(name)):
-            self._free_since.pop(name, None)
-            return False
+        """A free stream nobody took for a whole lease (the workers with a share to fill do not
+        list it, say): whoever has room takes it."""
         since = self._free_since.setdefault(name, time.monotonic())
         return time.monotonic() - since > self.cfg.lease_ms / 1000
 

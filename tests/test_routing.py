@@ -126,8 +126,16 @@ def load(worker: str, n: int, capacity: int | None = None) -> WorkerLoad:
 )
 def test_placement_rule(mine, capacity, others, takes, hands_off):
     me = Placement(None, "a", capacity, 1000)  # type: ignore[arg-type]  # the rule needs no Redis
-    assert me.first_in_line(mine, others) is takes
+    assert (mine < me.share(mine, 1, others)) is takes  # one stream free: does it take it?
     assert Placement.should_hand_off(mine, others) is hands_off
+
+
+def test_many_free_streams_are_shared_in_one_round():
+    """64 cameras appear at once before two workers: each takes its half, not one stream a beat."""
+    a, b = Placement(None, "a", None, 1000), Placement(None, "b", 20, 1000)  # type: ignore[arg-type]
+    assert a.share(0, 64, [load("b", 0, capacity=20)]) == 32
+    assert b.share(0, 64, [load("a", 0)]) == 20  # capped by its capacity
+    assert a.share(32, 10, [load("b", 20, capacity=20)]) == 42  # a full worker takes no part
 
 
 def test_heartbeats_show_live_workers_and_forget_dead_ones(r):
