@@ -29,7 +29,7 @@ a sweep is split over calls; plot_pipeline.py merges their --out files:
     PYTHONPATH=. python scripts/bench_pipeline.py --device cuda --sweep 32,64 --askers 8 \
         --warmup 20 --duration 60 --out $OUT/pipeline-32-64.json
 
-A smoke run on CPU (about a minute):
+A smoke run on CPU (about a minute; --workers 2 runs two worker processes, one GPU each on CUDA):
 
     PYTHONPATH=. python scripts/bench_pipeline.py --model tiny-random --device cpu --cameras 2 --askers 2 --duration 15
 
@@ -67,7 +67,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from apps.privateredis import embedded_redis
 from apps.samplevideo import write_sample_video
-from common import redisio
+from common import placement, redisio
 from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
 from qa_worker.client import Client
@@ -94,14 +94,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cameras", type=int, default=8)
     p.add_argument("--sweep", type=_counts, help="camera counts, e.g. 8,16,32,64: one fresh run each")
     p.add_argument("--askers", type=int, default=8, help="concurrent askers, each asking back to back")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="`streamvqa worker` processes, one GPU each (CUDA_VISIBLE_DEVICES=i); placement spreads the cameras",
+    )
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
     p.add_argument("--max-cache-tokens", type=int, default=32768, help="per stream")
     p.add_argument("--fps", type=float, default=2.0, help="frames per second of every camera")
     p.add_argument(
         "--segment-store",
-        default="memory://bench",
-        help="the worker's segment store; memory:// keeps disk out of the measurement (its copies of the "
-        "segments stay on the worker's device)",
+        help="the workers' segment store; default memory://bench for one worker (keeps disk out of the "
+        "measurement: its copies of the segments stay on the worker's device), a directory in the run's "
+        "folder for several (a stream handed off is restored by another process)",
     )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
     p.add_argument("--settle-lag", type=float, default=5.0, help="then until every head is this close to now")
@@ -114,8 +120,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="write every run's result (and the summary) to this JSON file")
     p.add_argument("--logs", help="keep the services' logs of every run in this directory")
     ns = p.parse_args(argv)
-    if ns.cameras < 1 or ns.askers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
-        p.error("need cameras >= 1, askers >= 1, duration > 0, warmup >= 0, fps > 0")
+    if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
+        p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
+    if ns.workers > 1 and (ns.segment_store or "").startswith("memory://"):
+        p.error("several workers need a segment store they all reach: a directory or a Redis URL")
     if ns.device is None:
         import torch  # only to choose the device; the services load the model
 
@@ -148,12 +156,14 @@ class Services:
         path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
         self.env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
 
-    def start(self, service: str, *args: str) -> None:
-        with open(self._log(service), "wb") as log:  # the child keeps its own descriptor
-            self.procs[service] = subprocess.Popen(
+    def start(self, service: str, *args: str, name: str | None = None, env: dict[str, str] | None = None) -> None:
+        """Start ``service``, known (and logging) as ``name`` (default: the service), with ``env`` added."""
+        name = name or service
+        with open(self._log(name), "wb") as log:  # the child keeps its own descriptor
+            self.procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "apps.cli", service, "--redis-url", self.redis_url, *args],
                 cwd=REPO,
-                env=self.env,
+                env={**self.env, **(env or {})},
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -234,8 +244,12 @@ def scrape(port: int) -> dict[tuple[str, str, str], float]:
     }
 
 
-def frame_counts(ingest_port: int, worker_port: int, cameras: list[str]) -> Counts:
-    ingest, worker = scrape(ingest_port), scrape(worker_port)
+def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) -> Counts:
+    """Counters of ingest and of every worker, summed over workers (a stream handed off has counts in both)."""
+    ingest, worker = scrape(ingest_port), {}
+    for port in worker_ports:
+        for sample, value in scrape(port).items():
+            worker[sample] = worker.get(sample, 0.0) + value
     counts: Counts = {
         "published": {c: int(ingest.get(("svqa_ingest_frames_total", c, ""), 0)) for c in cameras},
         "encoded": {c: int(worker.get(("svqa_encoder_frames_total", c, ""), 0)) for c in cameras},
@@ -251,13 +265,21 @@ def dropped(counts: Counts, cam: str) -> int:
     return sum(per_cam[cam] for kind, per_cam in counts.items() if kind.startswith("dropped:"))
 
 
-def reading(r: redis.Redis) -> bool:
-    """A worker reads the question queue: its consumer group has a consumer (the model is loaded)."""
+def reading(r: redis.Redis, workers: int) -> bool:
+    """Every worker reads the question queue: its consumer group has that many consumers (models loaded)."""
     try:
         groups = r.xinfo_groups(keys.QUESTIONS)
     except redis.ResponseError:  # no queue yet
         return False
-    return any(int(g["consumers"]) > 0 for g in groups)
+    return any(int(g["consumers"]) >= workers for g in groups)
+
+
+def streams_per_worker(r: redis.Redis) -> dict[str, int]:
+    """What each live worker's heartbeat says it holds (placement)."""
+    ids = placement.worker_ids(r.smembers(keys.WORKERS))
+    pipe = r.pipeline(transaction=False)
+    placement.queue_workers(pipe, ids)
+    return {w.worker: w.load for w in placement.workers_from(ids, pipe.execute())}
 
 
 def last_ts(raw: bytes | None) -> float | None:
@@ -363,21 +385,28 @@ def run_services(
     ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str
 ) -> dict[str, Any]:
     n, r = len(cameras), redisio.connect(url)
-    ingest_port, worker_port = free_port(), free_port()
-    running.start(
-        "worker",
-        *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
-        *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", ns.segment_store),
-        *("--metrics-port", str(worker_port)),
-    )
-    progress(f"{n} cameras: worker started ({ns.model} on {ns.device}); waiting until it takes questions")
-    if not wait_while(running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r)):
-        raise RunFailed(f"the worker read no questions within {ns.start_timeout:g} s")
+    ingest_port, worker_ports = free_port(), [free_port() for _ in range(ns.workers)]
+    store = ns.segment_store or ("memory://bench" if ns.workers == 1 else str(running.workdir / "segments"))
+    for i, port in enumerate(worker_ports):
+        running.start(
+            "worker",
+            *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
+            *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", store),
+            *("--metrics-port", str(port), "--consumer", f"worker-{i}"),
+            name=f"worker-{i}",
+            env={"CUDA_VISIBLE_DEVICES": str(i)} if ns.device.startswith("cuda") else None,
+        )
+    progress(f"{n} cameras: {ns.workers} worker(s) started ({ns.model} on {ns.device}); waiting for questions")
+    if not wait_while(
+        running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r, ns.workers)
+    ):
+        raise RunFailed(f"the workers read no questions within {ns.start_timeout:g} s")
     # Cameras start only now: frames published while the model loads would be a backlog
     # the warm-up has to drain, not the steady state this benchmark measures.
     running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
     warm = warm_up(ns, running, r, cameras)
-    return {**measure(ns, running, url, cameras, (ingest_port, worker_port)), **warm}
+    result = measure(ns, running, url, cameras, (ingest_port, worker_ports))
+    return {**result, "streams_per_worker": streams_per_worker(r), **warm}
 
 
 def warm_up(ns: argparse.Namespace, running: Services, r: redis.Redis, cameras: list[str]) -> dict[str, Any]:
@@ -414,7 +443,7 @@ def warm_up(ns: argparse.Namespace, running: Services, r: redis.Redis, cameras: 
 
 
 def measure(
-    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], ports: tuple[int, int]
+    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], ports: tuple[int, list[int]]
 ) -> dict[str, Any]:
     load = Load(url, cameras, ns)
     before = frame_counts(*ports, cameras)
@@ -484,13 +513,14 @@ def summarize(
     lags = load.lags
     return {
         "cameras": len(cameras),
+        "workers": ns.workers,
         "askers": ns.askers,
         "model": ns.model,
         "device": ns.device,
         "fps": ns.fps,
         "max_cache_tokens": ns.max_cache_tokens,
         "max_tokens": ns.max_tokens,
-        "segment_store": ns.segment_store,
+        "segment_store": ns.segment_store or "default",
         "duration_s": round(t_end - t0, 2),
         "frames": frames_summary(cameras, before, after),
         "encoder_lag_s": {

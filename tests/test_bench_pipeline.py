@@ -53,7 +53,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     out = tmp_path / "result.json"
     proc = bench(
         tmp_path,
-        *("--cameras", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
+        *("--cameras", "2", "--workers", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
         *("--settle-timeout", "0", "--start-timeout", "120", "--out", str(out)),
     )
     stdout, _ = proc.communicate(timeout=280)
@@ -66,7 +66,8 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert "every camera has a version" in stderr and f"{DURATION_S}/{DURATION_S} s" in stderr  # progress lines
 
     assert (run["cameras"], run["askers"], run["model"], run["device"]) == (2, 1, "tiny-random", "cpu")
-    assert (run["max_tokens"], run["max_cache_tokens"], run["segment_store"]) == (32, 32768, "memory://bench")
+    assert (run["max_tokens"], run["max_cache_tokens"], run["segment_store"]) == (32, 32768, "default")
+    assert run["workers"] == 2 and run["streams_per_worker"] == {"worker-0": 1, "worker-1": 1}  # placement
     assert DURATION_S <= run["duration_s"] < DURATION_S + 5
     assert run["warmup_s"] >= 3 and isinstance(run["settled"], bool)
 
@@ -129,8 +130,8 @@ def test_a_service_that_dies_fails_the_run_with_its_reason(tmp_path, monkeypatch
     stdout, _ = proc.communicate(timeout=150)
     assert proc.returncode == 1, (tmp_path / "stderr.txt").read_text()
     (run,) = [json.loads(line) for line in stdout.splitlines()]
-    assert run["cameras"] == 1 and run["failed"].startswith("worker exited with 2: ")
+    assert run["cameras"] == 1 and run["failed"].startswith("worker-0 exited with 2: ")
     assert "chunk_frames must be a positive even number" in run["failed"]
-    (log,) = (tmp_path / "logs").glob("*/worker.log")  # kept for a post-mortem
+    (log,) = (tmp_path / "logs").glob("*/worker-0.log")  # kept for a post-mortem
     assert "chunk_frames must be a positive even number" in log.read_text()
     assert_nothing_left(tmp_path)
