@@ -254,14 +254,25 @@ def test_compose_v2_accepts_the_file_and_each_profile_starts_one_pipeline(tmp_pa
     checked = run_compose(tmp_path, "config", "-q", env=TEST_PASSWORDS)
     assert checked.returncode == 0, checked.stderr
     running: dict[str, set[str]] = {}
-    for profile in ("one-gpu", "split"):
+    gpus: dict[str, list[str]] = {}
+    for profile in ("one-gpu", "two-gpu", "split"):
         out = run_compose(tmp_path, "--profile", profile, "config", "--format", "json", env=TEST_PASSWORDS)
         assert out.returncode == 0, out.stderr
         services = json.loads(out.stdout)["services"]
         running[profile] = {_command(svc)[0] for svc in services.values() if "command" in svc and svc.get("build")}
+        gpus[profile] = [
+            d
+            for svc in services.values()
+            for d in svc.get("deploy", {})
+            .get("resources", {})
+            .get("reservations", {})
+            .get("devices", [{}])[0]
+            .get("device_ids", [])
+        ]
         for name, svc in services.items():  # Compose's own interpolation agrees with this file's resolve()
             assert environment(svc) == environment(compose["services"][name]), name
-    assert running["one-gpu"] == {"ingest", "api", "worker"}
+    assert running["one-gpu"] == running["two-gpu"] == {"ingest", "api", "worker"}
+    assert len(gpus["two-gpu"]) == len(set(gpus["two-gpu"])) == 2, f"two-gpu: one GPU per worker, {gpus}"
     assert running["split"] == {"ingest", "api", "encoder", "qa"}, "split must not also start the combined worker"
     missing = run_compose(tmp_path, "config", "-q", env={})
     assert missing.returncode != 0 and "scripts/redis-users.sh" in missing.stderr, missing.stderr
@@ -393,7 +404,8 @@ def test_each_profile_runs_one_whole_pipeline_and_never_both(compose, env_exampl
     for name, svc in services.items():
         for profile in svc.get("profiles") or []:
             by_profile.setdefault(profile, set()).add(commands.get(name))
-    assert by_profile == {"one-gpu": {"worker"}, "split": {"encoder", "qa"}}
+    assert by_profile == {"one-gpu": {"worker"}, "two-gpu": {"worker"}, "split": {"encoder", "qa"}}
+    assert [n for n, s in services.items() if "two-gpu" in (s.get("profiles") or [])] == ["worker", "worker-2"]
     assert env_example["COMPOSE_PROFILES"] == "one-gpu"
     for name, svc in services.items():  # a service that always runs must not wait for one that may be off
         if name in always:
@@ -425,8 +437,8 @@ def test_metrics_ports_healthchecks_and_restart(compose):
         else:
             port = int(environment(svc)["SVQA_METRICS_PORT"])
             assert port == METRICS_PORTS[sub], f"{name}: metrics port {port}"
-            assert port not in seen, f"{name} and {seen.get(port)} share metrics port {port}"
-            seen[port] = name
+            # one port per role (replicas of a role, worker and worker-2, are separate containers)
+            assert seen.setdefault(port, sub) == sub, f"{name} and {seen.get(port)} share metrics port {port}"
             assert metrics_port_in(svc["healthcheck"]) == port, f"{name}: healthcheck is not on port {port}"
             assert [int(p) for p in svc.get("expose", [])] == [port], f"{name}: expose {port}"
         # ingest restarts on failure only: a finished file source must not be replayed forever;
