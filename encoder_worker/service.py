@@ -138,11 +138,7 @@ class EncoderService:
 
     def _keep_leases(self) -> None:
         """Renew what we hold, say so (heartbeat), take free streams, maybe start one hand-off."""
-        self._last_lease_check = time.monotonic()
-        for name in list(self.owned):
-            if not self.leases[name].renew():
-                log.warning("lease lost; another encoder owns the stream now", stream=name)
-                self._drop(name)
+        self._renew_owned()
         held = set(self.owned)
         others = self.placement.beat(held)
         self._take_free(others)
@@ -150,6 +146,13 @@ class EncoderService:
         if set(self.owned) != held:
             self.placement.beat(self.owned)  # the others decide on what we hold now
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
+
+    def _renew_owned(self) -> None:
+        self._last_lease_check = time.monotonic()
+        for name in list(self.owned):
+            if not self.leases[name].renew():
+                log.warning("lease lost; another encoder owns the stream now", stream=name)
+                self._drop(name)
 
     def _take_free(self, others: list[WorkerLoad]) -> None:
         free = self._free_streams()
@@ -161,6 +164,8 @@ class EncoderService:
                 return
             if (len(self.owned) < share or self._free_too_long(name)) and self.leases[name].acquire():
                 self._open(name)
+                if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
+                    self._renew_owned()  # opening many streams (a first model call compiles) outlasts a lease
 
     def _free_streams(self) -> list[str]:
         """Served streams nobody holds a lease on (one pipelined EXISTS each)."""
@@ -186,6 +191,9 @@ class EncoderService:
             self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name, self.frames)
         except StreamNotReady:
             self.leases[name].release()  # ingest has not described the stream yet; try again later
+            return
+        except LeaseLost:  # opening outlasted the lease and another worker took the stream
+            log.warning("lease lost while opening the stream; another worker holds it", stream=name)
             return
         # Frames another consumer read but never acked belong to a dead or departed owner: take
         # them over before reading on, so nothing is skipped and the file source is not held back.
