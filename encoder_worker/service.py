@@ -96,7 +96,14 @@ class EncoderService:
 
     def run(self, stop: threading.Event) -> None:
         log.info("encoder started", streams=self.names, consumer=self.cfg.consumer, max_streams=self.cfg.max_streams)
-        redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+        done = threading.Event()
+        keeper = threading.Thread(target=self._renew_until, args=(done,), name="leases", daemon=True)
+        keeper.start()
+        try:
+            redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+        finally:
+            done.set()
+            keeper.join()
         # Streams are released only once the questions taken here are answered: the next owner
         # would otherwise take them over while they are still being answered.
         deadline = time.monotonic() + STOP_WAIT_S
@@ -147,6 +154,18 @@ class EncoderService:
             self.placement.beat(self.owned)  # the others decide on what we hold now
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
+    def _renew_until(self, done: threading.Event) -> None:
+        """Leases renewed from their own thread: a chunk waiting its turn on a busy GPU (or a first
+        model call compiling) can take longer than a lease, and says nothing about this worker
+        being dead. Whether a lease was lost (taken by another worker, or expired in an outage and
+        taken back) is for the main loop to find out: its own renewal or `after_outage`."""
+        while not done.wait(self._lease_check_s):
+            try:
+                for name in list(self.owned):
+                    self.leases[name].renew()
+            except redisio.OUTAGE_ERRORS:
+                continue  # the main loop rides the outage out and checks every lease after it
+
     def _renew_owned(self) -> None:
         self._last_lease_check = time.monotonic()
         for name in list(self.owned):
@@ -164,8 +183,6 @@ class EncoderService:
                 return
             if (len(self.owned) < share or self._free_too_long(name)) and self.leases[name].acquire():
                 self._open(name)
-                if time.monotonic() - self._last_lease_check > self.cfg.lease_ms / 3000:
-                    self._renew_owned()  # opening many streams (a first model call compiles) outlasts a lease
 
     def _free_streams(self) -> list[str]:
         """Served streams nobody holds a lease on (one pipelined EXISTS each)."""
