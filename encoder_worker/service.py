@@ -155,14 +155,16 @@ class EncoderService:
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def _renew_until(self, done: threading.Event) -> None:
-        """Leases renewed from their own thread: a chunk waiting its turn on a busy GPU (or a first
+        """Leases and the heartbeat renewed from their own thread: a chunk waiting its turn on a busy GPU (or a first
         model call compiling) can take longer than a lease, and says nothing about this worker
         being dead. Whether a lease was lost (taken by another worker, or expired in an outage and
         taken back) is for the main loop to find out: its own renewal or `after_outage`."""
         while not done.wait(self._lease_check_s):
             try:
-                for name in list(self.owned):
+                held = list(self.owned)
+                for name in held:
                     self.leases[name].renew()
+                self.placement.beat(held)  # and the heartbeat, for the same reason
             except redisio.OUTAGE_ERRORS:
                 continue  # the main loop rides the outage out and checks every lease after it
 
