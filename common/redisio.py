@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -589,8 +589,12 @@ def prune_consumers(r: redis.Redis, stream: str, group: str, keep: str, idle_ms:
 # --------------------------------------------------------------------------- outages
 
 
-def ride_out(r: redis.Redis, error: Exception, grace_s: float, stop: threading.Event | None = None) -> None:
-    """Wait, with backoff, until Redis answers again; RedisGone once ``grace_s`` has passed.
+Clients = redis.Redis | Sequence[redis.Redis]  # what a service depends on: one Redis, or several
+
+
+def ride_out(r: Clients, error: Exception, grace_s: float, stop: threading.Event | None = None) -> None:
+    """Wait, with backoff, until Redis (every one of ``r``) answers again; RedisGone once
+    ``grace_s`` has passed.
 
     Called when a command failed with an outage error (after redis-py's own retries). Logs one
     line when the wait starts and one when Redis is back.
@@ -599,7 +603,7 @@ def ride_out(r: redis.Redis, error: Exception, grace_s: float, stop: threading.E
     t0 = time.monotonic()
     delay = 0.1
     while time.monotonic() - t0 < grace_s:
-        if _answers(r):
+        if all(_answers(c) for c in (r if isinstance(r, Sequence) else [r])):
             log.info("redis back; resuming", outage_s=round(time.monotonic() - t0, 1))
             return
         if stop is not None and stop.is_set():
@@ -633,7 +637,7 @@ def _pool_answers(pool: redis.ConnectionPool) -> bool:
 
 
 def run_riding_out(
-    r: redis.Redis,
+    r: Clients,
     step: Callable[[], None],
     stop: threading.Event,
     grace_s: float,
@@ -649,7 +653,7 @@ def run_riding_out(
                 call_riding_out(r, on_back, stop, grace_s)
 
 
-def call_riding_out(r: redis.Redis, fn: Callable[[], None], stop: threading.Event, grace_s: float) -> bool:
+def call_riding_out(r: Clients, fn: Callable[[], None], stop: threading.Event, grace_s: float) -> bool:
     """Call ``fn`` until it completes without an outage, waiting each one out (RedisGone past
     ``grace_s``); True if there was none, False if it had to be repeated (or ``stop`` was set)."""
     clean = True

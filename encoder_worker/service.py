@@ -100,7 +100,8 @@ class EncoderService:
         keeper = threading.Thread(target=self._renew_until, args=(done,), name="leases", daemon=True)
         keeper.start()
         try:
-            redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+            both = [self.r] if self.frames is self.r else [self.r, self.frames]  # either may be the one away
+            redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
         finally:
             done.set()
             keeper.join()

@@ -210,6 +210,16 @@ def test_prune_consumers_removes_only_idle_ones_without_pending(redis_url):
     assert {c["name"] for c in r.xinfo_consumers(S, G)} == {b"holds", b"me"}
 
 
+def test_ride_out_waits_for_every_redis_a_service_depends_on(redis_url):
+    """The encoder reads frames from one Redis and publishes to another: either may be away."""
+    from tests.conftest import free_port
+
+    away = connect(f"redis://127.0.0.1:{free_port()}/0", retries=0)
+    ride_out([connect(redis_url)], redis.ConnectionError("blip"), grace_s=1.0)  # answers: returns at once
+    with pytest.raises(RedisGone):
+        ride_out([connect(redis_url), away], redis.ConnectionError("frames gone"), grace_s=0.5)
+
+
 def test_ride_out_resumes_when_redis_is_back_and_gives_up_after_grace(redis_server):
     r = connect(redis_server.url, retries=0)
     redis_server.stop()
