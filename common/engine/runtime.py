@@ -12,12 +12,13 @@ from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.lm import LanguageModel, StepGraphs
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
-from common.engine.pool import KVPool
+from common.engine.pool import KVPool, token_bytes
 from common.engine.vision import GridTHW, VisionTower
 from common.engine.work import Executor, InlineExecutor
 
 POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
 CPU_SLAB_TOKENS = 1 << 16
+GPU_GROW_TOKENS = 1 << 16  # the least a GPU pool grows by once its first slab is full (2.4 GB at 3B)
 
 
 class Runtime:
@@ -77,11 +78,12 @@ class Runtime:
 def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:
     cfg = loaded.text_config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
-    if pool_tokens is None and loaded.device.type == "cuda":
+    if loaded.device.type != "cuda":
+        return KVPool(shape, loaded.dtype, loaded.device, slab_tokens=pool_tokens or CPU_SLAB_TOKENS)
+    if pool_tokens is None:
         free, _ = torch.cuda.mem_get_info(loaded.device)
-        per_token = 2 * shape[0] * shape[1] * shape[2] * loaded.dtype.itemsize
-        pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // per_token)
-    pool = KVPool(shape, loaded.dtype, loaded.device, slab_tokens=pool_tokens or CPU_SLAB_TOKENS)
-    if loaded.device.type == "cuda":
-        pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
+        pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // token_bytes(shape, loaded.dtype))
+    grow = min(pool_tokens, GPU_GROW_TOKENS)
+    pool = KVPool(shape, loaded.dtype, loaded.device, pool_tokens, grow, keep_free_bytes=POOL_RESERVE_BYTES)
+    pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
     return pool
