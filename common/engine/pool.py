@@ -64,6 +64,7 @@ class KVPool:
         self._free: list[list[tuple[int, int]]] = []  # per slab: sorted (start, size) holes
         self._lock = threading.Lock()
         self.used_tokens = 0
+        self.peak_tokens = 0  # the most ever in use at once
 
     @property
     def capacity_tokens(self) -> int:
@@ -79,6 +80,7 @@ class KVPool:
         with self._lock:
             slab, start = self._first_fit(n_tokens)
             self.used_tokens += n_tokens
+            self.peak_tokens = max(self.peak_tokens, self.used_tokens)
         region = Region(self.slabs[slab][:, :, :, start : start + n_tokens], slab, start, n_tokens)
         region._finalizer = weakref.finalize(region, self._release, slab, start, n_tokens)
         return region
