@@ -142,7 +142,7 @@ def filled_engine(rt: Runtime, n_tokens: int) -> StreamEngine:
 
 
 def filled_engines(
-    rt: Runtime, n: int, n_tokens: int, budget: int | None = None, slab: int = 4096, batch: int = 16
+    rt: Runtime, n: int, n_tokens: int, budget: int | None = None, slab: int = 4096, batch: int = 8
 ) -> list[StreamEngine]:
     """`n` 448² streams whose caches hold ~n_tokens video tokens each, prefilled in slabs of random
     embeddings (the LM cost of a cache depends on its size, not its content), `batch` streams a

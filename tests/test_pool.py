@@ -30,7 +30,7 @@ def test_a_full_pool_grows_by_what_is_needed_not_by_its_first_slab():
 def test_gpu_pool_refuses_to_grow_into_the_activations_reserve():
     _, total = torch.cuda.mem_get_info()
     pool = KVPool(SHAPE, torch.float32, torch.device("cuda"), slab_tokens=16, grow_tokens=16, keep_free_bytes=total)
-    pool.alloc(16)  # the first slab is what was asked for at start
+    first = pool.alloc(16)  # the first slab is what was asked for at start
     with pytest.raises(PoolFull):
         pool.alloc(1)
-    assert len(pool.slabs) == 1
+    assert len(pool.slabs) == 1 and first.size == 16

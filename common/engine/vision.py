@@ -170,9 +170,11 @@ class VisionTower:
         self.compile_min_tokens = compile_min_tokens
         self._compiled = None
         if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
+            # Only the token count varies (marked in __call__): with every size symbolic (dynamic=True)
+            # inductor's kernels index with symbolic widths and ran at a fifth of the bandwidth.
             self._compiled = (
-                torch.compile(_attention_input, dynamic=True, backend=compile_backend),
-                torch.compile(_output_and_mlp, dynamic=True, backend=compile_backend),
+                torch.compile(_attention_input, backend=compile_backend),
+                torch.compile(_output_and_mlp, backend=compile_backend),
             )
 
     @property
@@ -192,13 +194,15 @@ class VisionTower:
         x = pixels[plan.perm] @ self.patch_weight.T
         cos, sin = plan.cos_sin()
         scale = self.head_dim**-0.5
-        attention_input, output_and_mlp = _attention_input, _output_and_mlp
-        if self._compiled and x.shape[0] >= self.compile_min_tokens:
-            attention_input, output_and_mlp = self._compiled
+        compiled = self._compiled is not None and x.shape[0] >= self.compile_min_tokens
+        attention_input, output_and_mlp = self._compiled if compiled else (_attention_input, _output_and_mlp)
         for i, block in enumerate(self.blocks):
             runs = plan.frames if i in self.full_attention else plan.windows
+            _token_count_varies(compiled, x, cos, sin)
             q, k, v = attention_input(block, x, cos, sin)
-            x = output_and_mlp(block, x, runs.attend(q, k, v, scale))
+            attended = runs.attend(q, k, v, scale)
+            _token_count_varies(compiled, attended)
+            x = output_and_mlp(block, x, attended)
         merger = self.visual.merger
         merged = merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
         return list(merged[plan.unmerge].split(plan.out_sizes))
@@ -264,6 +268,13 @@ class VisionTower:
         inv_freq = self.visual.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
         half = (positions[..., None].float() * inv_freq).flatten(1)
         return torch.cat([half, half], dim=-1)
+
+
+def _token_count_varies(compiled: bool, *tensors: torch.Tensor) -> None:
+    """Tell torch.compile that only these tensors' first size (tokens) varies between calls."""
+    if compiled:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _attention_input(block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
