@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
@@ -40,7 +41,8 @@ from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream import Chunk, ChunkJob, StreamEngine
+from common.engine.vision import VisionTower
 
 QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
 
@@ -99,8 +101,9 @@ def bench_vision(rt: Runtime, side: int) -> dict:
 
 
 def bench_vision_batched(rt: Runtime, counts: tuple[int, ...] = (1, 16, 64), side: int = 448) -> dict:
-    """Per-chunk vision time when `n` 4-frame chunks go through one forward, against transformers'
-    tower on one chunk. Pixels start on the device: this is the tower, not the host copy."""
+    """Per-chunk vision time when `n` 4-frame chunks go through one forward, for our tower eager
+    and as the runtime runs it (compiled on a GPU), against transformers' tower on one chunk; the
+    16-chunk batch profiled. Pixels start on the device: this is the tower, not the host copy."""
     grid = Grid(side, side)
     frames = np.random.default_rng(0).integers(0, 256, (4, side, side, 3), dtype=np.uint8)
     pixels, grid_thw = frames_to_pixels(frames, grid)
@@ -112,35 +115,61 @@ def bench_vision_batched(rt: Runtime, counts: tuple[int, ...] = (1, 16, 64), sid
     def transformers_tower() -> None:
         visual(pixels.to(visual.dtype), grid_thw=grid_tensor)
 
-    batches = []
-    for n in counts:
-        ms = timed(lambda n=n: rt.vision_batch([(pixels, grid_thw)] * n), repeat=3, warmup=1)
-        batches.append({"chunks": n, "batch_ms": round(ms, 1), "ms_per_chunk": round(ms / n, 2)})
-        log(f"vision batch {batches[-1]}")
-    out = {
+    out: dict = {
         "side": side,
         "frames_per_chunk": 4,
         "tokens_per_chunk": grid.tokens_per_patch * 2,
         "transformers_ms_per_chunk": round(timed(transformers_tower), 2),
-        "batches": batches,
     }
+    towers = {"eager": VisionTower(rt.loaded), "runtime": rt.vision_tower}  # the runtime's: compiled on a GPU
+    for name, tower in towers.items():
+        rows = []
+        for n in counts:
+            ms = timed(lambda n=n, tower=tower: tower([(pixels, grid_thw)] * n), repeat=3, warmup=1)
+            rows.append({"chunks": n, "batch_ms": round(ms, 1), "ms_per_chunk": round(ms / n, 2)})
+            if n == 16:
+                batch = [(pixels, grid_thw)] * 16
+                rows[-1]["profile"] = profiled(lambda tower=tower, batch=batch: tower(batch), table=name != "eager")
+            log(f"vision {name} {rows[-1]}")
+        out[name] = rows
+    del towers
     free_gpu()
     return out
 
 
-def filled_engine(rt: Runtime, n_tokens: int, slab: int = 4096) -> StreamEngine:
-    """A 448² stream whose cache holds ~n_tokens video tokens, prefilled in slabs of random
-    embeddings (the LM cost of a cache depends on its size, not its content)."""
-    engine = StreamEngine(rt, StreamSpec("bench", 2.0, Grid(448, 448), 4))
-    per_patch = 256
-    while (room := (n_tokens - engine.head.tokens) // per_patch * per_patch) > 0:
-        n_patches = min(slab, room) // per_patch
-        embeds = (
-            torch.randn(n_patches * per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype)
-            * 0.02
-        )
-        engine.append_embeddings(embeds, n_patches, (0, 0), (0.0, 0.0))
-    return engine
+def filled_engine(rt: Runtime, n_tokens: int) -> StreamEngine:
+    return filled_engines(rt, 1, n_tokens)[0]
+
+
+def filled_engines(
+    rt: Runtime, n: int, n_tokens: int, budget: int | None = None, slab: int = 4096, batch: int = 8
+) -> list[StreamEngine]:
+    """`n` 448² streams whose caches hold ~n_tokens video tokens each, prefilled in slabs of random
+    embeddings (the LM cost of a cache depends on its size, not its content), `batch` streams a
+    forward. `budget`: each stream's eviction budget (its region is then sized for exactly that)."""
+    policy = EvictionPolicy(max_cache_tokens=budget) if budget else None
+    engines = [StreamEngine(rt, StreamSpec(f"bench{i}", 2.0, Grid(448, 448), 4), policy) for i in range(n)]
+    per_patch, dim = 256, rt.lm.embed_tokens.embedding_dim
+    for group in (engines[i : i + batch] for i in range(0, n, batch)):
+        while room := [
+            (e, (n_tokens - e.head.tokens) // per_patch) for e in group if n_tokens - e.head.tokens >= per_patch
+        ]:
+            jobs = []
+            for e, patches in room:
+                patches = min(slab // per_patch, patches)
+                embeds = torch.randn(patches * per_patch, dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
+                jobs.append(ChunkJob(e, embeds_chunk(e, embeds, patches)))
+            ChunkJob.run_batch(jobs)
+            for job in jobs:
+                job.engine.finish(job.future.result())
+    return engines
+
+
+def embeds_chunk(engine: StreamEngine, embeds: torch.Tensor, n_patches: int) -> Chunk:
+    """A chunk of already-made video tokens; its frame seq is the stream's next, so chunk ids stay
+    unique (eviction tells chunks apart by id)."""
+    seq = engine.head.last_frame_seq + 1
+    return Chunk((n_patches, 0, 0), (seq, seq), (float(seq), float(seq)), embeds=embeds)
 
 
 def bench_cache_size(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = False) -> dict:
@@ -183,46 +212,62 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
 
 def profile_steps(rt: Runtime, versions: list, label: str, steps: int = 8) -> dict:
     """One question per version advanced together: the first step (every question's prefill),
-    then `steps` decode steps, under torch.profiler. Per step: GPU kernels launched, GPU busy
-    time by kind (flash attention, matrix products, everything else), host syncs, and wall time."""
-    from torch.profiler import ProfilerActivity, profile
-
+    then `steps` decode steps, under torch.profiler (see `profiled`)."""
     jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=steps + 4)) for v in versions]
     out = {"label": label, "questions": len(jobs)}
-    for phase, n in (("prefill", 1), ("decode", steps)):
-        sync()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                Generation.step_batch(jobs)
-            sync()
-            wall = (time.perf_counter() - t0) / n
-        kinds: dict[str, float] = {}
-        kernels = syncs = copies = graphs = 0
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                kernels += 1
-                name = e.name.lower()
-                kind = "flash" if "flash" in name else "gemm" if any(k in name for k in GEMM_NAMES) else "other"
-                kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us()
-            elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
-                syncs += 1
-            elif e.name.startswith("cudaMemcpy"):
-                copies += 1
-            elif e.name == "cudaGraphLaunch":
-                graphs += 1
-        out[phase] = {
-            "wall_ms": round(wall * 1000, 3),
-            "gpu_ms": {k: round(v / 1000 / n, 3) for k, v in sorted(kinds.items())},
-            "kernels": kernels // n,
-            "host_syncs": syncs / n,
-            "memcpy_calls": copies / n,
-            "graph_launches": graphs / n,
-        }
-        if phase == "decode":
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40), file=sys.stderr, flush=True)
+    out["prefill"] = profiled(lambda: Generation.step_batch(jobs))
+    out["decode"] = profiled(lambda: Generation.step_batch(jobs), steps, table=True)
     log(f"steps {out}")
     return out
+
+
+def profiled(fn, n: int = 1, table: bool = False) -> dict:
+    """`fn()` n times under torch.profiler. Per call: wall time, GPU busy time by kind (flash
+    attention, matrix products, compiled Triton kernels, everything else), GPU kernels launched,
+    host syncs, memcpy calls and graph launches; with `table`, the top ops on stderr."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        sync()
+        wall = (time.perf_counter() - t0) / n
+    kinds: dict[str, float] = {}
+    kernels = syncs = copies = graphs = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels += 1
+            kind = kernel_kind(e.name.lower())
+            kinds[kind] = kinds.get(kind, 0.0) + e.time_range.elapsed_us()
+        elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize"):
+            syncs += 1
+        elif e.name.startswith("cudaMemcpy"):
+            copies += 1
+        elif e.name == "cudaGraphLaunch":
+            graphs += 1
+    if table:
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), file=sys.stderr, flush=True)
+    return {
+        "wall_ms": round(wall * 1000, 3),
+        "gpu_ms": {k: round(v / 1000 / n, 3) for k, v in sorted(kinds.items())},
+        "gpu_busy_ms": round(sum(kinds.values()) / 1000 / n, 3),
+        "kernels": kernels // n,
+        "host_syncs": syncs / n,
+        "memcpy_calls": copies / n,
+        "graph_launches": graphs / n,
+    }
+
+
+def kernel_kind(name: str) -> str:
+    if "flash" in name or "fmha" in name or "sdpa" in name:
+        return "attention"
+    if any(k in name for k in GEMM_NAMES):
+        return "gemm"
+    if "memcpy" in name or "memset" in name:
+        return "copy"
+    return "triton" if name.startswith("triton") else "other"
 
 
 GEMM_NAMES = ("gemm", "gemv", "cutlass", "xmma", "nvjet", "cublas")
@@ -297,16 +342,24 @@ def bench_long_stream(rt: Runtime, chunks: int, budget: int) -> dict:
     return out
 
 
-def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_tokens: int) -> dict:
+def bench_batched(
+    rt: Runtime, streams: list[int], questions: list[int], cache_tokens: int, engines: list[StreamEngine] | None = None
+) -> dict:
     """The scheduler's batches: per-chunk vision and prefill time with one chunk from each of N
-    streams in one batch (every stream at `cache_tokens`), and decode with C questions on C
-    different streams advanced together."""
-    free_gpu()
-    engines = [filled_engine(rt, cache_tokens) for _ in range(max(*streams, *questions))]
+    streams in one batch (every stream at `cache_tokens`, its region sized for it and the chunk),
+    the 16-stream batch profiled; and decode with C questions on C different streams advanced
+    together. Frames are turned into pixels before the clock starts (the encoder does that in its
+    own threads, not in the GPU loop)."""
+    chunk_tokens = 512
+    if engines is None:
+        free_gpu()
+        engines = filled_engines(rt, max(*streams, *questions), cache_tokens, budget=cache_tokens + chunk_tokens)
     log(f"{len(engines)} streams filled to {engines[0].head.tokens} tokens")
-    frames = np.random.default_rng(0).integers(0, 256, (4, 448, 448, 3), dtype=np.uint8)
+    frames = list(np.random.default_rng(0).integers(0, 256, (4, 448, 448, 3), dtype=np.uint8))
     out: dict = {"cache_tokens": engines[0].head.tokens, "chunks": [], "decode": []}
-    prefill_input = torch.randn(512, rt.lm.embed_tokens.embedding_dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
+    dim = rt.lm.embed_tokens.embedding_dim
+    prefill_input = torch.randn(chunk_tokens, dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
+    prepared = {id(e): e.prepare(frames) for e in engines[: max(streams)]}
     for n in streams:
         batch = engines[:n]
         heads = [e.head for e in batch]
@@ -314,7 +367,7 @@ def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_t
         def encode(with_vision: bool, batch=batch, heads=heads) -> None:
             jobs = []
             for e in batch:
-                chunk = e.prepare(list(frames))
+                chunk = replace(prepared[id(e)])
                 if not with_vision:
                     chunk.pixels, chunk.embeds = None, prefill_input
                 jobs.append(ChunkJob(e, chunk))
@@ -326,15 +379,86 @@ def bench_batched(rt: Runtime, streams: list[int], questions: list[int], cache_t
 
         both = timed(lambda: encode(True), repeat=3, warmup=1)
         prefill = timed(lambda: encode(False), repeat=3, warmup=1)
-        row = {"streams": n, "chunk_ms": round(both / n, 2), "prefill_ms": round(prefill / n, 2)}
+        row: dict = {"streams": n, "chunk_ms": round(both / n, 2), "prefill_ms": round(prefill / n, 2)}
         row["vision_ms"] = round((both - prefill) / n, 2)
+        if n == 16:
+            row["prefill_profile"] = profiled(lambda: encode(False), table=True)
+            row["chunk_profile"] = profiled(lambda: encode(True))
+        if rt.lm.cudnn:  # the same batches with the whole cache read through flash
+            rt.lm.cudnn = False
+            row["prefill_ms_flash_only"] = round(timed(lambda: encode(False), repeat=3, warmup=1) / n, 2)
+            rt.lm.cudnn = True
         out["chunks"].append(row)
         log(f"batched chunks {row}")
     for c in questions:
         batched_decode(rt, [e.head for e in engines[:c]], tokens=8)  # warm-up: graphs for this batch size
         out["decode"].append(batched_decode(rt, [e.head for e in engines[:c]]))
+    return out
+
+
+def bench_fit(
+    rt: Runtime, n_streams: int, cache_tokens: int, streams: list[int], questions: list[int], evict_batch: int
+) -> dict:
+    """Issue 10's "100 streams x 32K cached tokens fit": `n_streams` streams, each with an eviction
+    budget of `cache_tokens` + one chunk and filled to `cache_tokens`, all in the pool at once;
+    on them the batched chunk and decode runs of `bench_batched`; then every stream streams two
+    more chunks, `evict_batch` streams a batch (as the scheduler takes them), so every stream
+    evicts once. The pool's exact accounting and the GPU's memory after each phase; the pool must
+    not have grown (PoolFull raises if it had to and could not)."""
+    free_gpu()
+    chunk_tokens = 512
+    t0 = time.perf_counter()
+    engines = filled_engines(rt, n_streams, cache_tokens, budget=cache_tokens + chunk_tokens)
+    out: dict = {"streams": n_streams, "fill_s": round(time.perf_counter() - t0, 1)}
+    out["filled"] = pool_report(rt, engines)
+    log(f"fit: filled {out['filled']}")
+    out["batched"] = bench_batched(rt, streams, questions, cache_tokens, engines)
+    out["after_batched"] = pool_report(rt, engines)
+    dim = rt.lm.embed_tokens.embedding_dim
+    t0 = time.perf_counter()
+    for _ in range(2):
+        for i in range(0, n_streams, evict_batch):
+            jobs = [
+                ChunkJob(
+                    e, embeds_chunk(e, torch.randn(chunk_tokens, dim, device=rt.device, dtype=rt.lm.dtype) * 0.02, 2)
+                )
+                for e in engines[i : i + evict_batch]
+            ]
+            ChunkJob.run_batch(jobs)
+            for job in jobs:
+                job.engine.finish(job.future.result())
+    sync()
+    out["streamed_chunks_per_s"] = round(2 * n_streams / (time.perf_counter() - t0), 1)
+    out["evictions"] = sum(e.head.stats.evictions for e in engines)
+    out["after_streaming"] = pool_report(rt, engines)
+    log(f"fit: streamed {out['after_streaming']}, {out['evictions']} evictions")
     del engines
     free_gpu()
+    return out
+
+
+def pool_report(rt: Runtime, engines: list[StreamEngine]) -> dict:
+    """The pool's accounting (tokens are exact: regions are what was asked for) and the GPU's memory."""
+    pool = rt.pool
+    gib = 1 << 30
+    out = {
+        "slabs": len(pool.slabs),
+        "capacity_tokens": pool.capacity_tokens,
+        "used_tokens": pool.used_tokens,
+        "peak_used_tokens": pool.peak_tokens,
+        "bytes_per_token": pool.bytes_per_token,
+        "capacity_gib": round(pool.capacity_tokens * pool.bytes_per_token / gib, 2),
+        "cached_tokens": sum(e.head.tokens for e in engines),
+        "stream_region_tokens": sorted({e.head.region.size for e in engines}),
+    }
+    if rt.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(rt.device)
+        out |= {
+            "gpu_total_gib": round(total / gib, 2),
+            "gpu_free_gib": round(free / gib, 2),
+            "allocated_gib": round(torch.cuda.memory_allocated(rt.device) / gib, 2),
+            "peak_allocated_gib": round(torch.cuda.max_memory_allocated(rt.device) / gib, 2),
+        }
     return out
 
 
@@ -448,7 +572,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="random-3b")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when there is one)")
-    p.add_argument("--compile-vision", action="store_true", help="torch.compile the vision blocks (GPU only)")
+    p.add_argument("--eager-vision", action="store_true", help="no torch.compile of the vision blocks (GPU)")
     p.add_argument("--vision-batches", default="1,16,64", help="chunks per vision forward to time")
     p.add_argument("--sizes", default="8192,32768,100000")
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -460,6 +584,11 @@ def main() -> None:
     p.add_argument("--batch-cache-tokens", type=int, default=32768)
     p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: the free GPU memory)")
     p.add_argument("--questions-only", action="store_true", help="only: the question path, profiled")
+    p.add_argument(
+        "--chunks-only", action="store_true", help="only: vision batches and, on --fit-streams streams, the chunk path"
+    )
+    p.add_argument("--fit-streams", type=int, default=100, help="streams at --batch-cache-tokens held at once")
+    p.add_argument("--evict-batch", type=int, default=4, help="chunks a batch while every stream evicts")
     p.add_argument("--eviction-cost", action="store_true", help="only: exact vs rebase eviction, per chunk")
     p.add_argument("--eviction-budget", type=int, default=32768)
     p.add_argument("--eviction-side", type=int, default=448)
@@ -468,7 +597,7 @@ def main() -> None:
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
     rt = Runtime(
-        load_model(args.model, device=args.device), pool_tokens=args.pool_tokens, compile_vision=args.compile_vision
+        load_model(args.model, device=args.device), pool_tokens=args.pool_tokens, compile_vision=not args.eager_vision
     )
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     if args.eviction_cost:
@@ -480,19 +609,21 @@ def main() -> None:
         q = bench_questions(rt, sizes, questions, args.batch_cache_tokens, args.decode_tokens)
         print(json.dumps({**run_info(rt, args.model), "questions": q}, indent=1))
         return
+    streams = [int(n) for n in args.batch_streams.split(",")]
+    vision_counts = tuple(int(n) for n in args.vision_batches.split(","))
+    if args.chunks_only:
+        result = {**run_info(rt, args.model), "vision_batched": bench_vision_batched(rt, vision_counts)}
+        result["fit"] = bench_fit(rt, args.fit_streams, args.batch_cache_tokens, streams, questions, args.evict_batch)
+        print(json.dumps(result, indent=1))
+        return
     result = {
         **run_info(rt, args.model),
         "vision": [bench_vision(rt, s) for s in (448, 896)],
-        "vision_compiled": args.compile_vision and rt.device.type == "cuda",
-        "vision_batched": bench_vision_batched(rt, tuple(int(n) for n in args.vision_batches.split(","))),
+        "vision_compiled": rt.vision_tower.compiled,
+        "vision_batched": bench_vision_batched(rt, vision_counts),
         "cache": [bench_cache_size(rt, n, args.decode_tokens, args.profile and n == sizes[-1]) for n in sizes],
         "long_stream": bench_long_stream(rt, args.long_chunks, args.long_budget),
-        "batched": bench_batched(
-            rt,
-            [int(n) for n in args.batch_streams.split(",")],
-            questions,
-            args.batch_cache_tokens,
-        ),
+        "batched": bench_batched(rt, streams, questions, args.batch_cache_tokens),
     }
     print(json.dumps(result, indent=1))
 

@@ -155,3 +155,54 @@ def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt
     params = GenerationParams(max_tokens=12)
     got, want = (ask(rt, v, "What happens?", params) for v in (head, ref))
     assert got.token_ids[:8] == want.token_ids[:8]
+
+
+def test_cudnn_body_attention_equals_exact_attention():
+    """The cuDNN body kernel at random-3b's head layout (16 query heads on 2 KV heads, 128 wide),
+    four items, against exact fp32 attention item by item."""
+    from common.engine import lm as lm_module
+
+    if not lm_module._cudnn_attention_works(torch.device("cuda"), torch.bfloat16, 128):
+        pytest.skip("cuDNN attention is not available here")
+    torch.manual_seed(0)
+    items, n, body, heads, kv_heads, hd = 4, 64, 4096, 16, 2, 128
+    q = torch.randn(items * n, heads, hd, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(2, kv_heads, items * body, hd, device="cuda", dtype=torch.bfloat16)
+    out, lse = lm_module.cudnn_body_attention(q, kv, items, hd**-0.5)
+    for i in range(items):
+        qi = q[i * n : (i + 1) * n].float().transpose(0, 1)  # (H, n, hd)
+        k, v = (t[:, i * body : (i + 1) * body].float().repeat_interleave(heads // kv_heads, 0) for t in kv)
+        scores = qi @ k.transpose(1, 2) * hd**-0.5
+        ref_lse = torch.logsumexp(scores, -1)  # (H, n)
+        ref = (torch.softmax(scores, -1) @ v).transpose(0, 1)
+        assert torch.allclose(lse[i * n : (i + 1) * n], ref_lse.transpose(0, 1), atol=1e-2)
+        assert torch.allclose(out[i * n : (i + 1) * n].float(), ref, atol=2e-2)
+
+
+def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
+    """Chunks over long caches: body through cuDNN + the rest through flash, merged, equals the
+    whole cache through flash (and writes the same K/V)."""
+    from common.engine import lm as lm_module
+    from common.engine.lm import Item
+
+    lm = rt.lm
+    if not lm.cudnn:
+        pytest.skip(f"cuDNN attention does not run at head_dim {lm.head_dim} here")
+    monkeypatch.setattr(lm_module, "BODY_MIN_TOKENS", 1024)
+    monkeypatch.setattr(lm_module, "BODY_BUCKET", 512)
+    torch.manual_seed(1)
+    n, ats = 64, [1300, 1500, 1100, 1900]
+    regions = [rt.pool.alloc(at + n) for at in ats]
+    for r in regions:
+        r.kv.normal_()
+    items = [Item(n, r, at) for r, at in zip(regions, ats, strict=True)]
+    q = torch.randn(len(items) * n, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(len(items) * n, lm.n_kv_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    plan = lm.plan(items)
+    assert plan.body is not None and plan.body[2] == 1024
+    with_body = lm._attention(0, q, k, v, plan, plan.body_keys())
+    monkeypatch.setattr(lm, "cudnn", False)
+    plan = lm.plan(items)
+    assert plan.body is None
+    flash_alone = lm._attention(0, q, k, v, plan, None)
+    assert torch.allclose(with_body.float(), flash_alone.float(), atol=2e-2)

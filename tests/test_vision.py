@@ -143,7 +143,7 @@ def test_bad_chunks_raise_a_clear_error(tower, pixels_shape, grid):
 def test_compiled_blocks_equal_eager(loaded, tower):
     """torch.compile traces our blocks (the eager backend: inductor's C++ build is too slow for a
     CPU test; the GPU runs inductor), over grids of different sizes and a mixed batch."""
-    compiled = VisionTower(loaded, compile_backend="eager")
+    compiled = VisionTower(loaded, compile_backend="eager", compile_min_tokens=0)
     for chunks in ([chunk((2, 8, 8))], [chunk((2, 4, 6))], [chunk((2, 6, 10)), chunk((1, 8, 8), 1)]):
         for ours, eager in zip(compiled(chunks), tower(chunks), strict=True):
             assert max_diff(ours, eager) <= 1e-6
@@ -199,8 +199,9 @@ def test_gpu_layer_loop_never_waits_on_the_host(gpu_models):
 @needs_cuda
 @pytest.mark.timeout(600)
 def test_gpu_compiled_runtime_vision_equals_eager():
-    eager = Runtime(load_model("tiny-random", device="cuda"))
-    compiled = Runtime(eager.loaded, compile_vision=True)
+    eager = Runtime(load_model("tiny-random", device="cuda"), compile_vision=False)
+    compiled = Runtime(eager.loaded, vision_compile_min_tokens=0)
+    assert compiled.vision_tower.compiled
     chunks = [chunk(g, seed, "cuda") for seed, g in enumerate([(2, 8, 8), (2, 4, 6), (2, 6, 10)])]
     for mine, theirs in zip(compiled.vision_batch(chunks), eager.vision_batch(chunks), strict=True):
         assert relative_error(mine, theirs) <= 1e-2

@@ -129,7 +129,7 @@ class StreamEngine:
         if len(times) != len(frames) or len(seqs) != len(frames):
             raise FrameError(f"{len(frames)} frames but {len(times)} capture times and {len(seqs)} seqs")
         padded, n_pad = pad_to_temporal(frames, self.rt.loaded.temporal_patch_size)
-        pixels, grid_thw = frames_to_pixels(padded, self.spec.grid)
+        pixels, grid_thw = frames_to_pixels(padded, self.spec.grid, pin_memory=self.rt.device.type == "cuda")
         return Chunk(grid_thw, (seqs[0], seqs[-1]), (float(times[0]), float(times[-1])), n_pad, pixels=pixels)
 
     def submit(self, chunk: Chunk):

@@ -34,6 +34,7 @@ from common.engine.model import LoadedModel
 
 GridTHW = tuple[int, int, int]
 MLP_ALIGN = 128  # tensor-core friendly width for the padded MLP
+COMPILED_MIN_TOKENS = 4096  # below this (two 448² chunks) compiled blocks lose: launch-bound (16.7 vs 21.5 ms at one)
 BATCH_PLANS_KEPT = 64  # distinct batch compositions whose plans stay cached
 
 
@@ -134,9 +135,12 @@ def _padded_mlp(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 class VisionTower:
-    def __init__(self, loaded: LoadedModel, compile_backend: str | None = None):
+    def __init__(
+        self, loaded: LoadedModel, compile_backend: str | None = None, compile_min_tokens: int = COMPILED_MIN_TOKENS
+    ):
         """`compile_backend` ("inductor" on a GPU) compiles what surrounds the attention in a
-        block (norms, projections, rotary, MLP): one graph each for every block and batch."""
+        block (norms, projections, rotary, MLP): one graph each for every block and batch, used
+        for batches of at least `compile_min_tokens` patches (smaller ones run eagerly)."""
         visual = loaded.model.model.visual
         cfg = loaded.vision_config
         if cfg.hidden_act != "silu":
@@ -163,10 +167,19 @@ class VisionTower:
         )
         self._grid_plans: dict[GridTHW, GridPlan] = {}
         self._batch_plans: OrderedDict[tuple[GridTHW, ...], BatchPlan] = OrderedDict()
-        self._attention_input, self._output_and_mlp = _attention_input, _output_and_mlp
+        self.compile_min_tokens = compile_min_tokens
+        self._compiled = None
         if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
-            self._attention_input = torch.compile(_attention_input, dynamic=True, backend=compile_backend)
-            self._output_and_mlp = torch.compile(_output_and_mlp, dynamic=True, backend=compile_backend)
+            # Only the token count varies (marked in __call__): with every size symbolic (dynamic=True)
+            # inductor's kernels index with symbolic widths and ran at a fifth of the bandwidth.
+            self._compiled = (
+                torch.compile(_attention_input, backend=compile_backend),
+                torch.compile(_output_and_mlp, backend=compile_backend),
+            )
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     @torch.inference_mode()
     def __call__(self, chunks: Sequence[tuple[torch.Tensor, GridTHW]]) -> list[torch.Tensor]:
@@ -181,10 +194,15 @@ class VisionTower:
         x = pixels[plan.perm] @ self.patch_weight.T
         cos, sin = plan.cos_sin()
         scale = self.head_dim**-0.5
+        compiled = self._compiled is not None and x.shape[0] >= self.compile_min_tokens
+        attention_input, output_and_mlp = self._compiled if compiled else (_attention_input, _output_and_mlp)
         for i, block in enumerate(self.blocks):
             runs = plan.frames if i in self.full_attention else plan.windows
-            q, k, v = self._attention_input(block, x, cos, sin)
-            x = self._output_and_mlp(block, x, runs.attend(q, k, v, scale))
+            _token_count_varies(compiled, x, cos, sin)
+            q, k, v = attention_input(block, x, cos, sin)
+            attended = runs.attend(q, k, v, scale)
+            _token_count_varies(compiled, attended)
+            x = output_and_mlp(block, x, attended)
         merger = self.visual.merger
         merged = merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
         return list(merged[plan.unmerge].split(plan.out_sizes))
@@ -250,6 +268,13 @@ class VisionTower:
         inv_freq = self.visual.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
         half = (positions[..., None].float() * inv_freq).flatten(1)
         return torch.cat([half, half], dim=-1)
+
+
+def _token_count_varies(compiled: bool, *tensors: torch.Tensor) -> None:
+    """Tell torch.compile that only these tensors' first size (tokens) varies between calls."""
+    if compiled:
+        for t in tensors:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _attention_input(block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
