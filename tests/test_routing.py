@@ -7,6 +7,7 @@ rule spreads streams over workers. The multi-process version is tests/test_place
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -192,3 +193,31 @@ def test_workers_take_streams_up_to_capacity_and_hand_off_to_a_newcomer(r, rt, r
     assert {r.get(keys.lease(cam)) for cam in cams} == {b"a", b"b", b"c"}
     loads = {w.worker: (w.load, w.capacity) for w in a.placement.beat(a.owned)}
     assert loads == {"b": (1, None), "c": (1, None)}
+
+
+def test_a_worker_busy_longer_than_a_lease_keeps_its_streams(r, rt, redis_url):
+    """A chunk waiting its turn on a busy GPU can hold the main loop for longer than a lease; the
+    lease and the heartbeat are renewed by their own thread, so no other worker takes the stream."""
+    r.hset(keys.meta("c1"), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    store = MemoryStore()
+
+    def worker(name: str) -> EncoderService:
+        cfg = EncoderConfig(redis_url=redis_url, streams=("c1",), consumer=name, block_ms=20, lease_ms=600)
+        return EncoderService(cfg, rt, r, store)
+
+    busy, other = worker("busy"), worker("other")
+    busy.step()
+    assert list(busy.owned) == ["c1"]
+    busy.step = lambda: time.sleep(0.05)  # type: ignore[method-assign]  # the main loop, stuck in a chunk
+    stop = threading.Event()
+    running = threading.Thread(target=busy.run, args=(stop,))
+    running.start()
+    try:
+        deadline = time.monotonic() + 4 * 0.6  # four leases
+        while time.monotonic() < deadline:
+            other.step()
+            assert not other.owned and r.get(keys.lease("c1")) == b"busy"
+            assert [w.worker for w in other.placement.beat(other.owned)] == ["busy"]  # alive, say its beats
+    finally:
+        stop.set()
+        running.join(timeout=30)
