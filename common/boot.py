@@ -61,6 +61,7 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
     cfg = configure(cls, argv, prog)
     role = prog.split()[-1]  # "streamvqa worker" -> worker
     health.READINESS.redis_url = cfg.redis_url
+    health.READINESS.frames_redis_url = getattr(cfg, "frames_redis_url", None)
     health.READINESS.needs_model = hasattr(cfg, "model")
     port = getattr(cfg, "metrics_port", None)
     try:

@@ -26,6 +26,7 @@ class Readiness:
     """What this process has reached; the service sets fields as it starts and runs."""
 
     redis_url: str | None = None
+    frames_redis_url: str | None = None  # a second Redis for frames, when the service uses one
     needs_model: bool = False
     model_loaded: bool = False
     lease_period_s: float | None = None  # encoder: the lease loop must run at least this often
@@ -36,7 +37,9 @@ class Readiness:
         self.leases, self.lease_period_s, self.last_lease_check = sorted(held), period_s, time.monotonic()
 
     def check(self) -> tuple[bool, dict[str, Any]]:
-        checks: dict[str, Any] = {"redis": self._redis_ok()}
+        checks: dict[str, Any] = {"redis": self._answers(self.redis_url)}
+        if self.frames_redis_url is not None:
+            checks["frames_redis"] = self._answers(self.frames_redis_url)
         if self.needs_model:
             checks["model"] = self.model_loaded
         if self.lease_period_s is not None:
@@ -45,8 +48,9 @@ class Readiness:
         ok = all(checks.values())
         return ok, {"ready": ok, "checks": checks, "leases": self.leases}
 
-    def _redis_ok(self) -> bool:
-        return self.redis_url is not None and redisio.ping_problem(self.redis_url, PROBE_TIMEOUT_S) is None
+    @staticmethod
+    def _answers(url: str | None) -> bool:
+        return url is not None and redisio.ping_problem(url, PROBE_TIMEOUT_S) is None
 
 
 READINESS = Readiness()  # one per process

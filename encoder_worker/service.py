@@ -166,6 +166,7 @@ class EncoderService:
                 for name in held:
                     self.leases[name].renew()
                 self.placement.beat(held)  # and the heartbeat, for the same reason
+                health.READINESS.leases_checked(held, self.cfg.lease_ms / 1000)
             except redisio.OUTAGE_ERRORS:
                 continue  # the main loop rides the outage out and checks every lease after it
 

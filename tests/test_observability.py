@@ -63,6 +63,16 @@ def test_readiness_follows_redis_model_and_leases(redis_url):
     time.sleep(0.5)  # the lease loop stopped running: no longer ready
     assert get(port, "/health/ready")[0] == 503
     ready.leases_checked(["cam1"], period_s=0.2)
+    ready.frames_redis_url = f"redis://127.0.0.1:{free_port()}/0"  # the frames Redis gone
+    code, body = get(port, "/health/ready")
+    assert code == 503 and json.loads(body)["checks"] == {
+        "redis": True,
+        "frames_redis": False,
+        "model": True,
+        "leases": True,
+    }
+    ready.frames_redis_url = redis_url
+    assert get(port, "/health/ready")[0] == 200
     ready.redis_url = f"redis://127.0.0.1:{free_port()}/0"  # Redis gone
     code, body = get(port, "/health/ready")
     assert code == 503 and json.loads(body)["checks"]["redis"] is False
