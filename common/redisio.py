@@ -300,16 +300,27 @@ class GroupReader:
         self.count, self.block_ms, self.start_id = count, block_ms, start_id
         self.cursors: dict[str, str] = {}
         self.quiet: set[str] = set()  # streams whose history is re-read without counting deliveries
+        self.groupless: set[str] = set()  # streams added whose group is made at the next read
         for s in streams:
             self.add(s)
 
     def add(self, stream: str) -> None:
-        ensure_group(self.r, stream, self.group, self.start_id)
+        """Follow ``stream`` from the next read on. Its group is made there, not here: a read runs
+        where the caller rides out Redis outages, a constructor does not."""
+        self.groupless.add(stream)
         self.cursors[stream] = "0"
 
     def remove(self, stream: str) -> None:
         self.cursors.pop(stream, None)
         self.quiet.discard(stream)
+        self.groupless.discard(stream)
+
+    def ensure_groups(self) -> None:
+        """Make the groups of the streams added since (done by ``read``; call it first when other
+        group commands, such as ``claim_stale``, come before the first read)."""
+        for s in sorted(self.groupless):
+            ensure_group(self.r, s, self.group, self.start_id)
+            self.groupless.discard(s)
 
     def reset(self) -> None:
         """Back to this consumer's pending history (after an outage: replies lost on the way).
@@ -326,6 +337,7 @@ class GroupReader:
         if not self.cursors:
             time.sleep(self.block_ms / 1000)  # nothing to read; behave like an empty blocking read
             return []
+        self.ensure_groups()
         try:
             return self._read()
         except ResponseError as e:

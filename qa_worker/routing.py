@@ -62,6 +62,7 @@ def take_over(r: redis.Redis, queue: str, consumer: str) -> None:
 
     JUSTID: the claim does not count as a delivery; the consumer's next history read does.
     """
+    redisio.ensure_group(r, queue, keys.QA_GROUP)  # a queue nobody read yet has nothing pending
     start = "-"
     while pending := r.xpending_range(queue, keys.QA_GROUP, min=start, max="+", count=1000):
         ids = [p["message_id"] for p in pending]

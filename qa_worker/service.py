@@ -118,6 +118,7 @@ class QAService:
 
     def step(self) -> None:
         self._follow_streams()
+        self.reader.ensure_groups()  # the claims below need them; made here, where outages are ridden out
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             self._keep_in_flight_alive()

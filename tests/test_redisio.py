@@ -260,6 +260,16 @@ def test_group_reader_keeps_pending_without_repeating(redis_url):
     assert restarted.read() == []
 
 
+def test_group_reader_is_made_without_redis_and_makes_its_groups_at_the_first_read(redis_server):
+    """A service builds its readers before its loop rides out outages: building one must not need Redis."""
+    r = connect(redis_server.url, retries=0)
+    redis_server.stop()
+    reader = GroupReader(r, [S], G, "c", block_ms=100)  # Redis away: nothing sent yet
+    redis_server.start()
+    eid = r.xadd(S, {"i": "0"}).decode()
+    assert _ids(reader.read()) == [eid]
+
+
 def test_group_reader_recreates_vanished_group(redis_url):
     r = connect(redis_url)
     reader = GroupReader(r, [S], G, "c", block_ms=100)
