@@ -116,3 +116,11 @@ def with_deadline(fn: Callable[[], T], deadline_s: float, *, what: str = "call")
     if "error" in box:
         raise box["error"]
     return box["result"]
+
+
+def reading_questions(r: redis.Redis) -> bool:
+    """A qa loop runs: the questions' consumer group has a consumer (made at its first read)."""
+    try:
+        return any(int(g["consumers"]) > 0 for g in r.xinfo_groups(keys.QUESTIONS))
+    except redis.ResponseError:  # no queue yet
+        return False

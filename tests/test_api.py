@@ -28,7 +28,7 @@ from common.wire import keys
 from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from tests.alerting import Broker, Webhook, broker, webhook
 from tests.conftest import RedisServer, free_port
-from tests.pipeline import Services, head, wait_for
+from tests.pipeline import Services, head, reading_questions, wait_for
 from tests.subtitle_readers import validate_srt, validate_webvtt
 
 CAM = "cam1"
@@ -90,10 +90,13 @@ def live(tmp_path_factory) -> Iterator[Live]:
         services = Services(server.url, workdir, SVQA_CAMERAS_FILE=str(cams))
         port = free_port()
         services.start("api", "--port", str(port), SVQA_API_TOKEN=TOKEN)
-        services.start("worker")
+        services.start("worker", SVQA_BLOCK_MS="100")
+        r = redis.Redis.from_url(server.url)
+        # Frames only once the worker's loop runs (its jobs look every step): subtitle cues need
+        # the job to see more than the last of the clip's three versions.
+        wait_for(lambda: reading_questions(r), 120, "the worker reading questions", services)
         ingest = services.start("ingest")
         base = f"http://127.0.0.1:{port}"
-        r = redis.Redis.from_url(server.url)
         try:
             with httpx.Client(base_url=base, headers=AUTH, timeout=60) as http:
                 wait_for(lambda: _ready(http), 60, "the API ready", services)

@@ -15,7 +15,7 @@ import redis
 from apps.samplevideo import write_sample_video
 from common.wire import keys
 from qa_worker.client import Client
-from tests.pipeline import Services, chunk_frames_in_history, head, wait_for
+from tests.pipeline import Services, chunk_frames_in_history, head, reading_questions, wait_for
 
 CAM = "cam1"
 OUTAGE_S = 15.0
@@ -67,6 +67,7 @@ def test_past_the_grace_period_every_service_exits_3(aof_redis_server, tmp_path)
         live = ("--url", video, "--stream", CAM, "--fps", "2", "--realtime", "true")
         procs = {n: services.start(n, *(live if n == "ingest" else ())) for n in ("encoder", "qa", "ingest")}
         wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 1, 90, "a first version", services)
+        wait_for(lambda: reading_questions(r), 90, "qa running", services)  # not still starting
         aof_redis_server.stop()
         codes = {n: p.wait(timeout=40) for n, p in procs.items()}
         assert codes == {"encoder": 3, "qa": 3, "ingest": 3}, services.logs()
