@@ -1,10 +1,12 @@
 """`streamvqa encoder`: take leases on streams, read their frames, publish cache versions.
 
 Placement (`common.placement`): at every lease check (at least once a second) the worker renews
-its leases, writes its heartbeat, takes free streams when it is first in line and below
-`max_streams`, and hands one stream off, at most every HAND_OFF_EVERY_S, when another worker
-holds two fewer. A dead worker's streams are therefore taken over within about lease_ms +
-2 x LEASE_CHECK_MAX_S (+ the time to restore the cache from the segment store).
+its leases, writes its heartbeat, takes free streams up to its fair share (capped by
+`max_streams`), and hands one stream off, at most every HAND_OFF_EVERY_S, when another worker
+holds two fewer. Leases and the heartbeat are also renewed by a thread of their own, so a main
+loop held up by a slow chunk does not lose them. A dead worker's streams are therefore taken
+over within about lease_ms + 2 x LEASE_CHECK_MAX_S (+ the time to restore the cache from the
+segment store).
 
 One loop: keep leases, read frames of owned streams (consumer group `enc`, own pending entries
 first after a restart), hand each to its OwnedStream inside the processing boundary
