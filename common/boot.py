@@ -23,6 +23,7 @@ import structlog
 from common import health, metrics, redisio
 from common.config import ConfigError, check_redis_url, check_settings, load_config
 from common.engine.names import RANDOM_MODELS
+from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.logs import configure_logging, redact_text
 from common.version import VERSION
 
@@ -121,12 +122,12 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
 # --------------------------------------------------------------------------- the model
 
 
-def load_runtime(model: str, device: str | None):
-    """The model on its device, or exit: 2 for a device this machine lacks, 4 for the model."""
+def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None = None):
+    """The model on its device, its GPU scheduler running `policy`, or exit: 2 for a device this
+    machine lacks, 4 for the model."""
     tried = check_model_source(model)
     from common.engine.model import load_model
     from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
-    from common.engine.scheduler import Scheduler
 
     check_device(device)
     t0 = time.monotonic()
@@ -134,7 +135,8 @@ def load_runtime(model: str, device: str | None):
         rt = Runtime(load_model(model, device=device))
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
-    rt.executor = Scheduler().start()  # one loop owns the GPU: batches every stream and question
+    # one loop owns the GPU: batches every stream and question
+    rt.executor = Scheduler(policy, on_step=metrics.record_gpu_step).start()
     health.READINESS.model_loaded = True
     log.info("model loaded", model=model, device=str(rt.device), load_s=round(time.monotonic() - t0, 1))
     return rt

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from common.engine.scheduler import SchedulePolicy
 from common.logs import redact_url
 from common.redisio import cluster_nodes
 from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
@@ -272,6 +273,30 @@ JobKind = Literal["caption", "subtitles", "custom", "alert"]
 SubtitleFormat = Literal["vtt", "srt"]
 MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
 MAX_FPS = 240.0
+
+
+@dataclass(frozen=True)
+class GPUSettings:
+    """How the GPU scheduler shares the device (common/engine/scheduler.py): the settings of every
+    service that loads a model."""
+
+    gpu_max_batch: int = 64  # questions decoded together
+    gpu_max_chunks: int = 8  # chunks (one per stream) encoded together
+    gpu_encode_share: float = 0.5  # of GPU time, always encoding's when it has work
+    gpu_chunk_deadline_s: float = 1.0  # a chunk waiting longer gets encoding up to...
+    gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
+
+    def __post_init__(self) -> None:
+        self.schedule_policy()  # its checks fail at start-up
+
+    def schedule_policy(self) -> SchedulePolicy:
+        return SchedulePolicy(
+            max_batch=self.gpu_max_batch,
+            max_chunks=self.gpu_max_chunks,
+            encode_share=self.gpu_encode_share,
+            chunk_deadline_s=self.gpu_chunk_deadline_s,
+            max_encode_share=self.gpu_max_encode_share,
+        )
 
 
 def _check_name(field: str, v: str) -> None:

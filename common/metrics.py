@@ -66,10 +66,23 @@ FIRST_TOKEN_SECONDS = Histogram(
 ANSWER_SECONDS = Histogram("svqa_qa_answer_seconds", "Question start to final answer", buckets=_LATENCY_BUCKETS, **_R)
 JOB_RUNS = Counter("svqa_qa_job_runs_total", "Periodic job runs", ["job", "stream", "outcome"], **_R)
 
+# the GPU scheduler (encoder, qa and worker: whoever loads a model)
+_STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+GPU_STEP_SECONDS = Histogram(
+    "svqa_gpu_step_seconds",
+    "GPU scheduler steps by kind (encode, decode, task), GPU work finished",
+    ["kind"],
+    buckets=_STEP_BUCKETS,
+    **_R,
+)
+GPU_STEP_UNITS = Counter(
+    "svqa_gpu_step_units", "Work done by GPU steps: chunks encoded, question tokens decoded, tasks run", ["kind"], **_R
+)
+
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
     "ingest": (FRAMES_IN, FRAME_BYTES, DECODE_ERRORS, RECONNECTS, STALLS, INGEST_FPS, INGEST_UP, LAST_FRAME_AGE),
-    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE),
+    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, GPU_STEP_SECONDS, GPU_STEP_UNITS),
     "qa": (
         QUESTIONS_IN_FLIGHT,
         QUESTIONS,
@@ -78,6 +91,8 @@ ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
         ANSWER_SECONDS,
         JOB_RUNS,
         *_CACHE,
+        GPU_STEP_SECONDS,
+        GPU_STEP_UNITS,
     ),
 }
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
@@ -108,3 +123,9 @@ def record_version(stream: str, version) -> None:
     EVICTIONS.labels(stream).set(version.stats.evictions)
     TOKENS_EVICTED.labels(stream).set(version.stats.tokens_evicted)
     VERSION_ID.labels(stream).set(version.id)
+
+
+def record_gpu_step(kind: str, seconds: float, units: int) -> None:
+    """What the GPU scheduler reports after every step."""
+    GPU_STEP_SECONDS.labels(kind).observe(seconds)
+    GPU_STEP_UNITS.labels(kind).inc(units)

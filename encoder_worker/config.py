@@ -6,13 +6,14 @@ import os
 import socket
 from dataclasses import dataclass
 
+from common.config import GPUSettings
 from common.engine.eviction import EvictionMode, EvictionPolicy
 from common.engine.names import DEFAULT_MODEL
 from common.wire.schemas import check_stream_name
 
 
 @dataclass(frozen=True)
-class EncoderConfig:
+class EncoderConfig(GPUSettings):
     redis_url: str = "redis://localhost:6379/0"
     frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     streams: tuple[str, ...] = ()  # stream names this worker may encode (leases decide who does)
@@ -40,6 +41,7 @@ class EncoderConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        GPUSettings.__post_init__(self)
         if self.chunk_frames <= 0 or self.chunk_frames % 2:
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:

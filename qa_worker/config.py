@@ -6,12 +6,13 @@ import os
 import socket
 from dataclasses import dataclass
 
+from common.config import GPUSettings
 from common.engine.names import DEFAULT_MODEL
 from common.wire.schemas import check_stream_name
 
 
 @dataclass(frozen=True)
-class QAConfig:
+class QAConfig(GPUSettings):
     redis_url: str = "redis://localhost:6379/0"
     frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
     streams: tuple[str, ...] = ()  # streams whose versions this worker mirrors and answers on
@@ -33,6 +34,7 @@ class QAConfig:
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
+        GPUSettings.__post_init__(self)
         for name in self.streams:
             check_stream_name("streams", name)
         if not self.streams and not self.cameras_file:

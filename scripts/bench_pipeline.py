@@ -80,7 +80,8 @@ POLL_S = 0.5
 STOP_TIMEOUT_S = 30.0
 VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + settling + measurement by this much
 
-Counts = dict[str, dict[str, int]]  # kind (published, encoded, dropped:<reason>) -> camera -> frames
+# kind (published, encoded, dropped:<reason>) -> camera -> frames; and "gpu" -> scheduler sums
+Counts = dict[str, dict[str, float]]
 
 
 def progress(msg: str) -> None:
@@ -232,14 +233,14 @@ def wait_while(services: Services, seconds: float, status: Callable[[], str], do
 
 
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
-    """(sample name, stream, reason) -> value, from a service's Prometheus endpoint."""
+    """(sample name, stream or step kind, reason) -> value, from a service's Prometheus endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {
-        (s.name, s.labels["stream"], s.labels.get("reason", "")): s.value
+        (s.name, s.labels.get("stream") or s.labels["kind"], s.labels.get("reason", "")): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if "stream" in s.labels
+        if "stream" in s.labels or ("kind" in s.labels and s.name.startswith("svqa_gpu_"))
     }
 
 
@@ -257,6 +258,11 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         # "duplicate" is a redelivered frame the cache already holds: skipped, not lost
         if name == "svqa_encoder_frames_dropped_total" and cam in counts["encoded"] and reason != "duplicate":
             counts.setdefault(f"dropped:{reason}", dict.fromkeys(cameras, 0))[cam] = int(value)
+    counts["gpu"] = {
+        f"{name.removeprefix('svqa_gpu_step_')}:{kind}": value
+        for (name, kind, _), value in worker.items()
+        if name in ("svqa_gpu_step_seconds_sum", "svqa_gpu_step_seconds_count", "svqa_gpu_step_units_total")
+    }
     return counts
 
 
@@ -502,6 +508,25 @@ def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[st
     }
 
 
+def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]:
+    """What the GPU schedulers did in the window, summed over workers: each step kind's share of
+    the time, steps, mean step time, and work per step (chunks, question tokens, tasks)."""
+
+    def delta(key: str) -> float:
+        return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
+
+    out: dict[str, Any] = {"source": "svqa_gpu_step_* of every worker, difference over the measured window"}
+    for kind in ("encode", "decode", "task"):
+        spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")
+        out[kind] = {
+            "share": round(spent / seconds, 3),
+            "steps": int(steps),
+            "ms_per_step": round(1000 * spent / steps, 2) if steps else None,
+            "units_per_step": round(units / steps, 2) if steps else None,
+        }
+    return out
+
+
 def summarize(
     ns: argparse.Namespace, cameras: list[str], before: Counts, after: Counts, load: Load, t0: float, t_end: float
 ) -> dict[str, Any]:
@@ -522,6 +547,7 @@ def summarize(
         "segment_store": ns.segment_store or "default",
         "duration_s": round(t_end - t0, 2),
         "frames": frames_summary(cameras, before, after),
+        "gpu_steps": gpu_summary(before, after, t_end - t0),
         "encoder_lag_s": {
             **percentiles(lags, 50, 95),
             "max": round(max(lags), 4) if lags else None,

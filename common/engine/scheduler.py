@@ -7,11 +7,13 @@ forwards, so there is no lock that threads take turns on. Each step:
    short, and questions may be waiting on them;
 2. questions: every active generation advances by one token in one batched forward; questions
    waiting to start join it (their prefill rides in the same forward), up to `max_batch`;
-3. chunks, after the questions' step (a new question never waits behind an encode step): when
-   encoding has had less than its share of recent GPU time (or nothing else waits), up to
-   `max_chunks` chunks, at most one per stream, streams taken round-robin, go through one vision
-   and one prefill forward. A person asking gets priority, but live cameras keep a guaranteed
-   share, and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
+3. chunks, after the questions' step (a new question never waits behind an encode step), when
+   nothing else waits, or encoding has had less than `encode_share` of recent GPU time, or a
+   chunk has waited past `chunk_deadline_s` and encoding has had less than `max_encode_share`:
+   up to `max_chunks` chunks, at most one per stream, streams taken round-robin, go through one
+   vision and one prefill forward. A person asking gets priority, but live cameras get what they
+   need to stay live (the deadline), questions keep at least 1 - `max_encode_share` of the GPU,
+   and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
    `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
    streams' chunks, until its rebuilt version is published: questions keep their turn between
@@ -20,6 +22,7 @@ forwards, so there is no lock that threads take turns on. Each step:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import OrderedDict, deque
@@ -36,17 +39,33 @@ log = structlog.get_logger()
 T = TypeVar("T")
 
 
+StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
+
+
 @dataclass(frozen=True)
 class SchedulePolicy:
     max_batch: int = 64  # generations advanced together
-    max_chunks: int = 4  # chunks encoded together: bounds how long one encode step holds up questions
+    max_chunks: int = 8  # chunks encoded together: bounds how long one encode step holds up questions
     encode_share: float = 0.5  # of GPU time, guaranteed to encoding while questions also wait
-    window_s: float = 2.0  # the share is measured over about this long
+    chunk_deadline_s: float = 1.0  # a chunk waiting longer than this gets encoding up to...
+    max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
+    window_s: float = 2.0  # the shares are measured over about this long
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_chunks < 1:
+            raise ValueError("max_batch and max_chunks must be at least 1")
+        if not 0.0 <= self.encode_share <= self.max_encode_share <= 1.0:
+            raise ValueError("need 0 <= encode_share <= max_encode_share <= 1")
+        if self.chunk_deadline_s < 0 or self.window_s <= 0:
+            raise ValueError("chunk_deadline_s must be >= 0 and window_s > 0")
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulePolicy | None = None):
+    def __init__(self, policy: SchedulePolicy | None = None, on_step: StepObserver | None = None):
+        """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
+        "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here."""
         self.policy = policy or SchedulePolicy()
+        self.on_step = on_step
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
@@ -61,6 +80,7 @@ class Scheduler:
     def submit(self, job: BatchJob | StepJob) -> Future[Any]:
         with self._lock:
             if isinstance(job, BatchJob):
+                job.submitted = time.monotonic()
                 self._lanes.setdefault(job.lane, deque()).append(job)
             else:
                 self._waiting.append(job)
@@ -105,16 +125,22 @@ class Scheduler:
         self._admit()
         questions = bool(self._active)
         if questions:  # first, so a question that just arrived is prefilled before any encoding
-            self._timed(False, self._decode)
+            self._timed("decode", self._decode)
         if self._lanes and (not questions or self._encode_is_due()):
-            self._timed(True, self._encode)
+            self._timed("encode", self._encode)
 
     def _run_tasks(self) -> None:
+        if self._tasks:
+            self._timed("task", self._run_queued_tasks)
+
+    def _run_queued_tasks(self) -> int:
+        n = 0
         while True:
             with self._lock:
                 if not self._tasks:
-                    return
+                    return n
                 fn, future = self._tasks.popleft()
+            n += 1
             try:
                 future.set_result(fn())
             except Exception as e:
@@ -125,16 +151,18 @@ class Scheduler:
             while self._waiting and len(self._active) < self.policy.max_batch:
                 self._active.append(self._waiting.popleft())
 
-    def _decode(self) -> None:
+    def _decode(self) -> int:
         # One class of step job today (Generation); group by class should another appear.
         by_class: dict[type, list[StepJob]] = {}
         for job in self._active:
             by_class.setdefault(type(job), []).append(job)
         for cls, jobs in by_class.items():
             cls.step_batch(jobs)
+        n = len(self._active)
         self._active = [j for j in self._active if not j.done]
+        return n
 
-    def _encode(self) -> None:
+    def _encode(self) -> int:
         with self._lock:
             batch: list[BatchJob] = []
             for lane in list(self._lanes)[: self.policy.max_chunks]:
@@ -151,6 +179,7 @@ class Scheduler:
             except Exception as e:
                 fail_all(jobs, e)
         self._requeue([job for job in batch if not job.done])
+        return len(batch)
 
     def _requeue(self, unfinished: list[BatchJob]) -> None:
         """A job that needs more batches (an exact eviction's rebuild) stays first in its lane, and
@@ -162,15 +191,30 @@ class Scheduler:
                 self._lanes[job.lane] = queue
 
     def _encode_is_due(self) -> bool:
-        return self._encode_s < self.policy.encode_share * self._total_s or self._total_s == 0.0
+        """Questions are waiting too: encode while below the guaranteed share, or while a chunk is
+        past its deadline and below the most encoding may take from questions."""
+        if self._total_s == 0.0:
+            return True
+        share = self._encode_s / self._total_s
+        return share < self.policy.encode_share or (
+            share < self.policy.max_encode_share and self._oldest_wait() > self.policy.chunk_deadline_s
+        )
 
-    def _timed(self, encoding: bool, fn: Callable[[], None]) -> None:
+    def _oldest_wait(self) -> float:
+        with self._lock:
+            oldest = min((lane[0].submitted for lane in self._lanes.values() if lane), default=None)
+        return 0.0 if oldest is None else time.monotonic() - oldest
+
+    def _timed(self, kind: str, fn: Callable[[], int]) -> None:
         t0 = time.perf_counter()
-        fn()
+        units = fn()
+        _settle()
         spent = time.perf_counter() - t0
         decay = 0.5 ** (spent / self.policy.window_s)
-        self._encode_s = self._encode_s * decay + (spent if encoding else 0.0)
+        self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
         self._total_s = self._total_s * decay + spent
+        if self.on_step is not None:
+            self.on_step(kind, spent, units)
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
@@ -182,3 +226,11 @@ class Scheduler:
         fail_all(jobs, error)
         for _, future in tasks:
             future.set_exception(error)
+
+
+def _settle() -> None:
+    """Wait for the GPU to finish the step: the shares must count each step's GPU time, not the
+    launch (a step that never syncs would pass its GPU time to the next one that does)."""
+    torch = sys.modules.get("torch")  # not imported here: settings load SchedulePolicy without torch
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -36,6 +36,7 @@ class Job:
 
 class BatchJob(Job):
     lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
+    submitted: float = 0.0  # time.monotonic() when the scheduler got it
 
     @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:

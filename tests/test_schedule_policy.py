@@ -1,0 +1,102 @@
+"""The GPU scheduler's policy, with jobs that stand in for GPU work by taking time (no model: what
+is under test is who gets the device when, not what runs on it).
+
+Questions that never stop asking and a backlog of chunks compete: encoding gets its guaranteed
+share, more (up to the cap) once a chunk is past its deadline, and questions always keep the rest.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.work import BatchJob, StepJob
+
+ENCODE_S = 0.010  # per chunk batch
+DECODE_S = 0.004  # per decode step
+
+
+class Busy(BatchJob):
+    def __init__(self, lane: str, order: list[str]):
+        super().__init__()
+        self.lane, self.order = lane, order
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        time.sleep(ENCODE_S)
+        for job in jobs:
+            assert isinstance(job, Busy)
+            job.order.append(job.lane)
+            job.future.set_result(None)
+
+
+class Endless(StepJob):
+    """A question that asks for the GPU at every step until told to stop."""
+
+    stop = threading.Event()
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        time.sleep(DECODE_S)
+        if cls.stop.is_set():
+            for job in jobs:
+                job.future.set_result(None)
+
+
+def shares(policy: SchedulePolicy, seconds: float = 1.5) -> dict[str, float]:
+    """GPU time by step kind while a question and a deep backlog of chunks compete."""
+    spent: dict[str, float] = {"encode": 0.0, "decode": 0.0, "task": 0.0}
+    scheduler = Scheduler(policy, on_step=lambda kind, s, _: spent.__setitem__(kind, spent[kind] + s)).start()
+    Endless.stop.clear()
+    order: list[str] = []
+    try:
+        question = scheduler.submit(Endless())
+        for _ in range(int(seconds / ENCODE_S) + 50):  # more than can run: the backlog never empties
+            scheduler.submit(Busy("cam", order))
+        time.sleep(seconds)
+        Endless.stop.set()
+        question.result(timeout=10)
+    finally:
+        scheduler.stop()
+    total = spent["encode"] + spent["decode"]
+    return {kind: s / total for kind, s in spent.items()}
+
+
+def test_encoding_gets_its_guaranteed_share_and_no_more_while_it_keeps_up():
+    got = shares(SchedulePolicy(max_chunks=1, encode_share=0.2, chunk_deadline_s=1e9, window_s=0.3))
+    assert 0.1 < got["encode"] < 0.35, got
+
+
+def test_a_chunk_past_its_deadline_takes_more_but_questions_keep_the_rest():
+    policy = SchedulePolicy(max_chunks=1, encode_share=0.2, chunk_deadline_s=0.05, max_encode_share=0.8, window_s=0.3)
+    got = shares(policy)
+    assert 0.65 < got["encode"] < 0.88, got
+    assert got["decode"] > 0.12, got
+
+
+def test_lanes_take_turns():
+    scheduler = Scheduler(SchedulePolicy(max_chunks=2))
+    order: list[str] = []
+    for lane in ("a", "a", "a", "b", "c"):
+        scheduler.submit(Busy(lane, order))
+    while scheduler._lanes:  # driven step by step, in this thread
+        scheduler.step()
+    assert order == ["a", "b", "c", "a", "a"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_chunks": 0},
+        {"encode_share": 0.6, "max_encode_share": 0.5},
+        {"max_encode_share": 1.5},
+        {"chunk_deadline_s": -1.0},
+    ],
+)
+def test_a_bad_policy_is_refused(bad):
+    with pytest.raises(ValueError):
+        SchedulePolicy(**bad)
