@@ -8,6 +8,7 @@ model loads), 3 Redis unusable, 4 model unusable. Exit 4 is final: compose does 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import signal
 import socket
@@ -30,7 +31,7 @@ from common.version import VERSION
 T = TypeVar("T")
 log = structlog.get_logger()
 
-EXIT_CONFIG, EXIT_REDIS, EXIT_MODEL = 2, 3, 4
+EXIT_CONFIG, EXIT_REDIS, EXIT_MODEL, EXIT_GPU = 2, 3, 4, 5
 HUB_PROBE_TIMEOUT_S = 3.0
 LOCAL_WEIGHTS_HINT = (
     "point --model (SVQA_MODEL) at a local directory holding a Qwen2.5-VL checkpoint (config.json, "
@@ -136,10 +137,19 @@ def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None =
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
     # one loop owns the GPU: batches every stream and question
-    rt.executor = Scheduler(policy, on_step=metrics.record_gpu_step).start()
+    rt.executor = Scheduler(policy, on_step=metrics.record_gpu_step, on_fatal=_gpu_failed).start()
     health.READINESS.model_loaded = True
     log.info("model loaded", model=model, device=str(rt.device), load_s=round(time.monotonic() - t0, 1))
     return rt
+
+
+def _gpu_failed(error: BaseException) -> NoReturn:
+    """The GPU loop broke (a CUDA error leaves the device unusable to this process): one line, then
+    exit 5 at once, from its thread. Nothing unfinished was acked, so a restarted worker (or another
+    one) gets every frame and question again."""
+    log.error("gpu failed", exit_code=EXIT_GPU, error=redact_text(f"{type(error).__name__}: {error}"))
+    logging.shutdown()
+    os._exit(EXIT_GPU)
 
 
 def check_device(device: str | None) -> None:

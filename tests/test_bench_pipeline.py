@@ -97,7 +97,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert client["p50"] >= server["p50"]  # each question's wait includes its first token
 
     gpu = run["gpu_steps"]  # two workers: their GPU-seconds add up, to at most 2 a second
-    assert 0 < gpu["encode"]["share"] and 0 < gpu["decode"]["share"]
+    assert gpu["encode"]["share"] > 0 and gpu["decode"]["share"] > 0
     assert sum(gpu[k]["share"] for k in ("encode", "decode", "task")) <= 2.05
     # a chunk of 4 frames per stream per step, so at most one chunk per camera in a worker's step
     assert 1 <= gpu["encode"]["units_per_step"] <= 2 and gpu["decode"]["units_per_step"] >= 1

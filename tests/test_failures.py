@@ -1,5 +1,5 @@
 """Every way a start can fail ends in one JSON line on stderr and a documented exit code:
-2 configuration, 3 Redis, 4 model (README "Operating it"). Each case runs the real command."""
+2 configuration, 3 Redis, 4 model, 5 the GPU failing later (README "Operating it"). Each case runs the real command."""
 
 from __future__ import annotations
 
@@ -86,3 +86,34 @@ def test_failure_is_one_json_line_and_an_exit_code(argv, code, word, tmp_path: P
     assert line["level"] == "error" and line["exit_code"] == code, line
     assert word in json.dumps(line), line
     assert out.stdout == ""
+
+
+GPU_FAILS = """
+import time
+from common import boot
+from common.engine.scheduler import Scheduler
+from common.engine.work import StepJob
+from common.logs import configure_logging
+
+class Poisoned(StepJob):
+    @classmethod
+    def step_batch(cls, jobs):
+        raise RuntimeError("CUDA error: device-side assert triggered (redis://enc:hunter2@redis:6379)")
+
+configure_logging("INFO")
+scheduler = Scheduler(on_fatal=boot._gpu_failed)
+scheduler.submit(Poisoned())
+scheduler.start()
+time.sleep(30)
+"""
+
+
+def test_a_device_that_fails_while_running_is_one_line_and_exit_5():
+    """The GPU loop's own failure (a CUDA error poisons the device for the process) ends the
+    process at once, from the loop's thread, with the documented code and no secret in the line."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", GPU_FAILS], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 5, out.stderr
+    lines = [json.loads(x) for x in out.stderr.splitlines() if '"gpu failed"' in x]
+    assert len(lines) == 1 and lines[0]["exit_code"] == 5 and "device-side assert" in lines[0]["error"]
+    assert "hunter2" not in out.stderr

@@ -100,3 +100,28 @@ def test_lanes_take_turns():
 def test_a_bad_policy_is_refused(bad):
     with pytest.raises(ValueError):
         SchedulePolicy(**bad)
+
+
+class Broken(StepJob):
+    """A step that fails outside any job's own error handling, as a poisoned device does."""
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered")
+
+
+def test_a_broken_loop_fails_every_job_and_reports_once():
+    fatal: list[BaseException] = []
+    scheduler = Scheduler(on_fatal=fatal.append)
+    waiting = Busy("cam", [])
+    scheduler.submit(waiting)  # queued before the loop runs: it must not hang
+    broken = scheduler.submit(Broken())
+    scheduler.start()
+    with pytest.raises(RuntimeError, match="device-side assert"):
+        broken.result(timeout=10)
+    with pytest.raises(RuntimeError):
+        waiting.future.result(timeout=10)
+    with pytest.raises(RuntimeError, match="stopped"):  # and nothing later waits forever either
+        scheduler.submit(Busy("cam", [])).result(timeout=10)
+    scheduler.stop()
+    assert len(fatal) == 1 and "device-side assert" in str(fatal[0])

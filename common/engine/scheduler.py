@@ -61,11 +61,18 @@ class SchedulePolicy:
 
 
 class Scheduler:
-    def __init__(self, policy: SchedulePolicy | None = None, on_step: StepObserver | None = None):
+    def __init__(
+        self,
+        policy: SchedulePolicy | None = None,
+        on_step: StepObserver | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
-        "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here."""
+        "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
+        runs in the loop's thread when a step fails outside any job (a CUDA error that poisons the
+        device, say): every job has failed and no more will run, so a service exits there."""
         self.policy = policy or SchedulePolicy()
-        self.on_step = on_step
+        self.on_step, self.on_fatal = on_step, on_fatal
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
@@ -78,6 +85,9 @@ class Scheduler:
 
     # -- the callers' side (any thread) ----------------------------------------------------
     def submit(self, job: BatchJob | StepJob) -> Future[Any]:
+        if self._stop.is_set():
+            job.future.set_exception(RuntimeError("the GPU scheduler stopped"))
+            return job.future
         with self._lock:
             if isinstance(job, BatchJob):
                 job.submitted = time.monotonic()
@@ -111,11 +121,18 @@ class Scheduler:
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
         log.info("gpu scheduler started", max_batch=self.policy.max_batch, max_chunks=self.policy.max_chunks)
-        while not self._stop.is_set():
-            with self._lock:
-                while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
-                    self._lock.wait(timeout=1.0)
-            self.step()
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
+                        self._lock.wait(timeout=1.0)
+                self.step()
+        except BaseException as e:  # jobs fail on their own; this is the device or the loop broken
+            self._stop.set()
+            self._fail_everything(e)
+            if self.on_fatal is None:
+                raise
+            self.on_fatal(e)
         self._fail_everything(RuntimeError("the GPU scheduler stopped"))
 
     def step(self) -> None:
