@@ -114,33 +114,6 @@ def test_graphed_question_prefill_and_decode_equal_eager(rt, monkeypatch):
         assert torch.allclose(got.first_logits, eager.first_logits, atol=2e-2, rtol=0)
 
 
-def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monkeypatch):
-    """A batch of decode steps plus a new question's prefill has no graph of its own: the decode
-    steps and the prefill each replay theirs (nothing runs eagerly), and the late question's
-    tokens and first logits are those it gets alone, launched eagerly."""
-    from common.engine import answer
-    from common.engine.grid import Grid
-    from common.engine.params import GenerationParams
-
-    engine = _engine(rt, "join", Grid(56, 56), 3, 11)
-    params = GenerationParams(max_tokens=12)
-    first = answer.Generation(rt, engine.head, "What happens?", params)
-    answer.Generation.step_batch([first])  # its prefill, then a decode step
-    answer.Generation.step_batch([first])
-    late = answer.Generation(rt, engine.head, "Is anything red?", params, keep_logits=True)
-    ungraphed = []
-    run = rt.step_graphs.run
-    monkeypatch.setattr(rt.step_graphs, "run", lambda *a: ungraphed.append(a) if (out := run(*a)) is None else out)
-    while not (first.done and late.done):
-        answer.Generation.step_batch([g for g in (first, late) if not g.done])
-    assert ungraphed == []
-    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
-    alone = answer.ask(rt, engine.head, "Is anything red?", params, keep_logits=True)
-    got = late.future.result()
-    assert got.token_ids[:8] == alone.token_ids[:8]
-    assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
-
-
 def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt):
     """An exact eviction's rebuild, cut into pieces that ride in encode steps with another stream's
     chunks (flash over pool regions, bf16), against the rebuild as one piece run alone."""

@@ -150,3 +150,18 @@ def test_regions_return_to_the_pool(rt: Runtime):
     assert rt.pool.used_tokens == used + 100 and item.dest is region
     del item, region
     assert rt.pool.used_tokens == used
+
+
+def test_warm_up_leaves_nothing_behind(rt: Runtime):
+    """Its throwaway streams and questions give their memory back, and answers are unchanged."""
+    from common.engine.warmup import warm_up
+
+    spec = SPECS[0]
+    engine = encode(rt, spec, frames_for(spec, 4))
+    params = GenerationParams(max_tokens=6)
+    before = ask(rt, engine.head, QUESTIONS[0], params, keep_logits=True)
+    used = rt.pool.used_tokens
+    assert warm_up(rt) > 0
+    assert rt.pool.used_tokens == used
+    after = ask(rt, engine.head, QUESTIONS[0], params, keep_logits=True)
+    assert after.token_ids == before.token_ids and torch.equal(after.first_logits, before.first_logits)

@@ -151,36 +151,18 @@ class Generation(StepJob):
 
 
 def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every generation's pending tokens through the model: logits (B, V) at each one's last token
-    and their greedy picks (B,), on the device. On a GPU with graphs, questions that join a batch
-    mid-decode are prefilled apart from it, each from its own graph: a mixed batch has no graph,
-    and run eagerly it costs several times the graphed decode step and the graphed prefill together
-    (an answer does not depend on its batch, so the split changes nothing in it)."""
+    """One forward of every generation's pending tokens: logits (B, V) at each one's last token
+    and their greedy picks (B,), on the device."""
     rt = gens[0].rt
-    if not (rt.lm.flash and CUDA_GRAPHS):
-        return _forward_batch(gens)
-    if rt.step_graphs is None:
-        rt.step_graphs = StepGraphs(rt.lm)
-    decoding = [g for g in gens if len(g.pending) == 1]
-    if len(decoding) in (0, len(gens)):
-        return _forward_batch(gens, rt.step_graphs)
-    groups = [decoding, *([g] for g in gens if len(g.pending) > 1)]
-    # cloned: graphs share one memory pool, so the next replay may overwrite this one's outputs
-    outs = [tuple(t.clone() for t in _forward_batch(group, rt.step_graphs)) for group in groups]
-    row = {id(g): i for i, g in enumerate(g for group in groups for g in group)}
-    where = torch.tensor([row[id(g)] for g in gens], device=outs[0][0].device)
-    return torch.cat([o[0] for o in outs])[where], torch.cat([o[1] for o in outs])[where]
-
-
-def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of `gens`, replayed from a graph when one fits its shape."""
-    lm = gens[0].rt.lm
+    lm = rt.lm
     ids = [t for g in gens for t in g.pending]
     positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
     items = [g.item() for g in gens]
     split = lm.split_for(len(gens), max(len(g.pending) for g in gens), max(g.version.tokens for g in gens))
-    if graphs is not None:
-        graphed = graphs.run(ids, positions, items, split)
+    if lm.flash and CUDA_GRAPHS:
+        if rt.step_graphs is None:
+            rt.step_graphs = StepGraphs(lm)
+        graphed = rt.step_graphs.run(ids, positions, items, split)
         if graphed is not None:
             return graphed
     hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))

@@ -26,15 +26,19 @@ KV layout: (layers, 2, kv_heads, slots, head_dim); [:, 0] keys (stored rotated),
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from itertools import accumulate
 
+import structlog
 import torch
 import torch.nn.functional as F
 
 from common.engine.model import LoadedModel
 from common.engine.pool import KVPool, Region
 from common.engine.positions import apply_rope, rope_cos_sin
+
+log = structlog.get_logger()
 
 SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
@@ -579,7 +583,15 @@ class StepGraphs:
         key = (tuple(it.n for it in padded), split, plan.single_slab, plan.shape)
         graph = self.graphs.get(key)
         if graph is None:
+            t0 = time.perf_counter()
             graph = self.graphs[key] = _Graph(self.lm, plan, len(tokens), self.mempool)
+            # the GPU loop stands still meanwhile: how often and how long is worth seeing
+            log.info(
+                "question step graph captured",
+                shape=repr(key),
+                graphs=len(self.graphs),
+                s=round(time.perf_counter() - t0, 3),
+            )
         logits, greedy = graph.replay(tokens, positions, plan)
         return logits[last], greedy[last]
 

@@ -1,0 +1,53 @@
+"""Every kind of GPU step once, before a service takes work, so the first real ones do not stall.
+
+On a GPU the first step of each kind compiles (torch.compile specializes on a few shape classes:
+how many attention parts merge, their strides, inference mode or not), captures a CUDA graph, or
+builds vision kernels: seconds each, during which the one GPU loop stands still. Measured in the
+pipeline: stalls of 3-5 s in the first minute, every camera and question waiting behind them.
+So a worker walks two throwaway streams through what serving does (a batch of chunks, a lone
+question, decode batches, questions joining a batch mid-decode) before it reports ready.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from common.engine.answer import Generation
+from common.engine.grid import Grid, StreamSpec
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from common.engine.stream import ChunkJob, StreamEngine
+
+GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
+DECODE_BATCHES = (1, 2, 4, 8)  # decode graph buckets captured at start; larger ones on first use
+
+
+def warm_up(rt: Runtime) -> float:
+    """Run the steps inline (before a scheduler is installed); the seconds it took."""
+    t0 = time.perf_counter()
+    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4)) for i in range(2)]
+    frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
+    for _ in range(2):  # the second batch reads a cache the first one wrote
+        jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
+        ChunkJob.run_batch(jobs)
+        for engine, job in zip(engines, jobs, strict=True):
+            engine.finish(job.future.result())
+    heads = [e.head for e in engines]
+    for n in DECODE_BATCHES:
+        _questions(rt, [heads[i % 2] for i in range(n)])
+    return time.perf_counter() - t0
+
+
+def _questions(rt: Runtime, heads: list) -> None:
+    """`len(heads)` questions prefilled together, decoded together, then one more joining them."""
+    params = GenerationParams(max_tokens=4)
+    gens = [Generation(rt, head, "What is happening?", params) for head in heads]
+    for _ in range(2):
+        Generation.step_batch(gens)  # the prefill of all, then a decode step of all
+    gens.append(Generation(rt, heads[0], "Anything else?", params))
+    while not all(g.done for g in gens):
+        Generation.step_batch([g for g in gens if not g.done])
+    for g in gens:
+        g.future.result()  # a failed warm-up step is a failed start
