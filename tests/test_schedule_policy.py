@@ -92,7 +92,7 @@ def test_lanes_take_turns():
     "bad",
     [
         {"max_chunks": 0},
-        {"encode_share": 0.6, "max_encode_share": 0.5},
+        {"encode_share": 1.1},
         {"max_encode_share": 1.5},
         {"chunk_deadline_s": -1.0},
     ],

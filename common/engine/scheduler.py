@@ -54,8 +54,8 @@ class SchedulePolicy:
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
             raise ValueError("max_batch and max_chunks must be at least 1")
-        if not 0.0 <= self.encode_share <= self.max_encode_share <= 1.0:
-            raise ValueError("need 0 <= encode_share <= max_encode_share <= 1")
+        if not (0.0 <= self.encode_share <= 1.0 and 0.0 <= self.max_encode_share <= 1.0):
+            raise ValueError("encode_share and max_encode_share are shares of GPU time, from 0 to 1")
         if self.chunk_deadline_s < 0 or self.window_s <= 0:
             raise ValueError("chunk_deadline_s must be >= 0 and window_s > 0")
 

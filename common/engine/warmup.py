@@ -1,21 +1,25 @@
 """Every kind of GPU step once, before a service takes work, so the first real ones do not stall.
 
-On a GPU the first step of each kind compiles (torch.compile specializes on a few shape classes:
-how many attention parts merge, their strides, inference mode or not), captures a CUDA graph, or
+On a GPU the first step of each shape class compiles (torch.compile specializes on a few: how
+many attention parts merge, their strides, inference mode or not), captures a CUDA graph, or
 builds vision kernels: seconds each, during which the one GPU loop stands still. Measured in the
 pipeline: stalls of 3-5 s in the first minute, every camera and question waiting behind them.
-So a worker walks two throwaway streams through what serving does (a batch of chunks, a lone
-question, decode batches, questions joining a batch mid-decode) before it reports ready.
+So a worker walks throwaway streams through what serving does before it reports ready: caches
+long enough for the paths of long caches (cuDNN bodies, split-KV), a batch of chunks, a lone
+question, decode batches, questions joining a batch mid-decode.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
+import torch
 
 from common.engine.answer import Generation
 from common.engine.grid import Grid, StreamSpec
+from common.engine.lm import BODY_MIN_ITEMS, BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import ChunkJob, StreamEngine
@@ -27,16 +31,21 @@ DECODE_BATCHES = (1, 2, 4, 8)  # decode graph buckets captured at start; larger 
 def warm_up(rt: Runtime) -> float:
     """Run the steps inline (before a scheduler is installed); the seconds it took."""
     t0 = time.perf_counter()
-    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4)) for i in range(2)]
+    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4)) for i in range(BODY_MIN_ITEMS)]
+    # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
+    long = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
+    patches = math.ceil(long / GRID.tokens_per_patch) + 1
+    for engine in engines:  # a cache at once, from made-up embeddings
+        embeds = torch.zeros(patches * GRID.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.device)
+        engine.append_embeddings(embeds, patches, (0, 2 * patches - 1), (0.0, float(patches)))
     frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
-    for _ in range(2):  # the second batch reads a cache the first one wrote
-        jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
-        ChunkJob.run_batch(jobs)
-        for engine, job in zip(engines, jobs, strict=True):
-            engine.finish(job.future.result())
+    jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
+    ChunkJob.run_batch(jobs)
+    for engine, job in zip(engines, jobs, strict=True):
+        engine.finish(job.future.result())
     heads = [e.head for e in engines]
     for n in DECODE_BATCHES:
-        _questions(rt, [heads[i % 2] for i in range(n)])
+        _questions(rt, [heads[i % len(heads)] for i in range(n)])
     return time.perf_counter() - t0
 
 
