@@ -4,8 +4,9 @@
     python scripts/plot_pipeline.py pipeline-h200.json --png pipeline.png   # and draws the plot
 
 Reads the --out file of bench_pipeline.py, or its stdout (one JSON line per run); several files
-are merged, so a sweep split over several calls makes one table. The plot needs matplotlib
-(`pip install matplotlib`: a tool for the docs, not a dependency of the services).
+are merged, so a sweep split over several calls makes one table. With `--series`, each file is
+its own line in the plot, named by the file (before and after a change, say). The plot needs
+matplotlib (`pip install matplotlib`: a tool for the docs, not a dependency of the services).
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def table(runs: list[Run]) -> str:
     return "\n".join(rows)
 
 
-def plot(runs: list[Run], dst: str) -> None:
+def plot(series: dict[str, list[Run]], dst: str) -> None:
+    """Drops and latency against cameras; one set of lines per series (an empty name: only one)."""
     try:
         import matplotlib
     except ImportError:
@@ -65,22 +67,29 @@ def plot(runs: list[Run], dst: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # after choosing the headless backend
 
-    cams = [r["cameras"] for r in runs]
     fig, (drops, latency) = plt.subplots(2, 1, sharex=True, figsize=(6.4, 6.0), dpi=120)
-    drops.plot(cams, [100 * (r["frames"]["dropped_fraction"] or 0) for r in runs], "o-", color="tab:red")
+    markers = iter("os^vD*")
+    for name, runs in series.items():
+        cams, mark, tag = [r["cameras"] for r in runs], next(markers), f"{name}: " if name else ""
+        drops.plot(cams, [100 * (r["frames"]["dropped_fraction"] or 0) for r in runs], f"{mark}-", label=name or None)
+        for key, label, color in (
+            ("client_latency_s", "client latency", "tab:blue"),
+            ("server_first_token_s", "server first token", "tab:green"),
+        ):
+            for q, style in (("p50", "--"), ("p95", "-")):
+                values = [r[key][q] for r in runs]
+                latency.plot(cams, values, f"{mark}{style}", color=color, label=f"{tag}{label} {q}")
     drops.set_ylabel("frames dropped (%)")
-    for key, label, color in (
-        ("client_latency_s", "client latency", "tab:blue"),
-        ("server_first_token_s", "server first token", "tab:green"),
-    ):
-        for q, style in (("p50", "o--"), ("p95", "o-")):
-            latency.plot(cams, [r[key][q] for r in runs], style, color=color, label=f"{label} {q}")
+    if len(series) > 1:
+        drops.legend(fontsize=8)
+    every = sorted({r["cameras"] for runs in series.values() for r in runs})
+    runs = [r for rs in series.values() for r in rs]
     latency.set_yscale("log")
     latency.set_ylabel("seconds (log)")
     latency.set_xlabel(f"live {runs[0]['fps']:g}-fps cameras")
     latency.set_xscale("log", base=2)
-    latency.set_xticks(cams, [str(c) for c in cams])
-    latency.legend(fontsize=8)
+    latency.set_xticks(every, [str(c) for c in every])
+    latency.legend(fontsize=7)
     first = runs[0]
     drops.set_title(
         f"{first['model']} on {first['device']}, {first['askers']} askers, {first['max_tokens']}-token answers"
@@ -95,6 +104,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("results", nargs="+", help="bench_pipeline.py --out files or captured stdout")
     p.add_argument("--png", help="draw the plot into this file")
+    p.add_argument("--series", action="store_true", help="in the plot, each file is a series named by the file")
     ns = p.parse_args(argv)
     runs = load_runs(ns.results)
     if not runs:
@@ -103,7 +113,7 @@ def main(argv: list[str]) -> int:
     clean = [r["cameras"] for r in runs if r["frames"]["dropped"]["total"] == 0]
     print(f"\nmost cameras with zero dropped frames: {max(clean) if clean else 'none'}")
     if ns.png:
-        plot(runs, ns.png)
+        plot({Path(f).stem: load_runs([f]) for f in ns.results} if ns.series else {"": runs}, ns.png)
     return 0
 
 
