@@ -12,7 +12,7 @@ SHAPE = (2, 1, 4)  # layers, kv_heads, head_dim
 
 
 def test_a_full_pool_grows_by_what_is_needed_not_by_its_first_slab():
-    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=1000, grow_tokens=100)
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=1000, grow_tokens=100, page_tokens=10)
     first = pool.alloc(1000)
     assert pool.capacity_tokens == 1000
     small = pool.alloc(30)  # a granule
