@@ -2,18 +2,21 @@
 
 transformers' modules supply the weights and the per-layer maths (norms, projections, MLP);
 this file owns the cache and the attention, because the cache is the product. Every cache lives
-in a region of the device's KV pool (pool.py). One forward runs any mix of work, each item a few
-new tokens written into its own region:
+in pages of the device's KV pool (pool.py), as a few contiguous slot ranges (a `KVView`'s extents,
+usually one). One forward runs any mix of work, each item a few new tokens written into a region:
 
-- a chunk of video (or the prompt prefix): attends causally to its stream's cache so far;
+- a chunk of video (or the prompt prefix): attends to its stream's cache so far — causally, as
+  one key range, when that cache is one extent running up to it in the same region (the common
+  case), else to the cache's extents as a base and causally to its own tokens;
 - a question's prefill or one decode step: attends to a snapshot (`base`, only read) and
   causally to its own scratch tokens.
 
 The dense layers (projections, MLP) see all tokens of all items at once. Attention is cut into
 pieces — (query rows, a contiguous key range of the pool, causal or not) — that go through one
-varlen flash-attention call per kind on CUDA (a pool region is addressed by its start, so many
-streams' caches are read in place, without copies), and the partial results merge by their
-log-sum-exps. A long base read by few queries is split into several pieces (split-KV), so a lone
+varlen flash-attention call per kind on CUDA (an extent is addressed by its start in the pool, so
+many streams' caches are read in place, without copies), and the partial results merge by their
+log-sum-exps. A base is a piece per extent, and a long one read by few queries is split into
+several pieces (split-KV), so a lone
 question over a 100K-token cache still fills the GPU. On the CPU the same pieces run one by one
 in fp32: that path is the oracle's.
 
