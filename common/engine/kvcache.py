@@ -36,6 +36,7 @@ between processes like any other segment.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -220,7 +221,10 @@ class StreamCache:
         self.policy = policy
         self.interval = interval
         self.grid_hw = grid_hw
-        self.head: Version | None = None
+        self._head: Version | None = None
+        # Held while the head is let go of and its successor laid out: a reader on another thread
+        # waits for the new head rather than take the old one as its pages are overwritten.
+        self._swap = threading.RLock()
         self.embeds: dict[str, torch.Tensor] = {}
         self._last_mean: torch.Tensor | None = None  # the newest chunk's, for the next one's salience
         self._run_tokens = policy.max_cache_tokens or initial_capacity  # a budgeted stream's run is its budget
@@ -233,13 +237,19 @@ class StreamCache:
         self._layout = object()
         self._last_id = -1  # the newest version's (the head may be let go of while a new one is laid out)
 
+    @property
+    def head(self) -> Version | None:
+        """The newest version (None before the prefix)."""
+        with self._swap:
+            return self._head
+
     # -- writing -----------------------------------------------------------------------
     def reserve(self, n_tokens: int) -> Item:
         """Where the next `n_tokens` go, and what they attend to: every token of the head first."""
         self._spill = None
         if self._run is None or self._used + n_tokens > self._run.size:
             self._grow(n_tokens)
-        base = self.head.view.extents if self.head else ()
+        base = self._head.view.extents if self._head else ()
         if self._spill is not None:
             dest, at, since = self._spill, 0, 0
         else:
@@ -264,8 +274,8 @@ class StreamCache:
         self._require_head()
         segment = self._take_embeds(segment, embeds)
         self._wrote(segment)
-        offset = self.head.tokens
-        placements = (*self.head.placements, Placement(segment, offset, segment.first_patch, (0,) * segment.n_patches))
+        offset = self._head.tokens
+        placements = (*self._head.placements, Placement(segment, offset, segment.first_patch, (0,) * segment.n_patches))
         next_patch = segment.first_patch + segment.n_patches
         chunks = [p.segment for p in placements[1:]]
         drop = self.policy.chunks_to_evict(
@@ -273,7 +283,7 @@ class StreamCache:
         )
         if drop:
             return self._evict(placements, drop, next_patch)
-        head = self.head
+        head = self._head
         return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
 
     def apply(self, state: CacheState, load: Callable[[Segment], torch.Tensor]) -> Version:
@@ -281,22 +291,23 @@ class StreamCache:
         holds are reused (turned by the change in their deltas), the others come from `load`
         (their original K/V). Appends in place when the current head is a prefix of it."""
         placements = list(state.placements)
-        held = self.head.placements if self.head else ()
-        if held and _common_prefix(placements, held) == len(held):
-            self._append_loaded(placements[len(held) :], load)
-        else:
-            self._relayout(placements, held, load)
-        return self._publish(
-            tuple(placements),
-            video_start=state.video_start,
-            next_patch=state.next_patch,
-            stats=state.stats,
-            version_id=state.version_id,
-        )
+        held = self._head.placements if self._head else ()
+        with self._swap:
+            if held and _common_prefix(placements, held) == len(held):
+                self._append_loaded(placements[len(held) :], load)
+            else:
+                self._relayout(placements, held, load)
+            return self._publish(
+                tuple(placements),
+                video_start=state.video_start,
+                next_patch=state.next_patch,
+                stats=state.stats,
+                version_id=state.version_id,
+            )
 
     def missing(self, state: CacheState) -> list[Segment]:
         """Segments of `state` that `apply` must load (the rest it reuses from this cache)."""
-        held = {p.segment.id for p in self.head.placements} if self.head else set()
+        held = {p.segment.id for p in self._head.placements} if self._head else set()
         return [p.segment for p in state.placements if p.segment.id not in held]
 
     def next_chunk_patch(self) -> int:
@@ -313,7 +324,7 @@ class StreamCache:
 
     def complete(self, rebuild: Rebuild) -> Version:
         """Publish the version a finished rebuild holds; its region becomes the run."""
-        if not rebuild.finished or self.head is not rebuild.base:
+        if not rebuild.finished or self._head is not rebuild.base:
             raise RuntimeError("a rebuild is published once, whole, over the head it started from")
         region = self._run = rebuild.region
         self._used = 0
@@ -330,9 +341,9 @@ class StreamCache:
 
     # -- internals ---------------------------------------------------------------------
     def _require_head(self) -> Version:
-        if self.head is None:
+        if self._head is None:
             raise RuntimeError("the prefix must be published before any chunk")
-        return self.head
+        return self._head
 
     def _grow(self, n_tokens: int) -> None:
         """Room for `n_tokens` past the run's end. A budgeted stream's run stays its budget: the
@@ -393,7 +404,7 @@ class StreamCache:
             stats=stats,
             layout=self._layout,
         )
-        self.head, self._spill, self._pinned = version, None, []  # the version holds their pages now
+        self._head, self._spill, self._pinned = version, None, []  # the version holds their pages now
         return version
 
     def _view(self, placements: Sequence[Placement]) -> KVView:
@@ -427,10 +438,11 @@ class StreamCache:
         # re-based: this eviction then rebases, and later ones are exact once those chunks are gone.
         if self.policy.exact and all(p.segment.chunk_id in self.embeds for p in stale):
             return self._rebuild(placements, first_stale, next_patch, stats, gone)
-        self._relayout(placements, candidate, load=None)
         for p in gone:
             self.embeds.pop(p.segment.chunk_id, None)
-        return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats)
+        with self._swap:
+            self._relayout(placements, candidate, load=None)
+            return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats)
 
     def _rebuild(
         self,
@@ -500,12 +512,12 @@ class StreamCache:
         source: Sequence[Placement],
         load: Callable[[Segment], torch.Tensor] | None,
     ) -> None:
-        """Lay the cache out as `placements`. Their leading ones that `source` (the cache's current
-        layout) has unchanged keep their slots; the rest go back to back after them: segments in
-        `source` turned by the change in their deltas, the others from `load` (original K/V). They
-        are written within the run when nobody but the cache holds the pages that overwrites (no
-        new memory), else into a fresh run (copy-on-write: the old pages stay, unchanged, with
-        the versions that hold them)."""
+        """Lay the cache out as `placements` (under `_swap`, `_publish` next). Their leading ones
+        that `source` (the cache's current layout) has unchanged keep their slots; the rest go back
+        to back after them: segments in `source` turned by the change in their deltas, the others
+        from `load` (original K/V). They are written within the run when nobody but the cache holds
+        the pages that overwrites (no new memory), else into a fresh run (copy-on-write: the old
+        pages stay, unchanged, with the versions that hold them)."""
         pool = self.lm.pool
         held = {p.segment.id: p for p in source}
         n_keep = _common_prefix(placements, source)
@@ -513,7 +525,7 @@ class StreamCache:
         # What is read or kept stays held while the head lets go: the cache's own head is no
         # holder of pages it is replacing, but a version somebody else still holds is.
         mine = [pool.hold(*self._where[p.segment.id], p.segment.tokens) for p in placements if p.segment.id in held]
-        self.head, self._pinned = None, mine
+        self._head, self._pinned = None, mine
         tokens = sum(p.segment.tokens for p in moved)
         at = self._in_place(keep, moved, held, tokens, mine)
         if at is None:
