@@ -142,10 +142,11 @@ def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None =
     load_s = time.monotonic() - t0
     # on a GPU only: what it saves (compiles, graph captures) does not exist on a CPU
     warm_up_s = warm_up(rt) if rt.device.type == "cuda" else 0.0
-    # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
-    # busy, taking it back costs up to a whole switch interval (5 ms by default) each time, many
-    # times a step. A short interval hands it back sooner.
-    sys.setswitchinterval(GIL_SWITCH_S)
+    if rt.device.type == "cuda":
+        # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
+        # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
+        # many times a step. A short interval hands it back sooner.
+        sys.setswitchinterval(GIL_SWITCH_S)
     # one loop owns the GPU: batches every stream and question
     rt.executor = Scheduler(policy, on_step=metrics.record_gpu_step, on_fatal=_gpu_failed).start()
     health.READINESS.model_loaded = True

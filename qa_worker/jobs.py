@@ -37,6 +37,7 @@ CAPTION_PROMPT = "Describe what is happening in the video right now in one or tw
 TRANSCRIPT_MAXLEN = 100_000
 ALERTS_MAXLEN = 10_000
 ALERT_FRAME_TTL_S = 7 * 24 * 3600
+IDLE_FLUSH_S = 10.0  # subtitle cues still open close once a stream has had no new version this long
 
 
 class Answer(Protocol):
@@ -52,6 +53,7 @@ class Schedule:
     stream: str
     last_version: int = -1
     last_t: float | None = None  # capture time of the last run's version end
+    last_run: float | None = None  # time.monotonic() of the last run, while subtitle cues may be open
     tracker: SubtitleTracker = field(default_factory=SubtitleTracker)
     gate: Gate | None = None  # alert jobs
 
@@ -96,8 +98,10 @@ class JobRunner:
         answer: Answer,
         transcript_dir: str | None = None,
         frames: redis.Redis | None = None,
+        idle_flush_s: float = IDLE_FLUSH_S,
     ):
         self.r, self.lookup, self.answer = r, lookup, answer
+        self.idle_flush_s = idle_flush_s
         self.frames = frames or r  # where ingest keeps the latest frame; an alert's copy goes beside it
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
@@ -115,6 +119,11 @@ class JobRunner:
             if version is not None and sched.due(version):
                 self._run(sched, version)
                 ran += 1
+            elif sched.last_run is not None and time.monotonic() - sched.last_run > self.idle_flush_s:
+                # no new video for a while (a file that ended, a camera that stopped): the lines on
+                # screen at the end are final, so their cues close instead of waiting for more video
+                sched.last_run = None
+                self._emit_cues(sched, sched.tracker.flush(), None)
         return ran
 
     def _run(self, sched: Schedule, version: Version) -> None:
@@ -135,6 +144,7 @@ class JobRunner:
             return
         if job.kind == "subtitles":
             self._emit_cues(sched, sched.tracker.observe(t0, t1, parse_model_output(text)), version)
+            sched.last_run = time.monotonic()
         else:
             fields = {
                 "job": job.name,

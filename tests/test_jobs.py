@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -180,3 +181,28 @@ def test_a_restarted_subtitle_job_does_not_repeat_cues(rt, redis_url, tmp_path):
         runner.flush()
     texts = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("cam1"))]
     assert texts == ["EXIT ONLY", "NO PARKING"]
+
+
+def test_open_subtitle_cues_close_once_the_stream_goes_quiet(rt, redis_url, tmp_path):
+    """A file that ended (or a camera that stopped) leaves its last lines open; they become cues
+    after `idle_flush_s` without a new version, not only when the service stops."""
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "v.mp4"), seconds=2, fps=10, captions=CAPTIONS)
+    frames = list(iter_file_frames(video, 2.0))
+    grid = choose_grid(*frames[0].rgb.shape[:2], min_pixels=16 * 28 * 28, max_pixels=64 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("quiet", 2.0, grid, 2))
+    job = Job(name="subs", stream="quiet", kind="subtitles", every_s=1.0)
+    runner = JobRunner(r, lambda s: engine.head, [job], ["quiet"], reader_of_screen, idle_flush_s=0.5)
+    for i in range(0, len(frames), 2):
+        chunk = frames[i : i + 2]
+        engine.append([f.rgb for f in chunk], [f.pts for f in chunk], [f.index for f in chunk])
+        runner.run_due()
+    assert r.xlen(keys.transcript("quiet")) == 0  # "RED BALL" is still on screen: its cue is open
+    runner.run_due()
+    assert r.xlen(keys.transcript("quiet")) == 0  # not quiet for long enough yet
+    time.sleep(0.6)
+    assert runner.run_due() == 0
+    cues = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("quiet"))]
+    assert cues == ["RED BALL"]
+    runner.run_due()
+    assert r.xlen(keys.transcript("quiet")) == 1  # closed once
