@@ -140,9 +140,10 @@ def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None =
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
     load_s = time.monotonic() - t0
-    # on a GPU only: what it saves (compiles, graph captures) does not exist on a CPU
-    warm_up_s = warm_up(rt) if rt.device.type == "cuda" else 0.0
-    if rt.device.type == "cuda":
+    warm_up_s = 0.0
+    if rt.device.type == "cuda":  # neither exists on a CPU
+        # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
+        warm_up_s = warm_up(rt)
         # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
         # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
         # many times a step. A short interval hands it back sooner.

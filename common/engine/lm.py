@@ -590,7 +590,7 @@ class StepGraphs:
                 "question step graph captured",
                 shape=repr(key),
                 graphs=len(self.graphs),
-                s=round(time.perf_counter() - t0, 3),
+                seconds=round(time.perf_counter() - t0, 3),
             )
         logits, greedy = graph.replay(tokens, positions, plan)
         return logits[last], greedy[last]
