@@ -141,6 +141,7 @@ def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None =
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
     load_s = time.monotonic() - t0
     warm_up_s = 0.0
+    rt.on_graph_capture = metrics.record_graph_capture
     if rt.device.type == "cuda":  # neither exists on a CPU
         # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
         warm_up_s = warm_up(rt)

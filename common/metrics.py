@@ -78,11 +78,18 @@ GPU_STEP_SECONDS = Histogram(
 GPU_STEP_UNITS = Counter(
     "svqa_gpu_step_units", "Work done by GPU steps: chunks encoded, question tokens decoded, tasks run", ["kind"], **_R
 )
+GPU_GRAPH_CAPTURES = Histogram(
+    "svqa_gpu_graph_capture_seconds",
+    "CUDA graph captures of question steps (the GPU loop stands still during each)",
+    buckets=_STEP_BUCKETS,
+    **_R,
+)
+_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
     "ingest": (FRAMES_IN, FRAME_BYTES, DECODE_ERRORS, RECONNECTS, STALLS, INGEST_FPS, INGEST_UP, LAST_FRAME_AGE),
-    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, GPU_STEP_SECONDS, GPU_STEP_UNITS),
+    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, *_GPU),
     "qa": (
         QUESTIONS_IN_FLIGHT,
         QUESTIONS,
@@ -91,8 +98,7 @@ ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
         ANSWER_SECONDS,
         JOB_RUNS,
         *_CACHE,
-        GPU_STEP_SECONDS,
-        GPU_STEP_UNITS,
+        *_GPU,
     ),
 }
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
@@ -129,3 +135,7 @@ def record_gpu_step(kind: str, seconds: float, units: int) -> None:
     """What the GPU scheduler reports after every step."""
     GPU_STEP_SECONDS.labels(kind).observe(seconds)
     GPU_STEP_UNITS.labels(kind).inc(units)
+
+
+def record_graph_capture(seconds: float) -> None:
+    GPU_GRAPH_CAPTURES.observe(seconds)

@@ -369,7 +369,7 @@ def bench_batched(
             for e in batch:
                 chunk = replace(prepared[id(e)])
                 if not with_vision:
-                    chunk.pixels, chunk.embeds = None, prefill_input
+                    chunk.video, chunk.embeds = None, prefill_input
                 jobs.append(ChunkJob(e, chunk))
             ChunkJob.run_batch(jobs)
             for job in jobs:

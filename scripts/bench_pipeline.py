@@ -237,10 +237,10 @@ def scrape(port: int) -> dict[tuple[str, str, str], float]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {
-        (s.name, s.labels.get("stream") or s.labels["kind"], s.labels.get("reason", "")): s.value
+        (s.name, s.labels.get("stream") or s.labels.get("kind", ""), s.labels.get("reason", "")): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if "stream" in s.labels or ("kind" in s.labels and s.name.startswith("svqa_gpu_"))
+        if "stream" in s.labels or s.name.startswith("svqa_gpu_")
     }
 
 
@@ -263,6 +263,8 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         for (name, kind, _), value in worker.items()
         if name in ("svqa_gpu_step_seconds_sum", "svqa_gpu_step_seconds_count", "svqa_gpu_step_units_total")
     }
+    for sample in ("svqa_gpu_graph_capture_seconds_sum", "svqa_gpu_graph_capture_seconds_count"):
+        counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     return counts
 
 
@@ -510,12 +512,17 @@ def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[st
 
 def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]:
     """What the GPU schedulers did in the window, summed over workers: each step kind's share of
-    the time, steps, mean step time, and work per step (chunks, question tokens, tasks)."""
+    the time, steps, mean step time, and work per step (chunks, question tokens, tasks); CUDA graph
+    captures (stalls: the warm-up at start should have made every graph serving needs)."""
 
     def delta(key: str) -> float:
         return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
 
-    out: dict[str, Any] = {"source": "svqa_gpu_step_* of every worker, difference over the measured window"}
+    out: dict[str, Any] = {"source": "svqa_gpu_* of every worker, difference over the measured window"}
+    out["graph_captures"] = {
+        "count": int(delta("svqa_gpu_graph_capture_seconds_count")),
+        "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
+    }
     for kind in ("encode", "decode", "task"):
         spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")
         out[kind] = {

@@ -309,3 +309,19 @@ def test_injected_question_streamed_equals_offline(rt):
     streamed = ask(rt, engine.head, INJECTION, GenerationParams(max_tokens=8))
     offline = offline_answer(rt, frames, grid, 2, INJECTION, max_tokens=8)
     assert streamed.token_ids == offline.token_ids and len(streamed.token_ids) > 0
+
+
+def test_a_plans_key_range_bound_is_at_least_its_floor_and_its_longest_range(rt: Runtime):
+    """Flash's split-KV path reads no key past max_k, so it must cover every piece; a graph's plan
+    raises it to a floor so that caches growing below the floor keep the same graph."""
+    from common.engine.lm import Item, KVView
+
+    base, scratch = rt.pool.alloc(5000), rt.pool.alloc(64)
+    items = [Item(1, scratch, 10, base=KVView(base, 5000))]
+    natural = rt.lm.plan(items, 2, device=False)
+    assert {causal: p.max_k for (_, causal), p in natural.pieces.items()} == {True: 256, False: 4096}
+    floored = rt.lm.plan(items, 2, device=False, max_k_floor=(4096, 16384))
+    assert {causal: p.max_k for (_, causal), p in floored.pieces.items()} == {True: 4096, False: 16384}
+    assert floored.shape != natural.shape  # the bound is part of what a graph depends on
+    small = rt.lm.plan(items, 2, device=False, max_k_floor=(8, 1000))  # a floor below the ranges
+    assert {causal: p.max_k for (_, causal), p in small.pieces.items()} == {True: 256, False: 4096}

@@ -114,6 +114,89 @@ def test_graphed_question_prefill_and_decode_equal_eager(rt, monkeypatch):
         assert torch.allclose(got.first_logits, eager.first_logits, atol=2e-2, rtol=0)
 
 
+def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monkeypatch):
+    """A batch of decode steps plus a new question's prefill has no graph of its own: the decode
+    steps and the prefill each replay theirs (nothing runs eagerly), and the late question's
+    tokens and first logits are those it gets alone, launched eagerly."""
+    from common.engine import answer
+    from common.engine.grid import Grid
+    from common.engine.params import GenerationParams
+
+    engine = _engine(rt, "join", Grid(56, 56), 3, 11)
+    params = GenerationParams(max_tokens=12)
+    first = answer.Generation(rt, engine.head, "What happens?", params)
+    answer.Generation.step_batch([first])  # its prefill, then a decode step
+    answer.Generation.step_batch([first])
+    late = answer.Generation(rt, engine.head, "Is anything red?", params, keep_logits=True)
+    ungraphed = []
+    run = rt.step_graphs.run
+    monkeypatch.setattr(rt.step_graphs, "run", lambda *a: ungraphed.append(a) if (out := run(*a)) is None else out)
+    while not (first.done and late.done):
+        answer.Generation.step_batch([g for g in (first, late) if not g.done])
+    assert ungraphed == []
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    alone = answer.ask(rt, engine.head, "Is anything red?", params, keep_logits=True)
+    got = late.future.result()
+    assert got.token_ids[:8] == alone.token_ids[:8]
+    assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
+
+
+def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
+    """A graph's key ranges are bounded for caches up to GRAPH_BASE_TOKENS, not by the cache it
+    first met: questions on a cache of 9K tokens and then of 17K (split-KV pieces past a power of
+    two) replay the same graphs, and answer as the eager steps do."""
+    from common.engine import answer
+    from common.engine.grid import Grid, StreamSpec
+    from common.engine.params import GenerationParams
+    from common.engine.stream import StreamEngine
+
+    grid = Grid(448, 448)
+    engine = StreamEngine(rt, StreamSpec("grow", 2.0, grid, 4))
+    params = GenerationParams(max_tokens=6)
+    captured, answers = [], []
+    for patches in (36, 32):  # 9.2K tokens, then 17.4K
+        embeds = torch.randn(patches * grid.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device="cuda") * 0.02
+        engine.append_embeddings(embeds, patches, (0, 0), (0.0, 0.0))
+        answers.append(answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True))
+        captured.append(set(rt.step_graphs.graphs))
+    assert captured[0] and captured[1] == captured[0]
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    eager = answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True)
+    assert answers[1].token_ids[:4] == eager.token_ids[:4]
+    assert torch.allclose(answers[1].first_logits, eager.first_logits, atol=2e-2, rtol=0)
+
+
+def test_frames_patchified_on_the_gpu_equal_the_cpu_pixels():
+    """The normalising gather and the patch permutation give the same float32 bits on either device."""
+    from common.engine.frames import frames_to_pixels, patchify, stack_frames
+    from common.engine.grid import Grid
+
+    grid = Grid(84, 112)
+    frames = np.random.default_rng(3).integers(0, 256, (4, 84, 112, 3), dtype=np.uint8)
+    cpu, thw = frames_to_pixels(frames, grid)
+    gpu, gpu_thw = patchify(stack_frames(frames, grid, pin_memory=True).to("cuda", non_blocking=True))
+    assert gpu_thw == thw and torch.equal(gpu.cpu(), cpu)
+
+
+def test_segments_reach_the_store_as_the_pool_holds_them(rt):
+    """The K/V copy to the host is asynchronous (page-locked, waited for in `finish`): what
+    `on_segment` gets is what the pool holds, in ordinary host memory."""
+    from common.engine.grid import Grid, StreamSpec
+    from common.engine.stream import StreamEngine
+
+    got = []
+    engine = StreamEngine(rt, StreamSpec("store", 2.0, Grid(56, 56), 4), on_segment=lambda s, kv: got.append((s, kv)))
+    rng = np.random.default_rng(5)
+    engine.append([rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(4)])
+    view = engine.head.view
+    offset = 0
+    for segment, kv in got:
+        assert kv.device.type == "cpu" and not kv.is_pinned()
+        assert torch.equal(kv, view.kv[:, :, :, offset : offset + segment.tokens].cpu())
+        offset += segment.tokens
+    assert got[0][0].id == "prefix" and offset == engine.head.tokens
+
+
 def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt):
     """An exact eviction's rebuild, cut into pieces that ride in encode steps with another stream's
     chunks (flash over pool regions, bf16), against the rebuild as one piece run alone."""

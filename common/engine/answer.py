@@ -151,18 +151,37 @@ class Generation(StepJob):
 
 
 def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of every generation's pending tokens: logits (B, V) at each one's last token
-    and their greedy picks (B,), on the device."""
+    """Every generation's pending tokens through the model: logits (B, V) at each one's last token
+    and their greedy picks (B,), on the device. On a GPU with graphs, questions being prefilled
+    (joining a batch mid-decode, or arriving together) run apart from the decoding ones, each from
+    its own graph: a mixed batch has no graph, and run eagerly it costs several times the graphed
+    steps together (an answer does not depend on its batch, so the split changes nothing in it)."""
     rt = gens[0].rt
-    lm = rt.lm
+    if not (rt.lm.flash and CUDA_GRAPHS):
+        return _forward_batch(gens)
+    if rt.step_graphs is None:
+        rt.step_graphs = StepGraphs(rt.lm, on_capture=rt.on_graph_capture)
+    decoding = [g for g in gens if len(g.pending) == 1]
+    groups = [decoding] if decoding else []
+    groups += [[g] for g in gens if len(g.pending) > 1]
+    if len(groups) == 1:
+        return _forward_batch(gens, rt.step_graphs)
+    # cloned: graphs share one memory pool, so the next replay may overwrite this one's outputs
+    outs = [tuple(t.clone() for t in _forward_batch(group, rt.step_graphs)) for group in groups]
+    row = {id(g): i for i, g in enumerate(g for group in groups for g in group)}
+    where = torch.tensor([row[id(g)] for g in gens]).to(outs[0][0].device, non_blocking=True)
+    return torch.cat([o[0] for o in outs])[where], torch.cat([o[1] for o in outs])[where]
+
+
+def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of `gens`, replayed from a graph when one fits its shape."""
+    lm = gens[0].rt.lm
     ids = [t for g in gens for t in g.pending]
     positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
     items = [g.item() for g in gens]
     split = lm.split_for(len(gens), max(len(g.pending) for g in gens), max(g.version.tokens for g in gens))
-    if lm.flash and CUDA_GRAPHS:
-        if rt.step_graphs is None:
-            rt.step_graphs = StepGraphs(lm)
-        graphed = rt.step_graphs.run(ids, positions, items, split)
+    if graphs is not None:
+        graphed = graphs.run(ids, positions, items, split)
         if graphed is not None:
             return graphed
     hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -35,12 +36,14 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.model import LoadedModel
+from common.engine.params import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS
 from common.engine.pool import KVPool, Region
 from common.engine.positions import apply_rope, rope_cos_sin
 
 log = structlog.get_logger()
 
 SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
+GRAPH_BASE_TOKENS = 32768  # question graphs are sized for caches up to this (longer ones: more graphs)
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
 # 32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
@@ -84,7 +87,7 @@ class Pieces:
     starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
     lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
     host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
-    max_k: int  # the longest key range, rounded up to a power of two (flash sizes its work by it)
+    max_k: int  # at least the longest key range, a power of two (flash sizes its work by it)
     copies: int  # rows are this many copies of every query row in order (0: any other layout)
 
 
@@ -106,21 +109,29 @@ class Plan:
     n_rows: int
     max_q: int
     body_span: tuple[int, int, int, Span] | None = None  # (slab, rows per item, body tokens, starts)
+    # the least max_k of causal (own) and non-causal (base) pieces: a graph's, so that caches
+    # growing within it keep one graph (see StepGraphs)
+    max_k_floor: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         longs, ints = self.longs, self.ints
         self.body = None if self.body_span is None else (*self.body_span[:3], longs[self.body_span[3]])
         self.writes = {slab: (None if r is None else longs[r], longs[s]) for slab, (r, s) in self.write_spans.items()}
+        floors = {True: self.max_k_floor[0], False: self.max_k_floor[1]}
         self.pieces = {
-            key: Pieces(longs[r], ints[c], ints[cp], ints[st], ints[n], host, _max_k(host), copies)
-            for key, (r, c, cp, st, n, host, copies) in self.piece_spans.items()
+            (slab, causal): Pieces(
+                longs[r], ints[c], ints[cp], ints[st], ints[n], host, _max_k(host, floors[causal]), copies
+            )
+            for (slab, causal), (r, c, cp, st, n, host, copies) in self.piece_spans.items()
         }
         # every row's pieces stacked alike: the merge is a reduction over a stack, no scatter
         self.stacked = all(p.copies for p in self.pieces.values())
 
     def to(self, device: torch.device) -> Plan:
         longs, ints = (t.to(device, non_blocking=True) for t in (self.longs, self.ints))
-        return Plan(longs, ints, self.write_spans, self.piece_spans, self.n_rows, self.max_q, self.body_span)
+        return Plan(
+            longs, ints, self.write_spans, self.piece_spans, self.n_rows, self.max_q, self.body_span, self.max_k_floor
+        )
 
     def body_keys(self) -> torch.Tensor | None:
         """Every item's body slots, item by item (what one gather per layer reads), or None."""
@@ -213,7 +224,9 @@ class LanguageModel:
         blocks = self.n_heads if rows_per_item == 1 else self.n_kv_heads * -(-rows_per_item * group // 128)
         return max(1, min(MAX_SPLIT, (2 * n_sm) // (n_items * blocks)))
 
-    def plan(self, items: list[Item], split: int = 1, device: bool = True) -> Plan:
+    def plan(
+        self, items: list[Item], split: int = 1, device: bool = True, max_k_floor: tuple[int, int] = (0, 0)
+    ) -> Plan:
         """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long. With
         `device=False` the buffers stay in host memory (to be copied into a graph's)."""
         writes: dict[int, tuple[list[int], list[int]]] = {}
@@ -252,6 +265,7 @@ class LanguageModel:
             row,
             max(it.n for it in items),
             body_span,
+            max_k_floor,
         )
         return plan.to(self.device) if device else plan
 
@@ -459,9 +473,10 @@ def _merge_stacked(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, to
     return out.to(outs.dtype)
 
 
-def _max_k(host: list[tuple[int, int, int, int]]) -> int:
-    """The longest key range, rounded up to a power of two (flash sizes its work by it)."""
-    return 1 << max(8, (max(length for _, _, _, length in host) - 1).bit_length())
+def _max_k(host: list[tuple[int, int, int, int]], floor: int = 0) -> int:
+    """The longest key range (or `floor`, if more), rounded up to a power of two: flash sizes its
+    work by it, and its split-KV path reads no key past it."""
+    return 1 << max(8, (max(floor, *(length for _, _, _, length in host)) - 1).bit_length())
 
 
 def _rms_norm_weight(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -553,19 +568,33 @@ class StepGraphs:
     - a lone question's prefill (one item of several tokens), per length bucket; its tokens are
       padded at the end (causal: a padding token is seen by no real one) into its own region.
 
-    Anything else (a question joining a batch mid-decode) runs eagerly. The plan's indices,
-    tokens and positions are copied into the graph's own buffers before each replay."""
+    Anything else (several questions prefilled at once) runs eagerly. The plan's indices, tokens
+    and positions are copied into the graph's own buffers before each replay.
+
+    A graph is fixed to a bound on its key ranges (flash's max_k); bounds sized for caches up to
+    `base_tokens` and for the longest question and answer keep one graph per batch shape while
+    caches grow, where bounds that followed the caches (as an eager step's do) would capture a new
+    graph, a stall of the GPU loop, each time a cache crossed a power of two."""
 
     BUCKETS = (1, 2, 4, 8, 16, 32, 64)
     PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512, 1024)
+    OWN_TOKENS = MAX_QUESTION_TOKENS + MAX_NEW_TOKENS  # the longest scratch a question reads
 
     @classmethod
     def prefill_room(cls, n: int) -> int:
         """Scratch tokens a prefill of `n` tokens needs for it to be graphed (its padded length)."""
         return next((b for b in cls.PREFILL_BUCKETS if b >= n), n)
 
-    def __init__(self, lm: LanguageModel):
+    def __init__(
+        self,
+        lm: LanguageModel,
+        base_tokens: int = GRAPH_BASE_TOKENS,
+        on_capture: Callable[[float], None] | None = None,
+    ):
+        """`on_capture(seconds)` after each capture (metrics hook in here)."""
         self.lm = lm
+        self.base_tokens = base_tokens
+        self.on_capture = on_capture
         self.dummy = lm.pool.alloc(1)
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
@@ -577,7 +606,7 @@ class StepGraphs:
         if shape is None:
             return None
         tokens, positions, padded, last = shape
-        plan = self.lm.plan(padded, split, device=False)
+        plan = self.lm.plan(padded, split, device=False, max_k_floor=(self.OWN_TOKENS, -(-self.base_tokens // split)))
         if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary
             return None
         key = (tuple(it.n for it in padded), split, plan.single_slab, plan.shape)
@@ -585,12 +614,12 @@ class StepGraphs:
         if graph is None:
             t0 = time.perf_counter()
             graph = self.graphs[key] = _Graph(self.lm, plan, len(tokens), self.mempool)
+            seconds = time.perf_counter() - t0
+            if self.on_capture is not None:
+                self.on_capture(seconds)
             # the GPU loop stands still meanwhile: how often and how long is worth seeing
             log.info(
-                "question step graph captured",
-                shape=repr(key),
-                graphs=len(self.graphs),
-                seconds=round(time.perf_counter() - t0, 3),
+                "question step graph captured", shape=repr(key), graphs=len(self.graphs), seconds=round(seconds, 2)
             )
         logits, greedy = graph.replay(tokens, positions, plan)
         return logits[last], greedy[last]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -51,6 +51,7 @@ class Runtime:
         # batches every stream's chunks and every question's steps.
         self.executor: Executor = InlineExecutor()
         self.step_graphs: StepGraphs | None = None  # built on the first question step on a GPU
+        self.on_graph_capture: Callable[[float], None] | None = None  # seconds of each capture
 
     def encode(self, text: str, *, user: bool = False) -> list[int]:
         """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing

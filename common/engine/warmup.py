@@ -4,9 +4,9 @@ On a GPU the first step of each shape class compiles (torch.compile specializes 
 many attention parts merge, their strides, inference mode or not), captures a CUDA graph, or
 builds vision kernels: seconds each, during which the one GPU loop stands still. Measured in the
 pipeline: stalls of 3-5 s in the first minute, every camera and question waiting behind them.
-So a worker walks throwaway streams through what serving does before it reports ready: caches
-long enough for the paths of long caches (cuDNN bodies, split-KV), a batch of chunks, a lone
-question, decode batches, questions joining a batch mid-decode.
+So a worker walks throwaway streams through what serving does before it reports ready, on short
+caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
+of chunks, decode batches, questions joining a batch mid-decode, lone questions of a few lengths.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from common.engine.answer import Generation
+from common.engine.answer import Generation, question_suffix_ids
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import BODY_MIN_ITEMS, BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS
 from common.engine.params import GenerationParams
@@ -26,12 +26,14 @@ from common.engine.stream import ChunkJob, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
 DECODE_BATCHES = (1, 2, 4, 8)  # decode graph buckets captured at start; larger ones on first use
+PREFILL_LENGTHS = (32, 64)  # and lone-question prefill buckets (16: the questions above); longer on first use
 
 
 def warm_up(rt: Runtime) -> float:
     """Run the steps inline (before a scheduler is installed); the seconds it took."""
     t0 = time.perf_counter()
     engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4)) for i in range(BODY_MIN_ITEMS)]
+    _question_steps(rt, [e.head for e in engines])  # short caches: one piece per base
     # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
     long = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
     patches = math.ceil(long / GRID.tokens_per_patch) + 1
@@ -43,20 +45,34 @@ def warm_up(rt: Runtime) -> float:
     ChunkJob.run_batch(jobs)
     for engine, job in zip(engines, jobs, strict=True):
         engine.finish(job.future.result())
-    heads = [e.head for e in engines]
-    for n in DECODE_BATCHES:
-        _questions(rt, [heads[i % len(heads)] for i in range(n)])
+    _question_steps(rt, [e.head for e in engines])
     return time.perf_counter() - t0
 
 
-def _questions(rt: Runtime, heads: list) -> None:
-    """`len(heads)` questions prefilled together, decoded together, then one more joining them."""
+def _question_steps(rt: Runtime, heads: list) -> None:
+    """Decode batches of every warmed size, questions joining them, lone prefills of every warmed length."""
+    for n in DECODE_BATCHES:
+        _questions(rt, [heads[i % len(heads)] for i in range(n)])
+    for tokens in PREFILL_LENGTHS:
+        _questions(rt, heads[:1], _question_of(rt, tokens))
+
+
+def _questions(rt: Runtime, heads: list, question: str = "What is happening?") -> None:
+    """`len(heads)` questions prefilled, decoded together, then one more joining them."""
     params = GenerationParams(max_tokens=4)
-    gens = [Generation(rt, head, "What is happening?", params) for head in heads]
+    gens = [Generation(rt, head, question, params) for head in heads]
     for _ in range(2):
-        Generation.step_batch(gens)  # the prefill of all, then a decode step of all
+        Generation.step_batch(gens)  # the prefills, then a decode step of all
     gens.append(Generation(rt, heads[0], "Anything else?", params))
     while not all(g.done for g in gens):
         Generation.step_batch([g for g in gens if not g.done])
     for g in gens:
         g.future.result()  # a failed warm-up step is a failed start
+
+
+def _question_of(rt: Runtime, tokens: int) -> str:
+    """A question of about `tokens` tokens in the template (at most that many)."""
+    words = ["Describe"]
+    while len(question_suffix_ids(rt, " ".join([*words, "what"]))) <= tokens:
+        words.append("what")
+    return " ".join(words)
