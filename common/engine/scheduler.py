@@ -48,7 +48,7 @@ StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after
 class SchedulePolicy:
     max_batch: int = 64  # generations advanced together
     max_chunks: int = 8  # chunks encoded together: bounds how long one encode step holds up questions
-    encode_share: float = 0.5  # of GPU time, guaranteed to encoding while questions also wait
+    encode_share: float = 0.8  # of GPU time, guaranteed to encoding while questions also wait (they decode beside it)
     chunk_deadline_s: float = 1.0  # a chunk waiting longer than this gets encoding up to...
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
