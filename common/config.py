@@ -282,9 +282,10 @@ class GPUSettings:
 
     gpu_max_batch: int = 64  # questions decoded together
     gpu_max_chunks: int = 8  # chunks (one per stream) encoded together
-    gpu_encode_share: float = 0.5  # of GPU time, always encoding's when it has work
+    gpu_encode_share: float = 0.8  # of GPU time, always encoding's when it has work
     gpu_chunk_deadline_s: float = 1.0  # a chunk waiting longer gets encoding up to...
     gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
+    gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
 
     def __post_init__(self) -> None:
         self.schedule_policy()  # its checks fail at start-up
@@ -296,6 +297,7 @@ class GPUSettings:
             encode_share=self.gpu_encode_share,
             chunk_deadline_s=self.gpu_chunk_deadline_s,
             max_encode_share=self.gpu_max_encode_share,
+            decode_during_encode=self.gpu_decode_during_encode,
         )
 
 

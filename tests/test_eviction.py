@@ -206,10 +206,11 @@ B_GRID = Grid(84, 56)  # another stream "b" (3 fps, 2-frame chunks) on another g
 
 @pytest.fixture
 def stepped(rt: Runtime, monkeypatch) -> Iterator[tuple[Scheduler, list[list[str]]]]:
-    """A scheduler driven by hand, and what each of its steps ran: "question" for a decode step,
+    """A scheduler driven by hand, and what each of its steps ran: "question" for a decode step
+    ("beside" for one launched between the layers of an encode step's forward),
     "<stream>:chunk" or "<stream>:rebuild" for each job of an encode step."""
     ran: list[list[str]] = []
-    run_batch, step_batch = ChunkJob.run_batch, Generation.step_batch
+    run_batch, launch_batch = ChunkJob.run_batch, Generation.launch_batch
     # encode_share 1.0: an encode step follows every question step (a piece between tokens)
     scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4, encode_share=1.0))
 
@@ -218,13 +219,13 @@ def stepped(rt: Runtime, monkeypatch) -> Iterator[tuple[Scheduler, list[list[str
             ran[-1].extend(f"{j.lane}:{'rebuild' if j.rebuild else 'chunk'}" for j in jobs)
         run_batch(jobs)
 
-    def questions(cls, jobs):
+    def questions(cls, jobs, alongside=False):
         if rt.executor is scheduler:
-            ran[-1].append("question")
-        step_batch(jobs)
+            ran[-1].append("beside" if alongside else "question")
+        return launch_batch(jobs, alongside)
 
     monkeypatch.setattr(ChunkJob, "run_batch", classmethod(chunks))
-    monkeypatch.setattr(Generation, "step_batch", classmethod(questions))
+    monkeypatch.setattr(Generation, "launch_batch", classmethod(questions))
     yield scheduler, ran
     rt.executor = InlineExecutor()
 
@@ -301,7 +302,9 @@ def test_a_question_on_the_version_before_an_eviction_is_unchanged_by_the_rebuil
 
     drive(scheduler, ran, [chunk, question], head_stays_until_rebuilt)
     rt.executor = InlineExecutor()
-    assert ran[:4] == [["a:chunk"], ["question", "a:rebuild"], ["question", "a:rebuild"], ["question", "a:rebuild"]]
+    # the question goes first, then decodes beside the rebuild's pieces until it is answered
+    assert ran[0] == ["a:chunk"] and ran[1][:3] == ["question", "a:rebuild", "beside"]
+    assert all("a:rebuild" in step for step in ran[1:-1])
     assert same_answer(question.result(), want)
     assert torch.equal(before.view.kv[:, :, :, : before.tokens], kv)
     after = a.finish(chunk.result())

@@ -201,6 +201,14 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
     assert set(rt.step_graphs.graphs) == warmed
 
 
+def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
+    """On the GPU the decode steps launched between an encode step's layers run on a
+    high-priority stream, concurrently with it: same answer, same caches."""
+    from tests.test_scheduler import answer_beside_encoding
+
+    answer_beside_encoding(rt, monkeypatch, atol=0.0)
+
+
 def test_frames_patchified_on_the_gpu_equal_the_cpu_pixels():
     """The normalising gather and the patch permutation give the same float32 bits on either device."""
     from common.engine.frames import frames_to_pixels, patchify, stack_frames

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.answer import ask, choose
+from common.engine.answer import Generation, ask, choose
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import Item
@@ -141,6 +141,55 @@ def test_snapshots_never_change_under_encoding_eviction_and_questions(rt: Runtim
     assert engine.head.stats.evictions > 0
     for v, before in held:
         assert torch.equal(v.view.kv[:, :, :, : v.tokens], before), f"version {v.id} changed"
+
+
+def test_questions_decode_beside_an_encode_step_and_answer_the_same(rt: Runtime, monkeypatch):
+    """A question being answered keeps decoding between the layers of an encode step: same tokens
+    and logits as alone, and the chunks' caches are those of encoding alone (tests/test_gpu.py runs
+    the same check where the decode steps go beside the encode step, on another CUDA stream)."""
+    answer_beside_encoding(rt, monkeypatch)
+
+
+def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None:
+    spec_a, spec_b = SPECS[0], SPECS[1]
+    engine_b = encode(rt, spec_b, frames_for(spec_b, 4))
+    params = GenerationParams(max_tokens=12)
+    want = ask(rt, engine_b.head, QUESTIONS[2], params, keep_logits=True)
+    frames = frames_for(spec_a, 12)
+    alone = encode(rt, spec_a, frames)
+
+    launches: list[bool] = []
+    launch = Generation.launch_batch
+
+    def spy(cls, jobs, alongside=False):
+        launches.append(alongside)
+        return launch(jobs, alongside)
+
+    monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand: an encode step after each decode
+    engine_a = StreamEngine(rt, spec_a)
+    rt.executor = scheduler
+    try:
+        question = scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[2], params, keep_logits=True))
+        chunks = [
+            engine_a.submit(engine_a.prepare(frames[i : i + 4], [(i + k) / 2 for k in range(4)], range(i, i + 4)))
+            for i in range(0, 12, 4)
+        ]
+        for _ in range(100):
+            if question.done() and all(c.done() for c in chunks):
+                break
+            scheduler.step()
+        for c in chunks:
+            engine_a.finish(c.result())
+    finally:
+        rt.executor = InlineExecutor()
+    got = question.result()
+    assert any(launches), "no decode step ran beside an encode step"
+    assert got.token_ids == want.token_ids
+    assert torch.allclose(got.first_logits, want.first_logits, atol=atol, rtol=0)
+    n = alone.head.tokens
+    assert engine_a.head.tokens == n
+    assert torch.equal(engine_a.head.view.kv[:, :, :, :n], alone.head.view.kv[:, :, :, :n])
 
 
 def test_regions_return_to_the_pool(rt: Runtime):

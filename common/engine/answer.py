@@ -11,6 +11,7 @@ scheduler batches decoding; alone, the same code answers one question.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import time
 from collections.abc import Callable, Sequence
@@ -117,15 +118,8 @@ class Generation(StepJob):
         return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
-        gens = [j for j in jobs if isinstance(j, Generation)]
-        try:
-            logits, greedy_ids = _forward(gens)
-            greedy = greedy_ids.tolist()  # the one host sync of a step
-            for i, g in enumerate(gens):
-                g._advance(logits[i], greedy[i])
-        except Exception as e:
-            fail_all(gens, e)
+    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> _Step:
+        return _Step([j for j in jobs if isinstance(j, Generation)], alongside)
 
     def _advance(self, logits: torch.Tensor, greedy: int) -> None:
         self.length += len(self.pending)
@@ -148,6 +142,66 @@ class Generation(StepJob):
         total = time.perf_counter() - self.t0
         self.scratch = None  # back to the pool now, not when the caller drops this job
         self.future.set_result(Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits))
+
+
+class _Step:
+    """One decode step of `gens`, queued on the device: on a GPU on its own high-priority stream, so
+    that beside an encode step (see interleave.py) its kernels go first as the encode step's
+    finish. Its greedy picks come back to pinned host memory; `complete` reads them."""
+
+    def __init__(self, gens: list[Generation], alongside: bool):
+        self.gens = gens
+        self.error: Exception | None = None
+        self.stream = _decode_stream(gens[0].rt.device) if gens else None
+        self.done: torch.cuda.Event | None = None
+        if not gens:
+            return
+        try:
+            with _on(self.stream):
+                if self.stream is not None and not alongside:  # what the caller queued comes first
+                    self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+                self.logits, greedy = _forward(gens)
+                self.greedy = greedy.to("cpu", non_blocking=True)
+                if self.stream is not None:
+                    self.done = torch.cuda.Event()
+                    self.done.record(self.stream)
+        except Exception as e:
+            self.error = e
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
+
+    def complete(self) -> None:
+        if self.error is not None:
+            return fail_all(self.gens, self.error)
+        if not self.gens:
+            return
+        try:
+            with _on(self.stream):
+                if self.done is not None:
+                    self.done.synchronize()
+                greedy = self.greedy.tolist()
+                for i, g in enumerate(self.gens):
+                    g._advance(self.logits[i], greedy[i])
+            if self.stream is not None:  # a kept copy of the logits is read on the default stream
+                torch.cuda.default_stream(self.stream.device).wait_stream(self.stream)
+        except Exception as e:
+            fail_all(self.gens, e)
+
+
+_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _decode_stream(device: torch.device) -> torch.cuda.Stream | None:
+    if device.type != "cuda":
+        return None
+    if device not in _DECODE_STREAMS:
+        _DECODE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner
+    return _DECODE_STREAMS[device]
+
+
+def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
 def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:

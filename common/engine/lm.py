@@ -38,6 +38,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from common.engine.interleave import between_layers
 from common.engine.model import LoadedModel
 from common.engine.params import MAX_NEW_TOKENS, MAX_QUESTION_TOKENS
 from common.engine.pool import KVPool, Region
@@ -329,6 +330,7 @@ class LanguageModel:
         h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)
         norms = [w.norm1 for w in self.weights[1:]] + [self.norm.weight]
         for i, (w, next_norm) in enumerate(zip(self.weights, norms, strict=True)):
+            between_layers()
             q, k, v = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
             x, h = self._output_and_mlp(
                 x, self._attention(i, q, k, v, plan, body_keys), w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps

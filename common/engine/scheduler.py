@@ -22,6 +22,7 @@ forwards, so there is no lock that threads take turns on. Each step:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -33,7 +34,8 @@ from typing import Any, TypeVar
 
 import structlog
 
-from common.engine.work import BatchJob, StepJob, fail_all
+from common.engine.interleave import interleaved
+from common.engine.work import BatchJob, Launched, StepJob, fail_all
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -46,10 +48,11 @@ StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after
 class SchedulePolicy:
     max_batch: int = 64  # generations advanced together
     max_chunks: int = 8  # chunks encoded together: bounds how long one encode step holds up questions
-    encode_share: float = 0.5  # of GPU time, guaranteed to encoding while questions also wait
+    encode_share: float = 0.8  # of GPU time, guaranteed to encoding while questions also wait (they decode beside it)
     chunk_deadline_s: float = 1.0  # a chunk waiting longer than this gets encoding up to...
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
+    decode_during_encode: bool = True  # active questions keep decoding beside an encode step
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
@@ -78,6 +81,8 @@ class Scheduler:
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
         self._waiting: deque[StepJob] = deque()
         self._active: list[StepJob] = []
+        self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
+        self._broken: Exception | None = None  # raised by a decode step beside an encode step
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -169,15 +174,50 @@ class Scheduler:
                 self._active.append(self._waiting.popleft())
 
     def _decode(self) -> int:
-        # One class of step job today (Generation); group by class should another appear.
+        self._complete_in_flight()  # left by the encode step before
+        n = len(self._active)
+        self._launch()
+        self._complete_in_flight(report=False)  # this step is timed as a whole by _timed
+        return n
+
+    def _launch(self, alongside: bool = False) -> None:
+        # One class of step job today (Generation); grouped by class should another appear.
         by_class: dict[type, list[StepJob]] = {}
         for job in self._active:
             by_class.setdefault(type(job), []).append(job)
-        for cls, jobs in by_class.items():
-            cls.step_batch(jobs)
-        n = len(self._active)
+        steps = [(cls.launch_batch(jobs, alongside), jobs) for cls, jobs in by_class.items()]
+        self._in_flight = (time.perf_counter(), steps)
+
+    def _complete_in_flight(self, report: bool = True) -> None:
+        if self._in_flight is None:
+            return
+        launched_at, steps = self._in_flight
+        self._in_flight = None
+        for launched, _ in steps:
+            launched.complete()
+        n = sum(len(jobs) for _, jobs in steps)
         self._active = [j for j in self._active if not j.done]
-        return n
+        if report and self.on_step is not None:
+            self.on_step("decode", time.perf_counter() - launched_at, n)
+
+    def _decode_alongside(self, wait: bool = False) -> None:
+        """Inside an encode step: the next decode step, once the device has finished the last (or
+        after waiting for it). A failure outside any job is kept for after the encode step: it is
+        not the chunks'."""
+        if self._broken is not None:
+            return
+        try:
+            self._next_alongside(wait)
+        except Exception as e:
+            self._broken = e
+
+    def _next_alongside(self, wait: bool) -> None:
+        if self._in_flight is not None:
+            if not wait and not all(launched.ready() for launched, _ in self._in_flight[1]):
+                return
+            self._complete_in_flight()
+        if self._active:
+            self._launch(alongside=True)
 
     def _encode(self) -> int:
         with self._lock:
@@ -187,6 +227,20 @@ class Scheduler:
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
+        alongside = self.policy.decode_during_encode and self._active
+        with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
+            self._run_batches(batch)
+            if alongside:
+                self._drain(device_done())
+        if self._broken is not None:
+            broken, self._broken = self._broken, None
+            raise broken
+        self._complete_in_flight()
+        self._requeue([job for job in batch if not job.done])
+        return len(batch)
+
+    @staticmethod
+    def _run_batches(batch: list[BatchJob]) -> None:
         by_class: dict[type, list[BatchJob]] = {}
         for job in batch:
             by_class.setdefault(type(job), []).append(job)
@@ -195,8 +249,11 @@ class Scheduler:
                 cls.run_batch(jobs)
             except Exception as e:
                 fail_all(jobs, e)
-        self._requeue([job for job in batch if not job.done])
-        return len(batch)
+
+    def _drain(self, done: Callable[[], bool]) -> None:
+        """Until the device has finished the encode step (`done`), decode beside it."""
+        while self._broken is None and self._in_flight is not None and not done():
+            self._decode_alongside(wait=True)  # a high-priority step: a few milliseconds
 
     def _requeue(self, unfinished: list[BatchJob]) -> None:
         """A job that needs more batches (an exact eviction's rebuild) stays first in its lane, and
@@ -243,6 +300,16 @@ class Scheduler:
         fail_all(jobs, error)
         for _, future in tasks:
             future.set_exception(error)
+
+
+def device_done() -> Callable[[], bool]:
+    """Whether the device has finished what was queued on this thread's stream so far."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 def _settle() -> None:

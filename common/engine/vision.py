@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from common.engine.grid import FrameError
+from common.engine.interleave import between_layers
 from common.engine.lm import _rms_norm
 from common.engine.model import LoadedModel
 
@@ -197,6 +198,7 @@ class VisionTower:
         compiled = self._compiled is not None and x.shape[0] >= self.compile_min_tokens
         attention_input, output_and_mlp = self._compiled if compiled else (_attention_input, _output_and_mlp)
         for i, block in enumerate(self.blocks):
+            between_layers()
             runs = plan.frames if i in self.full_attention else plan.windows
             _token_count_varies(compiled, x, cos, sin)
             q, k, v = attention_input(block, x, cos, sin)

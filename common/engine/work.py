@@ -8,7 +8,9 @@ knows how to run itself):
   forward. A job usually finishes in one batch; one that does not (a chunk that set off an exact
   eviction, whose rebuild runs a piece per batch) stays first in its lane for the next;
 - a `StepJob` runs for many steps; every active job of one class advances by one step in one
-  call (`step_batch`), e.g. one decode step of every question being answered;
+  call (`step_batch`), e.g. one decode step of every question being answered. A step is launched
+  (`launch_batch`: queued on the device) and completed (`Launched.complete`: its results read
+  back, the jobs advanced) apart, so the scheduler can run steps beside an encode step;
 - a task is any callable that needs the GPU alone for a moment (a mirror applying a version).
 
 `InlineExecutor` runs each job alone, at once, in the caller's thread: what tests, `replay` and
@@ -45,13 +47,43 @@ class BatchJob(Job):
         raise NotImplementedError
 
 
+class Launched(Protocol):
+    """A step queued on the device."""
+
+    def ready(self) -> bool:
+        """The device has finished it: `complete` will not wait."""
+        ...
+
+    def complete(self) -> None:
+        """Wait for it if need be, then advance its jobs; a finished job resolves its future."""
+        ...
+
+
 class StepJob(Job):
+    """A job class implements `launch_batch`, or only `step_batch` when its steps cannot be
+    launched apart from their completion."""
+
     max_batch: ClassVar[int] = 64
 
     @classmethod
+    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> Launched:
+        """Queue one step of every job. `alongside`: the device may still be running an encode
+        step, and the step goes beside it (it reads only what was finished before that step)."""
+        cls.step_batch(jobs)
+        return _Finished()
+
+    @classmethod
     def step_batch(cls, jobs: Sequence[StepJob]) -> None:
-        """Advance every job by one step; a finished job resolves its future."""
-        raise NotImplementedError
+        """Advance every job by one step, now."""
+        cls.launch_batch(jobs).complete()
+
+
+class _Finished:
+    def ready(self) -> bool:
+        return True
+
+    def complete(self) -> None:
+        pass
 
 
 class Executor(Protocol):
