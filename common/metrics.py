@@ -8,6 +8,7 @@ the stream as a label where one applies. `common/health.py` serves them with the
 from __future__ import annotations
 
 import platform
+import sys
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -84,7 +85,22 @@ GPU_GRAPH_CAPTURES = Histogram(
     buckets=_STEP_BUCKETS,
     **_R,
 )
-_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES)
+GPU_ALLOC_RETRIES = Gauge(
+    "svqa_gpu_alloc_retries",
+    "Times torch's CUDA allocator ran out, freed its cache and retried (each one synchronizes the device)",
+    **_R,
+)
+GPU_ALLOC_RETRIES.set_function(lambda: _cuda_memory_stat("num_alloc_retries"))
+
+
+def _cuda_memory_stat(name: str) -> float:
+    torch = sys.modules.get("torch")  # read where a model is loaded; never imported for this
+    if torch is None or not torch.cuda.is_initialized():
+        return 0.0
+    return float(torch.cuda.memory_stats().get(name, 0))
+
+
+_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES, GPU_ALLOC_RETRIES)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {

@@ -263,7 +263,11 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         for (name, kind, _), value in worker.items()
         if name in ("svqa_gpu_step_seconds_sum", "svqa_gpu_step_seconds_count", "svqa_gpu_step_units_total")
     }
-    for sample in ("svqa_gpu_graph_capture_seconds_sum", "svqa_gpu_graph_capture_seconds_count"):
+    for sample in (
+        "svqa_gpu_graph_capture_seconds_sum",
+        "svqa_gpu_graph_capture_seconds_count",
+        "svqa_gpu_alloc_retries",
+    ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     return counts
 
@@ -513,7 +517,8 @@ def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[st
 def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]:
     """What the GPU schedulers did in the window, summed over workers: each step kind's share of
     the time, steps, mean step time, and work per step (chunks, question tokens, tasks); CUDA graph
-    captures (stalls: the warm-up at start should have made every graph serving needs)."""
+    captures (stalls: the warm-up at start should have made every graph serving needs); allocator
+    retries (each synchronizes the device)."""
 
     def delta(key: str) -> float:
         return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
@@ -523,6 +528,7 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         "count": int(delta("svqa_gpu_graph_capture_seconds_count")),
         "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
     }
+    out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries"))
     for kind in ("encode", "decode", "task"):
         spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")
         out[kind] = {

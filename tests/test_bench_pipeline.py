@@ -104,6 +104,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     chunks = gpu["encode"]["units_per_step"] * gpu["encode"]["steps"]
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
     assert gpu["graph_captures"] == {"count": 0, "seconds": 0.0}  # no CUDA graphs on a CPU
+    assert gpu["alloc_retries"] == 0
 
     table = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "plot_pipeline.py"), str(out)],

@@ -206,6 +206,7 @@ def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     high-priority stream, concurrently with it: same answer, same caches."""
     from tests.test_scheduler import answer_beside_encoding
 
+    rt.step_graphs = None  # so the graphs are captured beside the encode step, and replayed after it
     answer_beside_encoding(rt, monkeypatch, atol=0.0)
 
 

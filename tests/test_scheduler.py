@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.engine import answer
 from common.engine.answer import Generation, ask, choose
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
@@ -159,13 +160,21 @@ def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None
     alone = encode(rt, spec_a, frames)
 
     launches: list[bool] = []
-    launch = Generation.launch_batch
+    launch, forward = Generation.launch_batch, answer._forward
+    inference: list[bool] = []
 
     def spy(cls, jobs, alongside=False):
         launches.append(alongside)
         return launch(jobs, alongside)
 
+    def forward_spy(gens):
+        # inside an encode step's forward, a step must still run as it would alone: a graph
+        # captured in inference mode has buffers that no later replay can write
+        inference.append(torch.is_inference_mode_enabled())
+        return forward(gens)
+
     monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
+    monkeypatch.setattr(answer, "_forward", forward_spy)
     scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand: an encode step after each decode
     engine_a = StreamEngine(rt, spec_a)
     rt.executor = scheduler
@@ -185,6 +194,9 @@ def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None
         rt.executor = InlineExecutor()
     got = question.result()
     assert any(launches), "no decode step ran beside an encode step"
+    assert not any(inference), "a decode step beside an encode step ran in its inference mode"
+    again = ask(rt, engine_b.head, QUESTIONS[2], params)  # replays what was captured beside, if anything
+    assert again.token_ids == want.token_ids
     assert got.token_ids == want.token_ids
     assert torch.allclose(got.first_logits, want.first_logits, atol=atol, rtol=0)
     n = alone.head.tokens

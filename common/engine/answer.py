@@ -157,7 +157,7 @@ class _Step:
         if not gens:
             return
         try:
-            with _on(self.stream):
+            with _outside_inference(), _on(self.stream):
                 if self.stream is not None and not alongside:  # what the caller queued comes first
                     self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
                 self.logits, greedy = _forward(gens)
@@ -177,7 +177,7 @@ class _Step:
         if not self.gens:
             return
         try:
-            with _on(self.stream):
+            with _outside_inference(), _on(self.stream):
                 if self.done is not None:
                     self.done.synchronize()
                 greedy = self.greedy.tolist()
@@ -198,6 +198,12 @@ def _decode_stream(device: torch.device) -> torch.cuda.Stream | None:
     if device not in _DECODE_STREAMS:
         _DECODE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner
     return _DECODE_STREAMS[device]
+
+
+def _outside_inference() -> torch.inference_mode:
+    """Beside an encode step a step runs inside that forward's inference mode; a graph captured
+    there would get inference tensors as its input buffers, which no later replay could write."""
+    return torch.inference_mode(False)
 
 
 def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
