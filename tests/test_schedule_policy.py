@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from common.engine.interleave import between_layers
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.work import BatchJob, StepJob
 
@@ -125,3 +126,39 @@ def test_a_broken_loop_fails_every_job_and_reports_once():
         scheduler.submit(Busy("cam", [])).result(timeout=10)
     scheduler.stop()
     assert len(fatal) == 1 and "device-side assert" in str(fatal[0])
+
+
+class Layered(BatchJob):
+    """An encode step with layers: the points where questions decode beside it."""
+
+    lane = "cam"
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        for _ in range(4):
+            between_layers()
+        for job in jobs:
+            job.future.set_result("encoded")
+
+
+class BreaksBeside(StepJob):
+    """Its first step (in the loop) works; the next one, beside an encode step, breaks."""
+
+    steps = 0
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        cls.steps += 1
+        if cls.steps > 1:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_step_that_breaks_beside_an_encode_step_is_the_loop_failing_not_the_chunks():
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand
+    question = scheduler.submit(BreaksBeside())
+    chunk = scheduler.submit(Layered())
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        scheduler.step()  # the question's step, then the encode step it breaks beside
+    assert chunk.result(timeout=0) == "encoded", "the chunks were not what failed"
+    assert not question.done()  # the loop fails it, with everything else, as for any broken step
+    assert BreaksBeside.steps == 2
