@@ -174,8 +174,7 @@ class Scheduler:
                 self._active.append(self._waiting.popleft())
 
     def _decode(self) -> int:
-        self._complete_in_flight()  # left by the encode step before
-        n = len(self._active)
+        n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
         self._launch()
         self._complete_in_flight(report=False)  # this step is timed as a whole by _timed
         return n
@@ -227,11 +226,11 @@ class Scheduler:
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
-        alongside = self.policy.decode_during_encode and self._active
+        alongside = self.policy.decode_during_encode and bool(self._active)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             self._run_batches(batch)
             if alongside:
-                self._drain(device_done())
+                self._drain(_device_done())
         if self._broken is not None:
             broken, self._broken = self._broken, None
             raise broken
@@ -302,7 +301,7 @@ class Scheduler:
             future.set_exception(error)
 
 
-def device_done() -> Callable[[], bool]:
+def _device_done() -> Callable[[], bool]:
     """Whether the device has finished what was queued on this thread's stream so far."""
     torch = sys.modules.get("torch")
     if torch is None or not torch.cuda.is_initialized():
