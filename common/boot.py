@@ -16,18 +16,21 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
 
 import redis
 import structlog
 
 from common import health, metrics, redisio
-from common.config import ConfigError, check_redis_url, check_settings, load_config
+from common.config import ConfigError, GPUSettings, check_redis_url, check_settings, load_config
 from common.engine.names import RANDOM_MODELS
-from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
 from common.version import VERSION
+
+if TYPE_CHECKING:  # torch only where a model is loaded
+    from common.engine.profiling import StepProfiler
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -125,9 +128,9 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
 # --------------------------------------------------------------------------- the model
 
 
-def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None = None):
-    """The model on its device, its GPU scheduler running `policy`, or exit: 2 for a device this
-    machine lacks, 4 for the model."""
+def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None):
+    """The model on its device, its GPU scheduler running as `gpu` says, or exit: 2 for a device
+    this machine lacks, 4 for the model."""
     tried = check_model_source(model)
     from common.engine.model import load_model
     from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
@@ -149,11 +152,26 @@ def load_runtime(model: str, device: str | None, policy: SchedulePolicy | None =
         # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
         # many times a step. A short interval hands it back sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
+    gpu = gpu or GPUSettings()
     # one loop owns the GPU: batches every stream and question
-    rt.executor = Scheduler(policy, on_step=metrics.record_gpu_step, on_fatal=_gpu_failed).start()
+    rt.executor = Scheduler(
+        gpu.schedule_policy(), on_step=metrics.record_gpu_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
+    ).start()
     health.READINESS.model_loaded = True
     log.info("model loaded", model=model, device=str(rt.device), load_s=round(load_s, 1), warm_up_s=round(warm_up_s, 1))
     return rt
+
+
+def _profiler(gpu: GPUSettings) -> StepProfiler | None:
+    """With `gpu_profile_dir` set, SIGUSR2 asks for a trace of the next steps (profiling.py)."""
+    if gpu.gpu_profile_dir is None:
+        return None
+    from common.engine.profiling import StepProfiler
+
+    profiler = StepProfiler(gpu.gpu_profile_dir, gpu.gpu_profile_steps)
+    signal.signal(signal.SIGUSR2, lambda *_: profiler.request())
+    log.info("gpu profiling ready: send SIGUSR2 for a trace", dir=str(gpu.gpu_profile_dir))
+    return profiler
 
 
 def _gpu_failed(error: BaseException) -> NoReturn:

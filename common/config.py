@@ -286,9 +286,13 @@ class GPUSettings:
     gpu_chunk_deadline_s: float = 1.0  # a chunk waiting longer gets encoding up to...
     gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
+    gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)
+    gpu_profile_steps: int = 20  # steps one trace covers
 
     def __post_init__(self) -> None:
         self.schedule_policy()  # its checks fail at start-up
+        if self.gpu_profile_steps < 1:
+            raise ValueError("gpu_profile_steps must be at least 1")
 
     def schedule_policy(self) -> SchedulePolicy:
         return SchedulePolicy(

@@ -16,7 +16,10 @@ Reported over the measured window:
   most every 5 s per stream and a head's last_frame_seq jumps over dropped frames;
 - encoder lag: now - last_ts of every camera's head manifest, sampled (p50, p95, max);
 - answers/s, client latency (XADD to the final entry) and server first token (the final
-  entries' first_token_s), p50/p95; errors (error replies and timeouts).
+  entries' first_token_s), p50/p95; errors (error replies and timeouts);
+- each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM).
+With --profile DIR every worker writes a torch.profiler trace of its GPU scheduler's steps
+halfway through the window (SIGUSR2; `gpu_profile_dir`), kept under DIR.
 With --sweep each camera count gets a fresh run; the last line names the largest count with
 zero dropped frames. Progress goes to stderr every few seconds.
 
@@ -121,6 +124,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write every run's result (and the summary) to this JSON file")
     p.add_argument("--logs", help="keep the services' logs of every run in this directory")
+    p.add_argument("--profile", help="a trace of every worker's GPU steps mid-window, kept in this directory")
+    p.add_argument("--profile-steps", type=int, default=20, help="scheduler steps one trace covers")
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
@@ -174,6 +179,29 @@ class Services:
                 tail = self.tail(name)
                 last = next((line for line in reversed(tail.splitlines()) if line.strip()), "")
                 raise RunFailed(f"{name} exited with {proc.returncode}: {last[:300]}\nits log ends:\n{tail}")
+
+    def signal(self, prefix: str, sig: signal.Signals) -> None:
+        for name, proc in self.procs.items():
+            if name.startswith(prefix) and proc.poll() is None:
+                proc.send_signal(sig)
+
+    def memory_gib(self, prefix: str) -> dict[str, dict[str, float]]:
+        """Resident memory now and at its peak of every live service named `prefix`*, from /proc."""
+        out = {}
+        for name, proc in self.procs.items():
+            if not name.startswith(prefix) or proc.poll() is not None:
+                continue
+            try:
+                status = Path(f"/proc/{proc.pid}/status").read_text()
+            except OSError:  # not Linux, or gone meanwhile
+                continue
+            kib = {
+                k: int(v.split()[0])
+                for k, v in (line.split(":", 1) for line in status.splitlines() if ":" in line)
+                if k in ("VmRSS", "VmHWM")
+            }
+            out[name] = {"rss": round(kib.get("VmRSS", 0) / 2**20, 2), "peak": round(kib.get("VmHWM", 0) / 2**20, 2)}
+        return out
 
     def tail(self, service: str, chars: int = 3000) -> str:
         return self._log(service).read_text(errors="replace")[-chars:]
@@ -399,11 +427,15 @@ def run_services(
     ingest_port, worker_ports = free_port(), [free_port() for _ in range(ns.workers)]
     store = ns.segment_store or ("memory://bench" if ns.workers == 1 else str(running.workdir / "segments"))
     for i, port in enumerate(worker_ports):
+        profile = []
+        if ns.profile:
+            where = Path(ns.profile).resolve() / running.workdir.name / f"worker-{i}"
+            profile = ["--gpu-profile-dir", str(where), "--gpu-profile-steps", str(ns.profile_steps)]
         running.start(
             "worker",
             *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
             *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", store),
-            *("--metrics-port", str(port), "--consumer", f"worker-{i}"),
+            *("--metrics-port", str(port), "--consumer", f"worker-{i}", *profile),
             name=f"worker-{i}",
             env={"CUDA_VISIBLE_DEVICES": str(i)} if ns.device.startswith("cuda") else None,
         )
@@ -471,14 +503,19 @@ def measure(
 
     load.start()
     try:
-        wait_while(running, ns.duration, status, lambda: False)
+        half = ns.duration / 2 if ns.profile else 0.0
+        wait_while(running, half, status, lambda: False)
+        if ns.profile:
+            running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
+        wait_while(running, ns.duration - half, status, lambda: False)
         after = frame_counts(*ports, cameras)
         t_end = time.monotonic()
+        memory = running.memory_gib("worker")
     except BaseException:
         load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
         raise
     load.finish()
-    return summarize(ns, cameras, before, after, load, t0, t_end)
+    return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory}
 
 
 # --------------------------------------------------------------------------- results

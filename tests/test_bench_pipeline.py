@@ -3,6 +3,7 @@ field of its JSON with sane values, its table, and nothing it started left behin
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import signal
@@ -55,6 +56,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
         tmp_path,
         *("--cameras", "2", "--workers", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
         *("--settle-timeout", "0", "--start-timeout", "120", "--out", str(out)),
+        *("--profile", str(tmp_path / "profiles"), "--profile-steps", "3"),
     )
     stdout, _ = proc.communicate(timeout=280)
     stderr = (tmp_path / "stderr.txt").read_text()
@@ -105,6 +107,25 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
     assert gpu["graph_captures"] == {"count": 0, "seconds": 0.0}  # no CUDA graphs on a CPU
     assert gpu["alloc_retries"] == 0
+
+    memory = run["worker_memory_gib"]
+    assert set(memory) == {"worker-0", "worker-1"}
+    assert all(0.1 < m["rss"] <= m["peak"] < 64 for m in memory.values())
+    for worker in ("worker-0", "worker-1"):  # SIGUSR2 halfway: a trace of 3 steps each, labelled by kind
+        (trace,) = (tmp_path / "profiles").glob(f"*/{worker}/gpu-steps-*.json.gz")
+        events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+        assert {"encode", "decode"} & {e.get("name") for e in events}
+        assert "aten::" in trace.with_suffix("").with_suffix(".txt").read_text()
+        summary = subprocess.run(
+            [sys.executable, str(REPO / "scripts" / "profile_summary.py"), str(trace)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert summary.returncode == 0, summary.stderr
+        kinds = {k: v for k, v in json.loads(summary.stdout).items() if k in ("encode", "decode", "task")}
+        assert 3 <= sum(v["steps"] for v in kinds.values()) <= 9  # a step: task, decode and encode at most
+        assert all(v["wall_ms"] > 0 and v["device_busy_ms"] == 0 for v in kinds.values())  # a CPU: no kernels
 
     table = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "plot_pipeline.py"), str(out)],

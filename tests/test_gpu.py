@@ -166,6 +166,37 @@ def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     assert torch.allclose(answers[1].first_logits, eager.first_logits, atol=2e-2, rtol=0)
 
 
+def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypatch):
+    """Split-KV follows the graph's padded shape, not the batch's: 5 questions decoding together
+    over a long cache replay the graph that 8 captured (before, each size of 5 to 8 split the
+    keys its own way and captured its own graph while serving), and answer as launched eagerly."""
+    from common.engine import answer
+    from common.engine.grid import Grid, StreamSpec
+    from common.engine.params import GenerationParams
+    from common.engine.stream import StreamEngine
+
+    grid = Grid(448, 448)
+    engine = StreamEngine(rt, StreamSpec("buckets", 2.0, grid, 4))
+    embeds = torch.randn(36 * grid.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device="cuda") * 0.02
+    engine.append_embeddings(embeds, 36, (0, 0), (0.0, 0.0))  # 9.2K tokens: split-KV applies
+    params = GenerationParams(max_tokens=4)
+
+    def decode_together(n: int) -> list:
+        gens = [answer.Generation(rt, engine.head, "What is happening?", params, keep_logits=True) for _ in range(n)]
+        while not all(g.done for g in gens):
+            answer.Generation.step_batch([g for g in gens if not g.done])
+        return [g.future.result() for g in gens]
+
+    decode_together(8)
+    graphs = set(rt.step_graphs.graphs)
+    got = decode_together(5)
+    assert set(rt.step_graphs.graphs) == graphs
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    eager = answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True)
+    assert got[0].token_ids[:3] == eager.token_ids[:3]
+    assert torch.allclose(got[0].first_logits, eager.first_logits, atol=2e-2, rtol=0)
+
+
 def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     """On the GPU the decode steps launched between an encode step's layers run on a
     high-priority stream, concurrently with it: same answer, same caches."""

@@ -239,11 +239,12 @@ def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None)
     ids = [t for g in gens for t in g.pending]
     positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
     items = [g.item() for g in gens]
-    split = lm.split_for(len(gens), max(len(g.pending) for g in gens), max(g.version.tokens for g in gens))
+    base_tokens = max(g.version.tokens for g in gens)
     if graphs is not None:
-        graphed = graphs.run(ids, positions, items, split)
+        graphed = graphs.run(ids, positions, items, base_tokens)
         if graphed is not None:
             return graphed
+    split = lm.split_for(len(gens), max(len(g.pending) for g in gens), base_tokens)
     hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))
     last = torch.tensor([len(g.pending) for g in gens]).cumsum(0) - 1
     logits = lm.logits(hidden[last.to(hidden.device, non_blocking=True)])

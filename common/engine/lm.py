@@ -601,13 +601,16 @@ class StepGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
-    def run(self, tokens: list[int], positions: list[int], items: list[Item], split: int):
+    def run(self, tokens: list[int], positions: list[int], items: list[Item], base_tokens: int):
         """(logits (B, V), greedy ids (B,)) at each item's last token, on the device; or None when
-        this batch's shape is not graphed."""
+        this batch's shape is not graphed. `base_tokens`: the longest base an item reads."""
         shape = self._padded(tokens, positions, items)
         if shape is None:
             return None
         tokens, positions, padded, last = shape
+        # split-KV from the padded shape, the graph's, not the batch's: batches of 5 to 8 questions
+        # (or prefills of 33 to 64 tokens) share one graph instead of each capturing its own
+        split = self.lm.split_for(len(padded), max(it.n for it in padded), base_tokens)
         plan = self.lm.plan(padded, split, device=False, max_k_floor=(self.OWN_TOKENS, -(-self.base_tokens // split)))
         if plan.single_slab is None:  # spread over slabs: rare, and its shapes vary
             return None

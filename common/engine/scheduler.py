@@ -30,12 +30,15 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from common.engine.interleave import interleaved
 from common.engine.work import BatchJob, Launched, StepJob, fail_all
+
+if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy without torch
+    from common.engine.profiling import StepProfiler
 
 log = structlog.get_logger()
 T = TypeVar("T")
@@ -69,13 +72,15 @@ class Scheduler:
         policy: SchedulePolicy | None = None,
         on_step: StepObserver | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        profiler: StepProfiler | None = None,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
         "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
         runs in the loop's thread when a step fails outside any job (a CUDA error that poisons the
-        device, say): every job has failed and no more will run, so a service exits there."""
+        device, say): every job has failed and no more will run, so a service exits there.
+        `profiler` traces steps when asked to (profiling.py)."""
         self.policy = policy or SchedulePolicy()
-        self.on_step, self.on_fatal = on_step, on_fatal
+        self.on_step, self.on_fatal, self.profiler = on_step, on_fatal, profiler
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
@@ -143,6 +148,10 @@ class Scheduler:
     def step(self) -> None:
         """One scheduling decision and the work it chose."""
         self.steps += 1
+        with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+            self._step()
+
+    def _step(self) -> None:
         self._run_tasks()
         self._admit()
         questions = bool(self._active)
@@ -280,8 +289,9 @@ class Scheduler:
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:
         t0 = time.perf_counter()
-        units = fn()
-        _settle()
+        with self.profiler.region(kind) if self.profiler is not None else contextlib.nullcontext():
+            units = fn()
+            _settle()
         spent = time.perf_counter() - t0
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
