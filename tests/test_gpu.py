@@ -323,9 +323,9 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
     k, v = (torch.randn(len(items) * n, lm.n_kv_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     plan = lm.plan(items)
     assert plan.body is not None and plan.body[2] == 1024
-    with_body = lm._attention(0, q, k, v, plan, plan.body_keys())
+    with_body = lm._attention(0, q, k, v, plan)
     monkeypatch.setattr(lm, "cudnn", False)
     plan = lm.plan(items)
     assert plan.body is None
-    flash_alone = lm._attention(0, q, k, v, plan, None)
+    flash_alone = lm._attention(0, q, k, v, plan)
     assert torch.allclose(with_body.float(), flash_alone.float(), atol=2e-2)
