@@ -22,7 +22,6 @@ from common.engine.frames import pad_to_temporal, patchify, stack_frames, video_
 from common.engine.grid import FrameError, StreamSpec
 from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item
-from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.work import BatchJob, fail_all
@@ -48,10 +47,9 @@ class Chunk:
 class Appended:
     version: Version
     segment: Segment  # the appended chunk's, as first encoded
-    new: list[tuple[Segment, torch.Tensor | None]]  # segments the version adds, K/V where the pool holds them
+    new: list[tuple[Segment, torch.Tensor | None]]  # segments the version adds, K/V in host memory
     embeds: torch.Tensor | None = None  # the chunk's vision embeddings in host memory, for `on_embeds`
-    written: torch.cuda.Event | None = None  # on a GPU: the forward that wrote `new` is done past it
-    holds: tuple[Region, ...] = ()  # regions `new` points into, kept until `finish` has copied them
+    copied: torch.cuda.Event | None = None  # the K/V copies to the host are done (see _read_out)
 
 
 class StreamEngine:
@@ -146,9 +144,12 @@ class StreamEngine:
         I/O, outside the GPU loop)."""
         if self.on_embeds is not None and appended.embeds is not None:
             self.on_embeds(appended.segment, appended.embeds)
-        for segment, kv in appended.new:
-            if self.on_segment is not None and kv is not None:
-                self.on_segment(segment, _to_host(kv, appended.written))
+        if appended.copied is not None:
+            appended.copied.synchronize()
+        for segment, original in appended.new:
+            if self.on_segment is not None and original is not None:
+                # out of page-locked memory, which is scarce and which torch reuses once this is dropped
+                self.on_segment(segment, original if appended.copied is None else original.clone())
         return appended.version
 
     # -- the GPU's side ----------------------------------------------------------------
@@ -158,9 +159,9 @@ class StreamEngine:
         lm = self.rt.lm
         lm.forward(lm.embed(ids), text_positions(0, len(ids)), lm.plan([Item(len(ids), region, start)]))
         segment = Segment(id="prefix", tokens=len(ids))
+        original = self._read_out(segment, region.kv, start)
         version = self.cache.publish_prefix(segment, video_start=len(ids))
-        kv = self._original(segment, region.kv, start)
-        return Appended(version, segment, [(segment, kv)], written=_written(kv), holds=(region,))
+        return Appended(version, segment, [(segment, original)], copied=_copies_done(original))
 
     def _restore(
         self, state: CacheState, load: Callable[[Segment], torch.Tensor], load_embeds: EmbedsSource | None
@@ -199,38 +200,29 @@ class StreamEngine:
             # re-based since); an exact eviction's re-prefilled segments have zero deltas, so
             # theirs are where the version holds them.
             src, at = (item.dest.kv, item.at) if p.segment.id == segment.id else (version.view.kv, p.offset)
-            new.append((p.segment, self._original(p.segment, src, at)))
+            new.append((p.segment, self._read_out(p.segment, src, at)))
         kept = embeds.to("cpu", copy=True) if self.on_embeds is not None and self.cache.policy.exact else None
-        written = _written(*(kv for _, kv in new))
-        return Appended(version, segment, new, kept, written, holds=(item.dest,))
+        return Appended(version, segment, new, kept, _copies_done(*(kv for _, kv in new)))
 
-    def _original(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
-        """Where the segment's original K/V are, for `on_segment` (None without one). Nothing is
-        copied here, in the GPU loop: `finish` copies them out, in the caller's thread."""
-        return None if self.on_segment is None else kv[:, :, :, start : start + segment.tokens]
+    def _read_out(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The segment's original K/V, copied to host memory for `on_segment`. From a GPU the copy
+        goes to page-locked memory and is not waited for (`finish` waits, in the caller's thread):
+        a blocking copy to pageable memory held the GPU loop up for about 2 ms a chunk (19 MB)."""
+        if self.on_segment is None:
+            return None
+        src = kv[:, :, :, start : start + segment.tokens]
+        if src.device.type != "cuda":
+            return src.to("cpu", copy=True)
+        return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src, non_blocking=True)
 
 
-def _written(*kvs: torch.Tensor | None) -> torch.cuda.Event | None:
-    """On a GPU, an event after the work queued so far (the forward that wrote `kvs`)."""
-    if not any(kv is not None and kv.device.type == "cuda" for kv in kvs):
+def _copies_done(*copies: torch.Tensor | None) -> torch.cuda.Event | None:
+    """An event after asynchronous copies to the host (None when none was asynchronous)."""
+    if not any(c is not None and c.is_pinned() for c in copies):
         return None
     event = torch.cuda.Event()
     event.record()
     return event
-
-
-def _to_host(kv: torch.Tensor, written: torch.cuda.Event | None) -> torch.Tensor:
-    """A segment's K/V copied out of the pool into ordinary host memory, in the caller's thread.
-    On a GPU the copy runs on one of torch's pooled side streams once the forward that wrote it is
-    done: the GPU loop neither launches nor waits for it (launched there, into page-locked memory,
-    the copies took about a tenth of the loop's time with 64 cameras). The region stays allocated
-    meanwhile (`Appended.holds`), and nothing writes the slots of a published segment again."""
-    if written is None:
-        return kv.to("cpu", copy=True)
-    stream = torch.cuda.Stream(kv.device)
-    stream.wait_event(written)
-    with torch.cuda.stream(stream):
-        return kv.to("cpu")
 
 
 class ChunkJob(BatchJob):
