@@ -438,7 +438,7 @@ def bench_fit(
 
 
 def pool_report(rt: Runtime, engines: list[StreamEngine]) -> dict:
-    """The pool's accounting (tokens are exact: regions are what was asked for) and the GPU's memory."""
+    """The pool's accounting (exact, in whole pages) and the GPU's memory."""
     pool = rt.pool
     gib = 1 << 30
     out = {
@@ -449,7 +449,8 @@ def pool_report(rt: Runtime, engines: list[StreamEngine]) -> dict:
         "bytes_per_token": pool.bytes_per_token,
         "capacity_gib": round(pool.capacity_tokens * pool.bytes_per_token / gib, 2),
         "cached_tokens": sum(e.head.tokens for e in engines),
-        "stream_region_tokens": sorted({e.head.region.size for e in engines}),
+        "page_tokens": pool.page_tokens,
+        "version_extents": sorted({len(e.head.view.extents) for e in engines}),
     }
     if rt.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(rt.device)

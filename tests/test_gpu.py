@@ -25,23 +25,29 @@ def rt():
 
 @pytest.mark.parametrize("split", [1, 4])
 def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
-    """Overlapping regions (two questions on one version), causal own pieces, split bases."""
+    """Overlapping regions (two questions on one version), causal own pieces, split bases, and a
+    base in two extents (padded with an empty piece to the others' count)."""
     from common.engine.lm import Item, KVView
 
     lm = rt.lm
     torch.manual_seed(0)
     base = rt.pool.alloc(20_000)
     base.kv.normal_()
-    scratch = [rt.pool.alloc(64) for _ in range(3)]
+    scratch = [rt.pool.alloc(64) for _ in range(4)]
     for s in scratch:
         s.kv.normal_()
+
+    def view(*ranges: tuple[int, int]) -> KVView:
+        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
+
     items = [
-        Item(5, scratch[0], 10, base=KVView(base, 20_000)),
-        Item(1, scratch[1], 30, base=KVView(base, 12_345)),
-        Item(3, scratch[2], 0, base=KVView(base, 7)),
+        Item(5, scratch[0], 10, base=view((0, 20_000))),
+        Item(1, scratch[1], 30, base=view((0, 12_345))),
+        Item(3, scratch[2], 0, base=view((0, 7))),
+        Item(2, scratch[3], 5, base=view((0, 7_000), (9_001, 5_000))),
     ]
     plan = lm.plan(items, split)
-    q = torch.randn(9, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(11, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     for (slab, causal), pieces in plan.pieces.items():
         kv = rt.pool.slabs[slab][0]
         out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
@@ -144,19 +150,24 @@ def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monke
 def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     """A graph's key ranges are bounded for caches up to GRAPH_BASE_TOKENS, not by the cache it
     first met: questions on a cache of 9K tokens and then of 17K (split-KV pieces past a power of
-    two) replay the same graphs, and answer as the eager steps do."""
+    two) replay the same graphs, and answer as the eager steps do. The stream has a budget, as
+    serving streams do, so its cache stays in one extent (a base's pieces depend on its extents)."""
     from common.engine import answer
+    from common.engine.eviction import EvictionPolicy
     from common.engine.grid import Grid, StreamSpec
+    from common.engine.lm import GRAPH_BASE_TOKENS
     from common.engine.params import GenerationParams
     from common.engine.stream import StreamEngine
 
     grid = Grid(448, 448)
-    engine = StreamEngine(rt, StreamSpec("grow", 2.0, grid, 4))
+    policy = EvictionPolicy(max_cache_tokens=GRAPH_BASE_TOKENS)
+    engine = StreamEngine(rt, StreamSpec("grow", 2.0, grid, 4), policy)
     params = GenerationParams(max_tokens=6)
     captured, answers = [], []
     for patches in (36, 32):  # 9.2K tokens, then 17.4K
         embeds = torch.randn(patches * grid.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device="cuda") * 0.02
         engine.append_embeddings(embeds, patches, (0, 0), (0.0, 0.0))
+        assert len(engine.head.view.extents) == 1 and engine.head.stats.evictions == 0
         answers.append(answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True))
         captured.append(set(rt.step_graphs.graphs))
     assert captured[0] and captured[1] == captured[0]
@@ -195,6 +206,30 @@ def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypa
     eager = answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True)
     assert got[0].token_ids[:3] == eager.token_ids[:3]
     assert torch.allclose(got[0].first_logits, eager.first_logits, atol=2e-2, rtol=0)
+
+
+def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(rt):
+    """The warm-up's caches lie in one extent, as a budgeted serving stream's do, so a lone
+    question's prefill and decode over a long serving cache replay graphs the warm-up captured
+    (under the paged pool, unbudgeted warm-up caches in 2-3 extents had other pieces, so other keys)."""
+    from common.engine import answer
+    from common.engine.eviction import EvictionPolicy
+    from common.engine.grid import Grid, StreamSpec
+    from common.engine.lm import GRAPH_BASE_TOKENS
+    from common.engine.params import GenerationParams
+    from common.engine.stream import StreamEngine
+    from common.engine.warmup import warm_up
+
+    warm_up(rt)
+    warmed = set(rt.step_graphs.graphs)
+    grid = Grid(448, 448)
+    engine = StreamEngine(rt, StreamSpec("served", 2.0, grid, 4), EvictionPolicy(max_cache_tokens=GRAPH_BASE_TOKENS))
+    patches = 48  # 12K tokens: past SPLIT_KV_MIN_TOKENS like the warm-up's long caches, another length
+    embeds = torch.randn(patches * grid.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device="cuda") * 0.02
+    engine.append_embeddings(embeds, patches, (0, 0), (0.0, 0.0))
+    assert len(engine.head.view.extents) == 1
+    answer.ask(rt, engine.head, "What is happening?", GenerationParams(max_tokens=4))
+    assert set(rt.step_graphs.graphs) == warmed
 
 
 def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):

@@ -12,7 +12,7 @@ SHAPE = (2, 1, 4)  # layers, kv_heads, head_dim
 
 
 def test_a_full_pool_grows_by_what_is_needed_not_by_its_first_slab():
-    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=1000, grow_tokens=100)
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=1000, grow_tokens=100, page_tokens=10)
     first = pool.alloc(1000)
     assert pool.capacity_tokens == 1000
     small = pool.alloc(30)  # a granule
@@ -34,3 +34,33 @@ def test_gpu_pool_refuses_to_grow_into_the_activations_reserve():
     with pytest.raises(PoolFull):
         pool.alloc(1)
     assert len(pool.slabs) == 1 and first.size == 16
+
+
+def test_pages_are_counted_and_free_once_their_last_holder_goes():
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=64, page_tokens=8)
+    run = pool.alloc(20)  # 3 pages
+    assert (run.start, run.size, pool.used_tokens) == (0, 24, 24)
+    view = pool.hold(run.slab, 5, 10)  # slots 5..15: pages 0 and 1
+    assert not pool.exclusive(run.slab, 0, 8, [run]) and pool.exclusive(run.slab, 16, 8, [run])
+    assert pool.exclusive(run.slab, 0, 24, [run, view])
+    del run
+    assert pool.used_tokens == 16, "page 2 had no other holder"
+    other = pool.alloc(8)
+    assert other.start == 16, "and is allocated again"
+    del view
+    assert pool.used_tokens == 8 and pool.peak_tokens == 24
+    with pytest.raises(ValueError, match="not all held"):
+        pool.hold(0, 0, 1)
+
+
+def test_a_region_extends_in_place_only_into_free_pages():
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=64, page_tokens=8)
+    run = pool.alloc(8)
+    grown = pool.extend(run, 12)  # two more pages, right after it
+    assert (grown.start, grown.size, pool.used_tokens) == (0, 24, 24)
+    grown.kv[:, :, :, 20] = 1.0
+    assert torch.equal(pool.slabs[0][:, :, :, 20], grown.kv[:, :, :, 20])
+    blocker = pool.alloc(8)
+    assert pool.extend(grown, 1) is None, "the next page is taken"
+    del run, blocker
+    assert pool.used_tokens == 24

@@ -1,10 +1,25 @@
-"""A stream's KV cache: immutable segments in one arena, published as versions.
+"""A stream's KV cache: immutable segments in pages of the device's pool, published as versions.
 
-The cache holds the prefix (system prompt up to <|vision_start|>) and then one segment per
-chunk of frames, packed back to back in an arena tensor (see lm.py for its layout). New
-chunks are written past the end of every published version, so a version is a snapshot
-that costs nothing to take and never changes. Eviction writes the retained segments into a
-fresh arena: versions that still hold the old arena keep it alive until they are dropped.
+Layout. The cache writes into a *run*: contiguous slots of the pool (pool.py) that it holds. The
+prefix and then one segment per chunk go back to back in it (segments ignore page boundaries). A
+version is its placements (logical offsets) plus a `KVView`: the slot ranges of its tokens in
+order, usually one, each held by the version itself. New chunks are written past every published
+version's tokens, so a version is a snapshot that costs nothing to take and never changes. A
+budgeted stream's run is its budget (`max_cache_tokens`) and no more: the chunk that goes over it
+is written to pages of its own (a *spill*) until the eviction it sets off brings the cache back
+into the run. An unbudgeted stream's run grows in place, or continues in a new run (a new extent).
+
+Eviction. The version after an eviction keeps its leading segments that do not change (prefix,
+sink) where they are and writes the others back to back right after them, each turned by the
+change in its temporal deltas (re-basing). When nobody but the cache holds the pages this
+overwrites, it happens in place: the retained chunks move down over the evicted ones, the
+newest out of its spill, and nothing new is allocated. When somebody does (a question answering
+from an older version, a mirror's recent versions), the whole cache is copied to a fresh run
+instead (copy-on-write; the unchanged leading segments too, a few thousand tokens, so the new
+version is one extent and its chunks keep the one-range attention path), and the old pages live
+on with the versions that hold them. The version the cache itself held is no holder once
+replaced. Pages that no version and no run holds return to the pool at once: no second copy of
+the cache unless somebody reads the old one, no 2x peak.
 
 Re-basing: after eviction the retained chunks get contiguous logical temporal-patch indices,
 so positions stay bounded for an unbounded stream. Each placement records how far its keys
@@ -13,8 +28,9 @@ one per temporal patch); that, with the segment's original K/V, rebuilds the exa
 anywhere (the segment store ships segments and versions between processes this way).
 
 Exact eviction (see eviction.py) instead prefills the chunks after the first evicted one again,
-from their kept vision embeddings, into a fresh region (a `Rebuild`, run a piece at a time by
-whoever runs the stream's chunks: the scheduler batches each piece with other streams' work).
+from their kept vision embeddings, into a fresh run (a `Rebuild`, run a piece at a time by
+whoever runs the stream's chunks: the scheduler batches each piece with other streams' work),
+right after a copy of the unchanged prefix and sink, so the rebuilt version is one extent.
 The head stays the version before the eviction until the last piece is written. The re-prefilled
 chunks' K/V are new, so they become new segments (`rebuilt_id`) with zero deltas, and travel
 between processes like any other segment.
@@ -22,10 +38,12 @@ between processes like any other segment.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 
+import structlog
 import torch
 
 from common.engine.eviction import EvictionPolicy
@@ -34,6 +52,8 @@ from common.engine.pool import Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
 from common.engine.salience import mean_embedding, salience
 from common.engine.spans import capture_ranges
+
+log = structlog.get_logger()
 
 
 @dataclass(frozen=True)
@@ -112,6 +132,7 @@ class Version:
     grid_hw: tuple[int, int]  # merged tokens per patch, (rows, cols)
     next_patch: int  # logical index the next chunk gets
     stats: CacheStats = field(default_factory=CacheStats)
+    layout: object = None  # the same object for every version between two evictions (or re-layouts)
 
     @property
     def tokens(self) -> int:
@@ -141,33 +162,36 @@ class Version:
         return capture_ranges((p.segment.frame_seqs, p.segment.capture_range) for p in self.chunks)
 
     def kv_bytes(self) -> int:
-        kv = self.view.kv
-        return kv[:, :, :, : self.view.length].numel() * kv.element_size()
+        kv = self.view.extents[0].kv
+        return self.view.length * kv[:, :, :, :1].numel() * kv.element_size()
 
     @property
-    def region(self) -> Region:
-        return self.view.region
+    def region(self) -> object:
+        """`layout` under the name qa_worker/mirror.py compares: a version of an older layout pins
+        pages that an eviction replaced."""
+        return self.layout
 
 
 @dataclass
 class Rebuild:
     """An exact eviction under way. The retained chunks before the first one that lost a chunk
-    before it are already copied into `region`; the rest are prefilled again from their kept
-    embeddings at their re-based positions, a piece of at most `piece_tokens` tokens at a time. Each
-    piece runs causally after everything the region holds before it, so together the pieces compute
-    what one prefill of all of them would: a fresh encode of exactly the retained frames. Nothing is
-    published until `StreamCache.complete`; until then questions read the version before the
-    eviction (`base`), never a half-built region."""
+    before it did not change: `region`, a fresh run, starts with a copy of them (`kept` tokens).
+    The rest are prefilled again from their kept embeddings at their re-based positions right
+    after, a piece of at most `piece_tokens` tokens at a time, each causally after everything the
+    region holds before it, so together the pieces compute what one prefill of all of them would:
+    a fresh encode of exactly the retained frames. Nothing is published until
+    `StreamCache.complete`; until then questions read the version before the eviction (`base`),
+    never a half-built region."""
 
     base: Version  # the head it replaces
-    region: Region
+    kept: int  # tokens at the region's start: the unchanged leading segments, copied
+    region: Region  # the kept segments, then the re-prefilled chunks, back to back from its start
     placements: tuple[Placement, ...]  # the version to publish
     next_patch: int
     stats: CacheStats
     gone: tuple[str, ...]  # chunk ids evicted (their kept embeddings go when it is published)
     embeds: torch.Tensor  # (T, D): the re-prefilled chunks' kept embeddings, back to back
     positions: torch.Tensor  # (3, T): theirs, re-based
-    at: int  # region slot of the first re-prefilled token
     piece_tokens: int
     written: int = 0  # tokens prefilled so far
 
@@ -179,7 +203,7 @@ class Rebuild:
         """(embeds, positions, item) of the next piece, for a forward that runs it now."""
         a = self.written
         b = self.written = min(a + self.piece_tokens, len(self.embeds))
-        return self.embeds[a:b], self.positions[:, a:b], Item(b - a, self.region, self.at + a)
+        return self.embeds[a:b], self.positions[:, a:b], Item(b - a, self.region, self.kept + a)
 
 
 class StreamCache:
@@ -197,45 +221,67 @@ class StreamCache:
         interval: Fraction,
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
-        head_room: int = 1024,
     ):
         self.lm = lm
         self.stream = stream
         self.policy = policy
         self.interval = interval
         self.grid_hw = grid_hw
-        capacity = initial_capacity
-        if policy.max_cache_tokens is not None:
-            capacity = policy.max_cache_tokens + head_room  # for the chunk that goes over budget
-        self._region = lm.pool.alloc(capacity)
-        self.head: Version | None = None
+        self._head: Version | None = None
+        # Held while the head is let go of and its successor laid out: a reader on another thread
+        # waits for the new head rather than take the old one as its pages are overwritten.
+        self._swap = threading.RLock()
         self.embeds: dict[str, torch.Tensor] = {}
         self._last_mean: torch.Tensor | None = None  # the newest chunk's, for the next one's salience
+        self._run_tokens = policy.max_cache_tokens or initial_capacity  # a budgeted stream's run is its budget
+        self._run: Region | None = None  # where the cache writes
+        self._used = 0  # slots of the run in use, from its start
+        self._spill: Region | None = None  # a chunk past a budgeted run, until its version is published
+        self._pinned: list[Region] = []  # what a re-layout keeps held until its version is published
+        self._written: tuple[int, int] = (0, 0)  # (slab, slot) where reserve() put the next tokens
+        self._where: dict[str, tuple[int, int]] = {}  # segment id -> (slab, slot) of its first token
+        self._layout = object()
+        self._last_id = -1  # the newest version's (the head may be let go of while a new one is laid out)
+
+    @property
+    def head(self) -> Version | None:
+        """The newest version (None before the prefix)."""
+        with self._swap:
+            return self._head
 
     # -- writing -----------------------------------------------------------------------
-    def reserve(self, n_tokens: int) -> tuple[Region, int]:
-        """Where the next `n_tokens` go: (region, start). Grows into a region twice the size when
-        full; the old region stays with the versions that reference it."""
-        start = self.head.tokens if self.head else 0
-        if start + n_tokens > self._region.size:
-            grown = self.lm.pool.alloc(max(2 * self._region.size, start + n_tokens))
-            grown.kv[:, :, :, :start] = self._region.kv[:, :, :, :start]
-            self._region = grown
-        return self._region, start
+    def reserve(self, n_tokens: int) -> Item:
+        """Where the next `n_tokens` go, and what they attend to: every token of the head first."""
+        self._spill = None
+        if self._run is None or self._used + n_tokens > self._run.size:
+            self._grow(n_tokens)
+        base = self._head.view.extents if self._head else ()
+        if self._spill is not None:
+            dest, at, since = self._spill, 0, 0
+        else:
+            dest, at, since = self._run, self._used, self._used
+            last = base[-1] if base else None
+            if last is not None and last.slab == dest.slab and dest.start <= last.start and last.end == dest.start + at:
+                base, since = base[:-1], last.start - dest.start  # one causal range: today's common case
+        self._written = (dest.slab, dest.start + at)
+        return Item(n_tokens, dest, at, KVView(base) if base else None, since)
 
     def publish_prefix(self, segment: Segment, video_start: int) -> Version:
+        self._wrote(segment)
         placement = Placement(segment, offset=0, first_patch=0)
         return self._publish((placement,), video_start=video_start, next_patch=0, stats=CacheStats())
 
     def publish_chunk(self, segment: Segment, embeds: torch.Tensor | None = None) -> Version | Rebuild:
-        """The chunk's K/V were written by the caller at reserve()'s start; publish the version that
+        """The chunk's K/V were written by the caller where reserve() said; publish the version that
         holds it, evicting first when it would go over budget (no over-budget version is ever seen).
         `embeds` are the chunk's vision embeddings: exact eviction keeps them, salience reads them.
         An exact eviction publishes nothing yet: it returns the `Rebuild` for the caller to run, and
         `complete` publishes once every piece is written."""
-        head = self._require_head()
+        self._require_head()
         segment = self._take_embeds(segment, embeds)
-        placements = (*head.placements, Placement(segment, head.tokens, segment.first_patch, (0,) * segment.n_patches))
+        self._wrote(segment)
+        offset = self._head.tokens
+        placements = (*self._head.placements, Placement(segment, offset, segment.first_patch, (0,) * segment.n_patches))
         next_patch = segment.first_patch + segment.n_patches
         chunks = [p.segment for p in placements[1:]]
         drop = self.policy.chunks_to_evict(
@@ -243,6 +289,7 @@ class StreamCache:
         )
         if drop:
             return self._evict(placements, drop, next_patch)
+        head = self._head
         return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
 
     def apply(self, state: CacheState, load: Callable[[Segment], torch.Tensor]) -> Version:
@@ -250,28 +297,23 @@ class StreamCache:
         holds are reused (turned by the change in their deltas), the others come from `load`
         (their original K/V). Appends in place when the current head is a prefix of it."""
         placements = list(state.placements)
-        head = self.head
-        n_same = 0
-        if head is not None:
-            while n_same < min(len(head.placements), len(placements)) and head.placements[n_same] == placements[n_same]:
-                n_same += 1
-        if head is not None and n_same == len(head.placements):
-            region, _ = self.reserve(sum(p.segment.tokens for p in placements[n_same:]))
-            for p in placements[n_same:]:
-                self._place(region.kv, p.offset, load(p.segment), p.t_delta, p.segment.tokens_per_patch)
-        else:
-            self._region = self._repack(placements, head.placements if head else (), load)
-        return self._publish(
-            tuple(placements),
-            video_start=state.video_start,
-            next_patch=state.next_patch,
-            stats=state.stats,
-            version_id=state.version_id,
-        )
+        held = self._head.placements if self._head else ()
+        with self._swap:
+            if held and _common_prefix(placements, held) == len(held):
+                self._append_loaded(placements[len(held) :], load)
+            else:
+                self._relayout(placements, held, load)
+            return self._publish(
+                tuple(placements),
+                video_start=state.video_start,
+                next_patch=state.next_patch,
+                stats=state.stats,
+                version_id=state.version_id,
+            )
 
     def missing(self, state: CacheState) -> list[Segment]:
         """Segments of `state` that `apply` must load (the rest it reuses from this cache)."""
-        held = {p.segment.id for p in self.head.placements} if self.head else set()
+        held = {p.segment.id for p in self._head.placements} if self._head else set()
         return [p.segment for p in state.placements if p.segment.id not in held]
 
     def next_chunk_patch(self) -> int:
@@ -287,10 +329,15 @@ class StreamCache:
             self._last_mean = mean_embedding(self.embeds[chunk_ids[-1]])
 
     def complete(self, rebuild: Rebuild) -> Version:
-        """Publish the version a finished rebuild holds."""
-        if not rebuild.finished or self.head is not rebuild.base:
+        """Publish the version a finished rebuild holds; its region becomes the run."""
+        if not rebuild.finished or self._head is not rebuild.base:
             raise RuntimeError("a rebuild is published once, whole, over the head it started from")
-        self._region = rebuild.region
+        region = self._run = rebuild.region
+        self._used = 0
+        for p in rebuild.placements:
+            self._where[p.segment.id] = (region.slab, region.start + self._used)
+            self._used += p.segment.tokens
+        self._layout = object()
         for cid in rebuild.gone:
             self.embeds.pop(cid, None)
         return self._publish(
@@ -299,9 +346,43 @@ class StreamCache:
 
     # -- internals ---------------------------------------------------------------------
     def _require_head(self) -> Version:
-        if self.head is None:
+        if self._head is None:
             raise RuntimeError("the prefix must be published before any chunk")
-        return self.head
+        return self._head
+
+    def _grow(self, n_tokens: int) -> None:
+        """Room for `n_tokens` past the run's end. A budgeted stream's run stays its budget: the
+        chunk that goes over it gets a spill of its own, which the eviction it sets off empties. An
+        unbudgeted one's run doubles, in place when the pages after it are free, else as a new run
+        (the old one stays with the versions that read it)."""
+        pool = self.lm.pool
+        if self._run is None:
+            self._run, self._used = pool.alloc(max(n_tokens, self._run_tokens)), 0
+        elif self.policy.max_cache_tokens is not None:
+            self._spill = pool.alloc(n_tokens)
+        else:
+            grown = pool.extend(self._run, max(self._used + n_tokens - self._run.size, self._run.size))
+            if grown is None:
+                grown, self._used = pool.alloc(max(n_tokens, 2 * self._run.size)), 0
+            self._run = grown
+
+    def _wrote(self, segment: Segment) -> None:
+        """The segment's tokens are where reserve() said."""
+        slab, slot = self._written
+        self._where[segment.id] = self._written
+        if self._spill is None:
+            self._used = slot - self._run.start + segment.tokens
+        self._written = (slab, slot + segment.tokens)
+
+    def _append_loaded(self, placements: list[Placement], load: Callable[[Segment], torch.Tensor]) -> None:
+        """Segments loaded from their original K/V, written after the head, turned by their deltas."""
+        if not placements:
+            return
+        item = self.reserve(sum(p.segment.tokens for p in placements))
+        slab = self.lm.pool.slabs[item.dest.slab]
+        for p in placements:
+            self._place(slab, self._written[1], load(p.segment), p.t_delta, p.segment.tokens_per_patch)
+            self._wrote(p.segment)
 
     def _publish(
         self,
@@ -312,33 +393,48 @@ class StreamCache:
         stats: CacheStats,
         version_id: int | None = None,
     ) -> Version:
-        last = placements[-1]
         if version_id is None:
-            version_id = (self.head.id + 1) if self.head else 0
+            version_id = self._last_id + 1
+        self._last_id = version_id
+        self._where = {p.segment.id: self._where[p.segment.id] for p in placements}
         version = Version(
             stream=self.stream,
             id=version_id,
-            view=KVView(self._region, last.offset + last.segment.tokens),
+            view=self._view(placements),
             placements=placements,
             video_start=video_start,
             interval=self.interval,
             grid_hw=self.grid_hw,
             next_patch=next_patch,
             stats=stats,
+            layout=self._layout,
         )
-        self.head = version
+        self._head, self._spill, self._pinned = version, None, []  # the version holds their pages now
         return version
 
+    def _view(self, placements: Sequence[Placement]) -> KVView:
+        """The placements' slots as held extents: neighbouring segments merge into one."""
+        ranges: list[list[int]] = []  # [slab, start, size]
+        for p in placements:
+            slab, slot = self._where[p.segment.id]
+            if ranges and ranges[-1][0] == slab and ranges[-1][1] + ranges[-1][2] == slot:
+                ranges[-1][2] += p.segment.tokens
+            else:
+                ranges.append([slab, slot, p.segment.tokens])
+        return KVView(tuple(self.lm.pool.hold(*r) for r in ranges))
+
     def _evict(self, candidate: tuple[Placement, ...], drop: list[int], next_patch: int) -> Version | Rebuild:
-        """Write the retained segments of `candidate` into a fresh region, re-based, and publish; or,
-        for an exact eviction, start re-prefilling them there (a `Rebuild`)."""
+        """Lay the retained segments of `candidate` out re-based, and publish; or, for an exact
+        eviction, start re-prefilling them (a `Rebuild`)."""
         head = self._require_head()
+        video_start, stats = head.video_start, head.stats
+        del head  # the head the cache replaces is nobody's but the cache's (see _relayout)
         dropped = {i + 1 for i in drop}  # placements index = chunk index + 1 (prefix first)
         gone = [candidate[i] for i in sorted(dropped)]
         stats = CacheStats(
-            evictions=head.stats.evictions + 1,
-            chunks_evicted=head.stats.chunks_evicted + len(gone),
-            tokens_evicted=head.stats.tokens_evicted + sum(p.segment.tokens for p in gone),
+            evictions=stats.evictions + 1,
+            chunks_evicted=stats.chunks_evicted + len(gone),
+            tokens_evicted=stats.tokens_evicted + sum(p.segment.tokens for p in gone),
         )
         placements, next_patch = self._moved([p for i, p in enumerate(candidate) if i not in dropped], next_patch)
         first_stale = min(dropped)  # the first retained chunk that lost a chunk before it
@@ -346,33 +442,36 @@ class StreamCache:
         # A chunk without embeddings (encoded before the stream switched to exact) can only be
         # re-based: this eviction then rebases, and later ones are exact once those chunks are gone.
         if self.policy.exact and all(p.segment.chunk_id in self.embeds for p in stale):
-            return self._rebuild(placements, first_stale, candidate, next_patch, stats, gone)
-        self._region = self._repack(placements, candidate, load=None)
+            return self._rebuild(placements, first_stale, next_patch, stats, gone)
         for p in gone:
             self.embeds.pop(p.segment.chunk_id, None)
-        return self._publish(tuple(placements), video_start=head.video_start, next_patch=next_patch, stats=stats)
+        with self._swap:
+            self._relayout(placements, candidate, load=None)
+            return self._publish(tuple(placements), video_start=video_start, next_patch=next_patch, stats=stats)
 
     def _rebuild(
         self,
         placements: list[Placement],
         first_stale: int,
-        candidate: tuple[Placement, ...],
         next_patch: int,
         stats: CacheStats,
         gone: list[Placement],
     ) -> Rebuild:
-        """A fresh region with `placements` before `first_stale` copied from `candidate` (nothing
-        before them changed, so neither did their K/V), and the rest to prefill again as new segments
-        (ids from `rebuilt_id`, zero deltas). `first_stale` is never past the newest chunk, which
-        always stays, so there is at least one piece."""
+        """The placements before `first_stale` are copied to the start of a fresh run (nothing
+        before them changed, so neither did their K/V); the rest are prefilled again after them, as
+        new segments (ids from `rebuilt_id`, zero deltas). `first_stale` is never past the newest
+        chunk, which always stays, so there is at least one piece."""
         head = self._require_head()
         fresh = [self._renewed(p, stats.evictions) for p in placements[first_stale:]]
-        tokens = sum(p.segment.tokens for p in placements)
-        region = self._repack(placements[:first_stale], candidate, load=None, tokens=tokens)
+        keep = self._view(placements[:first_stale])
+        tokens = sum(p.segment.tokens for p in fresh)
+        region = self.lm.pool.alloc(max(keep.length + tokens, self._run_tokens))
+        region.kv[:, :, :, : keep.length] = keep.kv
         hw, step = self.grid_hw, self.interval
         positions = [video_positions(head.video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
         return Rebuild(
             base=head,
+            kept=keep.length,
             region=region,
             placements=(*placements[:first_stale], *fresh),
             next_patch=next_patch,
@@ -380,7 +479,6 @@ class StreamCache:
             gone=tuple(p.segment.chunk_id for p in gone),
             embeds=torch.cat([self.embeds[p.segment.chunk_id] for p in fresh]),
             positions=torch.cat(positions, dim=1),
-            at=fresh[0].offset,
             piece_tokens=self.policy.rebuild_piece_tokens,
         )
 
@@ -415,32 +513,81 @@ class StreamCache:
         segment = replace(p.segment, id=rebuilt_id(p.segment.id, eviction), first_patch=p.first_patch)
         return Placement(segment, p.offset, p.first_patch, (0,) * segment.n_patches)
 
-    def _repack(
+    def _relayout(
         self,
         placements: list[Placement],
-        source: tuple[Placement, ...],
+        source: Sequence[Placement],
         load: Callable[[Segment], torch.Tensor] | None,
-        tokens: int = 0,
-    ) -> Region:
-        """`placements` written into a fresh region (room for at least `tokens`): segments in `source`
-        (placed in the current region) are copied from it, turned by the change in their deltas; the
-        rest come from `load` (original K/V). The old region lives on in the versions that hold it."""
+    ) -> None:
+        """Lay the cache out as `placements` (under `_swap`, `_publish` next). Their leading ones
+        that `source` (the cache's current layout) has unchanged keep their slots; the rest go back
+        to back after them: segments in `source` turned by the change in their deltas, the others
+        from `load` (original K/V). They are written within the run when nobody but the cache holds
+        the pages that overwrites (no new memory); else every placement is written into a fresh run
+        (copy-on-write: the old pages stay, unchanged, with the versions that hold them)."""
+        pool = self.lm.pool
         held = {p.segment.id: p for p in source}
-        old_kv = self._region.kv
-        total = max(tokens, sum(p.segment.tokens for p in placements))
-        region = self.lm.pool.alloc(max(self._region.size, total))
-        for p in placements:
+        n_keep = _common_prefix(placements, source)
+        keep, moved = placements[:n_keep], placements[n_keep:]
+        # What is read or kept stays held while the head lets go: the cache's own head is no
+        # holder of pages it is replacing, but a version somebody else still holds is.
+        mine = [pool.hold(*self._where[p.segment.id], p.segment.tokens) for p in placements if p.segment.id in held]
+        self._head, self._pinned = None, mine
+        tokens = sum(p.segment.tokens for p in moved)
+        at = self._in_place(keep, moved, held, tokens, mine)
+        copied = at is None
+        if copied:  # copy-on-write, all of it: the new version is one extent
+            moved, tokens = placements, sum(p.segment.tokens for p in placements)
+            self._run, at = pool.alloc(max(tokens, self._run_tokens)), 0
+        # a copy means somebody held the old layout, and costs a second cache for a while: worth seeing
+        log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)
+        slab, start = self._run.slab, self._run.start
+        kv = pool.slabs[slab]
+        for p in moved:
             n = p.segment.tokens
             if p.segment.id in held:
-                src, before = held[p.segment.id], held[p.segment.id].t_delta
-                data = old_kv[:, :, :, src.offset : src.offset + n]
+                was = self._where[p.segment.id]
+                data = pool.slabs[was[0]][:, :, :, was[1] : was[1] + n]
+                data = data if was == (slab, start + at) else data.clone()  # moving down may overlap itself
+                before = held[p.segment.id].t_delta
             elif load is not None:
                 data, before = load(p.segment), (0,) * len(p.t_delta)
             else:
                 raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
             shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
-            self._place(region.kv, p.offset, data, shift, p.segment.tokens_per_patch)
-        return region
+            self._place(kv, start + at, data, shift, p.segment.tokens_per_patch)
+            self._where[p.segment.id] = (slab, start + at)
+            at += n
+        self._used, self._layout = at, object()
+
+    def _in_place(
+        self, keep: list[Placement], moved: list[Placement], held: dict[str, Placement], tokens: int, mine: list[Region]
+    ) -> int | None:
+        """The run slot from which `moved` can be written in place, or None. They go right after
+        the kept segments in the run (or from its start), need room there, must each move down or
+        stay (so none overwrites one not yet moved), and nobody but the cache may hold the pages
+        they overwrite."""
+        run = self._run
+        if run is None:
+            return None
+
+        def in_run(p: Placement) -> int | None:
+            slab, slot = self._where[p.segment.id]
+            return slot - run.start if slab == run.slab and run.start <= slot < run.end else None
+
+        kept_ends = [at + p.segment.tokens for p in keep if (at := in_run(p)) is not None]
+        first = max(kept_ends, default=0)
+        if first + tokens > run.size:
+            return None
+        end, at = first + tokens, first
+        for p in moved:
+            src = in_run(p) if p.segment.id in held else None
+            if src is not None:
+                if src < at:
+                    return None
+                end = max(end, src + p.segment.tokens)
+            at += p.segment.tokens
+        return first if self.lm.pool.exclusive(run.slab, run.start + first, end - first, [run, *mine]) else None
 
     def _rebased(self, p: Placement, offset: int, first_patch: int) -> Placement:
         if p.segment.n_patches == 0:
@@ -453,15 +600,24 @@ class StreamCache:
         return Placement(seg, offset, first_patch, t_delta)
 
     def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, t_shift, tokens_per_patch: int) -> None:
-        """Copy a segment's K/V (layers, 2, kv_heads, n, hd) into `kv` at `offset`, turning the keys'
-        temporal band by `t_shift` (one value per temporal patch)."""
+        """Write a segment's K/V (layers, 2, kv_heads, n, hd) into slab `kv` at slot `offset`, turning
+        the keys' temporal band by `t_shift` (one value per temporal patch). `src` may be those very
+        slots (a turn in place)."""
         src = src.to(kv.device)
         n = src.shape[3]
-        kv[:, 1, :, offset : offset + n] = src[:, 1]
+        dest = kv[:, :, :, offset : offset + n]
+        if src.data_ptr() != dest.data_ptr():
+            dest[:, 1] = src[:, 1]
         if any(t_shift):
             per_token = torch.tensor(t_shift, device=kv.device).repeat_interleave(tokens_per_patch)
-            kv[:, 0, :, offset : offset + n] = shift_temporal(
-                src[:, 0], per_token, self.lm.inv_freq, self.lm.mrope_section
-            )
-        else:
-            kv[:, 0, :, offset : offset + n] = src[:, 0]
+            dest[:, 0] = shift_temporal(src[:, 0], per_token, self.lm.inv_freq, self.lm.mrope_section)
+        elif src.data_ptr() != dest.data_ptr():
+            dest[:, 0] = src[:, 0]
+
+
+def _common_prefix(a: Sequence[Placement], b: Sequence[Placement]) -> int:
+    """How many leading placements `a` and `b` share (same segment, offset and deltas)."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n

@@ -2,18 +2,21 @@
 
 transformers' modules supply the weights and the per-layer maths (norms, projections, MLP);
 this file owns the cache and the attention, because the cache is the product. Every cache lives
-in a region of the device's KV pool (pool.py). One forward runs any mix of work, each item a few
-new tokens written into its own region:
+in pages of the device's KV pool (pool.py), as a few contiguous slot ranges (a `KVView`'s extents,
+usually one). One forward runs any mix of work, each item a few new tokens written into a region:
 
-- a chunk of video (or the prompt prefix): attends causally to its stream's cache so far;
+- a chunk of video (or the prompt prefix): attends to its stream's cache so far — causally, as
+  one key range, when that cache is one extent running up to it in the same region (the common
+  case), else to the cache's extents as a base and causally to its own tokens;
 - a question's prefill or one decode step: attends to a snapshot (`base`, only read) and
   causally to its own scratch tokens.
 
 The dense layers (projections, MLP) see all tokens of all items at once. Attention is cut into
 pieces — (query rows, a contiguous key range of the pool, causal or not) — that go through one
-varlen flash-attention call per kind on CUDA (a pool region is addressed by its start, so many
-streams' caches are read in place, without copies), and the partial results merge by their
-log-sum-exps. A long base read by few queries is split into several pieces (split-KV), so a lone
+varlen flash-attention call per kind on CUDA (an extent is addressed by its start in the pool, so
+many streams' caches are read in place, without copies), and the partial results merge by their
+log-sum-exps. A base is a piece per extent, and a long one read by few queries is split into
+several pieces (split-KV), so a lone
 question over a 100K-token cache still fills the GPU. On the CPU the same pieces run one by one
 in fp32: that path is the oracle's.
 
@@ -28,7 +31,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import accumulate
 
 import structlog
@@ -58,26 +61,43 @@ BODY_MIN_ROWS = 64
 
 @dataclass(frozen=True)
 class KVView:
-    """The first `length` tokens of a region. Writers only ever write past every view's length,
-    so a view is an immutable snapshot for as long as someone holds it (and it holds the region)."""
+    """A cache's tokens in order: held slot ranges of the pool (`extents`, see pool.py), usually one.
+    Writers only ever write slots no view holds, or copy first (see kvcache.py), so a view is an
+    immutable snapshot for as long as someone holds it (and it holds its pages)."""
 
-    region: Region
-    length: int
+    extents: tuple[Region, ...]
+
+    @property
+    def length(self) -> int:
+        return sum(e.size for e in self.extents)
+
+    def read(self, start: int, n: int) -> torch.Tensor:
+        """K/V of tokens `start .. start + n` (layers, 2, kv_heads, n, hd): a view when they are in
+        one extent, else a copy."""
+        parts, at = [], 0
+        for e in self.extents:
+            lo, hi = max(start - at, 0), min(start + n - at, e.size)
+            if lo < hi:
+                parts.append(e.kv[:, :, :, lo:hi])
+            at += e.size
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=3)
 
     @property
     def kv(self) -> torch.Tensor:
-        return self.region.kv
+        """Every token's K/V in order (a view for one extent)."""
+        return self.read(0, self.length)
 
 
 @dataclass(frozen=True)
 class Item:
-    """`n` new tokens written to `dest` at slot `at`; they attend causally to dest[:at + n] (their
-    own tokens and what the region holds before them), after all of `base` when given."""
+    """`n` new tokens written to `dest` at slot `at`; they attend to all of `base` when given, then
+    causally to dest[since:at + n] (what the region holds before them, and their own tokens)."""
 
     n: int
     dest: Region
     at: int
     base: KVView | None = None
+    since: int = 0
 
 
 @dataclass
@@ -234,13 +254,15 @@ class LanguageModel:
             rows, slots = writes.setdefault(it.dest.slab, ([], []))
             rows += range(row, row + it.n)
             slots += range(it.dest.start + it.at, it.dest.start + it.at + it.n)
-            own = (row, it.n, it.dest.start + body, it.at + it.n - body)  # after the body, if any
-            pieces.setdefault((it.dest.slab, True), []).append(own)
+            lo = it.since + body  # after the body, if any
+            pieces.setdefault((it.dest.slab, True), []).append((row, it.n, it.dest.start + lo, it.at + it.n - lo))
             if it.base is not None:
-                key = (it.base.region.slab, False)
-                bases.setdefault(key, []).append(_split(row, it.n, it.base.region.start, it.base.length, split))
+                for slab, own in _base_pieces(row, it.n, it.base, split).items():
+                    bases.setdefault((slab, False), []).append(own)
             row += it.n
         for key, per_item in bases.items():  # split-major: piece s of every item, then piece s + 1
+            longest = max(len(own) for own in per_item)
+            per_item = [own + [(*own[0][:3], 0)] * (longest - len(own)) for own in per_item]  # empty: same count
             pieces[key] = [piece for same_split in zip(*per_item, strict=True) for piece in same_split]
         pack = _Packer()
         write_spans = {
@@ -268,7 +290,7 @@ class LanguageModel:
             return 0
         first = items[0]
         if first.n < BODY_MIN_ROWS or any(
-            it.base is not None or it.n != first.n or it.dest.slab != first.dest.slab for it in items
+            it.base is not None or it.since or it.n != first.n or it.dest.slab != first.dest.slab for it in items
         ):
             return 0
         body = min(it.at for it in items) // BODY_BUCKET * BODY_BUCKET
@@ -421,6 +443,17 @@ def _cudnn_attention_works(device: torch.device, dtype: torch.dtype, head_dim: i
 
 
 CUDNN_BODIES = True  # off: chunks read their whole cache through flash
+
+
+def _base_pieces(row: int, n: int, base: KVView, split: int) -> dict[int, list[tuple[int, int, int, int]]]:
+    """A base's pieces for query rows `row .. row + n`, by slab: each extent cut by its share of
+    `split` (one extent: exactly `split` pieces)."""
+    pieces: dict[int, list[tuple[int, int, int, int]]] = {}
+    total = max(base.length, 1)
+    for e in base.extents:
+        share = split if len(base.extents) == 1 else max(1, math.ceil(split * e.size / total))
+        pieces.setdefault(e.slab, []).extend(_split(row, n, e.start, e.size, share))
+    return pieces
 
 
 def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[int, int, int, int]]:
@@ -596,6 +629,7 @@ class StepGraphs:
         self.base_tokens = base_tokens
         self.on_capture = on_capture
         self.dummy = lm.pool.alloc(1)
+        self.dummy_base = KVView((lm.pool.hold(self.dummy.slab, self.dummy.start, 1),))
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
@@ -633,7 +667,7 @@ class StepGraphs:
             if bucket is None:
                 return None
             pad = bucket - len(items)
-            dummy = Item(1, self.dummy, 0, base=KVView(self.dummy, 1))
+            dummy = Item(1, self.dummy, 0, base=self.dummy_base)
             return tokens + [0] * pad, positions + positions[-1:] * pad, items + [dummy] * pad, slice(0, len(items))
         if len(items) > 1:
             return None
@@ -643,7 +677,7 @@ class StepGraphs:
             return None
         pad = bucket - it.n
         more = list(range(positions[-1] + 1, positions[-1] + 1 + pad))
-        return tokens + [0] * pad, positions + more, [Item(bucket, it.dest, it.at, it.base)], slice(it.n - 1, it.n)
+        return tokens + [0] * pad, positions + more, [replace(it, n=bucket)], slice(it.n - 1, it.n)
 
 
 class _Graph:

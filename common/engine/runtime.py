@@ -12,7 +12,7 @@ from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.lm import LanguageModel, StepGraphs
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
-from common.engine.pool import KVPool, token_bytes
+from common.engine.pool import PAGE_TOKENS, KVPool, token_bytes
 from common.engine.vision import COMPILED_MIN_TOKENS, GridTHW, VisionTower
 from common.engine.work import Executor, InlineExecutor
 
@@ -30,17 +30,19 @@ class Runtime:
         pool_tokens: int | None = None,
         compile_vision: bool = True,
         vision_compile_min_tokens: int = COMPILED_MIN_TOKENS,
+        page_tokens: int = PAGE_TOKENS,
     ):
         """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
         `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
         `compile_vision`: torch.compile the vision blocks, on a GPU only (there it takes a batch of
         16 448² chunks from 10.3 to 7.9 ms a chunk; on a CPU inductor spends a minute building C++
-        for little gain), for batches of at least `vision_compile_min_tokens` patches."""
+        for little gain), for batches of at least `vision_compile_min_tokens` patches.
+        `page_tokens`: the pool's page (pool.py)."""
         self.loaded = loaded
         # before the pool, which takes what memory is left: the tower holds a padded MLP copy
         backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
         self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens)
-        self.pool = _make_pool(loaded, pool_tokens)
+        self.pool = _make_pool(loaded, pool_tokens, page_tokens)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
         self._user_tokenizer = Tokenizer.from_str(loaded.tokenizer.backend_tokenizer.to_str())
@@ -83,16 +85,16 @@ class Runtime:
         )
 
 
-def _make_pool(loaded: LoadedModel, pool_tokens: int | None) -> KVPool:
+def _make_pool(loaded: LoadedModel, pool_tokens: int | None, page_tokens: int) -> KVPool:
     cfg = loaded.text_config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
     if loaded.device.type != "cuda":
-        return KVPool(shape, loaded.dtype, loaded.device, slab_tokens=pool_tokens or CPU_SLAB_TOKENS)
+        return KVPool(shape, loaded.dtype, loaded.device, pool_tokens or CPU_SLAB_TOKENS, page_tokens=page_tokens)
     if pool_tokens is None:
         torch.cuda.empty_cache()  # what loading left cached is free memory too (7.7 GiB at random-3b)
         free, _ = torch.cuda.mem_get_info(loaded.device)
         pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // token_bytes(shape, loaded.dtype))
     grow = min(pool_tokens, GPU_GROW_TOKENS)
-    pool = KVPool(shape, loaded.dtype, loaded.device, pool_tokens, grow, keep_free_bytes=POOL_RESERVE_BYTES)
+    pool = KVPool(shape, loaded.dtype, loaded.device, pool_tokens, grow, POOL_RESERVE_BYTES, page_tokens)
     pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
     return pool

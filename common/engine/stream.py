@@ -21,7 +21,8 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.frames import pad_to_temporal, patchify, stack_frames, video_grid_thw
 from common.engine.grid import FrameError, StreamSpec
 from common.engine.kvcache import CacheState, Rebuild, Segment, Version
-from common.engine.lm import Item
+from common.engine.lm import Item, KVView
+from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.work import BatchJob, fail_all
@@ -155,11 +156,11 @@ class StreamEngine:
     # -- the GPU's side ----------------------------------------------------------------
     def _prefill_prefix(self) -> Appended:
         ids = self.rt.prefix_ids()
-        region, start = self.cache.reserve(len(ids))
+        item = self.cache.reserve(len(ids))
         lm = self.rt.lm
-        lm.forward(lm.embed(ids), text_positions(0, len(ids)), lm.plan([Item(len(ids), region, start)]))
+        lm.forward(lm.embed(ids), text_positions(0, len(ids)), lm.plan([item]))
         segment = Segment(id="prefix", tokens=len(ids))
-        original = self._read_out(segment, region.kv, start)
+        original = self._read_out(segment, item.dest.kv, item.at)
         version = self.cache.publish_prefix(segment, video_start=len(ids))
         return Appended(version, segment, [(segment, original)], copied=_copies_done(original))
 
@@ -175,7 +176,7 @@ class StreamEngine:
         n_tokens, n_patches = chunk.embeds.shape[0], chunk.grid_thw[0]
         first_patch = self.cache.next_chunk_patch()
         pos = video_positions(self.head.video_start, first_patch, n_patches, *self.cache.grid_hw, self.cache.interval)
-        region, start = self.cache.reserve(n_tokens)
+        item = self.cache.reserve(n_tokens)
         segment = Segment(
             id=f"f{chunk.frame_seqs[0]:012d}",  # frames enter the cache once, so their seq names the chunk
             tokens=n_tokens,
@@ -185,32 +186,39 @@ class StreamEngine:
             capture_range=chunk.capture_range,
             padded_frames=chunk.padded_frames,
         )
-        return Item(n_tokens, region, start), pos, segment
+        return item, pos, segment
 
     def _appended(
-        self, previous: Version, version: Version, item: Item, segment: Segment, embeds: torch.Tensor
+        self,
+        before: set[str],
+        version: Version,
+        segment: Segment,
+        original: torch.Tensor | None,
+        embeds: torch.Tensor,
     ) -> Appended:
-        """What `finish` hands on once `version` (the chunk's, replacing `previous`) is published."""
-        before = {p.segment.id for p in previous.placements}
+        """What `finish` hands on once `version` (the chunk's) is published over a head that held
+        the segments `before`. `original` is the chunk's K/V as prefilled (read before publishing:
+        an eviction may turn it in place); an exact eviction's re-prefilled segments have zero
+        deltas, so theirs are where the version holds them."""
         new = []
         for p in version.placements:
             if p.segment.id in before:
                 continue
-            # The appended chunk's original K/V are where it was prefilled (its placement may be
-            # re-based since); an exact eviction's re-prefilled segments have zero deltas, so
-            # theirs are where the version holds them.
-            src, at = (item.dest.kv, item.at) if p.segment.id == segment.id else (version.view.kv, p.offset)
-            new.append((p.segment, self._read_out(p.segment, src, at)))
+            kv = original if p.segment.id == segment.id else self._read_out(p.segment, version.view, p.offset)
+            new.append((p.segment, kv))
         kept = embeds.to("cpu", copy=True) if self.on_embeds is not None and self.cache.policy.exact else None
         return Appended(version, segment, new, kept, _copies_done(*(kv for _, kv in new)))
 
-    def _read_out(self, segment: Segment, kv: torch.Tensor, start: int) -> torch.Tensor | None:
-        """The segment's original K/V, copied to host memory for `on_segment`. From a GPU the copy
-        goes to page-locked memory and is not waited for (`finish` waits, in the caller's thread):
-        a blocking copy to pageable memory held the GPU loop up for about 2 ms a chunk (19 MB)."""
+    def _read_out(self, segment: Segment, kv: torch.Tensor | KVView, start: int) -> torch.Tensor | None:
+        """The segment's original K/V at `start` of `kv`, copied to host memory for `on_segment`.
+        From a GPU the copy goes to page-locked memory and is not waited for (`finish` waits, in
+        the caller's thread): a blocking copy to pageable memory held the GPU loop up for about
+        2 ms a chunk (19 MB). It is queued on the device's stream before anything that may later
+        turn those slots in place (an eviction), so it reads them as they were."""
         if self.on_segment is None:
             return None
-        src = kv[:, :, :, start : start + segment.tokens]
+        n = segment.tokens
+        src = kv.read(start, n) if isinstance(kv, KVView) else kv[:, :, :, start : start + n]
         if src.device.type != "cuda":
             return src.to("cpu", copy=True)
         return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src, non_blocking=True)
@@ -235,7 +243,8 @@ class ChunkJob(BatchJob):
         super().__init__()
         self.engine, self.chunk = engine, chunk
         self.lane = engine.spec.name
-        self.started: tuple[Item, Segment] | None = None  # where the chunk was prefilled; its segment
+        self.started: tuple[Region, int, Segment] | None = None  # where the chunk was prefilled; its segment
+        self.original: torch.Tensor | None = None  # its K/V as prefilled, for `on_segment`
         self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled
 
     @classmethod
@@ -250,6 +259,7 @@ class ChunkJob(BatchJob):
             embeds = torch.cat([e for e, _, _ in inputs])
             positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
             lm.forward(embeds, positions, lm.plan([item for _, _, item in inputs]))
+            del inputs  # their bases hold the heads' pages, which an eviction may now turn in place
             results = [j._output() for j in chunk_jobs]
         except Exception as e:
             fail_all(chunk_jobs, e)
@@ -264,16 +274,17 @@ class ChunkJob(BatchJob):
             return self.rebuild.next_piece()
         assert self.chunk.embeds is not None  # made by _vision
         item, positions, segment = self.engine._start(self.chunk)
-        self.started = (item, segment)
+        self.started = (item.dest, item.at, segment)
         return self.chunk.embeds, positions, item
 
     def _output(self) -> Appended | None:
         """After the forward: the result once the chunk's version is published; None while the
         rebuild has pieces left (the head stays the version before the eviction meanwhile)."""
         assert self.started is not None
-        cache, (item, segment) = self.engine.cache, self.started
-        previous = self.engine.head
+        cache, (dest, at, segment) = self.engine.cache, self.started
+        before = {p.segment.id for p in self.engine.head.placements}
         if self.rebuild is None:
+            self.original = self.engine._read_out(segment, dest.kv, at)  # before an eviction turns it
             published = cache.publish_chunk(segment, self.chunk.embeds)
             if isinstance(published, Rebuild):
                 self.rebuild = published
@@ -283,7 +294,7 @@ class ChunkJob(BatchJob):
             version = cache.complete(self.rebuild)
         else:
             return None
-        return self.engine._appended(previous, version, item, segment, self.chunk.embeds)
+        return self.engine._appended(before, version, segment, self.original, self.chunk.embeds)
 
 
 def _vision(jobs: Sequence[ChunkJob]) -> None:

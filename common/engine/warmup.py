@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from common.engine.answer import Generation, question_suffix_ids
+from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import BODY_MIN_ITEMS, BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS
 from common.engine.params import GenerationParams
@@ -29,18 +30,28 @@ DECODE_BATCHES = (1, 2, 4, 8)  # decode graph buckets captured at start; larger 
 PREFILL_LENGTHS = (32, 64)  # and lone-question prefill buckets (16: the questions above); longer on first use
 
 
-def warm_up(rt: Runtime) -> float:
-    """Run the steps inline (before a scheduler is installed); the seconds it took."""
+def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
+    """Run the steps inline (before a scheduler is installed); the seconds it took. `long_tokens`:
+    how long the long caches are (default: long enough for split-KV and cuDNN bodies where flash
+    runs them, else none)."""
     t0 = time.perf_counter()
-    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4)) for i in range(BODY_MIN_ITEMS)]
+    if long_tokens is None:  # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
+        long_tokens = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
+    patches = math.ceil(long_tokens / GRID.tokens_per_patch) + 1
+    frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
+    # A budget for everything the warm-up gives a stream, so that, like a serving stream's, its cache
+    # stays in one extent (the run of its budget, see kvcache.py). Without one a cache starts in a
+    # small run and continues in new ones, 2-3 extents: chunks then read it as a base (no cuDNN
+    # body) and questions' bases are pieces per extent, so neither warmed the one-extent paths
+    # serving takes, and their compiles and graph captures came later, stalling serving.
+    chunk_patches = math.ceil(len(frames) / rt.loaded.temporal_patch_size)
+    budget = len(rt.prefix_ids()) + (patches + chunk_patches) * GRID.tokens_per_patch
+    policy = EvictionPolicy(max_cache_tokens=budget)
+    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4), policy) for i in range(BODY_MIN_ITEMS)]
     _question_steps(rt, [e.head for e in engines])  # short caches: one piece per base
-    # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
-    long = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
-    patches = math.ceil(long / GRID.tokens_per_patch) + 1
     for engine in engines:  # a cache at once, from made-up embeddings
         embeds = torch.zeros(patches * GRID.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.device)
         engine.append_embeddings(embeds, patches, (0, 2 * patches - 1), (0.0, float(patches)))
-    frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
     jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
     ChunkJob.run_batch(jobs)
     for engine, job in zip(engines, jobs, strict=True):

@@ -1,0 +1,188 @@
+"""The paged pool's promises, on CPU with tiny-random (fp32):
+
+- accounting: streams with budget B fit in about B each, and all of them can evict at the same
+  moment with nothing but the over-budget chunks on top (no 2x repack peak);
+- snapshot isolation: a version somebody holds answers exactly as before, whatever the cache does
+  after it (appends, a re-basing eviction, in place or copy-on-write, an exact eviction);
+- pages that no version holds any more are back in the free list;
+- a version in several extents answers exactly like the same cache in one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from common.engine.answer import ask
+from common.engine.grid import Grid, StreamSpec
+from common.engine.kvcache import Version
+from common.engine.lm import KVView
+from common.engine.model import load_model
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from common.engine.stream import ChunkJob, StreamEngine
+from tests.engine_helpers import QUESTION, append_chunk, make_frames, policy_keeping, same_kv
+
+GRID = Grid(56, 56)  # 4 tokens per temporal patch: a 4-frame chunk is 8 tokens
+PAGE = 8  # pages the size of a chunk, which the prefix puts out of step with them
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"), page_tokens=PAGE)
+
+
+def engine(rt: Runtime, name: str = "cam", mode: str = "rebase") -> StreamEngine:
+    policy = policy_keeping(rt, 8 * 8, 4 * 8, sink_chunks=1, mode=mode, rebuild_piece_tokens=8)
+    return StreamEngine(rt, StreamSpec(name, 2, GRID, 4), policy)
+
+
+def feed(e: StreamEngine, frames, lo: int, hi: int) -> None:
+    for i in range(lo, hi, 4):
+        append_chunk(e, frames, i, 4)
+
+
+def answer(rt: Runtime, v: Version):
+    a = ask(rt, v, QUESTION, GenerationParams(max_tokens=6), keep_logits=True)
+    return a.token_ids, a.first_logits
+
+
+def same_answer(a, b) -> bool:
+    return a[0] == b[0] and torch.allclose(a[1], b[1], atol=1e-5, rtol=0)
+
+
+def pages(rt: Runtime, tokens: int) -> int:
+    return rt.pool.pages_for(tokens) * PAGE
+
+
+def first_slot(v: Version) -> tuple[int, int]:
+    return v.view.extents[0].slab, v.view.extents[0].start
+
+
+def test_streams_evict_all_at_once_within_their_budgets(rt):
+    n = 6
+    engines = [engine(rt, f"cam{k}") for k in range(n)]
+    frames = make_frames(36, GRID)
+    for e in engines:
+        feed(e, frames, 0, 32)  # 8 chunks: at the budget
+    budget = engines[0].cache.policy.max_cache_tokens
+    assert all(e.head.stats.evictions == 0 and e.head.tokens == budget for e in engines)
+    rt.pool.peak_tokens = used = rt.pool.used_tokens
+    assert used == n * pages(rt, budget), "each stream holds its budget, in whole pages, and nothing else"
+    jobs = [ChunkJob(e, e.prepare(frames[32:36], [16, 16.5, 17, 17.5], range(32, 36))) for e in engines]
+    ChunkJob.run_batch(jobs)  # one prefill, then every stream evicts
+    heads = [e.finish(j.future.result()) for e, j in zip(engines, jobs, strict=True)]
+    assert all(v.stats.evictions == 1 for v in heads)
+    assert rt.pool.peak_tokens == used + n * pages(rt, 8), "on top of the budgets: only the chunks that went over"
+    assert all(len(v.view.extents) == 1 for v in heads), "re-laid out in place, in one extent"
+    del heads, jobs
+    assert rt.pool.used_tokens == used, "the over-budget chunks' pages are free again"
+
+
+def test_held_versions_answer_as_before_through_appends_and_evictions(rt):
+    frames = make_frames(96, GRID, seed=1)
+    e = engine(rt)
+    feed(e, frames, 0, 28)
+    old = e.head
+    want, kv = answer(rt, old), old.view.kv.clone()
+    feed(e, frames, 28, 36)  # appends, then a re-basing eviction while `old` is held
+    assert e.head.stats.evictions == 1 and first_slot(e.head) != first_slot(old)
+    assert len(e.head.view.extents) == 1, "copied whole, the prefix and sink too: one extent"
+    feed(e, frames, 36, 96)  # more evictions, in place now that only `old` holds the first pages
+    assert e.head.stats.evictions >= 4
+    assert same_answer(answer(rt, old), want) and torch.equal(old.view.kv, kv)
+
+    # the same stream with nobody holding anything: evicted in place, one extent, the same cache
+    alone = engine(rt, "alone")
+    feed(alone, frames, 0, 96)
+    assert len(alone.head.view.extents) == 1
+    assert same_kv(alone.head, e.head) and same_answer(answer(rt, alone.head), answer(rt, e.head))
+
+
+def test_held_version_answers_as_before_through_an_exact_eviction(rt):
+    frames = make_frames(48, GRID, seed=2)
+    e = engine(rt, mode="exact")
+    feed(e, frames, 0, 32)
+    old = e.head
+    want, kv = answer(rt, old), old.view.kv.clone()
+    feed(e, frames, 32, 48)
+    assert e.head.stats.evictions >= 1 and any(".r" in p.segment.id for p in e.head.chunks)
+    assert len(e.head.view.extents) == 1, "the prefix and sink copied before the rebuilt chunks: one extent"
+    assert same_answer(answer(rt, old), want) and torch.equal(old.view.kv, kv)
+
+
+def held_pages(rt: Runtime, *engines: StreamEngine) -> int:
+    """Tokens of the pages the engines' caches hold: their runs and their heads' extents."""
+    held = set()
+    for e in engines:
+        for r in (e.cache._run, *e.head.view.extents):
+            held |= {(r.slab, p) for p in range(r.start // PAGE, -(-r.end // PAGE))}
+    return len(held) * PAGE
+
+
+@pytest.mark.parametrize("mode", ["rebase", "exact"])
+def test_pages_of_evicted_chunks_go_back_once_no_version_holds_them(rt, mode):
+    frames = make_frames(40, GRID, seed=3)
+    base = rt.pool.used_tokens
+    e = engine(rt, mode=mode)
+    feed(e, frames, 0, 32)
+    old = e.head
+    feed(e, frames, 32, 40)
+    assert e.head.stats.evictions == 1
+    assert rt.pool.used_tokens > base + held_pages(rt, e), "the held version keeps the evicted chunks"
+    del old
+    assert rt.pool.used_tokens == base + held_pages(rt, e)
+
+
+def test_a_version_in_several_extents_answers_like_one_in_a_single_extent(rt):
+    frames = make_frames(16, GRID, seed=4)
+    e = engine(rt)
+    feed(e, frames, 0, 16)
+    head = e.head
+    assert len(head.view.extents) == 1
+    scattered, gaps = [], []
+    for p in head.placements:  # every segment in its own region, a page apart
+        gaps.append(rt.pool.alloc(PAGE))
+        region = rt.pool.alloc(p.segment.tokens)
+        region.kv[:, :, :, : p.segment.tokens] = head.view.read(p.offset, p.segment.tokens)
+        scattered.append(rt.pool.hold(region.slab, region.start, p.segment.tokens))
+    split = replace(head, view=KVView(tuple(scattered)))
+    assert len(split.view.extents) == len(head.placements) and torch.equal(split.view.kv, head.view.kv)
+    assert same_answer(answer(rt, split), answer(rt, head))
+
+
+def test_warm_up_caches_lie_in_one_extent_as_serving_caches_do(rt, monkeypatch):
+    """The warm-up's streams have a budget covering all it gives them, so their caches stay in one
+    extent like a serving stream's: its batch of chunks reads each cache as one causal range (no
+    base: the cuDNN body path on a GPU) and its questions read one-extent bases (the pieces, and so
+    the CUDA graph keys, of serving). Unbudgeted, a long cache continues in a second run."""
+    from common.engine import warmup
+
+    made: list[StreamEngine] = []
+
+    class Recorded(StreamEngine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    planned: list[list] = []
+    plan = rt.lm.plan
+    monkeypatch.setattr(rt.lm, "plan", lambda items, *a, **k: planned.append(list(items)) or plan(items, *a, **k))
+    monkeypatch.setattr(warmup, "StreamEngine", Recorded)
+    long_tokens = 5000  # past a fresh unbudgeted run (4096 tokens)
+    used = rt.pool.used_tokens
+    assert warmup.warm_up(rt, long_tokens=long_tokens) > 0
+    assert len(made) == warmup.BODY_MIN_ITEMS
+    for e in made:
+        assert e.head.stats.evictions == 0 and e.head.tokens > long_tokens and len(e.head.chunks) == 2
+        assert len(e.head.view.extents) == 1, "one extent, like a serving cache"
+    chunk_tokens = made[0].head.chunks[-1].segment.tokens
+    batches = [items for items in planned if len(items) == len(made) and all(it.n == chunk_tokens for it in items)]
+    assert batches and all(it.base is None and it.since == 0 for it in batches[-1]), "one causal range each"
+    bases = [it.base for items in planned for it in items if it.base is not None]
+    assert bases and all(len(b.extents) == 1 for b in bases)
+    made.clear(), planned.clear()
+    del e, bases, batches
+    assert rt.pool.used_tokens == used, "the warm-up gives its pages back"
