@@ -188,8 +188,9 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
     base = engine.head
 
     def prefill_chunk() -> None:
-        engine.append_embeddings(chunk, 2, (0, 0), (0.0, 0.0))
-        engine.cache.head = base  # roll back so every repeat sees the same cache size
+        seq = base.last_frame_seq + 1
+        engine.append_embeddings(chunk, 2, (seq, seq), (0.0, 0.0))
+        engine.cache.rewind(base)  # so every repeat sees the same cache size
 
     prefill_ms = timed(prefill_chunk)
     if torch.cuda.is_available():
@@ -375,7 +376,7 @@ def bench_batched(
             for job in jobs:
                 job.future.result()  # a batch that failed must not pass for a fast one
             for e, head in zip(batch, heads, strict=True):
-                e.cache.head = head  # roll back: every repeat sees the same cache sizes
+                e.cache.rewind(head)  # every repeat sees the same cache sizes
 
         both = timed(lambda: encode(True), repeat=3, warmup=1)
         prefill = timed(lambda: encode(False), repeat=3, warmup=1)

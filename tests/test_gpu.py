@@ -164,9 +164,9 @@ def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     engine = StreamEngine(rt, StreamSpec("grow", 2.0, grid, 4), policy)
     params = GenerationParams(max_tokens=6)
     captured, answers = [], []
-    for patches in (36, 32):  # 9.2K tokens, then 17.4K
+    for seq, patches in enumerate((36, 32)):  # 9.2K tokens, then 17.4K
         embeds = torch.randn(patches * grid.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device="cuda") * 0.02
-        engine.append_embeddings(embeds, patches, (0, 0), (0.0, 0.0))
+        engine.append_embeddings(embeds, patches, (seq, seq), (0.0, 0.0))  # a segment's id is its first frame's
         assert len(engine.head.view.extents) == 1 and engine.head.stats.evictions == 0
         answers.append(answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True))
         captured.append(set(rt.step_graphs.graphs))

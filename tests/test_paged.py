@@ -186,3 +186,39 @@ def test_warm_up_caches_lie_in_one_extent_as_serving_caches_do(rt, monkeypatch):
     made.clear(), planned.clear()
     del e, bases, batches
     assert rt.pool.used_tokens == used, "the warm-up gives its pages back"
+
+
+def test_a_chunk_the_cache_holds_already_is_refused_and_the_stream_goes_on(rt):
+    """A segment is known by its id (its first frame's seq) in the cache's slot map: a second chunk
+    under the same id would make a version point at the wrong slots, so it is refused with a clear
+    error, nothing is published, and the next chunk lands as if it had never come."""
+    frames = make_frames(12, GRID, seed=5)
+    e, alone = engine(rt, "dup"), engine(rt, "no-dup")
+    feed(e, frames, 0, 8)
+    feed(alone, frames, 0, 8)
+    head = e.head
+    with pytest.raises(ValueError, match="in the cache already"):
+        e.append(frames[8:12], [4, 4.5, 5, 5.5], range(4, 8))  # the seqs of the second chunk again
+    assert e.head is head
+    e.append(frames[8:12], [4, 4.5, 5, 5.5], range(8, 12))
+    alone.append(frames[8:12], [4, 4.5, 5, 5.5], range(8, 12))
+    assert len(e.head.view.extents) == 1 and same_kv(e.head, alone.head)
+
+
+def test_a_cache_rewinds_to_an_earlier_version_of_its_layout(rt):
+    """What benchmarks do to repeat a step on one cache: after a rewind the next chunk goes where
+    the forgotten one went, and equals it; across an eviction there is nothing to rewind to."""
+    frames = make_frames(40, GRID, seed=6)
+    e = engine(rt, "rewind")
+    feed(e, frames, 0, 16)
+    base = e.head
+    first = append_chunk(e, frames, 16, 4)
+    kv = first.view.kv.clone()
+    e.cache.rewind(base)
+    assert e.head is base
+    again = append_chunk(e, frames, 16, 4)
+    assert again.view.extents[0].start == first.view.extents[0].start and torch.equal(again.view.kv, kv)
+    feed(e, frames, 20, 40)
+    assert e.head.stats.evictions >= 1
+    with pytest.raises(ValueError, match="another layout"):
+        e.cache.rewind(base)

@@ -266,6 +266,19 @@ class StreamCache:
         self._written = (dest.slab, dest.start + at)
         return Item(n_tokens, dest, at, KVView(base) if base else None, since)
 
+    def rewind(self, version: Version) -> None:
+        """Make `version` the head again, forgetting the versions after it, so that a benchmark can
+        repeat a step on the same cache. Only back within the current layout (no eviction since):
+        the slots after it are then free to write again."""
+        if version.layout is not self._layout:
+            raise ValueError(f"version {version.id} is of another layout: a cache rewinds only to before its appends")
+        with self._swap:
+            self._head, self._spill = version, None
+            self._where = {p.segment.id: self._where[p.segment.id] for p in version.placements}
+            last = version.view.extents[-1]
+            if last.slab == self._run.slab and self._run.start <= last.start < self._run.end:
+                self._used = last.end - self._run.start
+
     def publish_prefix(self, segment: Segment, video_start: int) -> Version:
         self._wrote(segment)
         placement = Placement(segment, offset=0, first_patch=0)
@@ -277,7 +290,8 @@ class StreamCache:
         `embeds` are the chunk's vision embeddings: exact eviction keeps them, salience reads them.
         An exact eviction publishes nothing yet: it returns the `Rebuild` for the caller to run, and
         `complete` publishes once every piece is written."""
-        self._require_head()
+        if any(p.segment.id == segment.id for p in self._require_head().placements):
+            raise ValueError(f"segment {segment.id} is in the cache already (a chunk's id is its first frame's seq)")
         segment = self._take_embeds(segment, embeds)
         self._wrote(segment)
         offset = self._head.tokens
