@@ -145,6 +145,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     load_s = time.monotonic() - t0
     warm_up_s = 0.0
     rt.on_graph_capture = metrics.record_graph_capture
+    metrics.watch_pool(rt.pool)
     if rt.device.type == "cuda":  # neither exists on a CPU
         # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
         warm_up_s = warm_up(rt)

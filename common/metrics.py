@@ -93,6 +93,29 @@ GPU_ALLOC_RETRIES = Gauge(
 GPU_ALLOC_RETRIES.set_function(lambda: _cuda_memory_stat("num_alloc_retries"))
 
 
+KV_POOL_TOKENS = Gauge(
+    "svqa_kv_pool_tokens",
+    "The device's KV pool in token slots: capacity, used (pages held, exact), peak (most used at once)",
+    ["state"],
+    **_R,
+)
+KV_RELAYOUTS = Gauge(
+    "svqa_kv_relayouts",
+    "Caches laid out anew (evictions, restores) since start: in_place, or copied because a question or "
+    "mirror still held the old pages (a second copy of that cache until it lets go)",
+    ["how"],
+    **_R,
+)
+
+
+def watch_pool(pool) -> None:
+    """Read the KV pool's accounting (common/engine/pool.py) at every scrape."""
+    for state in ("capacity", "used", "peak"):
+        KV_POOL_TOKENS.labels(state).set_function(lambda s=state: getattr(pool, f"{s}_tokens"))
+    for how in pool.relayouts:
+        KV_RELAYOUTS.labels(how).set_function(lambda h=how: pool.relayouts[h])
+
+
 def _cuda_memory_stat(name: str) -> float:
     torch = sys.modules.get("torch")  # read where a model is loaded; never imported for this
     if torch is None or not torch.cuda.is_initialized():
@@ -100,7 +123,7 @@ def _cuda_memory_stat(name: str) -> float:
     return float(torch.cuda.memory_stats().get(name, 0))
 
 
-_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES, GPU_ALLOC_RETRIES)
+_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES, GPU_ALLOC_RETRIES, KV_POOL_TOKENS, KV_RELAYOUTS)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {

@@ -50,6 +50,38 @@ def test_each_role_exports_only_its_own_families():
     assert {"svqa_qa_queue_wait_seconds", "svqa_encoder_chunk_seconds"} <= worker
 
 
+def test_the_kv_pool_is_read_at_every_scrape():
+    """Capacity, used and peak slots and the caches' re-layouts, as the pool counts them right now."""
+    import torch
+
+    from common.engine.pool import KVPool
+
+    pool = KVPool((2, 1, 4), torch.float32, torch.device("cpu"), slab_tokens=1024, page_tokens=64)
+    metrics.watch_pool(pool)
+    port = serve(["worker"], health.Readiness())
+
+    def scraped() -> dict[tuple[str, str], float]:
+        body = get(port, "/metrics")[1].decode()
+        return {
+            (s.name, next(iter(s.labels.values()))): s.value
+            for f in text_string_to_metric_families(body)
+            if f.name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts")
+            for s in f.samples
+        }
+
+    region = pool.alloc(100)
+    pool.relayouts["copied"] += 1
+    assert scraped() == {
+        ("svqa_kv_pool_tokens", "capacity"): 1024,
+        ("svqa_kv_pool_tokens", "used"): 128,  # two pages
+        ("svqa_kv_pool_tokens", "peak"): 128,
+        ("svqa_kv_relayouts", "in_place"): 0,
+        ("svqa_kv_relayouts", "copied"): 1,
+    }
+    del region
+    assert scraped()[("svqa_kv_pool_tokens", "used")] == 0
+
+
 def test_readiness_follows_redis_model_and_leases(redis_url):
     ready = health.Readiness(redis_url=redis_url, needs_model=True)
     port = serve(["encoder"], ready)

@@ -87,11 +87,14 @@ def test_held_versions_answer_as_before_through_appends_and_evictions(rt):
     feed(e, frames, 0, 28)
     old = e.head
     want, kv = answer(rt, old), old.view.kv.clone()
+    counted = dict(rt.pool.relayouts)
     feed(e, frames, 28, 36)  # appends, then a re-basing eviction while `old` is held
     assert e.head.stats.evictions == 1 and first_slot(e.head) != first_slot(old)
     assert len(e.head.view.extents) == 1, "copied whole, the prefix and sink too: one extent"
+    assert rt.pool.relayouts == {**counted, "copied": counted["copied"] + 1}
     feed(e, frames, 36, 96)  # more evictions, in place now that only `old` holds the first pages
     assert e.head.stats.evictions >= 4
+    assert rt.pool.relayouts["in_place"] - counted["in_place"] == e.head.stats.evictions - 1
     assert same_answer(answer(rt, old), want) and torch.equal(old.view.kv, kv)
 
     # the same stream with nobody holding anything: evicted in place, one extent, the same cache

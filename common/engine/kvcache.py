@@ -553,7 +553,7 @@ class StreamCache:
         if copied:  # copy-on-write, all of it: the new version is one extent
             moved, tokens = placements, sum(p.segment.tokens for p in placements)
             self._run, at = pool.alloc(max(tokens, self._run_tokens)), 0
-        # a copy means somebody held the old layout, and costs a second cache for a while: worth seeing
+        pool.relayouts["copied" if copied else "in_place"] += 1
         log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)
         slab, start = self._run.slab, self._run.start
         kv = pool.slabs[slab]
