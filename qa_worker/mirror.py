@@ -47,9 +47,9 @@ class StreamMirror:
         # Storage I/O here, in the mirror's thread; only the copies to the device wait for the GPU.
         loaded = {seg.id: self.store.get(self.name, seg.id) for seg in cache.missing(state.cache)}
         version = self.rt.executor.call(lambda: cache.apply(state.cache, lambda seg: loaded[seg.id]))
-        # Keep recent versions answerable by id, but only those in the head's region: an older one
-        # would pin a whole region that an eviction already replaced.
-        self.recent = {vid: v for vid, v in self.recent.items() if v.region is version.region}
+        # Keep recent versions answerable by id, but only those of the head's layout: an older one
+        # pins the pages of a whole cache that an eviction already replaced.
+        self.recent = {vid: v for vid, v in self.recent.items() if v.layout is version.layout}
         self.recent[version.id] = version
         for old in sorted(self.recent)[:-RECENT_VERSIONS]:
             del self.recent[old]

@@ -165,12 +165,6 @@ class Version:
         kv = self.view.extents[0].kv
         return self.view.length * kv[:, :, :, :1].numel() * kv.element_size()
 
-    @property
-    def region(self) -> object:
-        """`layout` under the name qa_worker/mirror.py compares: a version of an older layout pins
-        pages that an eviction replaced."""
-        return self.layout
-
 
 @dataclass
 class Rebuild:
