@@ -101,8 +101,8 @@ KV_POOL_TOKENS = Gauge(
 )
 KV_RELAYOUTS = Gauge(
     "svqa_kv_relayouts",
-    "Caches laid out anew (evictions, restores) since start: in_place, or copied because a question or "
-    "mirror still held the old pages (a second copy of that cache until it lets go)",
+    "Caches laid out anew by evictions since start: in_place, or copied to fresh pages because a question "
+    "or mirror still held the old ones (a second copy of that cache until it lets go) or the run had no room",
     ["how"],
     **_R,
 )

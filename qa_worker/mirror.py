@@ -46,6 +46,11 @@ class StreamMirror:
         cache = self.cache
         # Storage I/O here, in the mirror's thread; only the copies to the device wait for the GPU.
         loaded = {seg.id: self.store.get(self.name, seg.id) for seg in cache.missing(state.cache)}
+        if not cache.appends(state.cache):
+            # An eviction: the recent versions are of the layout it replaces (and would be dropped
+            # below). Let go of them first, so that unless a question still reads one the cache
+            # moves in place instead of being copied whole (see kvcache.py).
+            self.recent = {}
         version = self.rt.executor.call(lambda: cache.apply(state.cache, lambda seg: loaded[seg.id]))
         # Keep recent versions answerable by id, but only those of the head's layout: an older one
         # pins the pages of a whole cache that an eviction already replaced.

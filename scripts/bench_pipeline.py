@@ -261,14 +261,19 @@ def wait_while(services: Services, seconds: float, status: Callable[[], str], do
 
 
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
-    """(sample name, stream or step kind, reason) -> value, from a service's Prometheus endpoint."""
+    """(sample name, stream or step kind or pool state, reason) -> value, from a service's
+    Prometheus endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {
-        (s.name, s.labels.get("stream") or s.labels.get("kind", ""), s.labels.get("reason", "")): s.value
+        (
+            s.name,
+            next((s.labels[k] for k in ("stream", "kind", "state", "how") if k in s.labels), ""),
+            s.labels.get("reason", ""),
+        ): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if "stream" in s.labels or s.name.startswith("svqa_gpu_")
+        if "stream" in s.labels or s.name.startswith(("svqa_gpu_", "svqa_kv_"))
     }
 
 
@@ -297,6 +302,9 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         "svqa_gpu_alloc_retries",
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
+    for (name, label, _), value in worker.items():
+        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts"):
+            counts["gpu"][f"{name}:{label}"] = value
     return counts
 
 
@@ -555,7 +563,8 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
     """What the GPU schedulers did in the window, summed over workers: each step kind's share of
     the time, steps, mean step time, and work per step (chunks, question tokens, tasks); CUDA graph
     captures (stalls: the warm-up at start should have made every graph serving needs); allocator
-    retries (each synchronizes the device)."""
+    retries (each synchronizes the device); the KV pools at the end and their caches' re-layouts in
+    the window (copies: somebody held a cache's old pages when it evicted)."""
 
     def delta(key: str) -> float:
         return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
@@ -566,6 +575,13 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
     }
     out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries"))
+    out["kv_pool"] = {
+        **{
+            f"{state}_tokens": int(after.get("gpu", {}).get(f"svqa_kv_pool_tokens:{state}", 0))
+            for state in ("capacity", "used", "peak")
+        },
+        **{f"relayouts_{how}": int(delta(f"svqa_kv_relayouts:{how}")) for how in ("in_place", "copied")},
+    }
     for kind in ("encode", "decode", "task"):
         spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")
         out[kind] = {

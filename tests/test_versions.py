@@ -168,12 +168,17 @@ def test_mirror_keeps_recent_versions_answerable_without_pinning_evicted_arenas(
     engine = writer(rt, store)
     mirror = StreamMirror(rt, store, "cam")
     video = frames(48)
+    relayouts = dict(rt.pool.relayouts)
     for i in range(0, len(video), 4):
         mirror.apply(wire(append(engine, video, i), engine.spec))
         head = mirror.head
         assert head.id in mirror.recent
         assert all(v.layout is head.layout for v in mirror.recent.values()), "pages an eviction replaced are pinned"
+        del head  # a reader holding it when the next eviction comes would make that one a copy
     assert engine.head.stats.evictions >= 2
+    # the mirror let go of the old layout's versions before each eviction: moved in place, never copied
+    assert rt.pool.relayouts["copied"] == relayouts["copied"]
+    assert rt.pool.relayouts["in_place"] - relayouts["in_place"] == 2 * engine.head.stats.evictions
 
 
 def test_mirror_follows_a_stream_that_started_over(rt, tmp_path, redis_url):

@@ -307,7 +307,7 @@ class StreamCache:
         placements = list(state.placements)
         held = self._head.placements if self._head else ()
         with self._swap:
-            if held and _common_prefix(placements, held) == len(held):
+            if self.appends(state):
                 self._append_loaded(placements[len(held) :], load)
             else:
                 self._relayout(placements, held, load)
@@ -318,6 +318,11 @@ class StreamCache:
                 stats=state.stats,
                 version_id=state.version_id,
             )
+
+    def appends(self, state: CacheState) -> bool:
+        """Whether `apply(state)` only appends to the head (else it lays the cache out anew)."""
+        held = self._head.placements if self._head else ()
+        return bool(held) and _common_prefix(state.placements, held) == len(held)
 
     def missing(self, state: CacheState) -> list[Segment]:
         """Segments of `state` that `apply` must load (the rest it reuses from this cache)."""
@@ -547,8 +552,9 @@ class StreamCache:
         if copied:  # copy-on-write, all of it: the new version is one extent
             moved, tokens = placements, sum(p.segment.tokens for p in placements)
             self._run, at = pool.alloc(max(tokens, self._run_tokens)), 0
-        pool.relayouts["copied" if copied else "in_place"] += 1
-        log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)
+        if source:  # a layout replaced (a first one, a restore, replaces none)
+            pool.relayouts["copied" if copied else "in_place"] += 1
+            log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)
         slab, start = self._run.slab, self._run.start
         kv = pool.slabs[slab]
         for p in moved:

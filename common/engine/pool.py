@@ -95,7 +95,7 @@ class KVPool:
         self._lock = threading.Lock()
         self.used_tokens = 0  # pages held, in tokens
         self.peak_tokens = 0  # the most ever held at once
-        # caches laid out anew (evictions, restores), in place or copied because somebody held the
+        # caches laid out anew by evictions, in place or copied because somebody held the
         # old pages: a copy is a second cache's pages for as long as that holder lives
         self.relayouts = {"in_place": 0, "copied": 0}
 
