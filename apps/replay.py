@@ -28,6 +28,7 @@ from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
+from common.logs import configure_logging
 from ingest.video import DecodedFrame, SourceError, iter_file_frames
 
 
@@ -70,6 +71,7 @@ def run(ns: argparse.Namespace) -> int:
     args = ReplayArgs(**{k: v for k, v in vars(ns).items() if k in ReplayArgs.__dataclass_fields__})
     if args.fps <= 0:
         raise SystemExit(f"--fps must be positive, got {args.fps}")
+    configure_logging("WARNING")  # answers are the JSON lines on stdout; the engine only warns, on stderr
     rt = Runtime(load_model(ns.model, device=ns.device))
     try:
         matches = [m for m in Replay(rt, args).run() if m is not None]

@@ -43,6 +43,7 @@ from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import Chunk, ChunkJob, StreamEngine
 from common.engine.vision import VisionTower
+from common.logs import configure_logging
 
 QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
 
@@ -596,6 +597,7 @@ def main() -> None:
     p.add_argument("--eviction-side", type=int, default=448)
     p.add_argument("--eviction-cycles", type=int, default=4, help="evictions measured after the first")
     args = p.parse_args()
+    configure_logging("INFO")  # the engine's log lines (graph captures, re-layouts) on stderr: stdout is the JSON
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
     rt = Runtime(
