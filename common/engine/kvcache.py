@@ -58,7 +58,7 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class Segment:
-    """What one encoded piece of the cache is; its K/V live in an arena or a segment store."""
+    """What one encoded piece of the cache is; its K/V live in the pool or a segment store."""
 
     id: str
     tokens: int
@@ -95,7 +95,7 @@ def chunk_id(segment_id: str) -> str:
 @dataclass(frozen=True)
 class Placement:
     segment: Segment
-    offset: int  # first token in the arena
+    offset: int  # first token in the version (its logical position in the cache)
     first_patch: int  # logical temporal-patch index now (differs from the segment's after re-basing)
     t_delta: tuple[int, ...] = ()  # per patch: temporal position now minus at encode time
 
