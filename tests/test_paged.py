@@ -225,3 +225,34 @@ def test_a_cache_rewinds_to_an_earlier_version_of_its_layout(rt):
     assert e.head.stats.evictions >= 1
     with pytest.raises(ValueError, match="another layout"):
         e.cache.rewind(base)
+
+
+def test_an_unbudgeted_cache_stays_one_extent_as_it_grows():
+    """A stream without a budget (a QA mirror's, say) doubles its run: in place where the pages
+    after it are free (tests/test_pool.py), else by copying the cache to a new run, never by
+    continuing in a second extent. Versions taken along the way keep what they held; the cache
+    equals one that grew without a neighbour."""
+    rt = Runtime(load_model("tiny-random"), page_tokens=PAGE)
+    dim = rt.lm.embed_tokens.embedding_dim
+    chunks = [
+        torch.randn(256 * GRID.tokens_per_patch, dim, generator=torch.Generator().manual_seed(k)) for k in range(9)
+    ]
+
+    def grow(e: StreamEngine, neighbour: StreamEngine | None = None) -> list[tuple[Version, torch.Tensor]]:
+        held = []
+        for k, embeds in enumerate(chunks):
+            e.append_embeddings(embeds, 256, (k, k), (float(k), float(k)))
+            held.append((e.head, e.head.view.kv.clone()))
+            if neighbour is not None:  # takes the pages right after `e`'s run, so it cannot grow in place
+                neighbour.append_embeddings(embeds[:256], 64, (k, k), (float(k), float(k)))
+        return held
+
+    crowded = StreamEngine(rt, StreamSpec("crowded", 2, GRID, 4))
+    held = grow(crowded, StreamEngine(rt, StreamSpec("neighbour", 2, GRID, 4)))
+    alone = StreamEngine(rt, StreamSpec("alone", 2, GRID, 4))
+    grown_alone = grow(alone)
+    assert crowded.head.tokens > 2 * 4096, "past two doublings of the first run"
+    assert first_slot(held[-1][0]) != first_slot(held[0][0]), "copied to a new run"
+    assert all(len(v.view.extents) == 1 for v, _ in held + grown_alone)
+    assert all(torch.equal(v.view.kv, kv) for v, kv in held), "a held version changed"
+    assert same_kv(crowded.head, alone.head)

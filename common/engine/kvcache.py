@@ -7,7 +7,8 @@ order, usually one, each held by the version itself. New chunks are written past
 version's tokens, so a version is a snapshot that costs nothing to take and never changes. A
 budgeted stream's run is its budget (`max_cache_tokens`) and no more: the chunk that goes over it
 is written to pages of its own (a *spill*) until the eviction it sets off brings the cache back
-into the run. An unbudgeted stream's run grows in place, or continues in a new run (a new extent).
+into the run. An unbudgeted stream's run doubles, in place or by a copy to a new run: every
+version is one extent.
 
 Eviction. The version after an eviction keeps its leading segments that do not change (prefix,
 sink) where they are and writes the others back to back right after them, each turned by the
@@ -366,17 +367,28 @@ class StreamCache:
     def _grow(self, n_tokens: int) -> None:
         """Room for `n_tokens` past the run's end. A budgeted stream's run stays its budget: the
         chunk that goes over it gets a spill of its own, which the eviction it sets off empties. An
-        unbudgeted one's run doubles, in place when the pages after it are free, else as a new run
-        (the old one stays with the versions that read it)."""
+        unbudgeted one's run doubles: in place when the pages after it are free, else the cache is
+        copied to a new run twice the size, so that it stays one extent (one causal range for its
+        chunks, one graph key for its questions) while the old pages stay with the versions that
+        hold them. Copies add up to less than the cache, like a growing array's."""
         pool = self.lm.pool
         if self._run is None:
             self._run, self._used = pool.alloc(max(n_tokens, self._run_tokens)), 0
         elif self.policy.max_cache_tokens is not None:
             self._spill = pool.alloc(n_tokens)
         else:
-            grown = pool.extend(self._run, max(self._used + n_tokens - self._run.size, self._run.size))
+            old, needed = self._run, self._used + n_tokens
+            grown = pool.extend(old, max(needed - old.size, old.size))
             if grown is None:
-                grown, self._used = pool.alloc(max(n_tokens, 2 * self._run.size)), 0
+                grown = pool.alloc(max(needed, 2 * old.size))
+                grown.kv[:, :, :, : self._used] = old.kv[:, :, :, : self._used]
+                self._where = {
+                    sid: (grown.slab, grown.start + slot - old.start)
+                    if slab == old.slab and old.start <= slot < old.end
+                    else (slab, slot)
+                    for sid, (slab, slot) in self._where.items()
+                }
+                self._layout = object()  # versions before it pin the old pages (see qa_worker/mirror.py)
             self._run = grown
 
     def _wrote(self, segment: Segment) -> None:

@@ -40,10 +40,9 @@ def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
     patches = math.ceil(long_tokens / GRID.tokens_per_patch) + 1
     frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
     # A budget for everything the warm-up gives a stream, so that, like a serving stream's, its cache
-    # stays in one extent (the run of its budget, see kvcache.py). Without one a cache starts in a
-    # small run and continues in new ones, 2-3 extents: chunks then read it as a base (no cuDNN
-    # body) and questions' bases are pieces per extent, so neither warmed the one-extent paths
-    # serving takes, and their compiles and graph captures came later, stalling serving.
+    # lies in the one run of its budget from the start (see kvcache.py), and the steps below take
+    # the paths serving takes (one causal range and the cuDNN body for chunks, one piece count for
+    # questions): what they compile and capture now is what serving would otherwise stall for.
     chunk_patches = math.ceil(len(frames) / rt.loaded.temporal_patch_size)
     budget = len(rt.prefix_ids()) + (patches + chunk_patches) * GRID.tokens_per_patch
     policy = EvictionPolicy(max_cache_tokens=budget)
