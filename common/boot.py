@@ -31,6 +31,7 @@ from common.version import VERSION
 
 if TYPE_CHECKING:  # torch only where a model is loaded
     from common.engine.profiling import StepProfiler
+    from common.engine.runtime import Runtime
 
 T = TypeVar("T")
 log = structlog.get_logger()
@@ -42,6 +43,20 @@ LOCAL_WEIGHTS_HINT = (
     "point --model (SVQA_MODEL) at a local directory holding a Qwen2.5-VL checkpoint (config.json, "
     "*.safetensors, tokenizer files), or mount a Hugging Face cache that has it at HF_HOME"
 )
+
+
+def stream_capacity(cfg: T, rt: Runtime) -> T:
+    """`cfg` with `max_streams` capped by what the device's KV pool holds at `max_cache_tokens`: a
+    worker never takes a stream its memory cannot hold (placement leaves it to another worker, or
+    free), where it would fail every chunk of it. Exit 2 when not one stream fits."""
+    fits = rt.streams_fit(cfg.max_cache_tokens)
+    if fits is None or (cfg.max_streams is not None and cfg.max_streams <= fits):
+        return cfg
+    pool = {"max_cache_tokens": cfg.max_cache_tokens, "kv_pool_tokens": rt.pool.limit_tokens()}
+    if fits == 0:
+        fail(EXIT_CONFIG, "no stream fits in the KV pool: lower max_cache_tokens", **pool)
+    log.info("max_streams from the KV pool", max_streams=fits, configured=cfg.max_streams, **pool)
+    return dataclasses.replace(cfg, max_streams=fits)
 
 
 def fail(code: int, event: str, **fields: Any) -> NoReturn:

@@ -221,3 +221,39 @@ def test_a_worker_busy_longer_than_a_lease_keeps_its_streams(r, rt, redis_url):
     finally:
         stop.set()
         running.join(timeout=30)
+
+
+def test_a_worker_takes_no_more_streams_than_its_kv_pool_holds(r, rt, redis_url, monkeypatch, capsys):
+    """On a GPU the KV pool bounds max_streams (the streams' budgets, with SPARE_BUDGETS to spare), so
+    placement leaves a stream the memory cannot hold to another worker instead of failing its
+    chunks; on a CPU the pool grows as needed. (The GPU's memory is what cannot exist here: only
+    the pool's limit is set.) Not one stream fitting is a configuration error: one line, exit 2."""
+    import json
+    from dataclasses import replace
+
+    from common import boot
+    from common.engine.runtime import SPARE_BUDGETS
+    from common.logs import configure_logging
+
+    cfg = EncoderConfig(redis_url=redis_url, streams=("c1", "c2", "c3"), consumer="a", max_cache_tokens=4096)
+    assert rt.pool.limit_tokens() is None and boot.stream_capacity(cfg, rt) is cfg
+    monkeypatch.setattr(rt.pool, "limit_tokens", lambda: (SPARE_BUDGETS + 2) * 4096 + 100)
+    capped = boot.stream_capacity(cfg, rt)
+    assert capped.max_streams == 2
+    assert boot.stream_capacity(replace(cfg, max_streams=1), rt).max_streams == 1  # a lower cap stays
+    assert boot.stream_capacity(replace(cfg, max_cache_tokens=None), rt).max_streams is None  # no budget, no bound
+    assert boot.stream_capacity(replace(cfg, max_cache_tokens=4097), rt).max_streams == 1  # a budget in whole pages
+
+    for cam in cfg.streams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    worker = EncoderService(replace(capped, block_ms=20, lease_ms=1000), rt, r, MemoryStore())
+    for _ in range(5):
+        worker.step()
+    assert len(worker.owned) == 2 and sum(r.exists(keys.lease(cam)) for cam in cfg.streams) == 2
+
+    configure_logging("INFO")
+    monkeypatch.setattr(rt.pool, "limit_tokens", lambda: SPARE_BUDGETS * 4096)
+    with pytest.raises(SystemExit) as exited:
+        boot.stream_capacity(cfg, rt)
+    (line,) = [json.loads(x) for x in capsys.readouterr().err.splitlines() if "KV pool" in x]
+    assert exited.value.code == 2 and line["exit_code"] == 2 and line["max_cache_tokens"] == 4096

@@ -107,6 +107,13 @@ class KVPool:
     def bytes_per_token(self) -> int:
         return token_bytes((self.layers, self.kv_heads, self.head_dim), self.dtype)
 
+    def limit_tokens(self) -> int | None:
+        """The most slots this pool can have: on a GPU its slabs plus what the device could still
+        add beside the activations reserve; None on the CPU, where slabs are added as needed."""
+        if self.device.type != "cuda":
+            return None
+        return self.capacity_tokens + max(0, _free_bytes(self.device) - self.keep_free_bytes) // self.bytes_per_token
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_tokens)
 

@@ -19,6 +19,9 @@ from common.engine.work import Executor, InlineExecutor
 POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
 CPU_SLAB_TOKENS = 1 << 16
 GPU_GROW_TOKENS = 1 << 16  # the least a GPU pool grows by once its first slab is full (2.4 GB at 3B)
+# Room in the pool beside the streams' budgets, in budgets: chunks over budget at once (up to a
+# batch's worth), copy-on-write evictions (a whole cache each), questions' scratch.
+SPARE_BUDGETS = 4
 
 
 class Runtime:
@@ -65,6 +68,14 @@ class Runtime:
         if user:
             return self._user_tokenizer.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def streams_fit(self, budget_tokens: int | None) -> int | None:
+        """How many streams of `budget_tokens` the KV pool holds with `SPARE_BUDGETS` to spare; None
+        when either is unbounded (no budget, or a CPU pool, which grows as needed)."""
+        limit = self.pool.limit_tokens()
+        if budget_tokens is None or limit is None:
+            return None
+        return max(0, limit // (self.pool.pages_for(budget_tokens) * self.pool.page_tokens) - SPARE_BUDGETS)
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")
