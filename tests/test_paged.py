@@ -10,8 +10,10 @@
 
 from __future__ import annotations
 
+import gc
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
@@ -256,3 +258,49 @@ def test_an_unbudgeted_cache_stays_one_extent_as_it_grows():
     assert all(len(v.view.extents) == 1 for v, _ in held + grown_alone)
     assert all(torch.equal(v.view.kv, kv) for v, kv in held), "a held version changed"
     assert same_kv(crowded.head, alone.head)
+
+
+def test_random_appends_evictions_and_holders_keep_every_promise():
+    """A seeded random walk over three streams (re-basing, exact, unbudgeted) appending chunks
+    while versions are taken and let go at random, so evictions go in place or copy-on-write as it
+    falls: every held version stays as it was, every head is one extent, each cache equals the
+    same stream encoded with nobody holding anything, and once everything is let go the pool is
+    back where it started (no page leaked, none freed twice)."""
+    rt = Runtime(load_model("tiny-random"), page_tokens=PAGE)
+    base = rt.pool.used_tokens
+    walk(rt, np.random.default_rng(1), make_frames(4 * 40, GRID, seed=8))
+    gc.collect()
+    assert rt.pool.used_tokens == base
+
+
+def walk(rt: Runtime, rng: np.random.Generator, frames: list) -> None:
+    def streams(tag: str) -> list[StreamEngine]:
+        budgeted = [engine(rt, f"{tag}-rebase"), engine(rt, f"{tag}-exact", mode="exact")]
+        return [*budgeted, StreamEngine(rt, StreamSpec(f"{tag}-open", 2, GRID, 4))]
+
+    def unchanged(v: Version, kv: torch.Tensor) -> None:
+        assert torch.equal(v.view.kv, kv), f"{v.stream} version {v.id} changed while held"
+
+    walked, quiet = streams("walk"), streams("quiet")
+    fed = [0, 0, 0]
+    held: list[tuple[Version, torch.Tensor]] = []
+    for _ in range(90):
+        k = int(rng.integers(3))
+        if fed[k] < len(frames):
+            append_chunk(walked[k], frames, fed[k], 4)
+            fed[k] += 4
+        if rng.random() < 0.25:  # somebody takes a version (a question, a mirror's recent list)
+            head = walked[int(rng.integers(3))].head
+            held.append((head, head.view.kv.clone()))
+            del head
+        if held and rng.random() < 0.5:  # and somebody lets one go
+            unchanged(*held.pop(int(rng.integers(len(held)))))
+        assert all(len(e.head.view.extents) == 1 for e in walked)
+    assert rt.pool.relayouts["copied"] > 0 and rt.pool.relayouts["in_place"] > 0, "both ways were walked"
+    assert all(e.head.stats.evictions > 0 for e in walked[:2])
+    for v in held:
+        unchanged(*v)
+    for e, q, n in zip(walked, quiet, fed, strict=True):
+        for i in range(0, n, 4):
+            append_chunk(q, frames, i, 4)
+        assert same_kv(e.head, q.head), f"{e.spec.name} differs from the same stream with nobody holding"
