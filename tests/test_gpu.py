@@ -241,6 +241,15 @@ def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     answer_beside_encoding(rt, monkeypatch, atol=0.0)
 
 
+def test_a_question_joining_during_an_encode_step_equals_alone(rt, monkeypatch):
+    """`join_during_encode` on the GPU: a question arriving while an encode step is launched is
+    prefilled on the high-priority stream beside it, reading a version the step does not write:
+    same answer as alone, same chunk cache as encoding alone."""
+    from tests.test_scheduler import answer_joining_during_encoding
+
+    answer_joining_during_encoding(rt, monkeypatch, join=True, atol=0.0)
+
+
 def test_frames_patchified_on_the_gpu_equal_the_cpu_pixels():
     """The normalising gather and the patch permutation give the same float32 bits on either device."""
     from common.engine.frames import frames_to_pixels, patchify, stack_frames

@@ -151,6 +151,61 @@ def test_questions_decode_beside_an_encode_step_and_answer_the_same(rt: Runtime,
     answer_beside_encoding(rt, monkeypatch)
 
 
+@pytest.mark.parametrize("join", [True, False], ids=["join-during-encode", "wait-for-the-step"])
+def test_a_question_arriving_during_an_encode_step_joins_it_only_if_asked_to(rt: Runtime, monkeypatch, join: bool):
+    """With `join_during_encode`, a question submitted while an encode step is being launched (here:
+    once its vision pass is done, before the language model's layers) is prefilled between the
+    step's layers instead of after it; either way it answers as alone, and the chunk's cache is
+    what encoding alone gives (tests/test_gpu.py runs the same on the GPU)."""
+    answer_joining_during_encoding(rt, monkeypatch, join)
+
+
+def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: float = 1e-4) -> None:
+    from common.engine import stream as stream_module
+
+    spec_a, spec_b = SPECS[0], SPECS[1]
+    engine_b = encode(rt, spec_b, frames_for(spec_b, 4))
+    params = GenerationParams(max_tokens=6)
+    want = ask(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)
+    frames = frames_for(spec_a, 4)
+    alone = encode(rt, spec_a, frames)
+
+    launches: list[bool] = []
+    launch, vision = Generation.launch_batch, stream_module._vision
+    scheduler = Scheduler(SchedulePolicy(join_during_encode=join))
+    asked: list = []
+
+    def spy(cls, jobs, alongside=False):
+        launches.append(alongside)
+        return launch(jobs, alongside)
+
+    def vision_then_a_question(jobs):
+        vision(jobs)
+        if not asked:
+            asked.append(scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)))
+
+    monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
+    monkeypatch.setattr(stream_module, "_vision", vision_then_a_question)
+    engine_a = StreamEngine(rt, spec_a)
+    rt.executor = scheduler
+    try:
+        chunk = engine_a.submit(engine_a.prepare(frames, [k / 2 for k in range(4)], range(4)))
+        scheduler.step()  # the encode step, during which the question arrives
+        first_launch = launches[:1]
+        for _ in range(50):
+            if asked[0].done():
+                break
+            scheduler.step()
+        engine_a.finish(chunk.result())
+    finally:
+        rt.executor = InlineExecutor()
+    assert first_launch == ([True] if join else [])
+    got = asked[0].result()
+    assert got.token_ids == want.token_ids
+    assert torch.allclose(got.first_logits, want.first_logits, atol=atol, rtol=0)
+    assert torch.equal(engine_a.head.view.kv, alone.head.view.kv)
+
+
 def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None:
     spec_a, spec_b = SPECS[0], SPECS[1]
     engine_b = encode(rt, spec_b, frames_for(spec_b, 4))

@@ -14,6 +14,9 @@ forwards, so there is no lock that threads take turns on. Each step:
    vision and one prefill forward. A person asking gets priority, but live cameras get what they
    need to stay live (the deadline), questions keep at least 1 - `max_encode_share` of the GPU,
    and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
+   Questions being answered keep decoding beside an encode step, launched between its layers
+   (interleave.py); with `join_during_encode`, questions that arrive while it is being launched
+   (before its batch publishes any version) start beside it too.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
    `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
    streams' chunks, until its rebuilt version is published: questions keep their turn between
@@ -56,6 +59,8 @@ class SchedulePolicy:
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
+    # questions arriving while an encode step is being launched start beside it (off until measured on a GPU)
+    join_during_encode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
@@ -88,6 +93,7 @@ class Scheduler:
         self._active: list[StepJob] = []
         self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
+        self._joining = False  # newcomers may start beside the encode step being launched
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -224,6 +230,8 @@ class Scheduler:
             if not wait and not all(launched.ready() for launched, _ in self._in_flight[1]):
                 return
             self._complete_in_flight()
+        if self._joining:
+            self._admit()
         if self._active:
             self._launch(alongside=True)
 
@@ -235,7 +243,9 @@ class Scheduler:
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
-        alongside = self.policy.decode_during_encode and bool(self._active)
+        joining = self.policy.decode_during_encode and self.policy.join_during_encode
+        alongside = joining or (self.policy.decode_during_encode and bool(self._active))
+        self._joining = joining
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             self._run_batches(batch)
             if alongside:
@@ -247,8 +257,7 @@ class Scheduler:
         self._requeue([job for job in batch if not job.done])
         return len(batch)
 
-    @staticmethod
-    def _run_batches(batch: list[BatchJob]) -> None:
+    def _run_batches(self, batch: list[BatchJob]) -> None:
         by_class: dict[type, list[BatchJob]] = {}
         for job in batch:
             by_class.setdefault(type(job), []).append(job)
@@ -257,6 +266,9 @@ class Scheduler:
                 cls.run_batch(jobs)
             except Exception as e:
                 fail_all(jobs, e)
+            # its versions are published now, maybe before the device has written them: a question
+            # arriving from here on may read one, so it starts at the next step, after the sync
+            self._joining = False
 
     def _drain(self, done: Callable[[], bool]) -> None:
         """Until the device has finished the encode step (`done`), decode beside it."""
