@@ -200,6 +200,8 @@ def test_qa_kill9_with_question_in_flight_is_answered_exactly_once(rt, redis_url
     # a different worker takes over the dead one's pending question
     services.start("qa", "--consumer", "qa-b", "--claim-idle-ms", "2000")
     final = reader.result(180)
+    # the audit copy follows the final (a step of its own), and the ack follows both
+    wait_for(lambda: r.xpending(keys.questions(CAM), keys.QA_GROUP)["pending"] == 0, 30, "the ack", services)
     finals = [f for _, f in r.xrange(keys.answer(qid)) if f[b"type"] == b"final"]
     audit = [f for _, f in r.xrange(keys.ANSWERS) if f[b"id"] == qid.encode()]
     assert len(finals) == 1 and len(audit) == 1

@@ -253,7 +253,8 @@ def test_a_worker_takes_no_more_streams_than_its_kv_pool_holds(r, rt, redis_url,
 
     configure_logging("INFO")
     monkeypatch.setattr(rt.pool, "limit_tokens", lambda: SPARE_BUDGETS * 4096)
+    capsys.readouterr()  # what was logged before
     with pytest.raises(SystemExit) as exited:
         boot.stream_capacity(cfg, rt)
-    (line,) = [json.loads(x) for x in capsys.readouterr().err.splitlines() if "KV pool" in x]
+    (line,) = [json.loads(x) for x in capsys.readouterr().err.splitlines() if "no stream fits" in x]
     assert exited.value.code == 2 and line["exit_code"] == 2 and line["max_cache_tokens"] == 4096
