@@ -160,33 +160,46 @@ def test_a_question_arriving_during_an_encode_step_joins_it_only_if_asked_to(rt:
     answer_joining_during_encoding(rt, monkeypatch, join)
 
 
-def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: float = 1e-4) -> None:
-    from common.engine import stream as stream_module
-
+def question_and_chunks(rt: Runtime, question: str, max_tokens: int, n_frames: int):
+    """Stream b encoded, with `question`'s answer on it alone; frames of stream a and its cache
+    encoded alone: what an answer and a cache produced beside each other must equal."""
     spec_a, spec_b = SPECS[0], SPECS[1]
     engine_b = encode(rt, spec_b, frames_for(spec_b, 4))
-    params = GenerationParams(max_tokens=6)
-    want = ask(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)
-    frames = frames_for(spec_a, 4)
-    alone = encode(rt, spec_a, frames)
+    params = GenerationParams(max_tokens=max_tokens)
+    want = ask(rt, engine_b.head, question, params, keep_logits=True)
+    frames = frames_for(spec_a, n_frames)
+    return engine_b, params, want, frames, encode(rt, spec_a, frames)
 
+
+def spy_on_launches(monkeypatch) -> list[bool]:
+    """Filled with `alongside` of every question step launched: True beside an encode step."""
     launches: list[bool] = []
-    launch, vision = Generation.launch_batch, stream_module._vision
-    scheduler = Scheduler(SchedulePolicy(join_during_encode=join))
-    asked: list = []
+    launch = Generation.launch_batch
 
     def spy(cls, jobs, alongside=False):
         launches.append(alongside)
         return launch(jobs, alongside)
+
+    monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
+    return launches
+
+
+def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: float = 1e-4) -> None:
+    from common.engine import stream as stream_module
+
+    engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[1], 6, 4)
+    launches = spy_on_launches(monkeypatch)
+    vision = stream_module._vision
+    scheduler = Scheduler(SchedulePolicy(join_during_encode=join))
+    asked: list = []
 
     def vision_then_a_question(jobs):
         vision(jobs)
         if not asked:
             asked.append(scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)))
 
-    monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
     monkeypatch.setattr(stream_module, "_vision", vision_then_a_question)
-    engine_a = StreamEngine(rt, spec_a)
+    engine_a = StreamEngine(rt, SPECS[0])
     rt.executor = scheduler
     try:
         chunk = engine_a.submit(engine_a.prepare(frames, [k / 2 for k in range(4)], range(4)))
@@ -207,20 +220,10 @@ def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: f
 
 
 def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None:
-    spec_a, spec_b = SPECS[0], SPECS[1]
-    engine_b = encode(rt, spec_b, frames_for(spec_b, 4))
-    params = GenerationParams(max_tokens=12)
-    want = ask(rt, engine_b.head, QUESTIONS[2], params, keep_logits=True)
-    frames = frames_for(spec_a, 12)
-    alone = encode(rt, spec_a, frames)
-
-    launches: list[bool] = []
-    launch, forward = Generation.launch_batch, answer._forward
+    engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[2], 12, 12)
+    launches = spy_on_launches(monkeypatch)
+    forward = answer._forward
     inference: list[bool] = []
-
-    def spy(cls, jobs, alongside=False):
-        launches.append(alongside)
-        return launch(jobs, alongside)
 
     def forward_spy(gens):
         # inside an encode step's forward, a step must still run as it would alone: a graph
@@ -228,10 +231,9 @@ def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None
         inference.append(torch.is_inference_mode_enabled())
         return forward(gens)
 
-    monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
     monkeypatch.setattr(answer, "_forward", forward_spy)
     scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand: an encode step after each decode
-    engine_a = StreamEngine(rt, spec_a)
+    engine_a = StreamEngine(rt, SPECS[0])
     rt.executor = scheduler
     try:
         question = scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[2], params, keep_logits=True))
