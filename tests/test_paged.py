@@ -23,6 +23,7 @@ from common.engine.kvcache import Version
 from common.engine.lm import KVView
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
+from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
 from common.engine.stream import ChunkJob, StreamEngine
 from tests.engine_helpers import QUESTION, append_chunk, make_frames, policy_keeping, same_kv
@@ -304,3 +305,36 @@ def walk(rt: Runtime, rng: np.random.Generator, frames: list) -> None:
         for i in range(0, n, 4):
             append_chunk(q, frames, i, 4)
         assert same_kv(e.head, q.head), f"{e.spec.name} differs from the same stream with nobody holding"
+
+
+def test_no_room_for_a_copy_fails_that_chunk_alone_and_the_stream_goes_on(rt, monkeypatch):
+    """An eviction that must copy (a question holds the version it replaces) and finds no room in
+    the pool fails the chunk that set it off, and only that: the stream's head stays what it was,
+    another stream's chunk in the same batch is published, and once the old version is let go the
+    stream goes on as if the chunk had never come. (A GPU's memory is what cannot run out here:
+    the pool is made to refuse allocations of a whole cache.)"""
+    frames = make_frames(40, GRID, seed=9)
+    a, b, same = engine(rt, "full-a"), engine(rt, "full-b"), engine(rt, "full-same")
+    for e in (a, b, same):
+        feed(e, frames, 0, 32)  # at the budget: the next chunk evicts
+    held, kv = a.head, a.head.view.kv.clone()
+    budget, alloc = a.cache.policy.max_cache_tokens, rt.pool.alloc
+
+    def no_room_for_a_cache(n_tokens: int):
+        if n_tokens >= budget:
+            raise PoolFull(f"no room for {n_tokens} more KV tokens (test)")
+        return alloc(n_tokens)
+
+    monkeypatch.setattr(rt.pool, "alloc", no_room_for_a_cache)
+    times = [16, 16.5, 17, 17.5]
+    jobs = [ChunkJob(e, e.prepare(frames[32:36], times, range(32, 36))) for e in (a, b)]
+    ChunkJob.run_batch(jobs)
+    with pytest.raises(PoolFull):
+        jobs[0].future.result()
+    assert b.finish(jobs[1].future.result()).stats.evictions == 1, "the other stream's chunk went on"
+    assert a.head.id == held.id and torch.equal(a.head.view.kv, kv) and len(a.head.view.extents) == 1
+    monkeypatch.undo()
+    del held, jobs
+    feed(a, frames, 36, 40)  # the version is let go: this eviction goes in place
+    feed(same, frames, 36, 40)  # the same stream, never sent the refused chunk
+    assert a.head.stats.evictions == 1 and same_kv(a.head, same.head)

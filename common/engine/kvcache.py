@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
 import structlog
@@ -49,7 +49,7 @@ import torch
 
 from common.engine.eviction import EvictionPolicy
 from common.engine.lm import Item, KVView, LanguageModel
-from common.engine.pool import Region
+from common.engine.pool import PoolFull, Region
 from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
 from common.engine.salience import mean_embedding, salience
 from common.engine.spans import capture_ranges
@@ -297,7 +297,11 @@ class StreamCache:
             placements[0].segment.tokens, [s.tokens for s in chunks], [s.salience for s in chunks]
         )
         if drop:
-            return self._evict(placements, drop, next_patch)
+            try:
+                return self._evict(placements, drop, next_patch)
+            except PoolFull:  # no room for the copy (or rebuild) it needs: the chunk is refused, the head stays
+                self.embeds.pop(segment.chunk_id, None)
+                raise
         head = self._head
         return self._publish(placements, video_start=head.video_start, next_patch=next_patch, stats=head.stats)
 
@@ -555,15 +559,23 @@ class StreamCache:
         n_keep = _common_prefix(placements, source)
         keep, moved = placements[:n_keep], placements[n_keep:]
         # What is read or kept stays held while the head lets go: the cache's own head is no
-        # holder of pages it is replacing, but a version somebody else still holds is.
+        # holder of pages it is replacing, but a version somebody else still holds is. Its pages
+        # stay held here too, so that with no room for a copy it can be put back as it was.
         mine = [pool.hold(*self._where[p.segment.id], p.segment.tokens) for p in placements if p.segment.id in held]
-        self._head, self._pinned = None, mine
+        old = self._head
+        pages = [pool.hold(e.slab, e.start, e.size) for e in old.view.extents] if old else []
+        was = {f.name: getattr(old, f.name) for f in fields(Version) if f.name != "view"} if old else None
+        self._head, self._pinned, old = None, [*mine, *pages], None
         tokens = sum(p.segment.tokens for p in moved)
-        at = self._in_place(keep, moved, held, tokens, mine)
+        at = self._in_place(keep, moved, held, tokens, self._pinned)
         copied = at is None
         if copied:  # copy-on-write, all of it: the new version is one extent
             moved, tokens = placements, sum(p.segment.tokens for p in placements)
-            self._run, at = pool.alloc(max(tokens, self._run_tokens)), 0
+            try:
+                self._run, at = pool.alloc(max(tokens, self._run_tokens)), 0
+            except PoolFull:  # nothing was written: the head is what it was, and the caller is told
+                self._head, self._pinned = (Version(view=KVView(tuple(pages)), **was) if was else None), []
+                raise
         if source:  # a layout replaced (a first one, a restore, replaces none)
             pool.relayouts["copied" if copied else "in_place"] += 1
             log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)

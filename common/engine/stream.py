@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -26,6 +27,8 @@ from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.work import BatchJob, fail_all
+
+T = TypeVar("T")
 
 SegmentSink = Callable[[Segment, torch.Tensor], None]
 EmbedsSource = Callable[[str], torch.Tensor | None]  # chunk id -> its kept vision embeddings
@@ -254,17 +257,25 @@ class ChunkJob(BatchJob):
             raise ValueError("a batch holds at most one chunk per stream")
         try:
             _vision(chunk_jobs)
-            inputs = [j._input() for j in chunk_jobs]
-            lm = chunk_jobs[0].engine.rt.lm
-            embeds = torch.cat([e for e, _, _ in inputs])
-            positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
-            lm.forward(embeds, positions, lm.plan([item for _, _, item in inputs]))
-            del inputs  # their bases hold the heads' pages, which an eviction may now turn in place
-            results = [j._output() for j in chunk_jobs]
         except Exception as e:
             fail_all(chunk_jobs, e)
             return
-        for job, result in zip(chunk_jobs, results, strict=True):
+        # What one stream's cache refuses (no room in the pool for its chunk, or for the copy its
+        # eviction needs) fails that stream's chunk alone; the batch goes on without it.
+        started = _each(chunk_jobs, ChunkJob._input)
+        if not started:
+            return
+        try:
+            lm = chunk_jobs[0].engine.rt.lm
+            inputs = list(started.values())
+            embeds = torch.cat([e for e, _, _ in inputs])
+            positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
+            lm.forward(embeds, positions, lm.plan([item for _, _, item in inputs]))
+        except Exception as e:
+            fail_all(list(started), e)
+            return
+        del inputs, started  # their bases hold the heads' pages, which an eviction may now turn in place
+        for job, result in _each(chunk_jobs, ChunkJob._output).items():
             if result is not None:
                 job.future.set_result(result)
 
@@ -295,6 +306,19 @@ class ChunkJob(BatchJob):
         else:
             return None
         return self.engine._appended(before, version, segment, self.original, self.chunk.embeds)
+
+
+def _each(jobs: Sequence[ChunkJob], step: Callable[[ChunkJob], T]) -> dict[ChunkJob, T]:
+    """`step` of every job not failed yet, by job; a job whose step raises fails alone."""
+    out: dict[ChunkJob, T] = {}
+    for job in jobs:
+        if job.future.done():
+            continue
+        try:
+            out[job] = step(job)
+        except Exception as e:
+            job.future.set_exception(e)
+    return out
 
 
 def _vision(jobs: Sequence[ChunkJob]) -> None:
