@@ -125,7 +125,12 @@ def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):
 
         final = Client(r).ask("cam1", "What is on screen?", max_tokens=4, timeout_s=120)
         assert final.error is None and final.version is not None
-        scraped = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+
+        def counted() -> str | None:  # the question's metrics follow its final entry, which the client read
+            text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+            return text if _metric(text, "svqa_qa_first_token_seconds_count") >= 1 else None  # the last one set
+
+        scraped = wait_for(counted, 30, "the question counted", services)
         assert _metric(scraped, 'svqa_cache_tokens{stream="cam1"}') > 0
         assert _metric(scraped, 'svqa_encoder_frames_total{stream="cam1"}') == 12
         assert _metric(scraped, 'svqa_qa_job_runs_total{job="cap",outcome="ok",stream="cam1"}') >= 1
