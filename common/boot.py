@@ -162,13 +162,15 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     rt.on_graph_capture = metrics.record_graph_capture
     metrics.watch_pool(rt.pool)
     if rt.device.type == "cuda":  # neither exists on a CPU
+        # Before the warm-up: a compiled function's guards include torch's thread count, so a
+        # change after it recompiled everything the warm-up compiled, as stalls of the serving loop.
+        _one_cpu_thread_per_op()
         # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
         warm_up_s = warm_up(rt)
         # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
         # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
         # many times a step. A short interval hands it back sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
-        _one_cpu_thread_per_op()
     gpu = gpu or GPUSettings()
     # one loop owns the GPU: batches every stream and question
     rt.executor = Scheduler(

@@ -241,6 +241,16 @@ def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     answer_beside_encoding(rt, monkeypatch, atol=0.0)
 
 
+def test_questions_decoded_beside_an_encode_step_that_leaves_them_sms_equal_alone(rt, monkeypatch):
+    """`decode_sms` on the GPU: the encode step's products run on fewer SMs (cuBLAS may pick other
+    kernels, so its caches are equal to encoding alone within bf16 rounding, not bit for bit); the
+    questions beside it answer exactly as alone."""
+    from tests.test_scheduler import answer_beside_encoding
+
+    rt.step_graphs = None
+    answer_beside_encoding(rt, monkeypatch, atol=0.0, decode_sms=16, cache_atol=0.05)
+
+
 def test_a_question_joining_during_an_encode_step_equals_alone(rt, monkeypatch):
     """`join_during_encode` on the GPU: a question arriving while an encode step is launched is
     prefilled on the high-priority stream beside it, reading a version the step does not write:

@@ -96,6 +96,7 @@ def test_lanes_take_turns():
         {"encode_share": 1.1},
         {"max_encode_share": 1.5},
         {"chunk_deadline_s": -1.0},
+        {"decode_sms": -1},
     ],
 )
 def test_a_bad_policy_is_refused(bad):

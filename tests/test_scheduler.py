@@ -151,6 +151,13 @@ def test_questions_decode_beside_an_encode_step_and_answer_the_same(rt: Runtime,
     answer_beside_encoding(rt, monkeypatch)
 
 
+def test_an_encode_step_leaves_decode_sms_to_the_questions_beside_it(rt: Runtime, monkeypatch):
+    """With `decode_sms` the encode step's matrix products are launched with that many SMs left
+    out (cuBLAS's SM count target; on a CPU the setting is there and does nothing), the decode
+    steps between its layers with every SM, and the setting is back to none after the step."""
+    answer_beside_encoding(rt, monkeypatch, decode_sms=16)
+
+
 @pytest.mark.parametrize("join", [True, False], ids=["join-during-encode", "wait-for-the-step"])
 def test_a_question_arriving_during_an_encode_step_joins_it_only_if_asked_to(rt: Runtime, monkeypatch, join: bool):
     """With `join_during_encode`, a question submitted while an encode step is being launched (here:
@@ -219,20 +226,33 @@ def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: f
     assert torch.equal(engine_a.head.view.kv, alone.head.view.kv)
 
 
-def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None:
+def answer_beside_encoding(
+    rt: Runtime, monkeypatch, atol: float = 1e-4, decode_sms: int = 0, cache_atol: float | None = None
+) -> None:
+    """`cache_atol`: how far the chunks' caches may be from encoding alone (None: bit for bit)."""
+    from common.engine import stream as stream_module
+
     engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[2], 12, 12)
     launches = spy_on_launches(monkeypatch)
-    forward = answer._forward
+    forward, vision = answer._forward, stream_module._vision
     inference: list[bool] = []
+    carveouts: dict[str, set[int | None]] = {"decode": set(), "encode": set()}
 
     def forward_spy(gens):
         # inside an encode step's forward, a step must still run as it would alone: a graph
         # captured in inference mode has buffers that no later replay can write
         inference.append(torch.is_inference_mode_enabled())
+        carveouts["decode"].add(torch._C._get_sm_carveout_experimental())
         return forward(gens)
 
+    def vision_spy(jobs):
+        carveouts["encode"].add(torch._C._get_sm_carveout_experimental())
+        return vision(jobs)
+
     monkeypatch.setattr(answer, "_forward", forward_spy)
-    scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand: an encode step after each decode
+    monkeypatch.setattr(stream_module, "_vision", vision_spy)
+    # driven by hand: an encode step after each decode
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0, decode_sms=decode_sms))
     engine_a = StreamEngine(rt, SPECS[0])
     rt.executor = scheduler
     try:
@@ -258,7 +278,16 @@ def answer_beside_encoding(rt: Runtime, monkeypatch, atol: float = 1e-4) -> None
     assert torch.allclose(got.first_logits, want.first_logits, atol=atol, rtol=0)
     n = alone.head.tokens
     assert engine_a.head.tokens == n
-    assert torch.equal(engine_a.head.view.kv[:, :, :, :n], alone.head.view.kv[:, :, :, :n])
+    got_kv, want_kv = engine_a.head.view.kv[:, :, :, :n], alone.head.view.kv[:, :, :, :n]
+    if cache_atol is None:
+        assert torch.equal(got_kv, want_kv)
+    else:
+        assert torch.allclose(got_kv.float(), want_kv.float(), atol=cache_atol, rtol=0)
+    # encode steps beside questions leave `decode_sms` SMs free (with none to decode, every SM is
+    # theirs); the questions' own steps take every SM
+    assert carveouts["decode"] == {None}
+    assert (decode_sms or None) in carveouts["encode"] <= {decode_sms or None, None}
+    assert torch._C._get_sm_carveout_experimental() is None
 
 
 def test_regions_return_to_the_pool(rt: Runtime):

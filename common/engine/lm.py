@@ -212,6 +212,12 @@ class LanguageModel:
         if self.device.type == "cuda" and FUSE:
             # Tensors only, one shape per batch size (dynamic): one compiled graph serves every layer
             # and every batch; each fuses the elementwise chains around the matrix products.
+            # The merges compile once per piece count (their loop over parts unrolls): split-KV
+            # factors, cache tails and bodies make more than dynamo's default of 8, past which
+            # each new count silently runs eager (seen at 64 cameras once caches were full).
+            from torch._dynamo import config  # here: only GPU services compile, and it is slow to import
+
+            config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
             self._attention_input = torch.compile(_attention_input, dynamic=True)
             self._output_and_mlp = torch.compile(_output_and_mlp, dynamic=True)
             self._merge = torch.compile(_merge, dynamic=True)
@@ -521,6 +527,7 @@ def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
     return _rms_norm_weight(x, norm.weight, norm.variance_epsilon)
 
 
+RECOMPILE_LIMIT = 64  # compiled graphs per merge function (one per piece count)
 FUSE = True  # torch.compile the elementwise chains of a layer on GPUs (off: the same functions, eager)
 
 

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -59,14 +59,19 @@ class SchedulePolicy:
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
-    # questions arriving while an encode step is being launched start beside it (off until measured on a GPU)
+    # questions arriving while an encode step is being launched start beside it (off: no gain measured on a GPU)
     join_during_encode: bool = False
+    # SMs an encode step's matrix products leave free for the questions decoding beside it: a
+    # cuBLAS product takes every SM until it ends, so each small decode kernel waits for one
+    decode_sms: int = 0
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
             raise ValueError("max_batch and max_chunks must be at least 1")
         if not (0.0 <= self.encode_share <= 1.0 and 0.0 <= self.max_encode_share <= 1.0):
             raise ValueError("encode_share and max_encode_share are shares of GPU time, from 0 to 1")
+        if self.decode_sms < 0:
+            raise ValueError("decode_sms must be >= 0")
         if self.chunk_deadline_s < 0 or self.window_s <= 0:
             raise ValueError("chunk_deadline_s must be >= 0 and window_s > 0")
 
@@ -233,7 +238,8 @@ class Scheduler:
         if self._joining:
             self._admit()
         if self._active:
-            self._launch(alongside=True)
+            with self._sm_carveout(None):  # a graph captured here keeps every SM
+                self._launch(alongside=True)
 
     def _encode(self) -> int:
         with self._lock:
@@ -247,7 +253,8 @@ class Scheduler:
         alongside = joining or (self.policy.decode_during_encode and bool(self._active))
         self._joining = joining
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
-            self._run_batches(batch)
+            with self._sm_carveout(self.policy.decode_sms if alongside else None):
+                self._run_batches(batch)
             if alongside:
                 self._drain(_device_done())
         if self._broken is not None:
@@ -256,6 +263,9 @@ class Scheduler:
         self._complete_in_flight()
         self._requeue([job for job in batch if not job.done])
         return len(batch)
+
+    def _sm_carveout(self, sms: int | None) -> contextlib.AbstractContextManager[None]:
+        return _matmul_sm_carveout(sms) if self.policy.decode_sms else contextlib.nullcontext()
 
     def _run_batches(self, batch: list[BatchJob]) -> None:
         by_class: dict[type, list[BatchJob]] = {}
@@ -331,6 +341,21 @@ def _device_done() -> Callable[[], bool]:
     event = torch.cuda.Event()
     event.record()
     return event.query
+
+
+@contextlib.contextmanager
+def _matmul_sm_carveout(sms: int | None) -> Iterator[None]:
+    """cuBLAS products launched in the block leave `sms` SMs free (None: take every SM)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
 
 
 def _settle() -> None:
