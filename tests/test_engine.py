@@ -6,6 +6,7 @@ over the same frames, token for token, and its first logits agree to 1e-4.
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -326,3 +327,21 @@ def test_a_plans_key_range_bound_is_at_least_its_floor_and_its_longest_range(rt:
     assert floored.shape != natural.shape  # the bound is part of what a graph depends on
     small = rt.lm.plan(items, 2, device=False, max_k_floor=(8, 1000))  # a floor below the ranges
     assert {causal: p.max_k for (_, causal), p in small.pieces.items()} == {True: 256, False: 4096}
+
+
+@pytest.mark.parametrize("copies", [(1, 1), (1, 3), (4, 2, 1)], ids=["one-each", "split-tail", "three-parts"])
+def test_stacked_merge_equals_the_general_merge(copies):
+    """The merge of a plan whose pieces are whole copies of its rows (`_merge_stacked`, with each
+    copy a tensor of its own) is the general merge by row index (`_merge`), also with pieces that
+    read no keys (flash's lse +inf, zeros out)."""
+    from common.engine.lm import _merge, _merge_stacked
+
+    rows, heads, dim = 6, 4, 8
+    gen = torch.Generator().manual_seed(0)
+    parts = []
+    for k in copies:
+        out = torch.randn(k * rows, heads, dim, generator=gen)
+        lse = torch.randn(k * rows, heads, generator=gen) * 3
+        out[:rows], lse[:rows] = (0.0, math.inf) if k > 1 else (out[:rows], lse[:rows])  # an empty piece
+        parts.append((out, lse, torch.arange(rows).repeat(k)))
+    assert torch.allclose(_merge_stacked(rows, parts), _merge(rows, parts), atol=1e-6, rtol=0)

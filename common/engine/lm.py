@@ -28,6 +28,7 @@ KV layout: (layers, 2, kv_heads, slots, head_dim); [:, 0] keys (stored rotated),
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
@@ -493,22 +494,23 @@ def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
 
 def _merge_stacked(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """`_merge` where every part's rows are whole copies of rows 0..n_rows-1 in order (a plan's
-    `stacked`): a reduction over each part's stack. One piece per row is already the answer.
-    Part by part, never concatenated: compiled, a chunk batch's merge (own piece, cache tail,
-    cuDNN body: 4096 rows x 16 heads each) is one pass over the parts, where a cat first and a
-    reduction after read everything twice, at 380 us a layer."""
+    `stacked`): a sum over every copy. One piece per row is already the answer.
+    Never concatenated: compiled, a chunk batch's merge (own piece, cache tail, cuDNN body: 4096
+    rows x 16 heads each) is one pass over the parts, where a cat first and a reduction after read
+    everything twice, at 380 us a layer. And each copy a tensor of its own, not a dimension to
+    reduce over: that dimension's size is symbolic to the compiler, and it made a reduction kernel
+    of one output per program (10 ms a layer at 16 chunks); unbound, the count of copies is a
+    constant of the compiled graph and the merge one pointwise kernel."""
     if len(parts) == 1 and parts[0][0].shape[0] == n_rows:
         return parts[0][0]
     heads, head_dim = parts[0][0].shape[1:]
-    outs = [o.view(-1, n_rows, heads, head_dim) for o, _, _ in parts]
-    lses = [lse.view(-1, n_rows, heads) for _, lse, _ in parts]
+    outs = [copy for o, _, _ in parts for copy in o.view(-1, n_rows, heads, head_dim).unbind(0)]
+    lses = [copy for _, lse, _ in parts for copy in lse.view(-1, n_rows, heads).unbind(0)]
     lses = [lse.masked_fill(lse == math.inf, -math.inf) for lse in lses]
-    peak = lses[0].amax(0)
-    for lse in lses[1:]:
-        peak = torch.maximum(peak, lse.amax(0))
+    peak = functools.reduce(torch.maximum, lses)
     weights = [torch.exp(lse - peak) for lse in lses]
-    total = sum(w.sum(0) for w in weights)
-    out = sum((o.float() * w[..., None]).sum(0) for o, w in zip(outs, weights, strict=True))
+    total = functools.reduce(torch.add, weights)
+    out = functools.reduce(torch.add, [o.float() * w[..., None] for o, w in zip(outs, weights, strict=True)])
     return (out / total[..., None]).to(outs[0].dtype)
 
 
