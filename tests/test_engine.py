@@ -329,11 +329,13 @@ def test_a_plans_key_range_bound_is_at_least_its_floor_and_its_longest_range(rt:
     assert {causal: p.max_k for (_, causal), p in small.pieces.items()} == {True: 256, False: 4096}
 
 
-@pytest.mark.parametrize("copies", [(1, 1), (1, 3), (4, 2, 1)], ids=["one-each", "split-tail", "three-parts"])
+@pytest.mark.parametrize(
+    "copies", [(1, 1), (1, 3), (4, 2, 1), (1, 16)], ids=["one-each", "split-tail", "three-parts", "stacks"]
+)
 def test_stacked_merge_equals_the_general_merge(copies):
-    """The merge of a plan whose pieces are whole copies of its rows (`_merge_stacked`, with each
-    copy a tensor of its own) is the general merge by row index (`_merge`), also with pieces that
-    read no keys (flash's lse +inf, zeros out)."""
+    """The merge of a plan whose pieces are whole copies of its rows (`_merge_stacked`: a few
+    copies summed one by one, many as stacks) is the general merge by row index (`_merge`), also
+    with pieces that read no keys (flash's lse +inf, zeros out)."""
     from common.engine.lm import _merge, _merge_stacked
 
     rows, heads, dim = 6, 4, 8

@@ -492,25 +492,49 @@ def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tens
     return (out / total[..., None]).to(parts[0][0].dtype)
 
 
+UNROLL_COPIES = 8  # a stacked merge of at most this many copies in all sums them one by one
+
+
 def _merge_stacked(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """`_merge` where every part's rows are whole copies of rows 0..n_rows-1 in order (a plan's
     `stacked`): a sum over every copy. One piece per row is already the answer.
-    Never concatenated: compiled, a chunk batch's merge (own piece, cache tail, cuDNN body: 4096
-    rows x 16 heads each) is one pass over the parts, where a cat first and a reduction after read
-    everything twice, at 380 us a layer. And each copy a tensor of its own, not a dimension to
-    reduce over: that dimension's size is symbolic to the compiler, and it made a reduction kernel
-    of one output per program (10 ms a layer at 16 chunks); unbound, the count of copies is a
-    constant of the compiled graph and the merge one pointwise kernel."""
+    Part by part, never concatenated: compiled, a chunk batch's merge (own piece, cache tail,
+    cuDNN body: 4096 rows x 16 heads each) is one pass over the parts, where a cat first and a
+    reduction after read everything twice, at 380 us a layer.
+    How the copies are summed depends on how many there are, as the compiler makes each (H200):
+    a few (a chunk batch, a decode batch without split-KV), each copy a tensor of its own, are one
+    pointwise kernel, where a reduction over a copy dimension of symbolic size made a kernel of
+    one output per program (10 ms a layer at 16 chunks); many (a question's prefill over a long
+    cache, 64 pieces), unrolled, made a kernel 8 ms slower a prefill than the reduction."""
     if len(parts) == 1 and parts[0][0].shape[0] == n_rows:
         return parts[0][0]
     heads, head_dim = parts[0][0].shape[1:]
-    outs = [copy for o, _, _ in parts for copy in o.view(-1, n_rows, heads, head_dim).unbind(0)]
-    lses = [copy for _, lse, _ in parts for copy in lse.view(-1, n_rows, heads).unbind(0)]
+    outs = [o.view(-1, n_rows, heads, head_dim) for o, _, _ in parts]
+    lses = [lse.view(-1, n_rows, heads) for _, lse, _ in parts]
+    if sum(o.shape[0] for o in outs) <= UNROLL_COPIES:
+        return _merge_copies([c for o in outs for c in o.unbind(0)], [c for lse in lses for c in lse.unbind(0)])
+    return _merge_stacks(outs, lses)
+
+
+def _merge_copies(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """Outputs (rows, heads, dim) and log-sum-exps (rows, heads) of pieces of the same rows."""
     lses = [lse.masked_fill(lse == math.inf, -math.inf) for lse in lses]
     peak = functools.reduce(torch.maximum, lses)
     weights = [torch.exp(lse - peak) for lse in lses]
     total = functools.reduce(torch.add, weights)
     out = functools.reduce(torch.add, [o.float() * w[..., None] for o, w in zip(outs, weights, strict=True)])
+    return (out / total[..., None]).to(outs[0].dtype)
+
+
+def _merge_stacks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:
+    """`_merge_copies` of stacks of copies: (copies, rows, heads, dim) and (copies, rows, heads)."""
+    lses = [lse.masked_fill(lse == math.inf, -math.inf) for lse in lses]
+    peak = lses[0].amax(0)
+    for lse in lses[1:]:
+        peak = torch.maximum(peak, lse.amax(0))
+    weights = [torch.exp(lse - peak) for lse in lses]
+    total = sum(w.sum(0) for w in weights)
+    out = sum((o.float() * w[..., None]).sum(0) for o, w in zip(outs, weights, strict=True))
     return (out / total[..., None]).to(outs[0].dtype)
 
 
