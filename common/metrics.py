@@ -91,6 +91,16 @@ GPU_ALLOC_RETRIES = Gauge(
     **_R,
 )
 GPU_ALLOC_RETRIES.set_function(lambda: _cuda_memory_stat("num_alloc_retries"))
+GPU_COMPILES = Gauge(
+    "svqa_gpu_compiles",
+    "torch.compile since start: compiled (graphs made; one made while serving stalls the GPU loop for seconds, "
+    "the warm-up should have made them all) and not_compiled (code it declined, a recompile limit reached, "
+    "say: that code runs eager from then on, silently slower)",
+    ["outcome"],
+    **_R,
+)
+GPU_COMPILES.labels("compiled").set_function(lambda: _compiled_frames("ok"))
+GPU_COMPILES.labels("not_compiled").set_function(lambda: _compiled_frames("total") - _compiled_frames("ok"))
 
 
 KV_POOL_TOKENS = Gauge(
@@ -116,6 +126,12 @@ def watch_pool(pool) -> None:
         KV_RELAYOUTS.labels(how).set_function(lambda h=how: pool.relayouts[h])
 
 
+def _compiled_frames(name: str) -> float:
+    """dynamo's own count of the frames it was handed (total) and compiled (ok)."""
+    utils = sys.modules.get("torch._dynamo.utils")  # read where something compiles; never imported for this
+    return 0.0 if utils is None else float(utils.counters["frames"][name])
+
+
 def _cuda_memory_stat(name: str) -> float:
     torch = sys.modules.get("torch")  # read where a model is loaded; never imported for this
     if torch is None or not torch.cuda.is_initialized():
@@ -123,7 +139,15 @@ def _cuda_memory_stat(name: str) -> float:
     return float(torch.cuda.memory_stats().get(name, 0))
 
 
-_GPU = (GPU_STEP_SECONDS, GPU_STEP_UNITS, GPU_GRAPH_CAPTURES, GPU_ALLOC_RETRIES, KV_POOL_TOKENS, KV_RELAYOUTS)
+_GPU = (
+    GPU_STEP_SECONDS,
+    GPU_STEP_UNITS,
+    GPU_GRAPH_CAPTURES,
+    GPU_ALLOC_RETRIES,
+    GPU_COMPILES,
+    KV_POOL_TOKENS,
+    KV_RELAYOUTS,
+)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {

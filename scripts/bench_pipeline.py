@@ -303,7 +303,7 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     for (name, label, _), value in worker.items():
-        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts"):
+        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts", "svqa_gpu_compiles"):
             counts["gpu"][f"{name}:{label}"] = value
     return counts
 
@@ -562,9 +562,10 @@ def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[st
 def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]:
     """What the GPU schedulers did in the window, summed over workers: each step kind's share of
     the time, steps, mean step time, and work per step (chunks, question tokens, tasks); CUDA graph
-    captures (stalls: the warm-up at start should have made every graph serving needs); allocator
-    retries (each synchronizes the device); the KV pools at the end and their caches' re-layouts in
-    the window (copies: somebody held a cache's old pages when it evicted)."""
+    captures and torch.compile graphs made or declined (stalls, or code left eager: the warm-up
+    at start should have made every graph serving needs); allocator retries (each synchronizes
+    the device); the KV pools at the end and their caches' re-layouts in the window (copies:
+    somebody held a cache's old pages when it evicted)."""
 
     def delta(key: str) -> float:
         return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
@@ -575,6 +576,7 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
     }
     out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries"))
+    out["compiles"] = {how: int(delta(f"svqa_gpu_compiles:{how}")) for how in ("compiled", "not_compiled")}
     out["kv_pool"] = {
         **{
             f"{state}_tokens": int(after.get("gpu", {}).get(f"svqa_kv_pool_tokens:{state}", 0))

@@ -107,6 +107,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
     assert gpu["graph_captures"] == {"count": 0, "seconds": 0.0}  # no CUDA graphs on a CPU
     assert gpu["alloc_retries"] == 0
+    assert gpu["compiles"] == {"compiled": 0, "not_compiled": 0}  # nothing compiles on a CPU
     pool = gpu["kv_pool"]  # both workers' pools, summed; no camera reaches its 32K budget in the window
     assert 0 < pool["used_tokens"] <= pool["peak_tokens"] <= pool["capacity_tokens"]
     assert pool["relayouts_in_place"] == pool["relayouts_copied"] == 0

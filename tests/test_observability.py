@@ -123,6 +123,29 @@ def test_queue_wait_is_measured_from_the_entry_id():
     assert queue_wait_s("custom-id") == 0.0
 
 
+def test_torch_compile_is_counted_at_every_scrape(monkeypatch):
+    """Graphs torch.compile made, and code it declined (here: past a recompile limit of 1, so it
+    runs eager), as dynamo counts them: a GPU service that compiles while serving shows it."""
+    import torch
+    import torch._dynamo
+
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    port = serve(["worker"], health.Readiness())
+
+    def scraped() -> dict[str, float]:
+        body = get(port, "/metrics")[1].decode()
+        families = text_string_to_metric_families(body)
+        return {s.labels["outcome"]: s.value for f in families if f.name == "svqa_gpu_compiles" for s in f.samples}
+
+    before = scraped()
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    double(torch.ones(2))
+    double(torch.ones(2, dtype=torch.float64))  # another variant, past the limit
+    after = scraped()
+    assert after["compiled"] - before["compiled"] == 1
+    assert after["not_compiled"] - before["not_compiled"] == 1
+
+
 def test_dashboard_queries_only_metrics_the_code_defines_and_covers_them_all():
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
