@@ -123,13 +123,12 @@ def test_queue_wait_is_measured_from_the_entry_id():
     assert queue_wait_s("custom-id") == 0.0
 
 
-def test_torch_compile_is_counted_at_every_scrape(monkeypatch):
+def test_torch_compile_is_counted_at_every_scrape():
     """Graphs torch.compile made, and code it declined (here: past a recompile limit of 1, so it
     runs eager), as dynamo counts them: a GPU service that compiles while serving shows it."""
     import torch
     import torch._dynamo
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     port = serve(["worker"], health.Readiness())
 
     def scraped() -> dict[str, float]:
@@ -139,8 +138,9 @@ def test_torch_compile_is_counted_at_every_scrape(monkeypatch):
 
     before = scraped()
     double = torch.compile(lambda x: x * 2, backend="eager")
-    double(torch.ones(2))
-    double(torch.ones(2, dtype=torch.float64))  # another variant, past the limit
+    with torch._dynamo.config.patch(recompile_limit=1):  # its own patch: a monkeypatch's undo hides the entry
+        double(torch.ones(2))
+        double(torch.ones(2, dtype=torch.float64))  # another variant, past the limit
     after = scraped()
     assert after["compiled"] - before["compiled"] == 1
     assert after["not_compiled"] - before["not_compiled"] == 1
