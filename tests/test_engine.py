@@ -347,3 +347,54 @@ def test_stacked_merge_equals_the_general_merge(copies):
         out[:rows], lse[:rows] = (0.0, math.inf) if k > 1 else (out[:rows], lse[:rows])  # an empty piece
         parts.append((out, lse, torch.arange(rows).repeat(k)))
     assert torch.allclose(_merge_stacked(rows, parts), _merge(rows, parts), atol=1e-6, rtol=0)
+
+
+def test_prefills_padded_as_their_graph_runs_them_give_each_question_its_own_logits(rt: Runtime):
+    """Questions arriving together are prefilled in one graph: each padded at its end to the
+    length bucket, the batch to its size bucket with items writing a dummy region, logits taken
+    at each one's last real token. Run eagerly here (fp32), that padded batch gives every question
+    the logits (and the K/V) it gets prefilled alone."""
+    from common.engine.answer import Generation
+    from common.engine.lm import Item, StepGraphs
+
+    engines = [
+        stream(rt, make_frames(n, g, seed=n), g, 2, 2, name=f"pad{n}")
+        for n, g in ((2, Grid(56, 84)), (4, Grid(56, 56)))
+    ]
+    questions = ["What is on the left?", "Is anything red here?", "What happens next in the scene?"]
+    gens = [Generation(rt, engines[i % 2].head, q, GenerationParams(max_tokens=4)) for i, q in enumerate(questions)]
+    lengths = [len(g.pending) for g in gens]
+    assert len(set(lengths)) == 3 and len({StepGraphs.prefill_room(n) for n in lengths}) == 1  # one bucket
+    graphs = StepGraphs(rt.lm)
+
+    def prefill(batch: list[Generation]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        tokens = [t for g in batch for t in g.pending]
+        positions = [p for g in batch for p in range(g.pos, g.pos + len(g.pending))]
+        tokens, positions, items, last = graphs.padded(tokens, positions, [g.item() for g in batch])
+        assert len(items) == 4 and {it.n for it in items} == {StepGraphs.prefill_room(max(lengths))}
+        hidden = rt.lm.forward(rt.lm.embed(tokens), torch.tensor(positions).expand(3, -1), rt.lm.plan(items))
+        kv = [g.scratch.kv[:, :, :, : len(g.pending)].clone() for g in batch]
+        return rt.lm.logits(hidden[last[: len(batch)]]), kv
+
+    together, kv_together = prefill(gens)
+    for g, logits, kv in zip(gens, together, kv_together, strict=True):
+        hidden = rt.lm.forward(rt.lm.embed(g.pending), text_positions(g.pos, len(g.pending)), rt.lm.plan([g.item()]))
+        alone = rt.lm.logits(hidden[-1])
+        assert torch.allclose(logits, alone, atol=1e-4, rtol=0) and logits.argmax() == alone.argmax()
+        assert torch.allclose(kv, g.scratch.kv[:, :, :, : len(g.pending)], atol=1e-5, rtol=0)
+    longest = Item(2000, rt.pool.alloc(2000), 0)  # past the last length bucket: run eagerly
+    assert graphs.padded([0] * 2000, list(range(2000)), [longest]) is None
+
+
+def test_questions_arriving_together_are_prefilled_in_batches_of_one_length_bucket():
+    """One graph per length bucket takes as many prefills as its rows allow; order is kept."""
+    from types import SimpleNamespace
+
+    from common.engine.answer import _prefill_groups
+    from common.engine.lm import StepGraphs
+
+    gens = [SimpleNamespace(pending=[0] * n, name=i) for i, n in enumerate([12, 40, 15, 16, 60, 3000, *[20] * 40])]
+    groups = [[g.name for g in group] for group in _prefill_groups(gens)]
+    thirty_twos = [6 + i for i in range(40)]
+    assert StepGraphs.PREFILL_ROWS // 32 == 32
+    assert groups == [[0, 2, 3], [1, 4], [5], thirty_twos[:32], thirty_twos[32:]]

@@ -147,6 +147,37 @@ def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monke
     assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
 
 
+def test_questions_arriving_together_are_prefilled_from_one_graph(rt, monkeypatch):
+    """Three questions of one length bucket on two streams, stepped together: their prefills are
+    one replay (a batch of 4 with a dummy item, nothing eager), and each question gets the tokens
+    and first logits it gets alone, launched eagerly."""
+    from common.engine import answer
+    from common.engine.grid import Grid
+    from common.engine.params import GenerationParams
+
+    engines = [_engine(rt, "together-a", Grid(56, 56), 3, 13), _engine(rt, "together-b", Grid(56, 84), 2, 17)]
+    params = GenerationParams(max_tokens=12)
+    questions = ["What is on the left?", "Is anything red here?", "What happens next in the scene?"]
+    gens = [answer.Generation(rt, engines[i % 2].head, q, params, keep_logits=True) for i, q in enumerate(questions)]
+    if rt.step_graphs is None:
+        rt.step_graphs = answer.StepGraphs(rt.lm, on_capture=rt.on_graph_capture)
+    calls: list[tuple[int, bool]] = []
+    run = rt.step_graphs.run
+    monkeypatch.setattr(
+        rt.step_graphs, "run", lambda *a: calls.append((len(a[2]), (out := run(*a)) is not None)) or out
+    )
+    while not all(g.done for g in gens):
+        answer.Generation.step_batch([g for g in gens if not g.done])
+    assert calls[0] == (3, True) and all(graphed for _, graphed in calls)
+    assert any(key[0] == (64,) * 4 for key in rt.step_graphs.graphs)
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    for i, (q, g) in enumerate(zip(questions, gens, strict=True)):
+        alone = answer.ask(rt, engines[i % 2].head, q, params, keep_logits=True)
+        got = g.future.result()
+        assert got.token_ids[:8] == alone.token_ids[:8]
+        assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
+
+
 def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     """A graph's key ranges are bounded for caches up to GRAPH_BASE_TOKENS, not by the cache it
     first met: questions on a cache of 9K tokens and then of 17K (split-KV pieces past a power of

@@ -213,9 +213,10 @@ def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
 def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
     """Every generation's pending tokens through the model: logits (B, V) at each one's last token
     and their greedy picks (B,), on the device. On a GPU with graphs, questions being prefilled
-    (joining a batch mid-decode, or arriving together) run apart from the decoding ones, each from
-    its own graph: a mixed batch has no graph, and run eagerly it costs several times the graphed
-    steps together (an answer does not depend on its batch, so the split changes nothing in it)."""
+    (joining a batch mid-decode, or arriving together) run apart from the decoding ones, from
+    graphs of their own (`_prefill_groups`): a mixed batch has no graph, and run eagerly it costs
+    several times the graphed steps together (an answer does not depend on its batch, so the
+    split changes nothing in it)."""
     rt = gens[0].rt
     if not (rt.lm.flash and CUDA_GRAPHS):
         return _forward_batch(gens)
@@ -223,7 +224,7 @@ def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
         rt.step_graphs = StepGraphs(rt.lm, on_capture=rt.on_graph_capture)
     decoding = [g for g in gens if len(g.pending) == 1]
     groups = [decoding] if decoding else []
-    groups += [[g] for g in gens if len(g.pending) > 1]
+    groups += _prefill_groups([g for g in gens if len(g.pending) > 1])
     if len(groups) == 1:
         return _forward_batch(gens, rt.step_graphs)
     # cloned: graphs share one memory pool, so the next replay may overwrite this one's outputs
@@ -231,6 +232,19 @@ def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
     row = {id(g): i for i, g in enumerate(g for group in groups for g in group)}
     where = torch.tensor([row[id(g)] for g in gens]).to(outs[0][0].device, non_blocking=True)
     return torch.cat([o[0] for o in outs])[where], torch.cat([o[1] for o in outs])[where]
+
+
+def _prefill_groups(gens: Sequence[Generation]) -> list[list[Generation]]:
+    """Questions being prefilled, in batches that one prefill graph takes: of one length bucket,
+    as many as its rows allow, in the order they came."""
+    by_length: dict[int, list[Generation]] = {}
+    for g in gens:
+        by_length.setdefault(StepGraphs.prefill_room(len(g.pending)), []).append(g)
+    groups = []
+    for length, same in by_length.items():
+        size = StepGraphs.prefill_batch(length)
+        groups += [same[i : i + size] for i in range(0, len(same), size)]
+    return groups
 
 
 def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:

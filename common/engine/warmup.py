@@ -6,7 +6,8 @@ builds vision kernels: seconds each, during which the one GPU loop stands still.
 pipeline: stalls of 3-5 s in the first minute, every camera and question waiting behind them.
 So a worker walks throwaway streams through what serving does before it reports ready, on short
 caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
-of chunks, decode batches, questions joining a batch mid-decode, lone questions of a few lengths.
+of chunks, questions prefilled together and decoded in batches of every warmed size, questions
+joining a batch mid-decode, lone questions of a few lengths.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from common.engine.runtime import Runtime
 from common.engine.stream import ChunkJob, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
-DECODE_BATCHES = (1, 2, 4, 8)  # decode graph buckets captured at start; larger ones on first use
+DECODE_BATCHES = (1, 2, 4, 8)  # decode and prefill graph buckets captured at start; larger ones on first use
 PREFILL_LENGTHS = (32, 64)  # and lone-question prefill buckets (16: the questions above); longer on first use
 
 
