@@ -482,7 +482,10 @@ def check_redis_url(url: str, where: str) -> None:
         cluster = cluster_nodes(url)
         port = parts.port if cluster is None else None
     except ValueError as e:
-        raise ConfigError(f"{where}: {redact_url(url)}: {e}") from None
+        # The parser's words quote the piece it choked on, a piece of the password when that holds
+        # an unescaped '/', '?', '#' or '@' ("Port could not be cast to integer value as 'pa'").
+        problem = "bad host or port (percent-encode '@', ':', '/', '?' and '#' in a password)" if "@" in url else e
+        raise ConfigError(f"{where}: {redact_url(url)}: {problem}") from None
     if parts.scheme not in REDIS_SCHEMES:
         schemes = ", ".join(f"{s}://" for s in REDIS_SCHEMES)
         raise ConfigError(f"{where}: {redact_url(url)}: not a Redis URL (use {schemes})")

@@ -27,13 +27,21 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import structlog
 
 MASK = "***"
-# scheme://userinfo@ : the userinfo is everything up to the last @ before the host part ends.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s@]+)@")
+# scheme://userinfo@ : the userinfo is everything up to the last @ before the next whitespace. A
+# password may hold '/', '?', '#' or '@' unescaped (the URL is then broken, and its error quotes it):
+# masking a path that holds an '@' as well is the price of never showing such a password.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>\S+)@")
 _SECRET_PARAMS = re.compile(r"pass|pwd|secret|token|key|auth|sig", re.I)
 
 
 def redact_url(url: str) -> str:
     """``url`` with its password (or a lone user token) and secret-looking query values masked."""
+    scheme, sep, rest = url.partition("://")
+    if sep and "@" in rest:
+        # Up to the last '@', not the netloc a parser finds: an unescaped '/', '?', '#' or '@' in a
+        # password would end the netloc early and leave the rest of the password in path or query.
+        userinfo, _, rest = rest.rpartition("@")
+        url = f"{scheme}://{_mask_userinfo(userinfo)}@{rest}"
     try:
         parts = urlsplit(url)
     except ValueError:

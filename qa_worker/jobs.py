@@ -208,7 +208,12 @@ class JobRunner:
             }
             redisio.xadd_capped(self.r, keys.transcript(sched.stream), fields, TRANSCRIPT_MAXLEN)
         if self.transcript_dir is not None:
-            self._write_files(sched)
+            try:
+                self._write_files(sched)
+            except OSError as e:
+                # A full disk or a read-only volume: the cues are in Redis (the source of truth) and
+                # the files are rewritten whole from it at the next cue; questions and jobs go on.
+                log.error("subtitle files not written", stream=sched.stream, error=str(e))
 
     def _write_files(self, sched: Schedule) -> None:
         cues = [

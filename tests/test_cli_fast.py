@@ -54,3 +54,18 @@ def test_version():
     )
     assert out.stdout.strip() == f"streamvqa {VERSION}"
     assert VERSION != "0+unknown"  # the package is installed (make test installs it)
+
+
+@pytest.mark.parametrize("password", ["Pw#s3cret", "Pw/s3cret", "Pw?s3cret", "Pw@s3cret"])
+@pytest.mark.parametrize("command", [["status"], ["ask", "--stream", "cam1", "--timeout", "0.5", "hi"]])
+def test_a_password_with_url_delimiters_is_never_shown(command, password, redis_url):
+    """An unescaped '#', '/', '?' or '@' in a password ends the URL's userinfo early for a URL
+    parser: the redaction missed the rest of it, and the config check quoted the parser's error
+    ("Port could not be cast to integer value as 'Pw'")."""
+    url = redis_url.replace("redis://", f"redis://:{password}@")
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", *command, "--redis-url", url], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode in (0, 1, 2, 3), out.stderr
+    for piece in ("Pw", "s3cret"):
+        assert piece not in out.stdout + out.stderr, out.stdout + out.stderr

@@ -211,3 +211,25 @@ def test_open_subtitle_cues_close_once_the_stream_goes_quiet(rt, redis_url, tmp_
     assert cues == ["RED BALL"]
     runner.run_due()
     assert r.xlen(keys.transcript("quiet")) == 1  # closed once
+
+
+def test_unwritable_subtitle_files_do_not_stop_the_job(rt, redis_url, tmp_path):
+    """A transcript_dir that cannot be written (full disk, read-only volume, a file in the way)
+    used to raise out of the job runner and stop the whole worker, questions included."""
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1)
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+
+    def screen(version, prompt: str) -> str:
+        return "EXIT ONLY" if version.id < 2 else "NO PARKING"
+
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], screen, str(blocker / "subs"))
+    for i in range(3):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5])
+        assert runner.run_due() == 1
+    runner.flush()
+    texts = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("cam1"))]
+    assert texts == ["EXIT ONLY", "NO PARKING"], "the transcript in Redis is still written"

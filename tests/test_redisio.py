@@ -9,7 +9,7 @@ import time
 import pytest
 import redis
 
-from common.logs import MASK, redact_url
+from common.logs import MASK, redact_text, redact_url
 from common.redisio import (
     DEAD_LETTER_MAX_FIELDS,
     DEAD_LETTER_MAX_VALUE,
@@ -367,3 +367,6 @@ def test_redact():
     assert redact_url("redis://:pw@h:6379/0") == f"redis://:{MASK}@h:6379/0"
     assert redact_url("redis://u:pw@h/0") == f"redis://u:{MASK}@h/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
+    for pw in ("p#w", "p/w", "p?w", "p@w"):  # unescaped: a URL parser ends the userinfo early
+        assert redact_url(f"redis://u:{pw}@h:1/0") == f"redis://u:{MASK}@h:1/0"
+        assert redact_text(f"bad url 'redis://:{pw}@h:1/0' here") == f"bad url 'redis://:{MASK}@h:1/0' here"

@@ -337,6 +337,9 @@ def test_question_all_fields_round_trip():
         ({"temperature": "nan"}, "temperature"),
         ({"temperature": "inf"}, "temperature"),
         ({"top_p": "0"}, "top_p"),
+        ({"temperature": "1e-300"}, "temperature"),  # 0 in float32: NaN probabilities
+        ({"temperature": "1e-40"}, "temperature"),  # logits / t overflow in float32
+        ({"top_p": "1e-300"}, "top_p"),  # 0 in float32: no token kept
         ({"top_p": "1.01"}, "top_p"),
         ({"choices": "red,blue"}, "choices"),
         ({"choices": '"red"'}, "choices"),

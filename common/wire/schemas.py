@@ -40,6 +40,11 @@ MAX_CHOICES = 16
 MAX_CHOICE_CHARS = 200
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
+# The engine samples from float32 logits / temperature, keeping tokens below top_p: a temperature
+# under ~1e-38 makes that inf/NaN and a top_p under ~1e-45 is 0 in float32 (no token kept). Either
+# failed not only its own question but every question decoded in the same batched step.
+MIN_TEMPERATURE = 1e-6  # besides 0 (greedy); sampling this cold is greedy already
+MIN_TOP_P = 1e-6  # this low keeps only the most likely token already
 
 INT64_MAX = 2**63 - 1
 # No leading dot: a name becomes a directory and file names ('.', '..', hidden files).
@@ -603,10 +608,12 @@ def parse_question(
         kw["max_tokens"] = _parse_int("max_tokens", f["max_tokens"], 1, limits.max_new_tokens)
     if "temperature" in f:
         kw["temperature"] = _parse_float("temperature", f["temperature"], 0.0, MAX_TEMPERATURE)
+        if 0.0 < kw["temperature"] < MIN_TEMPERATURE:
+            raise SchemaError("temperature", f"must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {kw['temperature']:g}")
     if "top_p" in f:
         kw["top_p"] = _parse_float("top_p", f["top_p"], 0.0, 1.0)
-        if kw["top_p"] <= 0.0:
-            raise SchemaError("top_p", "must be > 0")
+        if kw["top_p"] < MIN_TOP_P:
+            raise SchemaError("top_p", f"must be >= {MIN_TOP_P:g}, got {kw['top_p']:g}")
     if "choices" in f:
         kw["choices"] = _parse_choices(f["choices"], limits)
     if "at" in f:
