@@ -398,3 +398,12 @@ def test_questions_arriving_together_are_prefilled_in_batches_of_one_length_buck
     thirty_twos = [6 + i for i in range(40)]
     assert StepGraphs.PREFILL_ROWS // 32 == 32
     assert groups == [[0, 2, 3], [1, 4], [5], thirty_twos[:32], thirty_twos[32:]]
+
+
+@pytest.mark.parametrize("kw", [{"temperature": 1e-300}, {"temperature": 1e-40}, {"top_p": 1e-300}])
+def test_generation_params_refuse_what_float32_sampling_cannot_do(kw):
+    """Logits / temperature overflow float32 below ~1e-38 and a top_p below ~1e-45 keeps no token:
+    the engine refuses such a question itself, whoever builds it (the wire schemas check the same)."""
+    with pytest.raises(QuestionError):
+        GenerationParams(**kw)
+    assert GenerationParams(temperature=1e-6, top_p=1e-6).temperature == 1e-6

@@ -116,6 +116,26 @@ def test_an_answer_does_not_depend_on_its_batch(rt: Runtime, scheduled: Schedule
         assert torch.allclose(got.first_logits, alone.first_logits, atol=1e-4, rtol=0)
 
 
+def test_a_question_failing_in_its_own_step_work_fails_alone(rt: Runtime):
+    """What goes wrong with one question's own part of a batched step (its token callback, its
+    sampling) fails that question; the others in the step go on to the answers they get alone."""
+    spec = SPECS[0]
+    engine = encode(rt, spec, frames_for(spec, 4))
+    params = GenerationParams(max_tokens=6)
+    alone = [ask(rt, engine.head, q, params) for q in QUESTIONS[:2]]
+
+    def client_gone(tokens: list[int]) -> None:
+        raise ConnectionError("the asker went away")
+
+    gens = [Generation(rt, engine.head, q, params) for q in QUESTIONS[:2]]
+    gens.insert(1, Generation(rt, engine.head, QUESTIONS[2], params, on_tokens=client_gone))
+    while not all(g.done for g in gens):
+        Generation.step_batch([g for g in gens if not g.done])
+    with pytest.raises(ConnectionError, match="went away"):
+        gens[1].future.result()
+    assert [g.future.result().token_ids for g in (gens[0], gens[2])] == [a.token_ids for a in alone]
+
+
 def test_sampled_and_multiple_choice_go_through_the_scheduler(rt: Runtime, scheduled: Scheduler):
     spec = SPECS[1]
     engine = encode(rt, spec, frames_for(spec, 4))

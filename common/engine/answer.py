@@ -182,7 +182,10 @@ class _Step:
                     self.done.synchronize()
                 greedy = self.greedy.tolist()
                 for i, g in enumerate(self.gens):
-                    g._advance(self.logits[i], greedy[i])
+                    try:
+                        g._advance(self.logits[i], greedy[i])
+                    except Exception as e:  # its own sampling or token callback: the others' tokens stand
+                        fail_all([g], e)
             if self.stream is not None:  # a kept copy of the logits is read on the default stream
                 torch.cuda.default_stream(self.stream.device).wait_stream(self.stream)
         except Exception as e:

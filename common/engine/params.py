@@ -9,6 +9,11 @@ MAX_QUESTION_TOKENS = 2048
 MAX_NEW_TOKENS = 2048
 DEFAULT_MAX_TOKENS = 128
 MAX_TEMPERATURE = 2.0
+# Sampling divides float32 logits by the temperature and keeps tokens below top_p: a temperature
+# under ~1e-38 makes that inf/NaN, a top_p under ~1e-45 is 0 (no token kept). So a positive value
+# is at least this, where sampling is greedy (or keeps only the top token) already.
+MIN_TEMPERATURE = 1e-6
+MIN_TOP_P = 1e-6
 
 
 class QuestionError(ValueError):
@@ -25,7 +30,8 @@ class GenerationParams:
     def __post_init__(self) -> None:
         if not 1 <= self.max_tokens <= MAX_NEW_TOKENS:
             raise QuestionError(f"max_tokens must be in 1..{MAX_NEW_TOKENS}, got {self.max_tokens}")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
-            raise QuestionError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise QuestionError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (self.temperature == 0.0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE):
+            bounds = f"[{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"
+            raise QuestionError(f"temperature must be 0 (greedy) or in {bounds}, got {self.temperature}")
+        if not MIN_TOP_P <= self.top_p <= 1.0:
+            raise QuestionError(f"top_p must be in [{MIN_TOP_P:g}, 1], got {self.top_p}")

@@ -26,7 +26,7 @@ import msgpack
 import numpy as np
 from PIL import Image
 
-from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE
+from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from common.engine.spans import capture_ranges
 
 SCHEMA_VERSION = 1
@@ -40,11 +40,6 @@ MAX_CHOICES = 16
 MAX_CHOICE_CHARS = 200
 MAX_REPLY_TTL_S = 7 * 24 * 3600
 MAX_MANIFEST_SEGMENTS = 1 << 20
-# The engine samples from float32 logits / temperature, keeping tokens below top_p: a temperature
-# under ~1e-38 makes that inf/NaN and a top_p under ~1e-45 is 0 in float32 (no token kept). Either
-# failed not only its own question but every question decoded in the same batched step.
-MIN_TEMPERATURE = 1e-6  # besides 0 (greedy); sampling this cold is greedy already
-MIN_TOP_P = 1e-6  # this low keeps only the most likely token already
 
 INT64_MAX = 2**63 - 1
 # No leading dot: a name becomes a directory and file names ('.', '..', hidden files).
