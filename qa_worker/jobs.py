@@ -142,6 +142,10 @@ class JobRunner:
             bound.error("job failed", error=str(e))
             metrics.JOB_RUNS.labels(job.name, sched.stream, "error").inc()
             return
+        except (RuntimeError, ValueError):  # out of GPU or pool memory, as a question's: this run fails, jobs go on
+            bound.exception("job failed")
+            metrics.JOB_RUNS.labels(job.name, sched.stream, "error").inc()
+            return
         if job.kind == "subtitles":
             self._emit_cues(sched, sched.tracker.observe(t0, t1, parse_model_output(text)), version)
             sched.last_run = time.monotonic()

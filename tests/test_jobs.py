@@ -18,6 +18,7 @@ from apps.samplevideo import caption_at, write_sample_video
 from common.config import Job
 from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
+from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.wire import keys
@@ -233,3 +234,24 @@ def test_unwritable_subtitle_files_do_not_stop_the_job(rt, redis_url, tmp_path):
     runner.flush()
     texts = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("cam1"))]
     assert texts == ["EXIT ONLY", "NO PARKING"], "the transcript in Redis is still written"
+
+
+def test_a_job_run_that_runs_out_of_memory_fails_alone_and_the_next_runs(rt, redis_url):
+    """The engine running out of pool or GPU memory in a job's run fails that run (logged, counted),
+    as it fails a question: it used to leave the job runner and stop the whole worker."""
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("oom", 2.0, grid, 2))
+    job = Job(name="cap", stream="oom", kind="caption", every_versions=1)
+
+    def caption(version, prompt: str) -> str:
+        if version.id == 1:
+            raise PoolFull("the KV pool has no room for 4096 tokens")
+        return f"version {version.id}"
+
+    runner = JobRunner(r, lambda s: engine.head, [job], ["oom"], caption, None)
+    for i in range(3):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5])
+        assert runner.run_due() == 1
+    texts = [f[b"text"].decode() for _, f in r.xrange(keys.job_output("oom", "cap"))]
+    assert texts == ["version 2", "version 3"]  # the first run (version 1) failed
