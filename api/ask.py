@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import errors, replies
 from api.guard import require_token
+from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 
 router = APIRouter(prefix="/api", tags=["ask"], dependencies=[Depends(require_token)])
@@ -68,3 +69,5 @@ async def _events(request: Request, q: Question) -> AsyncIterator[bytes]:
                 yield replies.sse("final", replies.final_json(reply))
     except TimeoutError as e:
         yield replies.sse("error", errors.body(504, str(e)))
+    except OUTAGE_ERRORS as e:  # the response has begun: say so in an event, not a cut connection
+        yield replies.sse("error", errors.unavailable(e))

@@ -335,6 +335,41 @@ def test_not_ready_without_redis_but_alive():
     assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
 
 
+def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(redis_server):
+    """Redis goes away under a running API: every route answers 503 JSON (not a 500 and a
+    traceback), and an answer being streamed ends with an error event instead of a cut connection."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    async def run() -> tuple[httpx.Response, httpx.Response, list[httpx.Response]]:
+        app = create_app(ApiConfig(redis_url=redis_server.url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            ask = {"question": "x", "stream": False}
+            chat_body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+            threading.Timer(0.5, redis_server.stop).start()  # while both answers are awaited
+            native, chat = await asyncio.gather(
+                client.post("/api/streams/ghost/ask", json={"question": "Is the door open?"}),
+                client.post("/v1/chat/completions", json=chat_body | {"stream": True}),
+            )
+            down = [
+                *[await client.get(p) for p in ("/api/streams", "/api/streams/ghost", "/api/streams/ghost/events")],
+                *[await client.get(p) for p in ("/api/streams/ghost/frame.jpg", "/api/alerts", "/v1/models")],
+                await client.post("/api/streams/ghost/ask", json=ask),
+                await client.post("/v1/chat/completions", json=chat_body),
+            ]
+        return native, chat, down
+
+    native, chat, down = asyncio.run(run())
+    unavailable = {"message": "redis unreachable: ConnectionError", "type": "unavailable", "param": None, "code": 503}
+    assert _parse_sse(native.text)[-1] == ("error", {"error": unavailable}), native.text
+    assert [d for _, d in _parse_sse(chat.text)][-2:] == [{"error": unavailable}, "[DONE]"], chat.text
+    for response in down:
+        assert assert_error(response, 503)["type"] == "unavailable"
+
+
 def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
     """A worker that died mid-answer: its successor answers again from the start (attempt 2), and a
     late delta of attempt 1 arrives after that. Entries written by hand, the way workers write them."""
