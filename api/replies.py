@@ -37,9 +37,11 @@ def stream_name(name: str, field: str = "stream") -> str:
         raise errors.schema_error(e) from None
 
 
-async def known_stream(r: aredis.Redis, name: str) -> str:
-    """404 unless ingest or an encoder has ever written the stream."""
-    if not await r.exists(keys.meta(stream_name(name)), keys.head(name)):
+async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False) -> str:
+    """404 unless ingest or an encoder has ever written the stream; with ``failing``, its events
+    alone will do: a camera that never connected is listed (by them) and they say why it fails."""
+    found = (keys.meta(stream_name(name)), keys.head(name), *((keys.events(name),) if failing else ()))
+    if not await r.exists(*found):
         raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
     return name
 

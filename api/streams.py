@@ -62,14 +62,15 @@ async def list_streams(request: Request) -> dict:
 @router.get("/streams/{name}", summary="One stream's status")
 async def one_stream(name: str, request: Request) -> dict:
     r = request.app.state.r
-    found = await collect(request, [await replies.known_stream(r, name)])
+    found = await collect(request, [await replies.known_stream(r, name, failing=True)])
     return found["streams"][0]
 
 
 @router.get("/streams/{name}/events", summary="The stream's recent events (ingest and encoder)")
 async def events(name: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    return {"events": entries(await r.xrevrange(keys.events(await replies.known_stream(r, name)), count=count))}
+    key = keys.events(await replies.known_stream(r, name, failing=True))
+    return {"events": entries(await r.xrevrange(key, count=count))}
 
 
 async def _jpeg(r: aredis.Redis, key: str, what: str) -> Response:

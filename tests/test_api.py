@@ -335,6 +335,28 @@ def test_not_ready_without_redis_but_alive():
     assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
 
 
+def test_a_camera_that_never_connected_has_status_and_events(redis_url, tmp_path):
+    """Ingest on a camera URL that refuses (with credentials in it): the stream is listed, and its
+    own status and events (why it fails) are served, not 404; the password appears in none of them."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    services = Services(redis_url, tmp_path)
+    url, args = "rtsp://admin:s3cr3t-pw@127.0.0.1:1/live", ("--max-reconnects", "0", "--open-timeout-s", "2")
+    assert services.start("ingest", "--url", url, "--stream", "door", *args).wait(timeout=60) == 1, services.logs()
+
+    async def get(*paths: str) -> list[httpx.Response]:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return [await client.get(p) for p in paths]
+
+    listed, one, events = asyncio.run(get("/api/streams", "/api/streams/door", "/api/streams/door/events"))
+    assert [s["stream"] for s in listed.json()["streams"]] == ["door"]
+    assert one.status_code == 200 and one.json()["state"] == "gave_up" and one.json()["connected"] is False
+    assert events.status_code == 200 and "error" in [e["type"] for e in events.json()["events"]]
+    assert "s3cr3t" not in listed.text + one.text + events.text + services.logs()
+
+
 def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(redis_server):
     """Redis goes away under a running API: every route answers 503 JSON (not a 500 and a
     traceback), and an answer being streamed ends with an error event instead of a cut connection."""
