@@ -13,6 +13,7 @@ from api import errors, replies
 from api.guard import require_token
 from common import placement, status
 from common.wire import keys
+from common.wire.schemas import INT64_MAX
 from common.wire.transcript import Cue, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
@@ -88,7 +89,10 @@ async def latest_frame(name: str, request: Request) -> Response:
 
 @router.get("/streams/{name}/transcript", summary="On-screen text transcribed by subtitle jobs")
 async def transcript(
-    name: str, request: Request, format: Literal["json", "vtt", "srt"] = "json", count: int = Query(10_000, ge=1)
+    name: str,
+    request: Request,
+    format: Literal["json", "vtt", "srt"] = "json",
+    count: int = Query(10_000, ge=1, le=INT64_MAX),  # past what Redis takes, XREVRANGE COUNT fails (a 500)
 ):
     r = request.app.state.r
     found = entries(await r.xrevrange(keys.transcript(await replies.known_stream(r, name)), count=count))

@@ -357,6 +357,23 @@ def test_a_camera_that_never_connected_has_status_and_events(redis_url, tmp_path
     assert "s3cr3t" not in listed.text + one.text + events.text + services.logs()
 
 
+def test_a_transcript_count_past_what_redis_takes_is_a_422(redis_url):
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+        r.xadd(keys.transcript("ghost"), {"start": "0", "end": "1", "text": "EXIT", "job": "subs"})
+
+    async def get(count: int) -> httpx.Response:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return await client.get("/api/streams/ghost/transcript", params={"count": count, "format": "srt"})
+
+    assert "EXIT" in asyncio.run(get(2**63 - 1)).text  # Redis's own limit: all of it
+    assert_error(asyncio.run(get(2**63)), 422, "query.count")  # one more was a 500 from XREVRANGE
+
+
 def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(redis_server):
     """Redis goes away under a running API: every route answers 503 JSON (not a 500 and a
     traceback), and an answer being streamed ends with an error event instead of a cut connection."""
