@@ -10,7 +10,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aredis
@@ -63,9 +63,10 @@ async def submit(r: aredis.Redis, q: Question) -> None:
 
 
 async def replies(
-    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int
+    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]] | None = None
 ) -> AsyncIterator[AnswerDelta | FinalAnswer]:
-    """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
+    """Deltas as they arrive, then the final answer; TimeoutError if none comes in time. ``gone``
+    (a request's ``is_disconnected``) is asked after each read: True ends the replies, final or not."""
     deadline, last = time.monotonic() + timeout_s, "0"
     while (left := deadline - time.monotonic()) > 0:
         block = max(1, int(min(left * 1000, block_ms)))  # BLOCK 0 would mean forever
@@ -76,6 +77,8 @@ async def replies(
                 yield reply
                 if isinstance(reply, FinalAnswer):
                     return
+        if gone is not None and await gone():
+            return
     raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
 
 
@@ -95,14 +98,18 @@ async def newest_attempt(
             yield reply, False
 
 
-async def final_of(r: aredis.Redis, qid: str, timeout_s: float, block_ms: int) -> FinalAnswer:
+async def final_of(
+    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]]
+) -> FinalAnswer:
+    """The final answer. A client that hung up ends the wait (``gone``): nothing else would for a
+    non-streamed response, and each waiter holds a Redis connection for up to ``timeout_s``."""
     try:
-        async for reply in replies(r, qid, timeout_s, block_ms):
+        async for reply in replies(r, qid, timeout_s, block_ms, gone):
             if isinstance(reply, FinalAnswer):
                 return reply
     except TimeoutError as e:
         raise errors.ApiError(504, str(e)) from None
-    raise AssertionError("unreachable")
+    raise errors.ApiError(499, "client closed the request")  # sent to no one
 
 
 def final_json(final: FinalAnswer) -> dict[str, Any]:

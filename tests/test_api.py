@@ -409,6 +409,42 @@ def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(re
         assert assert_error(response, 503)["type"] == "unavailable"
 
 
+def test_a_client_that_hangs_up_on_a_non_streamed_answer_stops_the_wait(redis_url):
+    """Non-streamed answers (native and OpenAI) that nobody answers: the client gives up after 0.5 s,
+    and the API stops reading Redis for them within a read, not after answer_timeout_s (60 s here)."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    port = free_port()
+    app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=60, block_ms=200))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def reads() -> int:  # the API's blocking reads of answer streams so far
+        return int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
+
+    try:
+        wait_for(lambda: server.started, 10, "uvicorn")
+        base = f"http://127.0.0.1:{port}"
+        native = {"question": "x", "stream": False}
+        chat = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+        for path, body in (("/api/streams/ghost/ask", native), ("/v1/chat/completions", chat)):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + path, json=body, timeout=httpx.Timeout(10, read=0.5))
+            time.sleep(0.5)  # the read under way when the client left, and the check after it
+            before = reads()
+            time.sleep(1)  # five more reads of 200 ms each if the API were still waiting
+            assert reads() == before, f"{path}: still reading the answer stream after the client left"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
     """A worker that died mid-answer: its successor answers again from the start (attempt 2), and a
     late delta of attempt 1 arrives after that. Entries written by hand, the way workers write them."""
