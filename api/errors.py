@@ -60,6 +60,13 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        if first.get("type") == "json_invalid":  # loc is ("body", offset): an offset is no field name
+            reason = first.get("ctx", {}).get("error", first["msg"])
+            return response(422, f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})")
+        if tuple(first["loc"]) == ("body",) and first.get("type") == "missing":  # "Field required", of no field
+            return response(422, "the body is missing: send a JSON object")
+        if tuple(first["loc"]) == ("body",):  # not an object: often `curl -d` without the JSON content type
+            return response(422, "the body must be a JSON object, sent as Content-Type: application/json")
         param = ".".join(str(p) for p in first["loc"] if p != "body") or None
         return response(422, f"{param}: {first['msg']}" if param else first["msg"], param)
 

@@ -374,6 +374,35 @@ def test_a_transcript_count_past_what_redis_takes_is_a_422(redis_url):
     assert_error(asyncio.run(get(2**63)), 422, "query.count")  # one more was a 500 from XREVRANGE
 
 
+def test_a_body_that_is_no_json_object_is_named_so_not_blamed_on_a_field():
+    """Validation is done before Redis is asked: a broken body's error says what is wrong with it,
+    with no `param` (was param "1", the character offset, and "Field required" of no field)."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    async def post(content: bytes, content_type: str) -> list[httpx.Response]:
+        app = create_app(ApiConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+        headers = {"content-type": content_type}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return [
+                await client.post(p, content=content, headers=headers)
+                for p in ("/api/streams/c/ask", "/v1/chat/completions")
+            ]
+
+    for content, content_type, says in (
+        (
+            b"{not json",
+            "application/json",
+            "not valid JSON: Expecting property name enclosed in double quotes (at character 1)",
+        ),
+        (b"", "application/json", "the body is missing"),
+        (b'{"question": "x"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),  # curl -d
+    ):
+        for response in asyncio.run(post(content, content_type)):
+            error = assert_error(response, 422)
+            assert error["param"] is None and says in error["message"], error
+
+
 def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(redis_server):
     """Redis goes away under a running API: every route answers 503 JSON (not a 500 and a
     traceback), and an answer being streamed ends with an error event instead of a cut connection."""
