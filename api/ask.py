@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from api import errors, replies
 from api.guard import require_token
+from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 
 router = APIRouter(prefix="/api", tags=["ask"], dependencies=[Depends(require_token)])
@@ -49,7 +50,7 @@ async def ask(name: str, body: AskRequest, request: Request):
     headers = {"X-Question-Id": q.id}
     if body.stream:
         return StreamingResponse(_events(request, q), media_type="text/event-stream", headers=headers)
-    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
     if final.error is not None:
         return errors.response(422, final.error, param="question", headers=headers)
     return JSONResponse(replies.final_json(final), headers=headers)
@@ -68,3 +69,5 @@ async def _events(request: Request, q: Question) -> AsyncIterator[bytes]:
                 yield replies.sse("final", replies.final_json(reply))
     except TimeoutError as e:
         yield replies.sse("error", errors.body(504, str(e)))
+    except OUTAGE_ERRORS as e:  # the response has begun: say so in an event, not a cut connection
+        yield replies.sse("error", errors.unavailable(e))

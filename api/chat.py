@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import errors, replies
 from api.guard import require_token
 from api.streams import stream_names
+from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_token)])
@@ -81,7 +82,7 @@ async def chat(body: ChatRequest, request: Request):
     await replies.submit(r, q)
     if body.stream:
         return StreamingResponse(_chunks(request, q), media_type="text/event-stream")
-    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
     if final.error is not None:
         raise errors.ApiError(422, final.error, param="messages")
     message = {"role": "assistant", "content": final.text}
@@ -130,4 +131,6 @@ async def _chunks(request: Request, q: Question) -> AsyncIterator[bytes]:
                 yield replies.sse_data(_chunk(q, {}, _finish(q, reply)) | extra)
     except TimeoutError as e:
         yield replies.sse_data(errors.body(504, str(e)))
+    except OUTAGE_ERRORS as e:  # the response has begun: say so in a chunk, not a cut connection
+        yield replies.sse_data(errors.unavailable(e))
     yield replies.sse_data("[DONE]")

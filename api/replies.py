@@ -10,7 +10,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aredis
@@ -37,9 +37,11 @@ def stream_name(name: str, field: str = "stream") -> str:
         raise errors.schema_error(e) from None
 
 
-async def known_stream(r: aredis.Redis, name: str) -> str:
-    """404 unless ingest or an encoder has ever written the stream."""
-    if not await r.exists(keys.meta(stream_name(name)), keys.head(name)):
+async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False) -> str:
+    """404 unless ingest or an encoder has ever written the stream; with ``failing``, its events
+    alone will do: a camera that never connected is listed (by them) and they say why it fails."""
+    found = (keys.meta(stream_name(name)), keys.head(name), *((keys.events(name),) if failing else ()))
+    if not await r.exists(*found):
         raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
     return name
 
@@ -61,9 +63,10 @@ async def submit(r: aredis.Redis, q: Question) -> None:
 
 
 async def replies(
-    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int
+    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]] | None = None
 ) -> AsyncIterator[AnswerDelta | FinalAnswer]:
-    """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
+    """Deltas as they arrive, then the final answer; TimeoutError if none comes in time. ``gone``
+    (a request's ``is_disconnected``) is asked after each read: True ends the replies, final or not."""
     deadline, last = time.monotonic() + timeout_s, "0"
     while (left := deadline - time.monotonic()) > 0:
         block = max(1, int(min(left * 1000, block_ms)))  # BLOCK 0 would mean forever
@@ -74,6 +77,8 @@ async def replies(
                 yield reply
                 if isinstance(reply, FinalAnswer):
                     return
+        if gone is not None and await gone():
+            return
     raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
 
 
@@ -93,14 +98,18 @@ async def newest_attempt(
             yield reply, False
 
 
-async def final_of(r: aredis.Redis, qid: str, timeout_s: float, block_ms: int) -> FinalAnswer:
+async def final_of(
+    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]]
+) -> FinalAnswer:
+    """The final answer. A client that hung up ends the wait (``gone``): nothing else would for a
+    non-streamed response, and each waiter holds a Redis connection for up to ``timeout_s``."""
     try:
-        async for reply in replies(r, qid, timeout_s, block_ms):
+        async for reply in replies(r, qid, timeout_s, block_ms, gone):
             if isinstance(reply, FinalAnswer):
                 return reply
     except TimeoutError as e:
         raise errors.ApiError(504, str(e)) from None
-    raise AssertionError("unreachable")
+    raise errors.ApiError(499, "client closed the request")  # sent to no one
 
 
 def final_json(final: FinalAnswer) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from api import errors, replies
 from api.guard import require_token
 from common import placement, status
 from common.wire import keys
+from common.wire.schemas import INT64_MAX
 from common.wire.transcript import Cue, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
@@ -62,14 +63,15 @@ async def list_streams(request: Request) -> dict:
 @router.get("/streams/{name}", summary="One stream's status")
 async def one_stream(name: str, request: Request) -> dict:
     r = request.app.state.r
-    found = await collect(request, [await replies.known_stream(r, name)])
+    found = await collect(request, [await replies.known_stream(r, name, failing=True)])
     return found["streams"][0]
 
 
 @router.get("/streams/{name}/events", summary="The stream's recent events (ingest and encoder)")
 async def events(name: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    return {"events": entries(await r.xrevrange(keys.events(await replies.known_stream(r, name)), count=count))}
+    key = keys.events(await replies.known_stream(r, name, failing=True))
+    return {"events": entries(await r.xrevrange(key, count=count))}
 
 
 async def _jpeg(r: aredis.Redis, key: str, what: str) -> Response:
@@ -87,7 +89,10 @@ async def latest_frame(name: str, request: Request) -> Response:
 
 @router.get("/streams/{name}/transcript", summary="On-screen text transcribed by subtitle jobs")
 async def transcript(
-    name: str, request: Request, format: Literal["json", "vtt", "srt"] = "json", count: int = Query(10_000, ge=1)
+    name: str,
+    request: Request,
+    format: Literal["json", "vtt", "srt"] = "json",
+    count: int = Query(10_000, ge=1, le=INT64_MAX),  # past what Redis takes, XREVRANGE COUNT fails (a 500)
 ):
     r = request.app.state.r
     found = entries(await r.xrevrange(keys.transcript(await replies.known_stream(r, name)), count=count))

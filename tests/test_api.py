@@ -335,6 +335,145 @@ def test_not_ready_without_redis_but_alive():
     assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
 
 
+def test_a_camera_that_never_connected_has_status_and_events(redis_url, tmp_path):
+    """Ingest on a camera URL that refuses (with credentials in it): the stream is listed, and its
+    own status and events (why it fails) are served, not 404; the password appears in none of them."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    services = Services(redis_url, tmp_path)
+    url, args = "rtsp://admin:s3cr3t-pw@127.0.0.1:1/live", ("--max-reconnects", "0", "--open-timeout-s", "2")
+    assert services.start("ingest", "--url", url, "--stream", "door", *args).wait(timeout=60) == 1, services.logs()
+
+    async def get(*paths: str) -> list[httpx.Response]:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return [await client.get(p) for p in paths]
+
+    listed, one, events = asyncio.run(get("/api/streams", "/api/streams/door", "/api/streams/door/events"))
+    assert [s["stream"] for s in listed.json()["streams"]] == ["door"]
+    assert one.status_code == 200 and one.json()["state"] == "gave_up" and one.json()["connected"] is False
+    assert events.status_code == 200 and "error" in [e["type"] for e in events.json()["events"]]
+    assert "s3cr3t" not in listed.text + one.text + events.text + services.logs()
+
+
+def test_a_transcript_count_past_what_redis_takes_is_a_422(redis_url):
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+        r.xadd(keys.transcript("ghost"), {"start": "0", "end": "1", "text": "EXIT", "job": "subs"})
+
+    async def get(count: int) -> httpx.Response:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return await client.get("/api/streams/ghost/transcript", params={"count": count, "format": "srt"})
+
+    assert "EXIT" in asyncio.run(get(2**63 - 1)).text  # Redis's own limit: all of it
+    assert_error(asyncio.run(get(2**63)), 422, "query.count")  # one more was a 500 from XREVRANGE
+
+
+def test_a_body_that_is_no_json_object_is_named_so_not_blamed_on_a_field():
+    """Validation is done before Redis is asked: a broken body's error says what is wrong with it,
+    with no `param` (was param "1", the character offset, and "Field required" of no field)."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    async def post(content: bytes, content_type: str) -> list[httpx.Response]:
+        app = create_app(ApiConfig(redis_url=f"redis://127.0.0.1:{free_port()}/0"))
+        headers = {"content-type": content_type}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return [
+                await client.post(p, content=content, headers=headers)
+                for p in ("/api/streams/c/ask", "/v1/chat/completions")
+            ]
+
+    for content, content_type, says in (
+        (
+            b"{not json",
+            "application/json",
+            "not valid JSON: Expecting property name enclosed in double quotes (at character 1)",
+        ),
+        (b"", "application/json", "the body is missing"),
+        (b'{"question": "x"}', "application/x-www-form-urlencoded", "Content-Type: application/json"),  # curl -d
+    ):
+        for response in asyncio.run(post(content, content_type)):
+            error = assert_error(response, 422)
+            assert error["param"] is None and says in error["message"], error
+
+
+def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(redis_server):
+    """Redis goes away under a running API: every route answers 503 JSON (not a 500 and a
+    traceback), and an answer being streamed ends with an error event instead of a cut connection."""
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    with redis.Redis.from_url(redis_server.url) as r:
+        r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    async def run() -> tuple[httpx.Response, httpx.Response, list[httpx.Response]]:
+        app = create_app(ApiConfig(redis_url=redis_server.url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            ask = {"question": "x", "stream": False}
+            chat_body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+            threading.Timer(0.5, redis_server.stop).start()  # while both answers are awaited
+            native, chat = await asyncio.gather(
+                client.post("/api/streams/ghost/ask", json={"question": "Is the door open?"}),
+                client.post("/v1/chat/completions", json=chat_body | {"stream": True}),
+            )
+            down = [
+                *[await client.get(p) for p in ("/api/streams", "/api/streams/ghost", "/api/streams/ghost/events")],
+                *[await client.get(p) for p in ("/api/streams/ghost/frame.jpg", "/api/alerts", "/v1/models")],
+                await client.post("/api/streams/ghost/ask", json=ask),
+                await client.post("/v1/chat/completions", json=chat_body),
+            ]
+        return native, chat, down
+
+    native, chat, down = asyncio.run(run())
+    unavailable = {"message": "redis unreachable: ConnectionError", "type": "unavailable", "param": None, "code": 503}
+    assert _parse_sse(native.text)[-1] == ("error", {"error": unavailable}), native.text
+    assert [d for _, d in _parse_sse(chat.text)][-2:] == [{"error": unavailable}, "[DONE]"], chat.text
+    for response in down:
+        assert assert_error(response, 503)["type"] == "unavailable"
+
+
+def test_a_client_that_hangs_up_on_a_non_streamed_answer_stops_the_wait(redis_url):
+    """Non-streamed answers (native and OpenAI) that nobody answers: the client gives up after 0.5 s,
+    and the API stops reading Redis for them within a read, not after answer_timeout_s (60 s here)."""
+    import uvicorn
+
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    port = free_port()
+    app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=60, block_ms=200))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+
+    def reads() -> int:  # the API's blocking reads of answer streams so far
+        return int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
+
+    try:
+        wait_for(lambda: server.started, 10, "uvicorn")
+        base = f"http://127.0.0.1:{port}"
+        native = {"question": "x", "stream": False}
+        chat = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
+        for path, body in (("/api/streams/ghost/ask", native), ("/v1/chat/completions", chat)):
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(base + path, json=body, timeout=httpx.Timeout(10, read=0.5))
+            time.sleep(0.5)  # the read under way when the client left, and the check after it
+            before = reads()
+            time.sleep(1)  # five more reads of 200 ms each if the API were still waiting
+            assert reads() == before, f"{path}: still reading the answer stream after the client left"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
     """A worker that died mid-answer: its successor answers again from the start (attempt 2), and a
     late delta of attempt 1 arrives after that. Entries written by hand, the way workers write them."""
