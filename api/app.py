@@ -66,10 +66,11 @@ async def ready(request: Request, stream: str | None = Query(None, description="
     r = request.app.state.r
     try:
         await r.ping()
-        holder = await r.get(keys.lease(replies.stream_name(stream))) if stream else None
+        # `?stream=` (a probe built from an unset variable) is a bad name, not "no stream asked"
+        holder = await r.get(keys.lease(replies.stream_name(stream))) if stream is not None else None
     except (aredis.ConnectionError, aredis.TimeoutError, OSError) as e:
         return errors.response(503, f"redis unreachable: {type(e).__name__}")
-    if stream and holder is None:
+    if stream is not None and holder is None:
         return errors.response(503, f"no encoder holds stream {stream!r}", param="stream")
     body = {"status": "ready", "redis": True}
     return JSONResponse(body | ({"stream": stream, "encoder": holder.decode()} if stream else {}))

@@ -316,6 +316,7 @@ def test_health_and_openapi(live):
     ready = httpx.get(live.base + "/health/ready", params={"stream": CAM}).json()
     assert ready["encoder"] == live.r.get(keys.lease(CAM)).decode()
     assert_error(httpx.get(live.base + "/health/ready", params={"stream": "nope"}), 503, "stream")
+    assert_error(httpx.get(live.base + "/health/ready", params={"stream": ""}), 400, "stream")  # an unset variable
     spec = httpx.get(live.base + "/openapi.json").json()
     assert {"/api/streams/{name}/ask", "/v1/chat/completions", "/v1/models", "/health/ready"} <= set(spec["paths"])
     assert httpx.get(live.base + "/docs").status_code == 200
