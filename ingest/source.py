@@ -26,7 +26,7 @@ import structlog
 from PIL import Image
 
 from common import metrics, redisio
-from common.engine.grid import Grid, choose_grid
+from common.engine.grid import FrameError, Grid, choose_grid
 from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
@@ -251,7 +251,12 @@ class Source:
             grid = known.grid
         else:
             ctx = container.streams.video[0].codec_context
-            grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+            try:
+                grid = choose_grid(
+                    ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels
+                )
+            except FrameError as e:  # a size no grid fits (0x0, over 200:1): a source error, not a dead thread
+                raise SourceError(f"{redact_url(self.spec.url)}: {e}") from e
         live = self.live or self.spec.realtime
         self._meta = StreamMeta(self.spec.fps, grid, live, redact_url(self.spec.url)).to_hash()
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)

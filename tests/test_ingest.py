@@ -114,6 +114,16 @@ def test_garbage_file_exits_nonzero_with_an_error_event(redis_url, services, tmp
     assert not [f for f in frames(r) if isinstance(f, FrameMsg)]
 
 
+def test_source_size_no_grid_fits_is_an_error_event_and_exit_1(redis_url, services, tmp_path):
+    """4032x16 (over 200:1) has no model grid: one error event and exit 1, not a dead thread and exit 0."""
+    r = redis.Redis.from_url(redis_url)
+    wide = write_sample_video(str(tmp_path / "wide.mp4"), seconds=1, fps=5, width=4032, height=16)
+    assert ingest(services, wide, "--fps", "5").wait(timeout=60) == 1, services.logs()
+    errors = [f[b"error"].decode() for _, f in r.xrange(keys.events(CAM)) if f[b"type"] == b"error"]
+    assert len(errors) == 1 and "aspect ratio" in errors[0], errors
+    assert "uncaught exception" not in services.logs()
+
+
 @pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
 def test_rtsp_reconnects_after_server_is_killed_and_restarted(redis_url, services):
     r = redis.Redis.from_url(redis_url)
