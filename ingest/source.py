@@ -94,8 +94,10 @@ class Source:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
         delay = self.cfg.reconnect_min_s
+        failures = 0  # reopens since a session last delivered a frame: what max_reconnects bounds
         finished = False
         while not self.stop.is_set():
+            published = self.stats.published
             try:
                 finished = self._run_once()
                 if not self.live:
@@ -111,13 +113,18 @@ class Source:
                     redisio.call_riding_out(self.frames, self.frames.ping, self.stop, self.cfg.redis_grace_s)
                 self.resume_pts = self.last_pts
                 continue
+            if self.stats.published > published:
+                # The source worked until this outage: back off from the start again, or a camera
+                # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
+                delay, failures = self.cfg.reconnect_min_s, 0
+            failures += 1
             self.stats.reconnects += 1
             metrics.RECONNECTS.labels(self.spec.stream).inc()
-            if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
+            if self.cfg.max_reconnects is not None and failures > self.cfg.max_reconnects:
                 self.event("gave_up", reconnects=self.stats.reconnects)
                 break
             wait = delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
-            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self.stats.reconnects)
+            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=failures)
             self.stop.wait(wait)
             delay = min(delay * 2, self.cfg.reconnect_max_s)
         if not self.live and finished:  # interrupted files resume later instead of ending

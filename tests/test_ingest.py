@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -12,6 +14,7 @@ import redis
 from apps.samplevideo import write_sample_video
 from common.wire import keys
 from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 from tests.videodamage import truncate_file, write_garbage_file
@@ -154,6 +157,35 @@ def test_rtsp_reconnects_after_server_is_killed_and_restarted(redis_url, service
         body = [f for f in frames(r) if isinstance(f, FrameMsg)]
         assert [f.seq for f in body] == list(range(len(body))), "seqs continue across reconnects"
         assert r.hget(keys.meta(CAM), "live") == b"1"
+    finally:
+        server.stop(kill=True)
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_backoff_starts_over_after_the_camera_delivered_again(redis_url, services):
+    """A stall after frames flowed again backs off from reconnect_min_s, and max_reconnects counts
+    the reopens since the last frame: a camera with a blip now and then is not slowed down, and
+    never given up, for the blips of long ago."""
+    r = redis.Redis.from_url(redis_url)
+    server = RtspServer(free_port(), fps=10, width=160, height=120)  # down at first
+
+    def retries() -> list[dict[bytes, bytes]]:
+        return [f for _, f in r.xrange(keys.events(CAM)) if f[b"type"] in (b"reconnecting", b"gave_up")]
+
+    try:
+        args = ["--fps", "5", "--open-timeout-s", "5", "--read-timeout-s", "1", "--reconnect-min-s", "0.2"]
+        proc = ingest(services, server.url, *args, "--reconnect-max-s", "10", "--max-reconnects", "5")
+        wait_for(lambda: len(retries()) >= 3, 30, "three reopens while the camera is down", services)
+        server.start()
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 3, 60, "frames once the camera is up", services)
+        seen = len(retries())
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # a blip: the camera falls silent, the session stalls
+        wait_for(lambda: len(retries()) > seen, 30, "a reopen after the camera stalled", services)
+        first = retries()[seen]
+        assert first[b"type"] == b"reconnecting" and first[b"attempt"] == b"1", first
+        assert float(first[b"in_s"]) <= 0.3, first  # reconnect_min_s with jitter, not 0.8 s and more
+        assert proc.poll() is None
     finally:
         server.stop(kill=True)
 
