@@ -27,8 +27,10 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import structlog
 
 MASK = "***"
-# scheme://userinfo@ : the userinfo is everything up to the last @ before the host part ends.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/?#\s@]+)@")
+# scheme://userinfo@ : the userinfo is everything up to the last @ before the path (or a space).
+# Raw @, # and ? in a password are masked too: FFmpeg takes "rtsp://u:p@ss@host/" (the last @
+# ends the password), and a # or ? typed into one must not print the rest of it.
+_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>[^/\s]+)@")
 _SECRET_PARAMS = re.compile(r"pass|pwd|secret|token|key|auth|sig", re.I)
 
 
