@@ -85,6 +85,7 @@ class Source:
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
         self._last_jpeg = -LATEST_FRAME_EVERY_S
         self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
+        self._alive_at = time.monotonic()  # the source's last sign of life: a frame decoded or taken
         self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class Source:
             grid = self._grid(container)
             self.event("connected", url=redact_url(self.spec.url), grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
+            self._alive_at = time.monotonic()
             decoder = threading.Thread(
                 target=self._decode,
                 args=(container, grid, frames, session_over),
@@ -164,7 +166,9 @@ class Source:
     def _decode(self, container, grid: Grid, out: queue.Queue, session_over: threading.Event) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
-            for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error, grid=grid):
+            for frame in sample_frames(
+                container, self.spec.fps, on_error=self._decode_error, grid=grid, on_decoded=self._decoded
+            ):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
@@ -175,12 +179,15 @@ class Source:
         wall0 = pts0 = None
         while not self.stop.is_set():
             try:
-                item = frames.get(timeout=self.cfg.read_timeout_s)
+                item = frames.get(timeout=max(0.01, self.cfg.read_timeout_s - (time.monotonic() - self._alive_at)))
             except queue.Empty:
+                if time.monotonic() - self._alive_at < self.cfg.read_timeout_s:
+                    continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
                 self.stats.stalls += 1
                 metrics.STALLS.labels(self.spec.stream).inc()
                 self.event("stalled", after_s=self.cfg.read_timeout_s)
                 raise SourceError(f"{redact_url(self.spec.url)}: no frame for {self.cfg.read_timeout_s:g} s") from None
+            self._alive_at = time.monotonic()
             if item is _END:
                 return True
             if isinstance(item, Exception):
@@ -320,6 +327,10 @@ class Source:
         except SchemaError:  # no head (None) or an unreadable one
             return -1, None
         return m.last_frame_seq, m.last_ts
+
+    def _decoded(self) -> None:
+        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames."""
+        self._alive_at = time.monotonic()
 
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1

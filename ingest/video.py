@@ -109,19 +109,21 @@ def sample_frames(
     *,
     on_error: Callable[[str], None] | None = None,
     grid: Grid | None = None,
+    on_decoded: Callable[[], None] | None = None,
 ) -> Iterator[DecodedFrame]:
     """Decode every packet of the first video stream and yield frames at ``fps`` by presentation time.
 
     A frame is kept when its pts reaches the next slot of a 1/fps grid anchored at the first kept
     pts (VFR-safe; never "every n-th frame"). Corrupt packets are reported to ``on_error`` and
     skipped. ``grid`` resizes to the stream's model grid (``grid.resize_to_grid``). Raises SourceError when nothing at
-    all decodes. ``fps`` is validated now, not at the first ``next()``.
+    all decodes. ``fps`` is validated now, not at the first ``next()``. ``on_decoded`` is called for
+    every decoded frame, kept or not: the source's sign of life, even when ``fps`` keeps few.
     """
     if not fps > 0:
         raise ValueError(f"fps must be > 0, got {fps}")
     if not container.streams.video:
         raise SourceError(f"{_name(container)}: no video stream")
-    return _sample(container, fps, on_error or _log_error, grid)
+    return _sample(container, fps, on_error or _log_error, grid, on_decoded)
 
 
 def _sample(
@@ -129,6 +131,7 @@ def _sample(
     fps: float,
     on_error: Callable[[str], None],
     grid: Grid | None,
+    on_decoded: Callable[[], None] | None = None,
 ) -> Iterator[DecodedFrame]:
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"  # slice+frame threads; frame threading adds ~1 frame of latency
@@ -138,6 +141,8 @@ def _sample(
     decoded, kept, last_t = 0, 0, None
     for frame in _decode_all(container, stream, on_error, errors):
         decoded += 1
+        if on_decoded is not None:
+            on_decoded()
         # Some raw/live streams leave pts unset: continue the clock at the nominal rate.
         t = frame.time if frame.time is not None else (last_t or 0.0) + fallback_step
         last_t = t

@@ -190,6 +190,18 @@ def test_rtsp_backoff_starts_over_after_the_camera_delivered_again(redis_url, se
         server.stop(kill=True)
 
 
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_fps_below_one_per_read_timeout_is_not_a_stall(redis_url, services):
+    """A camera sampled once every 4 s with a 1 s read timeout (a 0.05 fps camera with the default
+    10 s) delivers all the time: the watchdog counts decoded frames, not the few kept ones."""
+    r = redis.Redis.from_url(redis_url)
+    with RtspServer(fps=10, width=160, height=120) as server:
+        ingest(services, server.url, "--fps", "0.25", "--read-timeout-s", "1", "--reconnect-min-s", "0.2")
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 2, 30, "two frames, 4 s apart", services)
+        kinds = events(r)
+    assert kinds == ["connected"], kinds
+
+
 def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, services):
     r = redis.Redis.from_url(redis_url)
     listener = socket.socket()
