@@ -196,8 +196,14 @@ class Source:
             if not self.live and frame.pts <= self.resume_pts:
                 continue  # already published before a restart
             if self.spec.realtime:
-                wall0, pts0 = (wall0, pts0) if wall0 is not None else (time.monotonic(), frame.pts)
-                self.stop.wait(max(0.0, (frame.pts - pts0) - (time.monotonic() - wall0)))
+                now = time.monotonic()
+                wall0, pts0 = (wall0, pts0) if wall0 is not None else (now, frame.pts)
+                due = (frame.pts - pts0) - (now - wall0)
+                if self.live and due > self.cfg.read_timeout_s:
+                    # A live source's clock jumped ahead (an encoder restarted, a clock was stepped):
+                    # pacing to it would freeze the camera that long. It comes in real time: re-anchor.
+                    wall0, pts0, due = now, frame.pts, 0.0
+                self.stop.wait(max(0.0, due))
             else:
                 self._wait_for_encoder()
             ts = time.time() if (self.live or self.spec.realtime) else frame.pts

@@ -7,7 +7,10 @@ import signal
 import socket
 import threading
 import time
+from fractions import Fraction
 
+import av
+import numpy as np
 import pytest
 import redis
 
@@ -200,6 +203,52 @@ def test_rtsp_fps_below_one_per_read_timeout_is_not_a_stall(redis_url, services)
         wait_for(lambda: r.xlen(keys.frames(CAM)) >= 2, 30, "two frames, 4 s apart", services)
         kinds = events(r)
     assert kinds == ["connected"], kinds
+
+
+def _ts_with_a_clock_jump(path: str, jump_s: float) -> bytes:
+    """MPEG-TS, 1 s at 10 fps, then 10 s more (enough for the probe) whose timestamps jump ahead by ``jump_s``."""
+    with av.open(path, "w", format="mpegts") as c:
+        s = c.add_stream("mpeg2video", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        for i, t in enumerate([k / 10 for k in range(10)] + [jump_s + 1 + k / 10 for k in range(100)]):
+            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 10 % 256, np.uint8), format="rgb24")
+            f.pts, f.time_base = round(t * 90_000), Fraction(1, 90_000)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_live_source_whose_clock_jumps_ahead_is_not_frozen(redis_url, services, tmp_path):
+    """A live stream's timestamps leap an hour ahead (an encoder restarted): its frames still come in
+    real time, so ingest must not hold them back an hour to pace them."""
+    r = redis.Redis.from_url(redis_url)
+    data = _ts_with_a_clock_jump(str(tmp_path / "jump.ts"), 3600)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    done = threading.Event()
+
+    def serve() -> None:  # one client gets the stream and the connection stays open (no EOF)
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(data)
+            done.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        ingest(services, url, "--fps", "5", "--read-timeout-s", "2", "--max-reconnects", "0")
+
+        def after_the_jump() -> int:
+            return sum(1 for f in frames(r) if isinstance(f, FrameMsg) and f.pts > 3600)
+
+        wait_for(lambda: after_the_jump() >= 3, 10, "frames after the jump, without waiting an hour", services)
+    finally:
+        done.set()
+        listener.close()
 
 
 def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, services):
