@@ -127,3 +127,30 @@ def test_password_with_raw_at_hash_or_question_mark_is_masked_whole(redis_url, t
         assert tail not in logs, [line for line in logs.splitlines() if tail in line][:3]
         leaks = [b[:200] for b in all_redis_bytes(r) if tail.encode() in b]
         assert not leaks, leaks
+
+
+def test_password_in_the_query_string_is_masked(redis_url, tmp_path):
+    """Cameras that take rtsp://host/stream?user=...&password=...: FFmpeg's errors quote that URL on
+    every retry, and neither the log nor the events may show the password."""
+    r = redis.Redis.from_url(redis_url)
+    cameras = tmp_path / "cameras.yaml"
+    url = f"rtsp://127.0.0.1:{free_port()}/live?user={USER}&password=${{CAM_PASSWORD}}&channel=1"
+    cameras.write_text(f"cameras:\n  - {{name: down, url: '{url}', fps: 2}}\n")
+    services = Services(
+        redis_url,
+        tmp_path,
+        CAM_PASSWORD=PASSWORD,
+        SVQA_CAMERAS_FILE=str(cameras),
+        SVQA_RECONNECT_MIN_S="0.2",
+        SVQA_RECONNECT_MAX_S="0.5",
+    )
+    try:
+        services.start("ingest")
+        wait_for(lambda: r.xlen("svqa:{down}:events") >= 4, 30, "retries of the camera that is down", services)
+    finally:
+        services.stop_all()
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert "password=***" in logs and "Connection refused" in logs
+    assert PASSWORD not in logs, [line for line in logs.splitlines() if PASSWORD in line][:3]
+    leaks = [b[:200] for b in all_redis_bytes(r) if PASSWORD.encode() in b]
+    assert not leaks, leaks
