@@ -178,15 +178,7 @@ class Source:
     def _pump(self, frames: queue.Queue) -> bool:
         wall0 = pts0 = None
         while not self.stop.is_set():
-            try:
-                item = frames.get(timeout=max(0.01, self.cfg.read_timeout_s - (time.monotonic() - self._alive_at)))
-            except queue.Empty:
-                if time.monotonic() - self._alive_at < self.cfg.read_timeout_s:
-                    continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
-                self.stats.stalls += 1
-                metrics.STALLS.labels(self.spec.stream).inc()
-                self.event("stalled", after_s=self.cfg.read_timeout_s)
-                raise SourceError(f"{redact_url(self.spec.url)}: no frame for {self.cfg.read_timeout_s:g} s") from None
+            item = self._take(frames)
             self._alive_at = time.monotonic()
             if item is _END:
                 return True
@@ -211,6 +203,22 @@ class Source:
         return False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _take(self, frames: queue.Queue) -> object:
+        """The decoder's next item; SourceError once the source stalled: nothing decoded for
+        read_timeout_s, or frames decoded but none kept for read_timeout_s plus two sampling
+        intervals (a clock that stands still yields decoded frames and never the next slot)."""
+        rt = self.cfg.read_timeout_s
+        kept_by = time.monotonic() + rt + 2 / self.spec.fps
+        while (left := min(self._alive_at + rt, kept_by) - time.monotonic()) > 0:
+            try:
+                return frames.get(timeout=left)
+            except queue.Empty:
+                continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
+        self.stats.stalls += 1
+        metrics.STALLS.labels(self.spec.stream).inc()
+        self.event("stalled", after_s=rt)
+        raise SourceError(f"{redact_url(self.spec.url)}: no frame for {rt:g} s")
+
     def _publish(self, msg: FrameMsg | EndOfStream) -> None:
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)

@@ -251,6 +251,49 @@ def test_live_source_whose_clock_jumps_ahead_is_not_frozen(redis_url, services, 
         listener.close()
 
 
+def test_live_source_whose_clock_stands_still_is_a_stall(redis_url, services, tmp_path):
+    """Frames keep coming and decoding but their timestamps stand still, so the sampler keeps none:
+    that is a stall too (reopened), not a camera shown connected that never delivers again."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "frozen.ts")
+    with av.open(path, "w", format="mpegts") as c:
+        s = c.add_stream("libx264", rate=25, options={"tune": "zerolatency"})
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        s.time_base = s.codec_context.time_base = Fraction(1, 90_000)
+        for i in range(400):  # 10 frames at 25 fps, then one 90 kHz tick apart: 16 s sent, 0.4 s of clock
+            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i % 256, np.uint8), format="rgb24")
+            f.pts, f.time_base = (i * 3600 if i < 10 else 9 * 3600 + i - 9), Fraction(1, 90_000)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    with open(path, "rb") as f:
+        data = f.read()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    done = threading.Event()
+
+    def serve() -> None:  # in real time: 400 frames over 16 s
+        conn, _ = listener.accept()
+        with conn:
+            step = len(data) // 160
+            for k in range(0, len(data), step):
+                if done.wait(0.1):
+                    return
+                conn.sendall(data[k : k + step])
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        ingest(services, url, "--fps", "5", "--read-timeout-s", "1", "--max-reconnects", "0")
+        wait_for(lambda: "connected" in events(r), 10, "the source open", services)
+        wait_for(lambda: "stalled" in events(r), 5, "a stall while frames still decode", services)
+    finally:
+        done.set()
+        listener.close()
+
+
 def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, services):
     r = redis.Redis.from_url(redis_url)
     listener = socket.socket()
