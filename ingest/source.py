@@ -39,7 +39,14 @@ from common.wire.schemas import (
     frame_follow_problem,
     manifest_from_bytes,
 )
-from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
+from ingest.video import (
+    DecodedFrame,
+    SourceError,
+    display_quarter_turns,
+    is_live,
+    open_container,
+    sample_frames,
+)
 
 log = structlog.get_logger()
 
@@ -279,10 +286,13 @@ class Source:
             grid = known.grid
         else:
             ctx = container.streams.video[0].codec_context
+            height, width = ctx.height, ctx.width
+            # Frames come upright (a portrait phone clip is stored landscape): size the grid as shown.
+            # Files only: a second connection to a camera may be refused, and cameras rarely rotate.
+            if not self.live and display_quarter_turns(self.spec.url, open_timeout_s=self.cfg.open_timeout_s) % 2:
+                height, width = width, height
             try:
-                grid = choose_grid(
-                    ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels
-                )
+                grid = choose_grid(height, width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
             except FrameError as e:  # a size no grid fits (0x0, over 200:1): a source error, not a dead thread
                 raise SourceError(f"{redact_url(self.spec.url)}: {e}") from e
         live = self.live or self.spec.realtime

@@ -229,7 +229,28 @@ def _drain(stream: av.VideoStream, report: Callable[[str, BaseException], None])
 
 def _to_rgb(frame: av.VideoFrame, grid: Grid | None) -> np.ndarray:
     rgb = frame.to_ndarray(format="rgb24")
+    turns = _quarter_turns(frame)
+    if turns:  # upright, as players and the ffmpeg CLI show it
+        rgb = np.ascontiguousarray(np.rot90(rgb, turns))
     return rgb if grid is None else resize_to_grid(rgb, grid)
+
+
+def _quarter_turns(frame: av.VideoFrame) -> int:
+    """Counter-clockwise quarter turns of the frame's display rotation: phones store a portrait
+    clip as landscape pictures plus a display matrix that turns them."""
+    return round(frame.rotation / 90) % 4
+
+
+def display_quarter_turns(url: str, *, open_timeout_s: float = 10.0, read_timeout_s: float = 10.0) -> int:
+    """The first frame's display rotation in quarter turns (0 when none decodes): the side data is
+    on frames only, and the grid must be chosen for the frames as shown before decoding starts."""
+    try:
+        with open_container(url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s) as c:
+            for frame in c.decode(c.streams.video[0]):
+                return _quarter_turns(frame)
+    except (SourceError, av.FFmpegError):
+        pass
+    return 0
 
 
 def _name(container: av.container.InputContainer) -> str:

@@ -103,6 +103,33 @@ def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     assert r.hget(keys.meta(CAM), "live") == b"1"
 
 
+def test_rotated_phone_clip_is_ingested_upright(redis_url, services, tmp_path):
+    """A portrait phone clip is stored as landscape pictures plus a display rotation: the grid and
+    the frames must be as players (and the ffmpeg CLI) show it, not lying on their side."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "phone.mp4")
+    with av.open(path, "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 160, 120, "yuv420p"
+        s.set_display_rotation(90)
+        for i in range(10):
+            img = np.zeros((120, 160, 3), np.uint8)
+            img[:60, :80, 1] = 255  # green in the top left of the stored picture
+            f = av.VideoFrame.from_ndarray(img, format="rgb24")
+            f.pts, f.time_base = i, Fraction(1, 10)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    meta = r.hgetall(keys.meta(CAM))
+    assert int(meta[b"height"]) > int(meta[b"width"]), meta  # portrait, as shown
+    rgb = next(f for f in frames(r) if isinstance(f, FrameMsg)).rgb()
+    h, w = rgb.shape[0] // 2, rgb.shape[1] // 2
+    green = [int(q[..., 1].mean()) for q in (rgb[:h, :w], rgb[:h, w:], rgb[h:, :w], rgb[h:, w:])]
+    assert green[2] > 200 and max(green[:2] + green[3:]) < 50, green  # bottom left, where ffmpeg shows it
+
+
 def test_truncated_file_decodes_what_it_can(redis_url, services, tmp_path):
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "a.mp4"), seconds=6, fps=10, width=160, height=120)
