@@ -287,6 +287,8 @@ class Source:
         else:
             ctx = container.streams.video[0].codec_context
             height, width = ctx.height, ctx.width
+            if ctx.sample_aspect_ratio and ctx.sample_aspect_ratio > 0:  # anamorphic (DVB, DV): as shown
+                width = max(1, round(width * ctx.sample_aspect_ratio))
             # Frames come upright (a portrait phone clip is stored landscape): size the grid as shown.
             # Files only: a second connection to a camera may be refused, and cameras rarely rotate.
             if not self.live and display_quarter_turns(self.spec.url, open_timeout_s=self.cfg.open_timeout_s) % 2:

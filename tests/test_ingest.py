@@ -130,6 +130,27 @@ def test_rotated_phone_clip_is_ingested_upright(redis_url, services, tmp_path):
     assert green[2] > 200 and max(green[:2] + green[3:]) < 50, green  # bottom left, where ffmpeg shows it
 
 
+def test_anamorphic_clip_gets_a_grid_of_its_shown_shape(redis_url, services, tmp_path):
+    """720x576 pictures with 64:45 pixels (16:9 PAL, as broadcast and DV record it) are shown 16:9:
+    a grid for the stored 5:4 squeezes everything in it."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "pal.mp4")
+    with av.open(path, "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 720, 576, "yuv420p"
+        s.codec_context.sample_aspect_ratio = Fraction(64, 45)
+        for i in range(5):
+            f = av.VideoFrame.from_ndarray(np.zeros((576, 720, 3), np.uint8), format="rgb24")
+            f.pts, f.time_base = i, Fraction(1, 10)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    meta = r.hgetall(keys.meta(CAM))
+    assert int(meta[b"width"]) / int(meta[b"height"]) == pytest.approx(16 / 9, rel=0.05), meta
+
+
 def test_truncated_file_decodes_what_it_can(redis_url, services, tmp_path):
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "a.mp4"), seconds=6, fps=10, width=160, height=120)
