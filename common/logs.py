@@ -28,10 +28,14 @@ import structlog
 
 MASK = "***"
 # scheme://userinfo@ : the userinfo is everything up to the last @ before the next whitespace. A
-# password may hold '/', '?', '#' or '@' unescaped (the URL is then broken, and its error quotes it):
-# masking a path that holds an '@' as well is the price of never showing such a password.
+# password may hold '/', '?', '#' or '@' unescaped (FFmpeg takes "rtsp://u:p@ss@host/": the last @
+# ends it; elsewhere the URL is broken, and its error quotes it): masking a path that holds an '@'
+# as well is the price of never showing such a password.
 _URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>\S+)@")
 _SECRET_PARAMS = re.compile(r"pass|pwd|secret|token|key|auth|sig", re.I)
+# ?name=value / &name=value inside free text: masked when the name looks secret, as redact_url does
+# (cameras such as rtsp://host/stream?user=admin&password=... carry it there, and FFmpeg quotes it).
+_QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[\w.~%+-]+)=)(?P<value>[^&#\s'\"]+?)(?=[&#\s'\"]|:\s|$)")
 
 
 def redact_url(url: str) -> str:
@@ -60,7 +64,8 @@ def redact_url(url: str) -> str:
 
 def redact_text(text: str) -> str:
     """Mask the credentials of every URL inside free text (error messages, tracebacks)."""
-    return _URL_USERINFO.sub(lambda m: m["scheme"] + _mask_userinfo(m["userinfo"]) + "@", text)
+    text = _URL_USERINFO.sub(lambda m: m["scheme"] + _mask_userinfo(m["userinfo"]) + "@", text)
+    return _QUERY_PARAM.sub(lambda m: m["lead"] + MASK if _SECRET_PARAMS.search(m["name"]) else m[0], text)
 
 
 def _mask_userinfo(userinfo: str) -> str:
@@ -70,7 +75,7 @@ def _mask_userinfo(userinfo: str) -> str:
 
 def _redact(value: Any) -> Any:
     if isinstance(value, str):
-        return redact_text(value) if "@" in value else value
+        return redact_text(value) if "@" in value or "=" in value else value
     if isinstance(value, dict):
         return {k: _redact(v) for k, v in value.items()}
     if isinstance(value, list | tuple):

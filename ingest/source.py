@@ -26,7 +26,7 @@ import structlog
 from PIL import Image
 
 from common import metrics, redisio
-from common.engine.grid import Grid, choose_grid
+from common.engine.grid import FrameError, Grid, choose_grid
 from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
@@ -39,7 +39,14 @@ from common.wire.schemas import (
     frame_follow_problem,
     manifest_from_bytes,
 )
-from ingest.video import DecodedFrame, SourceError, is_live, open_container, sample_frames
+from ingest.video import (
+    DecodedFrame,
+    SourceError,
+    display_quarter_turns,
+    is_live,
+    open_container,
+    sample_frames,
+)
 
 log = structlog.get_logger()
 
@@ -85,6 +92,7 @@ class Source:
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
         self._last_jpeg = -LATEST_FRAME_EVERY_S
         self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
+        self._alive_at = time.monotonic()  # the source's last sign of life: a frame decoded or taken
         self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -94,8 +102,10 @@ class Source:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
         delay = self.cfg.reconnect_min_s
+        failures = 0  # reopens since a session last delivered a frame: what max_reconnects bounds
         finished = False
         while not self.stop.is_set():
+            published = self.stats.published
             try:
                 finished = self._run_once()
                 if not self.live:
@@ -111,13 +121,18 @@ class Source:
                     redisio.call_riding_out(self.frames, self.frames.ping, self.stop, self.cfg.redis_grace_s)
                 self.resume_pts = self.last_pts
                 continue
+            if self.stats.published > published:
+                # The source worked until this outage: back off from the start again, or a camera
+                # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
+                delay, failures = self.cfg.reconnect_min_s, 0
+            failures += 1
             self.stats.reconnects += 1
             metrics.RECONNECTS.labels(self.spec.stream).inc()
-            if self.cfg.max_reconnects is not None and self.stats.reconnects > self.cfg.max_reconnects:
+            if self.cfg.max_reconnects is not None and failures > self.cfg.max_reconnects:
                 self.event("gave_up", reconnects=self.stats.reconnects)
                 break
             wait = delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
-            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self.stats.reconnects)
+            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=failures)
             self.stop.wait(wait)
             delay = min(delay * 2, self.cfg.reconnect_max_s)
         if not self.live and finished:  # interrupted files resume later instead of ending
@@ -137,6 +152,7 @@ class Source:
             grid = self._grid(container)
             self.event("connected", url=redact_url(self.spec.url), grid=f"{grid.height}x{grid.width}")
             frames: queue.Queue = queue.Queue(maxsize=8)
+            self._alive_at = time.monotonic()
             decoder = threading.Thread(
                 target=self._decode,
                 args=(container, grid, frames, session_over),
@@ -157,7 +173,9 @@ class Source:
     def _decode(self, container, grid: Grid, out: queue.Queue, session_over: threading.Event) -> None:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
-            for frame in sample_frames(container, self.spec.fps, on_error=self._decode_error, grid=grid):
+            for frame in sample_frames(
+                container, self.spec.fps, on_error=self._decode_error, grid=grid, on_decoded=self._decoded
+            ):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
@@ -167,13 +185,8 @@ class Source:
     def _pump(self, frames: queue.Queue) -> bool:
         wall0 = pts0 = None
         while not self.stop.is_set():
-            try:
-                item = frames.get(timeout=self.cfg.read_timeout_s)
-            except queue.Empty:
-                self.stats.stalls += 1
-                metrics.STALLS.labels(self.spec.stream).inc()
-                self.event("stalled", after_s=self.cfg.read_timeout_s)
-                raise SourceError(f"{redact_url(self.spec.url)}: no frame for {self.cfg.read_timeout_s:g} s") from None
+            item = self._take(frames)
+            self._alive_at = time.monotonic()
             if item is _END:
                 return True
             if isinstance(item, Exception):
@@ -182,8 +195,14 @@ class Source:
             if not self.live and frame.pts <= self.resume_pts:
                 continue  # already published before a restart
             if self.spec.realtime:
-                wall0, pts0 = (wall0, pts0) if wall0 is not None else (time.monotonic(), frame.pts)
-                self.stop.wait(max(0.0, (frame.pts - pts0) - (time.monotonic() - wall0)))
+                now = time.monotonic()
+                wall0, pts0 = (wall0, pts0) if wall0 is not None else (now, frame.pts)
+                due = (frame.pts - pts0) - (now - wall0)
+                if self.live and due > self.cfg.read_timeout_s:
+                    # A live source's clock jumped ahead (an encoder restarted, a clock was stepped):
+                    # pacing to it would freeze the camera that long. It comes in real time: re-anchor.
+                    wall0, pts0, due = now, frame.pts, 0.0
+                self.stop.wait(max(0.0, due))
             else:
                 self._wait_for_encoder()
             ts = time.time() if (self.live or self.spec.realtime) else frame.pts
@@ -191,6 +210,22 @@ class Source:
         return False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _take(self, frames: queue.Queue) -> object:
+        """The decoder's next item; SourceError once the source stalled: nothing decoded for
+        read_timeout_s, or frames decoded but none kept for read_timeout_s plus two sampling
+        intervals (a clock that stands still yields decoded frames and never the next slot)."""
+        rt = self.cfg.read_timeout_s
+        kept_by = time.monotonic() + rt + 2 / self.spec.fps
+        while (left := min(self._alive_at + rt, kept_by) - time.monotonic()) > 0:
+            try:
+                return frames.get(timeout=left)
+            except queue.Empty:
+                continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
+        self.stats.stalls += 1
+        metrics.STALLS.labels(self.spec.stream).inc()
+        self.event("stalled", after_s=rt)
+        raise SourceError(f"{redact_url(self.spec.url)}: no frame for {rt:g} s")
+
     def _publish(self, msg: FrameMsg | EndOfStream) -> None:
         if self._meta:  # re-stated with every frame: a Redis that lost its data learns the grid again
             self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
@@ -251,7 +286,17 @@ class Source:
             grid = known.grid
         else:
             ctx = container.streams.video[0].codec_context
-            grid = choose_grid(ctx.height, ctx.width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+            height, width = ctx.height, ctx.width
+            if ctx.sample_aspect_ratio and ctx.sample_aspect_ratio > 0:  # anamorphic (DVB, DV): as shown
+                width = max(1, round(width * ctx.sample_aspect_ratio))
+            # Frames come upright (a portrait phone clip is stored landscape): size the grid as shown.
+            # Files only: a second connection to a camera may be refused, and cameras rarely rotate.
+            if not self.live and display_quarter_turns(self.spec.url, open_timeout_s=self.cfg.open_timeout_s) % 2:
+                height, width = width, height
+            try:
+                grid = choose_grid(height, width, min_pixels=self.spec.min_pixels, max_pixels=self.spec.max_pixels)
+            except FrameError as e:  # a size no grid fits (0x0, over 200:1): a source error, not a dead thread
+                raise SourceError(f"{redact_url(self.spec.url)}: {e}") from e
         live = self.live or self.spec.realtime
         self._meta = StreamMeta(self.spec.fps, grid, live, redact_url(self.spec.url)).to_hash()
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
@@ -308,6 +353,10 @@ class Source:
         except SchemaError:  # no head (None) or an unreadable one
             return -1, None
         return m.last_frame_seq, m.last_ts
+
+    def _decoded(self) -> None:
+        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames."""
+        self._alive_at = time.monotonic()
 
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1

@@ -109,19 +109,21 @@ def sample_frames(
     *,
     on_error: Callable[[str], None] | None = None,
     grid: Grid | None = None,
+    on_decoded: Callable[[], None] | None = None,
 ) -> Iterator[DecodedFrame]:
     """Decode every packet of the first video stream and yield frames at ``fps`` by presentation time.
 
     A frame is kept when its pts reaches the next slot of a 1/fps grid anchored at the first kept
     pts (VFR-safe; never "every n-th frame"). Corrupt packets are reported to ``on_error`` and
     skipped. ``grid`` resizes to the stream's model grid (``grid.resize_to_grid``). Raises SourceError when nothing at
-    all decodes. ``fps`` is validated now, not at the first ``next()``.
+    all decodes. ``fps`` is validated now, not at the first ``next()``. ``on_decoded`` is called for
+    every decoded frame, kept or not: the source's sign of life, even when ``fps`` keeps few.
     """
     if not fps > 0:
         raise ValueError(f"fps must be > 0, got {fps}")
     if not container.streams.video:
         raise SourceError(f"{_name(container)}: no video stream")
-    return _sample(container, fps, on_error or _log_error, grid)
+    return _sample(container, fps, on_error or _log_error, grid, on_decoded)
 
 
 def _sample(
@@ -129,6 +131,7 @@ def _sample(
     fps: float,
     on_error: Callable[[str], None],
     grid: Grid | None,
+    on_decoded: Callable[[], None] | None = None,
 ) -> Iterator[DecodedFrame]:
     stream = container.streams.video[0]
     stream.thread_type = "AUTO"  # slice+frame threads; frame threading adds ~1 frame of latency
@@ -138,6 +141,8 @@ def _sample(
     decoded, kept, last_t = 0, 0, None
     for frame in _decode_all(container, stream, on_error, errors):
         decoded += 1
+        if on_decoded is not None:
+            on_decoded()
         # Some raw/live streams leave pts unset: continue the clock at the nominal rate.
         t = frame.time if frame.time is not None else (last_t or 0.0) + fallback_step
         last_t = t
@@ -224,7 +229,28 @@ def _drain(stream: av.VideoStream, report: Callable[[str, BaseException], None])
 
 def _to_rgb(frame: av.VideoFrame, grid: Grid | None) -> np.ndarray:
     rgb = frame.to_ndarray(format="rgb24")
+    turns = _quarter_turns(frame)
+    if turns:  # upright, as players and the ffmpeg CLI show it
+        rgb = np.ascontiguousarray(np.rot90(rgb, turns))
     return rgb if grid is None else resize_to_grid(rgb, grid)
+
+
+def _quarter_turns(frame: av.VideoFrame) -> int:
+    """Counter-clockwise quarter turns of the frame's display rotation: phones store a portrait
+    clip as landscape pictures plus a display matrix that turns them."""
+    return round(frame.rotation / 90) % 4
+
+
+def display_quarter_turns(url: str, *, open_timeout_s: float = 10.0, read_timeout_s: float = 10.0) -> int:
+    """The first frame's display rotation in quarter turns (0 when none decodes): the side data is
+    on frames only, and the grid must be chosen for the frames as shown before decoding starts."""
+    try:
+        with open_container(url, open_timeout_s=open_timeout_s, read_timeout_s=read_timeout_s) as c:
+            for frame in c.decode(c.streams.video[0]):
+                return _quarter_turns(frame)
+    except (SourceError, av.FFmpegError):
+        pass
+    return 0
 
 
 def _name(container: av.container.InputContainer) -> str:

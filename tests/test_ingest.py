@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
+from fractions import Fraction
 
+import av
+import numpy as np
 import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
 from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 from tests.videodamage import truncate_file, write_garbage_file
@@ -97,6 +103,54 @@ def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     assert r.hget(keys.meta(CAM), "live") == b"1"
 
 
+def test_rotated_phone_clip_is_ingested_upright(redis_url, services, tmp_path):
+    """A portrait phone clip is stored as landscape pictures plus a display rotation: the grid and
+    the frames must be as players (and the ffmpeg CLI) show it, not lying on their side."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "phone.mp4")
+    with av.open(path, "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 160, 120, "yuv420p"
+        s.set_display_rotation(90)
+        for i in range(10):
+            img = np.zeros((120, 160, 3), np.uint8)
+            img[:60, :80, 1] = 255  # green in the top left of the stored picture
+            f = av.VideoFrame.from_ndarray(img, format="rgb24")
+            f.pts, f.time_base = i, Fraction(1, 10)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    meta = r.hgetall(keys.meta(CAM))
+    assert int(meta[b"height"]) > int(meta[b"width"]), meta  # portrait, as shown
+    rgb = next(f for f in frames(r) if isinstance(f, FrameMsg)).rgb()
+    h, w = rgb.shape[0] // 2, rgb.shape[1] // 2
+    green = [int(q[..., 1].mean()) for q in (rgb[:h, :w], rgb[:h, w:], rgb[h:, :w], rgb[h:, w:])]
+    assert green[2] > 200 and max(green[:2] + green[3:]) < 50, green  # bottom left, where ffmpeg shows it
+
+
+def test_anamorphic_clip_gets_a_grid_of_its_shown_shape(redis_url, services, tmp_path):
+    """720x576 pictures with 64:45 pixels (16:9 PAL, as broadcast and DV record it) are shown 16:9:
+    a grid for the stored 5:4 squeezes everything in it."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "pal.mp4")
+    with av.open(path, "w") as c:
+        s = c.add_stream("libx264", rate=10)
+        s.width, s.height, s.pix_fmt = 720, 576, "yuv420p"
+        s.codec_context.sample_aspect_ratio = Fraction(64, 45)
+        for i in range(5):
+            f = av.VideoFrame.from_ndarray(np.zeros((576, 720, 3), np.uint8), format="rgb24")
+            f.pts, f.time_base = i, Fraction(1, 10)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    meta = r.hgetall(keys.meta(CAM))
+    assert int(meta[b"width"]) / int(meta[b"height"]) == pytest.approx(16 / 9, rel=0.05), meta
+
+
 def test_truncated_file_decodes_what_it_can(redis_url, services, tmp_path):
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "a.mp4"), seconds=6, fps=10, width=160, height=120)
@@ -112,6 +166,16 @@ def test_garbage_file_exits_nonzero_with_an_error_event(redis_url, services, tmp
     assert ingest(services, bad, "--fps", "5").wait(timeout=60) == 1
     assert "error" in events(r)
     assert not [f for f in frames(r) if isinstance(f, FrameMsg)]
+
+
+def test_source_size_no_grid_fits_is_an_error_event_and_exit_1(redis_url, services, tmp_path):
+    """4032x16 (over 200:1) has no model grid: one error event and exit 1, not a dead thread and exit 0."""
+    r = redis.Redis.from_url(redis_url)
+    wide = write_sample_video(str(tmp_path / "wide.mp4"), seconds=1, fps=5, width=4032, height=16)
+    assert ingest(services, wide, "--fps", "5").wait(timeout=60) == 1, services.logs()
+    errors = [f[b"error"].decode() for _, f in r.xrange(keys.events(CAM)) if f[b"type"] == b"error"]
+    assert len(errors) == 1 and "aspect ratio" in errors[0], errors
+    assert "uncaught exception" not in services.logs()
 
 
 @pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
@@ -146,6 +210,136 @@ def test_rtsp_reconnects_after_server_is_killed_and_restarted(redis_url, service
         assert r.hget(keys.meta(CAM), "live") == b"1"
     finally:
         server.stop(kill=True)
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_backoff_starts_over_after_the_camera_delivered_again(redis_url, services):
+    """A stall after frames flowed again backs off from reconnect_min_s, and max_reconnects counts
+    the reopens since the last frame: a camera with a blip now and then is not slowed down, and
+    never given up, for the blips of long ago."""
+    r = redis.Redis.from_url(redis_url)
+    server = RtspServer(free_port(), fps=10, width=160, height=120)  # down at first
+
+    def retries() -> list[dict[bytes, bytes]]:
+        return [f for _, f in r.xrange(keys.events(CAM)) if f[b"type"] in (b"reconnecting", b"gave_up")]
+
+    try:
+        args = ["--fps", "5", "--open-timeout-s", "5", "--read-timeout-s", "1", "--reconnect-min-s", "0.2"]
+        proc = ingest(services, server.url, *args, "--reconnect-max-s", "10", "--max-reconnects", "5")
+        wait_for(lambda: len(retries()) >= 3, 30, "three reopens while the camera is down", services)
+        server.start()
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 3, 60, "frames once the camera is up", services)
+        seen = len(retries())
+        assert server.proc is not None
+        os.kill(server.proc.pid, signal.SIGSTOP)  # a blip: the camera falls silent, the session stalls
+        wait_for(lambda: len(retries()) > seen, 30, "a reopen after the camera stalled", services)
+        first = retries()[seen]
+        assert first[b"type"] == b"reconnecting" and first[b"attempt"] == b"1", first
+        assert float(first[b"in_s"]) <= 0.3, first  # reconnect_min_s with jitter, not 0.8 s and more
+        assert proc.poll() is None
+    finally:
+        server.stop(kill=True)
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_fps_below_one_per_read_timeout_is_not_a_stall(redis_url, services):
+    """A camera sampled once every 4 s with a 1 s read timeout (a 0.05 fps camera with the default
+    10 s) delivers all the time: the watchdog counts decoded frames, not the few kept ones."""
+    r = redis.Redis.from_url(redis_url)
+    with RtspServer(fps=10, width=160, height=120) as server:
+        ingest(services, server.url, "--fps", "0.25", "--read-timeout-s", "1", "--reconnect-min-s", "0.2")
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 2, 30, "two frames, 4 s apart", services)
+        kinds = events(r)
+    assert kinds == ["connected"], kinds
+
+
+def _ts_with_a_clock_jump(path: str, jump_s: float) -> bytes:
+    """MPEG-TS, 1 s at 10 fps, then 10 s more (enough for the probe) whose timestamps jump ahead by ``jump_s``."""
+    with av.open(path, "w", format="mpegts") as c:
+        s = c.add_stream("mpeg2video", rate=10)
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        for i, t in enumerate([k / 10 for k in range(10)] + [jump_s + 1 + k / 10 for k in range(100)]):
+            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i * 10 % 256, np.uint8), format="rgb24")
+            f.pts, f.time_base = round(t * 90_000), Fraction(1, 90_000)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_live_source_whose_clock_jumps_ahead_is_not_frozen(redis_url, services, tmp_path):
+    """A live stream's timestamps leap an hour ahead (an encoder restarted): its frames still come in
+    real time, so ingest must not hold them back an hour to pace them."""
+    r = redis.Redis.from_url(redis_url)
+    data = _ts_with_a_clock_jump(str(tmp_path / "jump.ts"), 3600)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    done = threading.Event()
+
+    def serve() -> None:  # one client gets the stream and the connection stays open (no EOF)
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(data)
+            done.wait(30)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        ingest(services, url, "--fps", "5", "--read-timeout-s", "2", "--max-reconnects", "0")
+
+        def after_the_jump() -> int:
+            return sum(1 for f in frames(r) if isinstance(f, FrameMsg) and f.pts > 3600)
+
+        wait_for(lambda: after_the_jump() >= 3, 10, "frames after the jump, without waiting an hour", services)
+    finally:
+        done.set()
+        listener.close()
+
+
+def test_live_source_whose_clock_stands_still_is_a_stall(redis_url, services, tmp_path):
+    """Frames keep coming and decoding but their timestamps stand still, so the sampler keeps none:
+    that is a stall too (reopened), not a camera shown connected that never delivers again."""
+    r = redis.Redis.from_url(redis_url)
+    path = str(tmp_path / "frozen.ts")
+    with av.open(path, "w", format="mpegts") as c:
+        s = c.add_stream("libx264", rate=25, options={"tune": "zerolatency"})
+        s.width, s.height, s.pix_fmt = 64, 64, "yuv420p"
+        s.time_base = s.codec_context.time_base = Fraction(1, 90_000)
+        for i in range(400):  # 10 frames at 25 fps, then one 90 kHz tick apart: 16 s sent, 0.4 s of clock
+            f = av.VideoFrame.from_ndarray(np.full((64, 64, 3), i % 256, np.uint8), format="rgb24")
+            f.pts, f.time_base = (i * 3600 if i < 10 else 9 * 3600 + i - 9), Fraction(1, 90_000)
+            for packet in s.encode(f):
+                c.mux(packet)
+        for packet in s.encode():
+            c.mux(packet)
+    with open(path, "rb") as f:
+        data = f.read()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    done = threading.Event()
+
+    def serve() -> None:  # in real time: 400 frames over 16 s
+        conn, _ = listener.accept()
+        with conn:
+            step = len(data) // 160
+            for k in range(0, len(data), step):
+                if done.wait(0.1):
+                    return
+                conn.sendall(data[k : k + step])
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        url = f"tcp://127.0.0.1:{listener.getsockname()[1]}"
+        ingest(services, url, "--fps", "5", "--read-timeout-s", "1", "--max-reconnects", "0")
+        wait_for(lambda: "connected" in events(r), 10, "the source open", services)
+        wait_for(lambda: "stalled" in events(r), 5, "a stall while frames still decode", services)
+    finally:
+        done.set()
+        listener.close()
 
 
 def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, services):
