@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable
 from fractions import Fraction
 
 import av
@@ -103,24 +104,30 @@ def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     assert r.hget(keys.meta(CAM), "live") == b"1"
 
 
-def test_rotated_phone_clip_is_ingested_upright(redis_url, services, tmp_path):
-    """A portrait phone clip is stored as landscape pictures plus a display rotation: the grid and
-    the frames must be as players (and the ffmpeg CLI) show it, not lying on their side."""
-    r = redis.Redis.from_url(redis_url)
-    path = str(tmp_path / "phone.mp4")
+def encode_clip(path: str, pictures: list[np.ndarray], configure: Callable[[av.VideoStream], None]) -> str:
+    """An H.264 mp4 of `pictures` at 10 fps, its stream set up by `configure` first."""
     with av.open(path, "w") as c:
         s = c.add_stream("libx264", rate=10)
-        s.width, s.height, s.pix_fmt = 160, 120, "yuv420p"
-        s.set_display_rotation(90)
-        for i in range(10):
-            img = np.zeros((120, 160, 3), np.uint8)
-            img[:60, :80, 1] = 255  # green in the top left of the stored picture
+        s.height, s.width = pictures[0].shape[:2]
+        s.pix_fmt = "yuv420p"
+        configure(s)
+        for i, img in enumerate(pictures):
             f = av.VideoFrame.from_ndarray(img, format="rgb24")
             f.pts, f.time_base = i, Fraction(1, 10)
             for packet in s.encode(f):
                 c.mux(packet)
         for packet in s.encode():
             c.mux(packet)
+    return path
+
+
+def test_rotated_phone_clip_is_ingested_upright(redis_url, services, tmp_path):
+    """A portrait phone clip is stored as landscape pictures plus a display rotation: the grid and
+    the frames must be as players (and the ffmpeg CLI) show it, not lying on their side."""
+    r = redis.Redis.from_url(redis_url)
+    img = np.zeros((120, 160, 3), np.uint8)
+    img[:60, :80, 1] = 255  # green in the top left of the stored picture
+    path = encode_clip(str(tmp_path / "phone.mp4"), [img] * 10, lambda s: s.set_display_rotation(90))
     assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
     meta = r.hgetall(keys.meta(CAM))
     assert int(meta[b"height"]) > int(meta[b"width"]), meta  # portrait, as shown
@@ -134,18 +141,11 @@ def test_anamorphic_clip_gets_a_grid_of_its_shown_shape(redis_url, services, tmp
     """720x576 pictures with 64:45 pixels (16:9 PAL, as broadcast and DV record it) are shown 16:9:
     a grid for the stored 5:4 squeezes everything in it."""
     r = redis.Redis.from_url(redis_url)
-    path = str(tmp_path / "pal.mp4")
-    with av.open(path, "w") as c:
-        s = c.add_stream("libx264", rate=10)
-        s.width, s.height, s.pix_fmt = 720, 576, "yuv420p"
+
+    def anamorphic(s: av.VideoStream) -> None:
         s.codec_context.sample_aspect_ratio = Fraction(64, 45)
-        for i in range(5):
-            f = av.VideoFrame.from_ndarray(np.zeros((576, 720, 3), np.uint8), format="rgb24")
-            f.pts, f.time_base = i, Fraction(1, 10)
-            for packet in s.encode(f):
-                c.mux(packet)
-        for packet in s.encode():
-            c.mux(packet)
+
+    path = encode_clip(str(tmp_path / "pal.mp4"), [np.zeros((576, 720, 3), np.uint8)] * 5, anamorphic)
     assert ingest(services, path, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
     meta = r.hgetall(keys.meta(CAM))
     assert int(meta[b"width"]) / int(meta[b"height"]) == pytest.approx(16 / 9, rel=0.05), meta
