@@ -49,7 +49,9 @@ async def ask(name: str, body: AskRequest, request: Request):
     await replies.submit(r, q)
     headers = {"X-Question-Id": q.id}
     if body.stream:
-        return StreamingResponse(_events(request, q), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            replies.keep_alive(_events(request, q), cfg.keep_alive_s), media_type="text/event-stream", headers=headers
+        )
     final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
     if final.error is not None:
         return errors.response(422, final.error, param="question", headers=headers)

@@ -81,7 +81,9 @@ async def chat(body: ChatRequest, request: Request):
     )
     await replies.submit(r, q)
     if body.stream:
-        return StreamingResponse(_chunks(request, q), media_type="text/event-stream")
+        return StreamingResponse(
+            replies.keep_alive(_chunks(request, q), cfg.keep_alive_s), media_type="text/event-stream"
+        )
     final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
     if final.error is not None:
         raise errors.ApiError(422, final.error, param="messages")

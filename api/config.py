@@ -23,6 +23,9 @@ class ApiConfig:
     max_body_bytes: int = 64 * 1024  # larger request bodies get 413
     answer_timeout_s: float = 120.0  # longest wait for a final answer
     block_ms: int = 1000  # longest blocking Redis read per call
+    # a streamed answer sends an SSE comment after this long without an event: a question queued
+    # behind others sends nothing until its first token, and proxies cut idle connections (nginx: 60 s)
+    keep_alive_s: float = 15.0
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -32,6 +35,8 @@ class ApiConfig:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.answer_timeout_s <= 3600:
             raise ValueError(f"answer_timeout_s must be in (0, 3600], got {self.answer_timeout_s}")
+        if not self.keep_alive_s > 0:
+            raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("token must be at least 16 characters")
 

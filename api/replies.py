@@ -6,6 +6,7 @@ schema functions, so what the API sends is exactly what a worker accepts.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -116,6 +117,32 @@ def final_json(final: FinalAnswer) -> dict[str, Any]:
     out = dataclasses.asdict(final)
     out["scores"] = dict(final.scores) if final.scores is not None else None
     return out
+
+
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it
+
+
+async def keep_alive(events: AsyncIterator[bytes], every_s: float) -> AsyncIterator[bytes]:
+    """``events``, and a comment whenever none came for ``every_s``: the connection is never idle
+    long enough for a proxy to cut it while the answer is still to come."""
+    pending: asyncio.Future[bytes] | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(events))
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield KEEP_ALIVE
+                continue
+            try:
+                event = pending.result()
+            except StopAsyncIteration:
+                return
+            pending = None
+            yield event
+    finally:
+        if pending is not None:  # the client left: stop the read under way
+            pending.cancel()
 
 
 def sse(event: str, data: dict[str, Any] | str) -> bytes:

@@ -6,6 +6,7 @@ page driven in headless Chromium. One pipeline for the whole module (it is the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -89,7 +90,8 @@ def live(tmp_path_factory) -> Iterator[Live]:
         cams = cameras_file(workdir / "cameras.yaml", video, hook, mq)
         services = Services(server.url, workdir, SVQA_CAMERAS_FILE=str(cams))
         port = free_port()
-        services.start("api", "--port", str(port), SVQA_API_TOKEN=TOKEN)
+        # keep-alive comments every 50 ms: every client here (the page, openai, httpx) must skip them
+        services.start("api", "--port", str(port), SVQA_API_TOKEN=TOKEN, SVQA_API_KEEP_ALIVE_S="0.05")
         services.start("worker", SVQA_BLOCK_MS="100")
         r = redis.Redis.from_url(server.url)
         # Frames only once the worker's loop runs (its jobs look every step): subtitle cues need
@@ -442,25 +444,15 @@ def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(re
 def test_a_client_that_hangs_up_on_a_non_streamed_answer_stops_the_wait(redis_url):
     """Non-streamed answers (native and OpenAI) that nobody answers: the client gives up after 0.5 s,
     and the API stops reading Redis for them within a read, not after answer_timeout_s (60 s here)."""
-    import uvicorn
-
-    from api.app import create_app
     from api.config import ApiConfig
 
     r = redis.Redis.from_url(redis_url)
     r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
-    port = free_port()
-    app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=60, block_ms=200))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_config=None))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
 
     def reads() -> int:  # the API's blocking reads of answer streams so far
         return int(r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0))
 
-    try:
-        wait_for(lambda: server.started, 10, "uvicorn")
-        base = f"http://127.0.0.1:{port}"
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=60, block_ms=200)) as base:
         native = {"question": "x", "stream": False}
         chat = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
         for path, body in (("/api/streams/ghost/ask", native), ("/v1/chat/completions", chat)):
@@ -470,9 +462,44 @@ def test_a_client_that_hangs_up_on_a_non_streamed_answer_stops_the_wait(redis_ur
             before = reads()
             time.sleep(1)  # five more reads of 200 ms each if the API were still waiting
             assert reads() == before, f"{path}: still reading the answer stream after the client left"
+
+
+@contextlib.contextmanager
+def served(cfg) -> Iterator[str]:
+    """The API on real uvicorn in a thread (a client that hangs up, bytes as they are sent): its base URL."""
+    import uvicorn
+
+    from api.app import create_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(cfg), host="127.0.0.1", port=port, log_config=None))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 10, "uvicorn")
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def test_a_streamed_answer_keeps_the_connection_alive_while_it_waits(redis_url):
+    """Nothing answers for 1.5 s: the native and the OpenAI streams send SSE comments meanwhile (a
+    proxy would cut an idle connection), then the timeout's error, which clients read as before."""
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    cfg = ApiConfig(redis_url=redis_url, answer_timeout_s=1.5, block_ms=200, keep_alive_s=0.2)
+    native = {"question": "x"}
+    chat = {"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    with served(cfg) as base:
+        for path, body in (("/api/streams/ghost/ask", native), ("/v1/chat/completions", chat)):
+            with httpx.stream("POST", base + path, json=body, timeout=10) as response:
+                lines = [line for line in response.iter_lines() if line]
+            comments = [line for line in lines if line.startswith(":")]
+            assert len(comments) >= 4, lines  # 1.5 s at most 0.2 s apart
+            assert "504" in "".join(lines[lines.index(comments[-1]) :]), lines  # then the timeout, as before
 
 
 def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(redis_url):
@@ -571,6 +598,32 @@ def test_web_page_in_chromium(live, tmp_path):
             shot = REPO / "docs" / "web-ui.png" if os.environ.get("SVQA_UPDATE_SCREENSHOT") else tmp_path / "web-ui.png"
             page.screenshot(path=str(shot))  # SVQA_UPDATE_SCREENSHOT=1 refreshes the README's picture
             assert shot.stat().st_size > 10_000
+        finally:
+            browser.close()
+
+
+def test_the_page_reads_past_keep_alive_comments(redis_url):
+    """Nobody answers for 1.5 s, so the page's stream carries keep-alive comments: it must show the
+    timeout the API reports, not fail on a comment it took for an event."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"chromium not found at {CHROMIUM}")
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    cfg = ApiConfig(redis_url=redis_url, answer_timeout_s=1.5, block_ms=200, keep_alive_s=0.1)
+    with served(cfg) as base, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(30_000)
+            page.goto(base + "/")
+            card = page.locator('article.camera[data-stream="ghost"]')
+            card.locator("input[name=question]").fill("Anyone there?")
+            card.locator("button[type=submit]").click()
+            page.wait_for_selector("article.camera .answer.failed")
+            assert "no final answer" in card.locator(".answer").inner_text()
         finally:
             browser.close()
 

@@ -158,7 +158,7 @@ async function* sseEvents(res) {
         if (line.startsWith("event: ")) event = line.slice(7);
         else if (line.startsWith("data: ")) data += line.slice(6);
       }
-      yield { event, data: JSON.parse(data) };
+      if (data) yield { event, data: JSON.parse(data) }; // a comment (": keep-alive") carries none
     }
   }
 }
