@@ -138,12 +138,9 @@ class JobRunner:
                 metrics.JOB_RUNS.labels(job.name, sched.stream, "ok").inc()
                 return
             text = self.answer(version, prompt)
-        except QuestionError as e:
-            bound.error("job failed", error=str(e))
-            metrics.JOB_RUNS.labels(job.name, sched.stream, "error").inc()
-            return
-        except (RuntimeError, ValueError):  # out of GPU or pool memory, as a question's: this run fails, jobs go on
-            bound.exception("job failed")
+        except (RuntimeError, ValueError) as e:  # a bad prompt, or out of GPU or pool memory: this run fails
+            # a bad prompt is said in one line; the engine's failures come with their traceback
+            bound.error("job failed", error=str(e), exc_info=not isinstance(e, QuestionError))
             metrics.JOB_RUNS.labels(job.name, sched.stream, "error").inc()
             return
         if job.kind == "subtitles":
