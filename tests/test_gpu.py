@@ -6,6 +6,7 @@ attention over pool regions, split-KV, decode replayed from CUDA graphs) compute
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -13,6 +14,16 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16 logits of the same step computed in other shapes (a padded batch, a graph, eager): the
+    matrix products pick other kernels, so each logit may be off by a rounding or two at the
+    largest logit's scale (2 ulps: 0.031 for logits in [2, 4)); the greedy tokens are compared exactly."""
+    scale = want.abs().max().item()
+    tol = 2 * 2.0 ** (math.floor(math.log2(scale)) - 7)
+    diff = (got.float() - want.float()).abs().max().item()
+    assert diff <= tol, f"logits differ by {diff:.4f} (max |logit| {scale:.3f}, tolerance {tol:.4f})"
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +128,7 @@ def test_graphed_question_prefill_and_decode_equal_eager(rt, monkeypatch):
     for q, got in zip(("Why?", "What is on the left?"), graphed, strict=True):
         eager = answer.ask(rt, engine.head, q, params, keep_logits=True)
         assert got.token_ids[:8] == eager.token_ids[:8]
-        assert torch.allclose(got.first_logits, eager.first_logits, atol=2e-2, rtol=0)
+        assert_logits_close(got.first_logits, eager.first_logits)
 
 
 def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monkeypatch):
@@ -144,7 +155,7 @@ def test_a_question_joining_mid_decode_is_prefilled_from_its_own_graph(rt, monke
     alone = answer.ask(rt, engine.head, "Is anything red?", params, keep_logits=True)
     got = late.future.result()
     assert got.token_ids[:8] == alone.token_ids[:8]
-    assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
+    assert_logits_close(got.first_logits, alone.first_logits)
 
 
 def test_questions_arriving_together_are_prefilled_from_one_graph(rt, monkeypatch):
@@ -175,7 +186,7 @@ def test_questions_arriving_together_are_prefilled_from_one_graph(rt, monkeypatc
         alone = answer.ask(rt, engines[i % 2].head, q, params, keep_logits=True)
         got = g.future.result()
         assert got.token_ids[:8] == alone.token_ids[:8]
-        assert torch.allclose(got.first_logits, alone.first_logits, atol=2e-2, rtol=0)
+        assert_logits_close(got.first_logits, alone.first_logits)
 
 
 def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
@@ -205,7 +216,7 @@ def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
     eager = answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True)
     assert answers[1].token_ids[:4] == eager.token_ids[:4]
-    assert torch.allclose(answers[1].first_logits, eager.first_logits, atol=2e-2, rtol=0)
+    assert_logits_close(answers[1].first_logits, eager.first_logits)
 
 
 def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypatch):
@@ -236,7 +247,7 @@ def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypa
     monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
     eager = answer.ask(rt, engine.head, "What is happening?", params, keep_logits=True)
     assert got[0].token_ids[:3] == eager.token_ids[:3]
-    assert torch.allclose(got[0].first_logits, eager.first_logits, atol=2e-2, rtol=0)
+    assert_logits_close(got[0].first_logits, eager.first_logits)
 
 
 def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(rt):
