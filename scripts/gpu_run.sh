@@ -10,10 +10,12 @@
 #     tests      tests/test_gpu.py, the CUDA paths against eager and CPU oracles (about 1 min, as earlier runs took)
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (3 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
-#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (6 min)
+#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (6 min); their 32K caches
+#                need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`
 # Each step leaves two files (the device tool brings back 8): its output (the benchmarks' JSON,
 # NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
-# fails is reported and the next one runs; the exit status is 1 when any failed.
+# fails is reported and the next one runs; the exit status is 1 when any failed. The pipeline also
+# keeps its services' logs, in logs/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,7 +69,7 @@ for what in "$@"; do
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json python3 scripts/bench_pipeline.py --device cuda --askers 8 --cameras 64 \
-      --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 ;;
+      --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs "$OUT/logs" ;;
     *) echo "unknown step: $what (tests, questions, chunks, pipeline)" >&2; exit 2 ;;
   esac
 done
