@@ -319,7 +319,7 @@ def test_a_plans_key_range_bound_is_at_least_its_floor_and_its_longest_range(rt:
     from common.engine.lm import Item, KVView
 
     base, scratch = rt.pool.alloc(5000), rt.pool.alloc(64)
-    items = [Item(1, scratch, 10, base=KVView((rt.pool.hold(base.slab, base.start, 5000),)))]
+    items = [Item(2, scratch, 10, base=KVView((rt.pool.hold(base.slab, base.start, 5000),)))]
     natural = rt.lm.plan(items, 2, device=False)
     assert {causal: p.max_k for (_, causal), p in natural.pieces.items()} == {True: 256, False: 4096}
     floored = rt.lm.plan(items, 2, device=False, max_k_floor=(4096, 16384))
@@ -327,6 +327,21 @@ def test_a_plans_key_range_bound_is_at_least_its_floor_and_its_longest_range(rt:
     assert floored.shape != natural.shape  # the bound is part of what a graph depends on
     small = rt.lm.plan(items, 2, device=False, max_k_floor=(8, 1000))  # a floor below the ranges
     assert {causal: p.max_k for (_, causal), p in small.pieces.items()} == {True: 256, False: 4096}
+
+
+def test_a_decode_row_reads_its_own_keys_in_its_bases_call(rt: Runtime):
+    """One query row sees every key of its own (causal or not), so a decode step's own piece is one
+    more piece of its base's flash call, stacked after the splits; its bound covers both floors."""
+    from common.engine.lm import Item, KVView
+
+    base, scratches = rt.pool.alloc(5000), [rt.pool.alloc(64) for _ in range(2)]
+    view = KVView((rt.pool.hold(base.slab, base.start, 5000),))
+    items = [Item(1, s, at, base=view) for s, at in zip(scratches, (10, 30), strict=True)]
+    plan = rt.lm.plan(items, 3, device=False, max_k_floor=(4096, 2048))
+    assert list(plan.pieces) == [(base.slab, False)] and plan.stacked
+    p = plan.pieces[(base.slab, False)]
+    assert p.copies == 4 and p.max_k == 4096
+    assert p.host[-2:] == [(0, 1, scratches[0].start, 11), (1, 1, scratches[1].start, 31)]
 
 
 @pytest.mark.parametrize(

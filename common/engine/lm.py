@@ -262,11 +262,17 @@ class LanguageModel:
             rows += range(row, row + it.n)
             slots += range(it.dest.start + it.at, it.dest.start + it.at + it.n)
             lo = it.since + body  # after the body, if any
-            pieces.setdefault((it.dest.slab, True), []).append((row, it.n, it.dest.start + lo, it.at + it.n - lo))
-            if it.base is not None:
-                for slab, own in _base_pieces(row, it.n, it.base, split).items():
-                    bases.setdefault((slab, False), []).append(own)
+            own = (row, it.n, it.dest.start + lo, it.at + it.n - lo)
+            read = {} if it.base is None else _base_pieces(row, it.n, it.base, split)
+            if it.n == 1 and read:  # one row sees all its own keys: one more piece beside its base's
+                read.setdefault(it.dest.slab, []).append(own)
+            else:
+                pieces.setdefault((it.dest.slab, True), []).append(own)
+            for slab, item_pieces in read.items():
+                bases.setdefault((slab, False), []).append(item_pieces)
             row += it.n
+        if any(it.n == 1 and it.base is not None for it in items):  # own pieces among the bases: their bound too
+            max_k_floor = (max_k_floor[0], max(max_k_floor))
         for key, per_item in bases.items():  # split-major: piece s of every item, then piece s + 1
             longest = max(len(own) for own in per_item)
             per_item = [own + [(*own[0][:3], 0)] * (longest - len(own)) for own in per_item]  # empty: same count
@@ -328,18 +334,16 @@ class LanguageModel:
         norms = [w.norm1 for w in self.weights[1:]] + [self.norm.weight]
         for i, (w, next_norm) in enumerate(zip(self.weights, norms, strict=True)):
             between_layers()
-            q, k, v = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
+            q, kv = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
             x, h = self._output_and_mlp(
-                x, self._attention(i, q, k, v, plan), w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps
+                x, self._attention(i, q, kv, plan), w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps
             )
         return h
 
-    def _attention(self, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """q (T, H, hd), k and v (T, kv_heads, hd) -> attended (T, H, hd); K/V written to the pool."""
+    def _attention(self, i: int, q: torch.Tensor, kv: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """q (T, H, hd), K/V (2, kv_heads, T, hd) -> attended (T, H, hd); K/V written to the pool."""
         for slab, (rows, slots) in plan.writes.items():
-            kv = self.pool.slabs[slab][i]
-            kv[0].index_copy_(1, slots, (k if rows is None else k.index_select(0, rows)).transpose(0, 1))
-            kv[1].index_copy_(1, slots, (v if rows is None else v.index_select(0, rows)).transpose(0, 1))
+            self.pool.slabs[slab][i].index_copy_(2, slots, kv if rows is None else kv.index_select(2, rows))
         parts = [
             self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
             for (slab, causal), p in plan.pieces.items()
@@ -607,14 +611,15 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
 
 
 def _attention_input(h, qkv_w, qkv_b, cos, sin, n_heads: int, n_kv_heads: int):
-    """Normed hidden (T, D) -> q (T, H, hd), k and v (T, kv_heads, hd), q and k rotated."""
+    """Normed hidden (T, D) -> q (T, H, hd) rotated, and K/V (2, kv_heads, T, hd) as the pool lays
+    them out (k rotated): written with one indexed copy, where k and v apart took four kernels."""
     n = h.shape[0]
     head_dim = cos.shape[-1]
     q, k, v = F.linear(h, qkv_w, qkv_b).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
     cos, sin = cos[:, None], sin[:, None]
     q = apply_rope(q.view(n, n_heads, head_dim), cos, sin)
     k = apply_rope(k.view(n, n_kv_heads, head_dim), cos, sin)
-    return q, k, v.reshape(n, n_kv_heads, head_dim)
+    return q, torch.stack((k, v.view(n, n_kv_heads, head_dim))).transpose(1, 2).contiguous()
 
 
 def _output_and_mlp(x, attended, o_w, norm2, gate_up_w, down_w, next_norm, eps: float):
