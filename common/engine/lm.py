@@ -48,6 +48,9 @@ from common.engine.positions import apply_rope, rope_cos_sin
 log = structlog.get_logger()
 
 SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
+# Decode rows over long bases cut into pieces too (off: flash's own split-KV kernel for one-row
+# queries splits the keys alone, with no query rows to gather and no pieces to merge)
+DECODE_SPLIT_KV = True
 GRAPH_BASE_TOKENS = 32768  # question graphs are sized for caches up to this (longer ones: more graphs)
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
@@ -239,7 +242,7 @@ class LanguageModel:
         items (and splits the keys further itself), and one per KV head and 128 packed rows for
         more (see _flash); a handful of questions over a long cache needs its bases cut into
         pieces to keep every SM busy (twice over), while many questions fill it with one each."""
-        if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS:
+        if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS or (rows_per_item == 1 and not DECODE_SPLIT_KV):
             return 1
         group = self.n_heads // self.n_kv_heads
         blocks = self.n_heads if rows_per_item == 1 else self.n_kv_heads * -(-rows_per_item * group // 128)
