@@ -253,14 +253,15 @@ def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypa
 def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(rt):
     """The warm-up's caches lie in one extent, as a budgeted serving stream's do, so a lone
     question's prefill and decode over a long serving cache replay graphs the warm-up captured
-    (under the paged pool, unbudgeted warm-up caches in 2-3 extents had other pieces, so other keys)."""
+    (under the paged pool, unbudgeted warm-up caches in 2-3 extents had other pieces, so other keys),
+    and so do longer questions arriving together."""
     from common.engine import answer
     from common.engine.eviction import EvictionPolicy
     from common.engine.grid import Grid, StreamSpec
     from common.engine.lm import GRAPH_BASE_TOKENS
     from common.engine.params import GenerationParams
     from common.engine.stream import StreamEngine
-    from common.engine.warmup import warm_up
+    from common.engine.warmup import _question_of, warm_up
 
     warm_up(rt)
     warmed = set(rt.step_graphs.graphs)
@@ -271,6 +272,11 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
     engine.append_embeddings(embeds, patches, (0, 0), (0.0, 0.0))
     assert len(engine.head.view.extents) == 1
     answer.ask(rt, engine.head, "What is happening?", GenerationParams(max_tokens=4))
+    assert set(rt.step_graphs.graphs) == warmed
+    question = _question_of(rt, 60)  # the 64-token bucket
+    gens = [answer.Generation(rt, engine.head, question, GenerationParams(max_tokens=3)) for _ in range(6)]
+    while not all(g.done for g in gens):  # six arriving together: the prefill graph of 8 x 64 tokens
+        answer.Generation.step_batch([g for g in gens if not g.done])
     assert set(rt.step_graphs.graphs) == warmed
 
 

@@ -246,7 +246,11 @@ class LanguageModel:
             return 1
         group = self.n_heads // self.n_kv_heads
         blocks = self.n_heads if rows_per_item == 1 else self.n_kv_heads * -(-rows_per_item * group // 128)
-        return max(1, min(MAX_SPLIT, (2 * n_sm) // (n_items * blocks)))
+        split = max(1, min(MAX_SPLIT, (2 * n_sm) // (n_items * blocks)))
+        # A split prefill has at least UNROLL_COPIES pieces, so its merge is always the stacked one:
+        # one compiled variant for every batch size and length, where each few-pieces count compiled
+        # its own, a stall of seconds the first time a batch shape came up while serving (8.8 s, H200)
+        return split if rows_per_item == 1 or split == 1 else max(split, UNROLL_COPIES)
 
     def plan(
         self, items: list[Item], split: int = 1, device: bool = True, max_k_floor: tuple[int, int] = (0, 0)

@@ -28,7 +28,7 @@ from common.engine.stream import ChunkJob, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
 DECODE_BATCHES = (1, 2, 4, 8)  # decode and prefill graph buckets captured at start; larger ones on first use
-PREFILL_LENGTHS = (32, 64)  # and lone-question prefill buckets (16: the questions above); longer on first use
+PREFILL_LENGTHS = (16, 32, 64, 128)  # questions' length buckets prefilled in each batch; longer on first use
 
 
 def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
@@ -61,14 +61,16 @@ def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
 
 
 def _question_steps(rt: Runtime, heads: list) -> None:
-    """Decode batches of every warmed size, questions joining them, lone prefills of every warmed length."""
-    for n in DECODE_BATCHES:
-        _questions(rt, [heads[i % len(heads)] for i in range(n)])
+    """Questions of every warmed length arriving together in batches of every warmed size (each a
+    prefill graph of its own: 8 questions of 64 tokens captured while serving stalled everything
+    for 9 s), their decode steps, and a question joining them."""
     for tokens in PREFILL_LENGTHS:
-        _questions(rt, heads[:1], _question_of(rt, tokens))
+        question = _question_of(rt, tokens)
+        for n in DECODE_BATCHES:
+            _questions(rt, [heads[i % len(heads)] for i in range(n)], question)
 
 
-def _questions(rt: Runtime, heads: list, question: str = "What is happening?") -> None:
+def _questions(rt: Runtime, heads: list, question: str) -> None:
     """`len(heads)` questions prefilled, decoded together, then one more joining them."""
     params = GenerationParams(max_tokens=4)
     gens = [Generation(rt, head, question, params) for head in heads]
