@@ -422,12 +422,12 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
         r.kv.normal_()
     items = [Item(n, r, at) for r, at in zip(regions, ats, strict=True)]
     q = torch.randn(len(items) * n, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
-    k, v = (torch.randn(len(items) * n, lm.n_kv_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16) for _ in "kv")
+    kv = torch.randn(2, lm.n_kv_heads, len(items) * n, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     plan = lm.plan(items)
     assert plan.body is not None and plan.body[2] == 1024
-    with_body = lm._attention(0, q, k, v, plan)
+    with_body = lm._attention(0, q, kv, plan)
     monkeypatch.setattr(lm, "cudnn", False)
     plan = lm.plan(items)
     assert plan.body is None
-    flash_alone = lm._attention(0, q, k, v, plan)
+    flash_alone = lm._attention(0, q, kv, plan)
     assert torch.allclose(with_body.float(), flash_alone.float(), atol=2e-2)
