@@ -342,6 +342,35 @@ def test_a_decode_row_reads_its_own_keys_in_its_bases_call(rt: Runtime):
     p = plan.pieces[(base.slab, False)]
     assert p.copies == 4 and p.max_k == 4096
     assert p.host[-2:] == [(0, 1, scratches[0].start, 11), (1, 1, scratches[1].start, 31)]
+    unsplit = rt.lm.plan(items, 1, device=False)  # many questions: their own pieces keep a call of their own
+    assert sorted(unsplit.pieces) == [(base.slab, False), (base.slab, True)]
+
+
+def test_answers_over_split_bases_equal_unsplit(rt: Runtime, monkeypatch):
+    """Split-KV, exactly on the CPU: questions whose bases are cut into pieces (their decode rows'
+    own keys one more piece of the same call) answer as with whole bases, tokens and logits."""
+    from common.engine import answer
+    from common.engine.params import GenerationParams
+
+    grid = Grid(56, 84)
+    engines = [
+        stream(rt, make_frames(2 * n, grid, seed=i), grid, 2, 2, name=f"split-{i}") for i, n in enumerate((3, 5))
+    ]
+    params = GenerationParams(max_tokens=6)
+
+    def answers() -> list:
+        gens = [
+            answer.Generation(rt, e.head, q, params, keep_logits=True) for e in engines for q in ("Why?", "What now?")
+        ]
+        while not all(g.done for g in gens):
+            answer.Generation.step_batch([g for g in gens if not g.done])
+        return [g.future.result() for g in gens]
+
+    whole = answers()
+    monkeypatch.setattr(rt.lm, "split_for", lambda *a, **k: 3)
+    for got, want in zip(answers(), whole, strict=True):
+        assert got.token_ids == want.token_ids
+        assert torch.allclose(got.first_logits, want.first_logits, atol=1e-4)
 
 
 @pytest.mark.parametrize(
