@@ -1,4 +1,5 @@
-"""The encode-step A/B of 2026-11-25 (encode-step-ab-h100-2026-11-25.txt), kept as it was run.
+"""The encode-step A/B of 2026-11-25 (encode-step-ab-h100-2026-11-25.txt), tidied from the script
+as it was run (the same steps; its first two runs printed the first two fields only).
 
 One encode step of 8 streams' chunks (vision + prefill, 4 frames of 448x448 each) over caches of
 25-31K tokens made from zeros, timed over 8 steps after 3, then one step profiled. Run from the
