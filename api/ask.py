@@ -9,7 +9,7 @@ far; the deltas after it concatenate to the final text.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -27,11 +27,13 @@ class AskRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     question: str = Field(description="what to ask about the stream's video so far")
-    max_tokens: int | None = Field(None, description="1..2048; the worker's default when absent")
-    temperature: float | None = Field(None, description="0 = greedy (default)")
-    top_p: float | None = None
+    max_tokens: Annotated[int | None, replies.NotBool] = Field(None, description="1..2048; the worker's default")
+    temperature: Annotated[float | None, replies.NotBool] = Field(None, description="0 = greedy (default)")
+    top_p: Annotated[float | None, replies.NotBool] = None
     choices: list[str] | None = Field(None, description="multiple choice: the answer is one of these, with scores")
-    at: int | Literal["latest"] | None = Field(None, description="a cache version id, or latest (default)")
+    at: Annotated[int | Literal["latest"] | None, replies.NotBool] = Field(
+        None, description="a cache version id, or latest (default)"
+    )
     stream: bool = Field(True, description="server-sent events (default) or one JSON object")
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api import errors, replies
 from api.guard import require_token
 from api.streams import stream_names
+from common.engine.params import MIN_TOP_P
 from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 
@@ -39,11 +40,11 @@ class ChatRequest(BaseModel):
     model: str = Field(description="the stream name")
     messages: list[Message] = Field(min_length=1)
     stream: bool = False
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: Annotated[int | None, replies.NotBool] = None
+    max_completion_tokens: Annotated[int | None, replies.NotBool] = None
+    temperature: Annotated[float | None, replies.NotBool] = None
+    top_p: Annotated[float | None, replies.NotBool] = None
+    n: Annotated[int | None, replies.NotBool] = None
 
 
 def question_text(messages: list[Message]) -> str:
@@ -76,8 +77,10 @@ async def chat(body: ChatRequest, request: Request):
         raise errors.ApiError(400, "n must be 1", param="n")
     await replies.known_stream(r, body.model)
     max_tokens = body.max_completion_tokens or body.max_tokens
+    # OpenAI takes top_p in [0, 1]; 0 keeps the top token only, as the least top_p here does
+    top_p = None if body.top_p is None else max(body.top_p, MIN_TOP_P)
     q = replies.question(
-        body.model, question_text(body.messages), max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p
+        body.model, question_text(body.messages), max_tokens=max_tokens, temperature=body.temperature, top_p=top_p
     )
     await replies.submit(r, q)
     if body.stream:

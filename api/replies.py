@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aredis
+from pydantic import BeforeValidator
 
 from api import errors
 from common.wire import keys
@@ -45,6 +46,16 @@ async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False) -> 
     if not await r.exists(*found):
         raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
     return name
+
+
+def _no_bool(value: Any) -> Any:
+    """pydantic's lax mode reads true as 1: a client's mistake ("at": true) would ask about version 1."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number, not true or false")
+    return value
+
+
+NotBool = BeforeValidator(_no_bool)  # for a request's number fields, on the whole field (its error names the field)
 
 
 def question(stream: str, text: str, **options: Any) -> Question:

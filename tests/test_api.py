@@ -210,6 +210,8 @@ def test_bad_questions_get_4xx_json(live):
     assert_error(live.http.post(url, json={"question": "x", "max_tokens": 0}), 400, "max_tokens")
     assert_error(live.http.post(url, json={"question": "x", "choices": ["only one"]}), 400, "choices")
     assert_error(live.http.post(url, json={"question": "x", "bogus": 1}), 422, "bogus")
+    assert_error(live.http.post(url, json={"question": "x", "at": True}), 422, "at")  # not version 1
+    assert_error(live.http.post(url, json={"question": "x", "max_tokens": True}), 422, "max_tokens")
     assert_error(live.http.post(url, json={"question": "   "}), 400, "question")
     assert_error(live.http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 422)
     assert_error(live.http.post("/api/streams/nope/ask", json={"question": "x"}), 404, "stream")
@@ -267,7 +269,18 @@ def test_openai_bad_requests(live):
     assert_error(live.http.post(url, json={"model": CAM, "messages": [{"role": "system", "content": "x"}]}), 400)
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]
     assert_error(live.http.post(url, json={"model": CAM, "messages": image}), 400, "messages")
-    assert_error(live.http.post(url, json={"model": CAM, "messages": [{"role": "user", "content": "x"}], "n": 2}), 400)
+    asked = {"model": CAM, "messages": [{"role": "user", "content": "x"}]}
+    assert_error(live.http.post(url, json=asked | {"n": 2}), 400)
+    assert_error(live.http.post(url, json=asked | {"n": True}), 422, "n")
+
+
+def test_openai_top_p_zero_keeps_the_top_token(live):
+    """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
+    question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
+    sampled = live.http.post("/v1/chat/completions", json=question | {"temperature": 1.0, "top_p": 0}, timeout=60)
+    greedy = live.http.post("/v1/chat/completions", json=question, timeout=60)
+    assert sampled.status_code == greedy.status_code == 200, sampled.text
+    assert sampled.json()["choices"][0]["message"]["content"] == greedy.json()["choices"][0]["message"]["content"]
 
 
 # ----------------------------------------------------------------------------- jobs, transcript, alerts
