@@ -11,10 +11,10 @@ from fastapi.responses import PlainTextResponse, Response
 
 from api import errors, replies
 from api.guard import require_token
-from common import placement, status
+from common import placement, redisio, status
 from common.wire import keys
 from common.wire.schemas import INT64_MAX
-from common.wire.transcript import Cue, render_transcript
+from common.wire.transcript import cues_of, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
 
@@ -28,7 +28,7 @@ def _text(x: bytes | str) -> str:
 
 def entries(raw: list) -> list[dict[str, str]]:
     """XREVRANGE replies (newest first) -> dicts with their entry `id`, oldest first."""
-    return [{"id": _text(i)} | {_text(k): _text(v) for k, v in f.items()} for i, f in reversed(raw)]
+    return [{"id": _text(i)} | redisio.text_fields(f) for i, f in reversed(raw)]
 
 
 async def stream_names(r: aredis.Redis) -> list[str]:
@@ -98,8 +98,7 @@ async def transcript(
     found = entries(await r.xrevrange(keys.transcript(await replies.known_stream(r, name)), count=count))
     if format == "json":
         return {"stream": name, "cues": found}
-    cues = [Cue(float(e["start"]), float(e["end"]), e["text"]) for e in found]
-    return PlainTextResponse(render_transcript(cues, format), media_type=SUBTITLE_TYPES[format])
+    return PlainTextResponse(render_transcript(cues_of(found), format), media_type=SUBTITLE_TYPES[format])
 
 
 @router.get("/streams/{name}/jobs", summary="Names of the stream's caption/custom jobs that wrote outputs")

@@ -71,6 +71,16 @@ def _str(x: bytes | str) -> str:
     return x.decode() if isinstance(x, bytes) else x
 
 
+def text_fields(fields: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
+    """A stream entry's fields as text; bytes that are no UTF-8 are replaced, not raised (what a
+    reader shows of an entry somebody else wrote must not depend on that entry being well formed)."""
+    return {_replaced(k): _replaced(v) for k, v in fields.items()}
+
+
+def _replaced(x: bytes | str) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else x
+
+
 def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]] | None:
     """For ``redis+cluster://[user:password@]host:port[,host:port...][/0][?options]``: redis-py's URL
     of the first node (credentials, options: they apply to every node) and each node's (host, port).

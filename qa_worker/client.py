@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from common import boot
+from common import boot, redisio
 from common.logs import configure_logging
 from common.wire import keys
 from common.wire.schemas import (
@@ -86,7 +86,7 @@ class Client:
         raise AssertionError("unreachable")
 
     def transcript(self, stream: str) -> list[dict[str, str]]:
-        return [{k.decode(): v.decode() for k, v in f.items()} for _, f in self.r.xrange(keys.transcript(stream))]
+        return [redisio.text_fields(f) for _, f in self.r.xrange(keys.transcript(stream))]
 
 
 def main(argv: list[str]) -> int:
@@ -147,12 +147,11 @@ def _restarted(attempt: int) -> None:
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:
-    from common.wire.transcript import Cue, render_transcript
+    from common.wire.transcript import cues_of, render_transcript
 
     entries = client.transcript(ns.stream)
     if ns.format == "json":
         print(json.dumps(entries, indent=1))
         return 0
-    cues = [Cue(float(e["start"]), float(e["end"]), e["text"]) for e in entries]
-    print(render_transcript(cues, ns.format), end="")
+    print(render_transcript(cues_of(entries), ns.format), end="")
     return 0

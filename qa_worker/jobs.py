@@ -27,7 +27,7 @@ from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
-from common.wire.transcript import Cue, render_transcript
+from common.wire.transcript import Cue, cues_of, render_transcript
 from qa_worker.alerts import YES_NO, Alert, Delivery, Gate, p_yes
 from qa_worker.subtitles import SUBTITLE_PROMPT, SubtitleTracker, parse_model_output
 
@@ -109,7 +109,7 @@ class JobRunner:
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
             if sched.job.kind == "subtitles":
                 recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
-                sched.tracker.remember(f[b"text"].decode() for _, f in reversed(recent))
+                sched.tracker.remember(redisio.text_fields(f).get("text", "") for _, f in reversed(recent))
 
     def run_due(self) -> int:
         """Run every job whose time has come; returns how many ran."""
@@ -217,10 +217,7 @@ class JobRunner:
                 log.error("subtitle files not written", stream=sched.stream, error=str(e))
 
     def _write_files(self, sched: Schedule) -> None:
-        cues = [
-            Cue(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode())
-            for _, f in self.r.xrange(keys.transcript(sched.stream))
-        ]
+        cues = cues_of(redisio.text_fields(f) for _, f in self.r.xrange(keys.transcript(sched.stream)))
         self.transcript_dir.mkdir(parents=True, exist_ok=True)
         for fmt in sched.job.formats:
             _write_atomic(self.transcript_dir / f"{sched.stream}.{fmt}", render_transcript(cues, fmt))

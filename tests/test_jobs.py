@@ -236,6 +236,35 @@ def test_unwritable_subtitle_files_do_not_stop_the_job(rt, redis_url, tmp_path):
     assert texts == ["EXIT ONLY", "NO PARKING"], "the transcript in Redis is still written"
 
 
+def test_garbage_in_the_transcript_is_left_out_not_raised(rt, redis_url, tmp_path):
+    """Entries of svqa:{cam}:transcript that are no cue (written by hand, by an old or broken
+    writer) used to raise out of the job runner (stopping the worker) and `streamvqa transcript`."""
+    r = redis.Redis.from_url(redis_url)
+    garbage = [
+        {"start": "x", "end": "1", "text": "a"},
+        {"end": "2", "text": "b"},
+        {"start": "3", "end": "2", "text": "c"},
+        {"start": "nan", "end": "1", "text": "d"},
+        {"start": "0", "end": "1", "text": b"\xff\xfe"},  # no UTF-8: replaced (then cleaned away), not raised
+    ]
+    for fields in [*garbage, {"start": "0", "end": "1", "text": "EXIT ONLY"}]:
+        r.xadd(keys.transcript("cam1"), fields)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1, formats=("srt",))
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: "NO PARKING", str(tmp_path / "subs"))
+    for i in range(2):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [2 + i, 2.5 + i])
+        assert runner.run_due() == 1
+    runner.flush()
+    files = [c.text for c in parse_srt((tmp_path / "subs" / "cam1.srt").read_text())]
+    assert files == ["EXIT ONLY", "NO PARKING"]
+    argv = ["transcript", "--stream", "cam1", "--format", "srt", "--redis-url", redis_url]
+    cli = subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    assert [c.text for c in parse_srt(cli.stdout)] == files
+
+
 def test_a_job_run_that_runs_out_of_memory_fails_alone_and_the_next_runs(rt, redis_url):
     """The engine running out of pool or GPU memory in a job's run fails that run (logged, counted),
     as it fails a question: it used to leave the job runner and stop the whole worker."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -44,6 +44,19 @@ class Cue:
             raise ValueError(f"cue times must be finite: {self.start!r}, {self.end!r}")
         if self.end <= self.start:
             raise ValueError(f"cue end {self.end!r} must be after start {self.start!r}")
+
+
+def cues_of(entries: Iterable[Mapping[str, str]]) -> list[Cue]:
+    """The cues of a transcript's entries (their fields as text). An entry that is no cue (a field
+    missing, a time that is no number, an end not after its start) is left out: only QA workers
+    write the stream, but one bad entry must not take the whole transcript down with it."""
+    cues = []
+    for entry in entries:
+        try:
+            cues.append(Cue(float(entry["start"]), float(entry["end"]), str(entry["text"])))
+        except (KeyError, ValueError, TypeError):
+            continue
+    return cues
 
 
 def _cue_lines(text: str) -> list[str]:
