@@ -59,6 +59,10 @@ UP_EVENTS = {"connected": 1, "error": 0, "stalled": 0, "reconnecting": 0, "gave_
 LATEST_FRAME_EVERY_S = 1.0
 LATEST_FRAME_TTL_S = 3600  # a stream gone for an hour stops showing a picture
 JPEG_QUALITY = 80
+# A damaged stream fails packet after packet: each one counts (svqa_ingest_decode_errors_total), but
+# a decode_error event (a log line and an entry of the stream's events) goes out at most this often,
+# with the count since the last one, so that the events keep showing anything else that happens.
+DECODE_ERROR_EVENT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,8 @@ class Source:
         self._last_jpeg = -LATEST_FRAME_EVERY_S
         self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
         self._alive_at = time.monotonic()  # the source's last sign of life: a frame decoded or taken
+        self._decode_errors_since = 0  # decode errors since the last decode_error event
+        self._decode_error_event_at = -DECODE_ERROR_EVENT_S
         self._export_gauges()
 
     # -- the loop ------------------------------------------------------------------------------
@@ -361,7 +367,11 @@ class Source:
     def _decode_error(self, message: str) -> None:
         self.stats.decode_errors += 1
         metrics.DECODE_ERRORS.labels(self.spec.stream).inc()
-        self.event("decode_error", error=message[:500])
+        self._decode_errors_since += 1
+        now = time.monotonic()
+        if now - self._decode_error_event_at >= DECODE_ERROR_EVENT_S:
+            self.event("decode_error", error=message[:500], errors=self._decode_errors_since)
+            self._decode_errors_since, self._decode_error_event_at = 0, now
 
     def event(self, kind: str, **fields: object) -> None:
         """A log line and an entry of the stream's events; error texts may quote the URL: redacted."""

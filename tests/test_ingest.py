@@ -21,7 +21,7 @@ from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
 from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
-from tests.videodamage import truncate_file, write_garbage_file
+from tests.videodamage import corrupt_bytes, truncate_file, write_garbage_file
 
 CAM = "cam1"
 
@@ -158,6 +158,20 @@ def test_truncated_file_decodes_what_it_can(redis_url, services, tmp_path):
     assert ingest(services, video, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
     n = len([f for f in frames(r) if isinstance(f, FrameMsg)])
     assert 0 < n < 30
+
+
+def test_a_damaged_file_counts_every_decode_error_in_few_events(redis_url, services, tmp_path):
+    """Every packet that fails counts, but one decode_error event stands for all of them within
+    DECODE_ERROR_EVENT_S: an event per packet flooded the stream's events (and the log)."""
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=6, fps=10, width=320, height=240)
+    corrupt_bytes(video, start_fraction=0.3, length=20_000)
+    assert ingest(services, video, "--fps", "5", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    found = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.events(CAM))]
+    errors = [e for e in found if e["type"] == "decode_error"]
+    (eof,) = [e for e in found if e["type"] == "eof"]
+    assert int(eof["decode_errors"]) > 1 and len(errors) == 1, found
+    assert int(errors[0]["errors"]) == 1 and errors[0]["error"]
 
 
 def test_garbage_file_exits_nonzero_with_an_error_event(redis_url, services, tmp_path):
