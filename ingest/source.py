@@ -43,6 +43,8 @@ from ingest.video import (
     DecodedFrame,
     SourceError,
     display_quarter_turns,
+    ended_playlist,
+    is_hls,
     is_live,
     open_container,
     sample_frames,
@@ -87,7 +89,7 @@ class Source:
     def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event, frames: redis.Redis | None = None):
         self.r, self.spec, self.cfg, self.stop = r, spec, cfg, stop
         self.frames = frames or r
-        self.live = is_live(spec.url)
+        self.live = is_live(spec.url) and not (is_hls(spec.url) and ended_playlist(spec.url, cfg.open_timeout_s))
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         self.next_seq, self.resume_pts = self._resume_point()

@@ -16,9 +16,12 @@ and never answers blocks forever without them):
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import time
+import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -35,6 +38,7 @@ _LIVE_SCHEMES = ("rtsp://", "rtsps://", "rtmp://", "rtmps://", "rtp://", "udp://
 _MAX_CONSECUTIVE_DEMUX_ERRORS = 5
 # A live stream whose timestamps jump back by more than this restarted its clock: re-anchor.
 _REWIND_S = 1.0
+_MAX_PLAYLIST_BYTES = 1 << 20
 # Slack in "slot" units so 0.7 * 10 == 6.9999999 still lands in slot 7.
 _SLOT_EPS = 1e-6
 
@@ -58,9 +62,47 @@ def is_live(url: str) -> bool:
         return True
     if lower.startswith("/dev/video"):
         return True
-    if lower.startswith(("http://", "https://")):
-        return lower.split("?", 1)[0].split("#", 1)[0].endswith(".m3u8")
+    return is_hls(url)
+
+
+def is_hls(url: str) -> bool:
+    lower = url.strip().lower()
+    return lower.startswith(("http://", "https://")) and lower.split("?", 1)[0].split("#", 1)[0].endswith(".m3u8")
+
+
+def ended_playlist(url: str, timeout_s: float) -> bool:
+    """Whether an HLS playlist ends (``#EXT-X-ENDLIST``: a VOD, or an event that is over), following a
+    master playlist to its first variant. Such a source is a file: it ends once, where reopening a
+    live one that "ended" replayed it from the start forever. False when it cannot be read (it is
+    then opened as a live source, and the open says what is wrong)."""
+    try:
+        for _ in range(2):  # the playlist, or a master playlist and its first variant
+            if not url.lower().startswith(("http://", "https://")):  # a playlist may name any URL
+                return False
+            with urllib.request.urlopen(_request(url), timeout=timeout_s) as reply:
+                text = reply.read(_MAX_PLAYLIST_BYTES).decode("utf-8", errors="replace")
+            if "#EXT-X-ENDLIST" in text:
+                return True
+            variants = text.split("#EXT-X-STREAM-INF", 1)[1:]
+            lines = [ln.strip() for ln in variants[0].splitlines()[1:]] if variants else []
+            uri = next((ln for ln in lines if ln and not ln.startswith("#")), None)
+            if uri is None:
+                return False
+            url = urllib.parse.urljoin(url, uri)
+    except (OSError, ValueError):
+        return False
     return False
+
+
+def _request(url: str) -> urllib.request.Request:
+    """urllib takes no credentials in a URL: they go into a Basic authorization header."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.username is None:
+        return urllib.request.Request(url)
+    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    login = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+    headers = {"Authorization": "Basic " + base64.b64encode(login.encode()).decode()}
+    return urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)), headers=headers)
 
 
 def open_container(

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import http.server
 import os
 import signal
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +21,7 @@ import redis
 from apps.samplevideo import write_sample_video
 from common.wire import keys
 from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from ingest.video import ended_playlist
 from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
@@ -172,6 +176,54 @@ def test_a_damaged_file_counts_every_decode_error_in_few_events(redis_url, servi
     (eof,) = [e for e in found if e["type"] == "eof"]
     assert int(eof["decode_errors"]) > 1 and len(errors) == 1, found
     assert int(errors[0]["errors"]) == 1 and errors[0]["error"]
+
+
+@pytest.fixture
+def hls_vod(tmp_path):
+    """A 3 s VOD playlist (ffmpeg's HLS muxer) behind a master playlist, served over HTTP; paths
+    under /private/ ask for Basic credentials u / p@ss."""
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=3, fps=10, width=320, height=240)
+    root = tmp_path / "hls"
+    root.mkdir()
+    hls = ["-f", "hls", "-hls_time", "1", "-hls_playlist_type", "vod", str(root / "v.m3u8")]
+    subprocess.run(["ffmpeg", "-v", "error", "-i", video, "-c", "copy", *hls], check=True)
+    (root / "master.m3u8").write_text("#EXTM3U\n#EXT-X-STREAM-INF:BANDWIDTH=100000\nv.m3u8\n")
+    (root / "live.m3u8").write_text((root / "v.m3u8").read_text().replace("#EXT-X-ENDLIST", ""))
+    login = "Basic " + base64.b64encode(b"u:p@ss").decode()
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, directory=str(root), **kwargs)
+
+        def do_GET(self):
+            if self.path.startswith("/private/"):
+                if self.headers.get("Authorization") != login:
+                    return self.send_error(401)
+                self.path = self.path.removeprefix("/private")
+            return super().do_GET()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_an_hls_playlist_that_ends_is_read_once_like_a_file(redis_url, services, hls_vod):
+    """A VOD playlist (#EXT-X-ENDLIST) is a file: read to its end once, then eof and exit 0. Taken
+    for a live stream, it was reopened after its end and replayed from the start forever."""
+    assert ended_playlist(f"http://{hls_vod}/master.m3u8", 5) and ended_playlist(f"http://{hls_vod}/v.m3u8", 5)
+    assert not ended_playlist(f"http://{hls_vod}/live.m3u8", 5)
+    assert ended_playlist(f"http://u:p%40ss@{hls_vod}/private/master.m3u8", 5)  # credentials as a header
+    assert not ended_playlist(f"http://{hls_vod}/private/master.m3u8", 5)  # unreadable: live, as before
+    r = redis.Redis.from_url(redis_url)
+    url = f"http://{hls_vod}/master.m3u8"
+    assert ingest(services, url, "--fps", "2", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    got = frames(r)
+    assert isinstance(got[-1], EndOfStream) and 5 <= len(got) - 1 <= 7, got
+    assert events(r)[-1] == "eof" and "reconnecting" not in events(r)
 
 
 def test_garbage_file_exits_nonzero_with_an_error_event(redis_url, services, tmp_path):
@@ -386,44 +438,11 @@ def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, s
         listener.close()
 
 
-def test_hls_over_http(redis_url, services, tmp_path):
-    """HTTP/HLS through a real HTTP server: an ffmpeg-segmented playlist served from a directory."""
-    import functools
-    import subprocess
-    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
-
+def test_hls_over_http(redis_url, services, hls_vod):
+    """HTTP/HLS through a real HTTP server: an ffmpeg-segmented playlist, paced like a camera (its
+    meta says live) and, since it ends, read to its end once."""
     r = redis.Redis.from_url(redis_url)
-    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=4, fps=10, width=160, height=120)
-    hls = tmp_path / "hls"
-    hls.mkdir()
-    subprocess.run(
-        [
-            "ffmpeg",
-            "-v",
-            "error",
-            "-i",
-            video,
-            "-c",
-            "copy",
-            "-f",
-            "hls",
-            "-hls_time",
-            "1",
-            "-hls_list_size",
-            "0",
-            str(hls / "live.m3u8"),
-        ],
-        check=True,
-    )
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(hls))
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        url = f"http://127.0.0.1:{server.server_address[1]}/live.m3u8"
-        proc = ingest(services, url, "--fps", "5", "--max-reconnects", "0", "--reconnect-min-s", "0.1")
-        assert proc.wait(timeout=60) == 0, services.logs()
-    finally:
-        server.shutdown()
+    assert ingest(services, f"http://{hls_vod}/v.m3u8", "--fps", "5").wait(timeout=60) == 0, services.logs()
     body = [f for f in frames(r) if isinstance(f, FrameMsg)]
-    assert len(body) >= 15 and [f.seq for f in body] == list(range(len(body)))
+    assert len(body) >= 12 and [f.seq for f in body] == list(range(len(body)))
     assert r.hget(keys.meta(CAM), "live") == b"1"
