@@ -9,6 +9,7 @@ on generate()'s position inference either.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,7 +62,7 @@ def offline_answer(
         position_ids=pos.to(dev),
         use_cache=True,
     )
-    logits, cache = out.logits[0, -1].float(), out.past_key_values
+    logits, cache = out.logits[0, -1].float(), _cache_of(out)
     first_logits = logits
     tokens: list[int] = []
     stops = {rt.ids.im_end, rt.ids.endoftext}
@@ -71,10 +72,21 @@ def offline_answer(
             break
         tokens.append(token)
         step_pos = torch.full((3, 1, 1), next_pos, device=dev)
-        out = model(
-            input_ids=torch.tensor([[token]], device=dev), past_key_values=cache, position_ids=step_pos, use_cache=True
-        )
-        logits, cache = out.logits[0, -1].float(), out.past_key_values
+        token_ids = torch.tensor([[token]], device=dev)
+        out = model(input_ids=token_ids, position_ids=step_pos, use_cache=True, **_cache_arg(model, cache))
+        logits, cache = out.logits[0, -1].float(), _cache_of(out)
         next_pos += 1
     text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
     return OfflineResult(text, tokens, first_logits.cpu(), ids.shape[1])
+
+
+# transformers renamed the KV cache from `past_key_values` to `cache`, in the forward's arguments
+# and in its output (5.2x; the old name warns, and goes in 5.40): the GPU image has 5.17, CI the newest 5.x
+def _cache_arg(model: torch.nn.Module, cache: object) -> dict[str, object]:
+    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
+    return {name: cache}
+
+
+def _cache_of(out: object) -> object:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
