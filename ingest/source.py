@@ -13,6 +13,7 @@ it resumes from are on the durable one, ``r``.
 from __future__ import annotations
 
 import io
+import math
 import queue
 import random
 import threading
@@ -53,6 +54,7 @@ from ingest.video import (
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+FINISHED = (math.inf, math.inf)  # a resume point past every frame: the file was sent to its end
 RESUME_SCAN = 200  # newest frames entries searched for the last valid frame when resuming
 FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
 FPS_WINDOW_FRAMES = 4096  # enough for any sane fps over the window
@@ -92,8 +94,9 @@ class Source:
         self.live = is_live(spec.url) and not (is_hls(spec.url) and ended_playlist(spec.url, cfg.open_timeout_s))
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
-        self.next_seq, self.resume_pts = self._resume_point()
-        self.last_pts = self.resume_pts  # of the newest frame published
+        # where a file goes on after a restart: (epoch, pts) of the newest frame published (FrameMsg)
+        self.next_seq, self.resume_at = self._resume_point()
+        self.last_at = self.resume_at
         self._recent: deque[float] = deque(maxlen=FPS_WINDOW_FRAMES)  # publish times (monotonic)
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
         self._last_jpeg = -LATEST_FRAME_EVERY_S
@@ -106,7 +109,7 @@ class Source:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
-        if self.resume_pts == float("inf"):
+        if self.resume_at == FINISHED:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
         delay = self.cfg.reconnect_min_s
@@ -127,7 +130,7 @@ class Source:
                 redisio.ride_out(self.r, e, self.cfg.redis_grace_s, self.stop)
                 if self.frames is not self.r:  # it may have been the frames Redis that went away
                     redisio.call_riding_out(self.frames, self.frames.ping, self.stop, self.cfg.redis_grace_s)
-                self.resume_pts = self.last_pts
+                self.resume_at = self.last_at
                 continue
             if self.stats.published > published:
                 # The source worked until this outage: back off from the start again, or a camera
@@ -200,8 +203,8 @@ class Source:
             if isinstance(item, Exception):
                 raise item if isinstance(item, SourceError) else SourceError(str(item))
             frame: DecodedFrame = item
-            if not self.live and frame.pts <= self.resume_pts:
-                continue  # already published before a restart
+            if not self.live and (frame.epoch, frame.pts) <= self.resume_at:
+                continue  # already published before a restart (pts alone repeats after a clock restart)
             if self.spec.realtime:
                 now = time.monotonic()
                 wall0, pts0 = (wall0, pts0) if wall0 is not None else (now, frame.pts)
@@ -214,7 +217,7 @@ class Source:
             else:
                 self._wait_for_encoder()
             ts = time.time() if (self.live or self.spec.realtime) else frame.pts
-            self._publish(FrameMsg.from_rgb(self.next_seq, ts, frame.pts, frame.rgb))
+            self._publish(FrameMsg.from_rgb(self.next_seq, ts, frame.pts, frame.rgb, frame.epoch))
         return False
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -244,7 +247,7 @@ class Source:
         pipe.execute()
         if isinstance(msg, FrameMsg):
             self.next_seq += 1
-            self.last_pts = msg.pts
+            self.last_at = (msg.epoch, msg.pts)
             self.stats.published += 1
             metrics.FRAMES_IN.labels(self.spec.stream).inc()
             metrics.FRAME_BYTES.labels(self.spec.stream).inc(sum(len(v) for v in fields.values()))
@@ -331,8 +334,9 @@ class Source:
             lag = len(self.frames.xrange(key, min=f"({last}", count=self.cfg.max_backlog))
         return int(lag) + int(enc["pending"])
 
-    def _resume_point(self) -> tuple[int, float]:
-        """(next seq, last published pts): a restarted ingest neither reuses seqs nor re-sends a file.
+    def _resume_point(self) -> tuple[int, tuple[float, float]]:
+        """(next seq, (epoch, pts) of the last published frame): a restarted ingest neither reuses
+        seqs nor re-sends a file (FINISHED when it was sent to its end).
 
         From the newest VALID frame on the stream (garbage and forged entries are skipped: one
         that does not follow the head version plausibly is not ours), and never below the head
@@ -351,8 +355,8 @@ class Source:
             if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, live=False) is not None:
                 continue
             finished = end is not None and end.seq == msg.seq
-            return max(msg.seq, head_seq) + 1, float("inf") if finished else msg.pts
-        return head_seq + 1, -1.0
+            return max(msg.seq, head_seq) + 1, FINISHED if finished else (msg.epoch, msg.pts)
+        return head_seq + 1, (0, -1.0)
 
     def _head(self) -> tuple[int, float | None]:
         """(last frame seq, its capture time) of the stream's head version; (-1, None) without one."""

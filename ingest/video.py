@@ -48,6 +48,7 @@ class DecodedFrame:
     index: int  # 0-based index among *sampled* frames of this open
     pts: float  # media time in seconds
     rgb: np.ndarray  # HxWx3 uint8
+    epoch: int = 0  # times the media clock restarted before this frame in this open (concatenated recordings)
 
 
 class SourceError(RuntimeError):
@@ -189,7 +190,7 @@ def _sample(
         t = frame.time if frame.time is not None else (last_t or 0.0) + fallback_step
         last_t = t
         if sampler.keep(t):
-            yield DecodedFrame(kept, float(t), _to_rgb(frame, grid))
+            yield DecodedFrame(kept, float(t), _to_rgb(frame, grid), sampler.restarts)
             kept += 1
     if decoded == 0:
         raise SourceError(f"{_name(container)}: nothing decodable ({errors[0]} errors)")
@@ -207,9 +208,11 @@ class _PtsSampler:
         self.origin: float | None = None
         self.next_slot = 0
         self.last_seen = -math.inf
+        self.restarts = 0  # clock restarts re-anchored so far: with pts, where a frame is in its source
 
     def keep(self, t: float) -> bool:
         if self.origin is None or t < self.last_seen - _REWIND_S:
+            self.restarts += self.origin is not None
             self.origin, self.next_slot = t, 0
         self.last_seen = t
         slot = math.floor((t - self.origin) * self.fps + _SLOT_EPS)

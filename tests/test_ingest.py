@@ -97,6 +97,47 @@ def test_file_backpressure_bounds_the_stream_and_interrupted_file_resumes(redis_
     assert isinstance(got[-1], EndOfStream)
 
 
+def test_a_file_whose_clock_restarts_resumes_after_the_frame_it_sent_last(redis_url, services, tmp_path):
+    """Two recordings back to back in one TS file (its timestamps start over): read across the
+    restart, and an ingest stopped in the second one resumes after its last frame. Resuming by pts
+    alone re-sent the first recording's frames past that pts (each one, then, a second time)."""
+    r = redis.Redis.from_url(redis_url)
+    parts = []
+    for i in range(2):
+        mp4 = write_sample_video(str(tmp_path / f"{i}.mp4"), seconds=3, fps=10, width=160, height=120)
+        ts = tmp_path / f"{i}.ts"
+        subprocess.run(["ffmpeg", "-v", "error", "-i", mp4, "-c", "copy", "-f", "mpegts", str(ts)], check=True)
+        parts.append(ts.read_bytes())
+    video = tmp_path / "both.ts"
+    video.write_bytes(b"".join(parts))
+    r.xgroup_create(keys.frames(CAM), keys.ENCODER_GROUP, id="0", mkstream=True)
+    stop = threading.Event()
+
+    def consume() -> None:  # an encoder taking a frame every 50 ms
+        while not stop.is_set():
+            for _, entries in r.xreadgroup(keys.ENCODER_GROUP, "t", {keys.frames(CAM): ">"}, count=1, block=100) or []:
+                r.xack(keys.frames(CAM), keys.ENCODER_GROUP, *[eid for eid, _ in entries])
+                time.sleep(0.05)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    try:
+        proc = ingest(services, str(video), "--fps", "5", "--max-backlog", "2")
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 20, 30, "frames of the second recording", services)
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0
+        assert not any(isinstance(f, EndOfStream) for f in frames(r)), "stopped before its end"
+        assert ingest(services, str(video), "--fps", "5", "--max-backlog", "2").wait(timeout=60) == 0, services.logs()
+    finally:
+        stop.set()
+        consumer.join()
+    got = [f for f in frames(r) if isinstance(f, FrameMsg)]
+    assert [f.seq for f in got] == list(range(30)), [(f.seq, f.epoch, f.pts) for f in got]
+    assert [f.epoch for f in got] == [0] * 15 + [1] * 15
+    assert [(f.epoch, f.pts) for f in got] == sorted((f.epoch, f.pts) for f in got)
+    assert isinstance(frames(r)[-1], EndOfStream)
+
+
 def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     r = redis.Redis.from_url(redis_url)
     video = write_sample_video(str(tmp_path / "a.mp4"), seconds=3, fps=10, width=160, height=120)

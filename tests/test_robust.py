@@ -22,7 +22,7 @@ from common.wire.schemas import EndOfStream, FinalAnswer, FrameMsg, decode_answe
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
 from ingest.config import IngestConfig
-from ingest.source import Source, SourceSpec
+from ingest.source import FINISHED, Source, SourceSpec
 from qa_worker.answering import Answerer
 from tests.groupread import read_group
 
@@ -143,12 +143,12 @@ def test_ingest_resumes_numbering_from_the_last_valid_frame_and_the_head(rt, red
     r.xadd(keys.frames(CAM), frame(10**12, ts=3.0))
     r.xadd(keys.frames(CAM), encode_frame(EndOfStream(10**12)))
     s = source(r, redis_url)
-    assert (s.next_seq, s.resume_pts) == (6, 2.5), "neither a forged frame nor its end marker are believed"
+    assert (s.next_seq, s.resume_at) == (6, (0, 2.5)), "neither a forged frame nor its end marker are believed"
     r.delete(keys.frames(CAM))
     assert source(r, redis_url).next_seq == 6, "frames gone: the head version still counts"
     r.xadd(keys.frames(CAM), frame(6))
     r.xadd(keys.frames(CAM), encode_frame(EndOfStream(6)))
-    assert source(r, redis_url).resume_pts == float("inf"), "ingest's own end marker: the file is done"
+    assert source(r, redis_url).resume_at == FINISHED, "ingest's own end marker: the file is done"
 
 
 # -- 1, 5, 7. questions ------------------------------------------------------------------------------

@@ -182,9 +182,13 @@ class FrameMsg:
     w: int
     data: bytes  # h*w*3 bytes, row-major RGB
     fmt: str = "rgb24"
+    # files: times the media clock restarted before this frame (concatenated recordings); with pts,
+    # where the frame is in its file, which is what a restarted ingest resumes after
+    epoch: int = 0
 
     def __post_init__(self) -> None:
         _int("seq", self.seq, 0)
+        _int("epoch", self.epoch, 0)
         _float("ts", self.ts)
         _float("pts", self.pts)
         _int("h", self.h, 1)
@@ -201,11 +205,12 @@ class FrameMsg:
         return np.frombuffer(self.data, dtype=np.uint8).reshape(self.h, self.w, 3)
 
     @classmethod
-    def from_rgb(cls, seq: int, ts: float, pts: float, rgb: np.ndarray) -> FrameMsg:
+    def from_rgb(cls, seq: int, ts: float, pts: float, rgb: np.ndarray, epoch: int = 0) -> FrameMsg:
         if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
             raise SchemaError("data", f"expected (h, w, 3) uint8, got {rgb.shape} {rgb.dtype}")
         h, w, _ = rgb.shape
-        return cls(seq=seq, ts=float(ts), pts=float(pts), h=h, w=w, data=np.ascontiguousarray(rgb).tobytes())
+        data = np.ascontiguousarray(rgb).tobytes()
+        return cls(seq=seq, ts=float(ts), pts=float(pts), h=h, w=w, data=data, epoch=epoch)
 
 
 @dataclass(frozen=True)
@@ -245,6 +250,8 @@ def encode_frame(
         if buf.tell() < len(data):  # noise can defeat a lossless codec: then raw is smaller
             fmt, data = codec, buf.getvalue()
     payload = {"seq": msg.seq, "ts": msg.ts, "pts": msg.pts, "h": msg.h, "w": msg.w, "fmt": fmt}
+    if msg.epoch:  # only after a clock restart: every other frame stays as it was on the wire
+        payload["epoch"] = msg.epoch
     return {FIELD: _pack({**payload, "data": data})}
 
 
@@ -284,6 +291,7 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
         w=w,
         data=data,
         fmt=fmt,
+        epoch=_int("epoch", m.get("epoch", 0), 0),
     )
 
 
