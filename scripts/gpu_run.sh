@@ -6,12 +6,17 @@
 #   scripts/gpu_run.sh wheels
 # There (the device tool, `carry: [".whl"]`), any steps in one call; each writes under $OUT:
 #   bash scripts/gpu_run.sh tests questions chunks pipeline
-# (all four take about 14 minutes, past one command's 10: split them over two calls)
-#     tests      tests/test_gpu.py, the CUDA paths against eager and CPU oracles (about 1 min, as earlier runs took)
-#     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (3 min)
+# (all four take about 12 minutes, past one command's 10: split them over two calls)
+#     tests      tests/test_gpu.py, the CUDA paths against eager and CPU oracles (1.5-2 min, 2026-11-25)
+#     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
-#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (6 min); their 32K caches
+#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (5 min); their 32K caches
 #                need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`
+# A/B against an older commit REV on the same machine (timings of two machines do not compare):
+# here `git archive REV | tar -x -C .base` (with /.base/ in .git/info/exclude), `carry` .base too,
+# and there, after the steps of this checkout, in the same call:
+#   (cd .base && OUT=$OUT/base PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_run.sh questions)
+# Two pipelines outlast one command: run them as two calls back to back (a machine stays warm 30 s).
 # Each step leaves two files (the device tool brings back 8): its output (the benchmarks' JSON,
 # NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
 # fails is reported and the next one runs; the exit status is 1 when any failed. The pipeline also
