@@ -68,17 +68,14 @@ class RedisGone(RuntimeError):
 
 
 def _str(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
+    """Bytes that are no UTF-8 are replaced, not raised: what a reader shows of an entry somebody
+    else wrote must not depend on that entry being well formed."""
+    return x.decode(errors="replace") if isinstance(x, bytes) else x
 
 
 def text_fields(fields: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
-    """A stream entry's fields as text; bytes that are no UTF-8 are replaced, not raised (what a
-    reader shows of an entry somebody else wrote must not depend on that entry being well formed)."""
-    return {_replaced(k): _replaced(v) for k, v in fields.items()}
-
-
-def _replaced(x: bytes | str) -> str:
-    return x.decode(errors="replace") if isinstance(x, bytes) else x
+    """A stream entry's fields as text."""
+    return {_str(k): _str(v) for k, v in fields.items()}
 
 
 def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]] | None:

@@ -91,7 +91,7 @@ class Source:
     def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event, frames: redis.Redis | None = None):
         self.r, self.spec, self.cfg, self.stop = r, spec, cfg, stop
         self.frames = frames or r
-        self.live = is_live(spec.url) and not (is_hls(spec.url) and ended_playlist(spec.url, cfg.open_timeout_s))
+        self.live = is_live(spec.url)
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
         # where a file goes on after a restart: (epoch, pts) of the newest frame published (FrameMsg)
@@ -109,6 +109,8 @@ class Source:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
+        if self.live and is_hls(self.spec.url) and ended_playlist(self.spec.url, self.cfg.open_timeout_s):
+            self.live = False  # here, in the source's own thread: a slow server holds up no other camera
         if self.resume_at == FINISHED:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0

@@ -63,6 +63,7 @@ def offline_answer(
         use_cache=True,
     )
     logits, cache = out.logits[0, -1].float(), _cache_of(out)
+    cache_arg = _cache_arg(model)
     first_logits = logits
     tokens: list[int] = []
     stops = {rt.ids.im_end, rt.ids.endoftext}
@@ -73,7 +74,7 @@ def offline_answer(
         tokens.append(token)
         step_pos = torch.full((3, 1, 1), next_pos, device=dev)
         token_ids = torch.tensor([[token]], device=dev)
-        out = model(input_ids=token_ids, position_ids=step_pos, use_cache=True, **_cache_arg(model, cache))
+        out = model(input_ids=token_ids, position_ids=step_pos, use_cache=True, **{cache_arg: cache})
         logits, cache = out.logits[0, -1].float(), _cache_of(out)
         next_pos += 1
     text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -82,9 +83,8 @@ def offline_answer(
 
 # transformers renamed the KV cache from `past_key_values` to `cache`, in the forward's arguments
 # and in its output (5.2x; the old name warns, and goes in 5.40): the GPU image has 5.17, CI the newest 5.x
-def _cache_arg(model: torch.nn.Module, cache: object) -> dict[str, object]:
-    name = "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
-    return {name: cache}
+def _cache_arg(model: torch.nn.Module) -> str:
+    return "cache" if "cache" in inspect.signature(type(model).forward).parameters else "past_key_values"
 
 
 def _cache_of(out: object) -> object:
