@@ -100,7 +100,7 @@ def _request(url: str) -> urllib.request.Request:
     parts = urllib.parse.urlsplit(url)
     if parts.username is None:
         return urllib.request.Request(url)
-    netloc = parts.hostname + (f":{parts.port}" if parts.port else "")
+    netloc = parts.netloc.rpartition("@")[2]  # host and port as written ([::1]:8080 too)
     login = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
     headers = {"Authorization": "Basic " + base64.b64encode(login.encode()).decode()}
     return urllib.request.Request(urllib.parse.urlunsplit(parts._replace(netloc=netloc)), headers=headers)
