@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from common.engine import kvcache
 from common.engine.answer import ask, choose, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import FrameError, Grid, StreamSpec
@@ -166,8 +167,12 @@ def test_eviction_budget_sink_whole_chunks_and_stats(rt):
     assert len(head.chunks) + head.stats.chunks_evicted == 30
 
 
+@pytest.mark.parametrize("block", [4096, 5], ids=["one-block-over-its-source", "blocks-across-patches"])
 @pytest.mark.parametrize("fps", [2, 3])
-def test_rebased_keys_equal_fresh_encode_of_retained_frames(rt, fps):
+def test_rebased_keys_equal_fresh_encode_of_retained_frames(rt, fps, block, monkeypatch):
+    # Re-layouts write in blocks: one larger than the move (its source overlaps where it goes), or
+    # many of 5 tokens, which cut through the 6-token patches and the 12-token chunks.
+    monkeypatch.setattr(kvcache, "RELAYOUT_BLOCK_TOKENS", block)
     grid = Grid(56, 84)  # 6 tokens per patch
     prefix = len(rt.prefix_ids())
     chunk = 4  # 2 patches per chunk: per-patch deltas differ at fps 3

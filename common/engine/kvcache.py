@@ -44,6 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from fractions import Fraction
 
+import numpy as np
 import structlog
 import torch
 
@@ -55,6 +56,8 @@ from common.engine.salience import mean_embedding, salience
 from common.engine.spans import capture_ranges
 
 log = structlog.get_logger()
+
+RELAYOUT_BLOCK_TOKENS = 4096  # K/V moved and turned at once (their keys in fp32: 150 MB at 3B)
 
 
 @dataclass(frozen=True)
@@ -410,7 +413,7 @@ class StreamCache:
         item = self.reserve(sum(p.segment.tokens for p in placements))
         slab = self.lm.pool.slabs[item.dest.slab]
         for p in placements:
-            self._place(slab, self._written[1], load(p.segment), p.t_delta, p.segment.tokens_per_patch)
+            self._place(slab, self._written[1], load(p.segment), _token_shift(p))
             self._wrote(p.segment)
 
     def _publish(
@@ -580,22 +583,25 @@ class StreamCache:
             pool.relayouts["copied" if copied else "in_place"] += 1
             log.info("cache re-laid out", stream=self.stream, copied=copied, tokens=tokens)
         slab, start = self._run.slab, self._run.start
-        kv = pool.slabs[slab]
+        kv, dest = pool.slabs[slab], start + at
+        run: _Run | None = None  # held segments back to back in their slab: one write for all of them
         for p in moved:
-            n = p.segment.tokens
             if p.segment.id in held:
-                was = self._where[p.segment.id]
-                data = pool.slabs[was[0]][:, :, :, was[1] : was[1] + n]
-                data = data if was == (slab, start + at) else data.clone()  # moving down may overlap itself
-                before = held[p.segment.id].t_delta
+                src, shift = self._where[p.segment.id], _token_shift(p, held[p.segment.id].t_delta)
+                if run is None or not run.continued_by(src):
+                    self._write_run(kv, run)
+                    run = _Run(*src, dest)
+                run.shifts.append(shift)
             elif load is not None:
-                data, before = load(p.segment), (0,) * len(p.t_delta)
+                self._write_run(kv, run)
+                run = None
+                self._place(kv, dest, load(p.segment), _token_shift(p))
             else:
                 raise KeyError(f"segment {p.segment.id} is neither cached nor loadable")
-            shift = [new - old for new, old in zip(p.t_delta, before, strict=True)]
-            self._place(kv, start + at, data, shift, p.segment.tokens_per_patch)
-            self._where[p.segment.id] = (slab, start + at)
-            at += n
+            self._where[p.segment.id] = (slab, dest)
+            dest += p.segment.tokens
+        self._write_run(kv, run)
+        at = dest - start
         self._used, self._layout = at, object()
 
     def _in_place(
@@ -637,20 +643,75 @@ class StreamCache:
         )
         return Placement(seg, offset, first_patch, t_delta)
 
-    def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, t_shift, tokens_per_patch: int) -> None:
-        """Write a segment's K/V (layers, 2, kv_heads, n, hd) into slab `kv` at slot `offset`, turning
-        the keys' temporal band by `t_shift` (one value per temporal patch). `src` may be those very
-        slots (a turn in place)."""
+    def _write_run(self, kv: torch.Tensor, run: _Run | None) -> None:
+        if run is not None:
+            src = self.lm.pool.slabs[run.slab][:, :, :, run.src : run.src + run.tokens]
+            self._place(kv, run.dest, src, np.concatenate(run.shifts))
+
+    def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, token_shift: np.ndarray) -> None:
+        """Write K/V `src` (layers, 2, kv_heads, n, hd) into slab `kv` from slot `offset`, turning the
+        keys' temporal band by `token_shift` (one value per token). `src` may be slots of `kv` at or
+        above `offset` (an eviction moving chunks down in place, or turning them where they are): it
+        is written in blocks in order, each read before it is written, so none overwrites slots
+        still to be read. A few large blocks, not a loop over chunks: an eviction re-laying out a
+        32K cache chunk by chunk launched 2,000 kernels and synchronised 46 times."""
         src = src.to(kv.device)
-        n = src.shape[3]
-        dest = kv[:, :, :, offset : offset + n]
-        if src.data_ptr() != dest.data_ptr():
-            dest[:, 1] = src[:, 1]
-        if any(t_shift):
-            per_token = torch.tensor(t_shift, device=kv.device).repeat_interleave(tokens_per_patch)
-            dest[:, 0] = shift_temporal(src[:, 0], per_token, self.lm.inv_freq, self.lm.mrope_section)
-        elif src.data_ptr() != dest.data_ptr():
-            dest[:, 0] = src[:, 0]
+        at = _slot_of(src, kv)
+        turn = _on_device(token_shift, kv.device) if token_shift.any() else None
+        for i in range(0, src.shape[3], RELAYOUT_BLOCK_TOKENS):
+            block = src[:, :, :, i : i + RELAYOUT_BLOCK_TOKENS]
+            n = block.shape[3]
+            dest = kv[:, :, :, offset + i : offset + i + n]
+            if at is not None and at != offset and abs(at - offset) < n:
+                block = block.clone()  # it overlaps its destination
+            if turn is not None:
+                dest[:, 0] = shift_temporal(block[:, 0], turn[i : i + n], self.lm.inv_freq, self.lm.mrope_section)
+            elif at != offset:
+                dest[:, 0] = block[:, 0]
+            if at != offset:
+                dest[:, 1] = block[:, 1]
+
+
+@dataclass
+class _Run:
+    """Cached segments that lie back to back in one slab from slot `src`, going to slot `dest` on."""
+
+    slab: int
+    src: int
+    dest: int
+    shifts: list[np.ndarray] = field(default_factory=list)  # per segment: its tokens' turn
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(s) for s in self.shifts)
+
+    def continued_by(self, where: tuple[int, int]) -> bool:
+        return where == (self.slab, self.src + self.tokens)
+
+
+def _token_shift(p: Placement, before: Sequence[int] | None = None) -> np.ndarray:
+    """How far each token of `p`'s segment turns in time: its temporal patch's new delta less the
+    one its K/V hold (`before`; None: K/V as first encoded, deltas zero)."""
+    seg = p.segment
+    if not seg.n_patches:
+        return np.zeros(seg.tokens, dtype=np.int64)
+    per_patch = np.subtract(p.t_delta, before if before is not None else 0, dtype=np.int64)
+    return np.repeat(per_patch, seg.tokens_per_patch)
+
+
+def _slot_of(t: torch.Tensor, slab: torch.Tensor) -> int | None:
+    """The slot of `slab` at which `t` (a token range of it) starts; None when `t` is not in it."""
+    if t.device != slab.device or t.untyped_storage().data_ptr() != slab.untyped_storage().data_ptr():
+        return None
+    return (t.data_ptr() - slab.data_ptr()) // (slab.stride(3) * slab.element_size())
+
+
+def _on_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host values on `device` without waiting for the device (through page-locked memory)."""
+    host = torch.from_numpy(values)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def _common_prefix(a: Sequence[Placement], b: Sequence[Placement]) -> int:
