@@ -2,10 +2,11 @@
 
 8 streams' caches filled to just under a 32,768-token budget from made-up embeddings in 512-token
 chunks, then encode steps of 8 real 448x448 chunks (4 frames each) until every cache has evicted
-a quarter, then a few more. Prints each step's wall time (with `profile`, the evicting one is profiled and its time counts the profiler's too) (synchronised), how many caches it
-re-laid out and the host time spent in `_relayout`, as JSON lines. Run from the root of the code
-to measure: `PYTHONPATH=. python3 docs/bench/eviction_storm.py [warm] [profile]` (`warm`: the worker's
-warm-up first; `tiny-random cpu 2048` as a smoke run).
+a quarter, then a few more. Prints, as JSON lines, each step's wall time (synchronised), how many
+caches it re-laid out and the host time spent in `_relayout`. Run from the root of the code to
+measure: `PYTHONPATH=. python3 docs/bench/eviction_storm.py [warm] [profile]`. `warm`: the
+worker's warm-up first; `profile`: a table of where the evicting step's time went (its wall time
+then counts the profiler's too); `tiny-random cpu 2048` as the first arguments: a smoke run.
 """
 
 import contextlib
