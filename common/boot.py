@@ -27,6 +27,7 @@ from common.config import ConfigError, GPUSettings, check_redis_url, check_setti
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
+from common.stalls import StallWatch
 from common.version import VERSION
 
 if TYPE_CHECKING:  # torch only where a model is loaded
@@ -174,7 +175,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     gpu = gpu or GPUSettings()
     # one loop owns the GPU: batches every stream and question
     rt.executor = Scheduler(
-        gpu.schedule_policy(), on_step=metrics.record_gpu_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
+        gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
     ).start()
     health.READINESS.model_loaded = True
     log.info("model loaded", model=model, device=str(rt.device), load_s=round(load_s, 1), warm_up_s=round(warm_up_s, 1))

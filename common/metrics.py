@@ -90,7 +90,7 @@ GPU_ALLOC_RETRIES = Gauge(
     "Times torch's CUDA allocator ran out, freed its cache and retried (each one synchronizes the device)",
     **_R,
 )
-GPU_ALLOC_RETRIES.set_function(lambda: _cuda_memory_stat("num_alloc_retries"))
+GPU_ALLOC_RETRIES.set_function(lambda: alloc_retries())
 GPU_COMPILES = Gauge(
     "svqa_gpu_compiles",
     "torch.compile since start: compiled (graphs made; one made while serving stalls the GPU loop for seconds, "
@@ -99,8 +99,8 @@ GPU_COMPILES = Gauge(
     ["outcome"],
     **_R,
 )
-GPU_COMPILES.labels("compiled").set_function(lambda: _compiled_frames("ok"))
-GPU_COMPILES.labels("not_compiled").set_function(lambda: _compiled_frames("total") - _compiled_frames("ok"))
+GPU_COMPILES.labels("compiled").set_function(lambda: compiled_frames("ok"))
+GPU_COMPILES.labels("not_compiled").set_function(lambda: compiled_frames("total") - compiled_frames("ok"))
 
 
 KV_POOL_TOKENS = Gauge(
@@ -126,17 +126,18 @@ def watch_pool(pool) -> None:
         KV_RELAYOUTS.labels(how).set_function(lambda h=how: pool.relayouts[h])
 
 
-def _compiled_frames(name: str) -> float:
+def compiled_frames(name: str) -> float:
     """dynamo's own count of the frames it was handed (total) and compiled (ok)."""
     utils = sys.modules.get("torch._dynamo.utils")  # read where something compiles; never imported for this
     return 0.0 if utils is None else float(utils.counters["frames"][name])
 
 
-def _cuda_memory_stat(name: str) -> float:
+def alloc_retries() -> float:
+    """Times torch's CUDA allocator ran out, freed its cache and retried, since start."""
     torch = sys.modules.get("torch")  # read where a model is loaded; never imported for this
     if torch is None or not torch.cuda.is_initialized():
         return 0.0
-    return float(torch.cuda.memory_stats().get(name, 0))
+    return float(torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0))
 
 
 _GPU = (

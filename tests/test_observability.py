@@ -3,6 +3,7 @@ health endpoints tell ready from not, and the Grafana dashboard queries only rea
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 import threading
@@ -178,3 +179,29 @@ def test_thread_exceptions_are_json_log_lines(capsys):
     (line,) = capsys.readouterr().err.splitlines()
     record = json.loads(line)
     assert record["thread"] == "boom" and record["exception"][0]["exc_type"] == "ZeroDivisionError"
+
+
+def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys, monkeypatch):
+    """The GPU loop stood still: the line says which step, how long, and what happened meanwhile
+    (garbage collected here; compiles and allocator retries are counted the same way)."""
+    from common import stalls
+    from common.engine.scheduler import SchedulePolicy, Scheduler
+    from common.logs import configure_logging
+
+    configure_logging("INFO")
+    monkeypatch.setattr(stalls, "LONG_GC_S", 0.0)
+    watch = stalls.StallWatch(slow_s=0.2)
+    scheduler = Scheduler(SchedulePolicy(), on_step=watch.on_step).start()
+    try:
+        scheduler.call(lambda: 1)  # a quick step: no line
+        scheduler.call(lambda: (gc.collect(), time.sleep(0.3)))
+    finally:
+        scheduler.stop()
+        watch.close()
+    records = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    slow = [r for r in records if r["event"] == "gpu step slow"]
+    assert len(slow) == 1, records
+    assert slow[0]["kind"] == "task" and slow[0]["seconds"] >= 0.3 and slow[0]["units"] == 1
+    assert slow[0]["gc_s"] > 0 and slow[0]["compiled_frames"] == 0 and slow[0]["alloc_retries"] == 0
+    assert any(r["event"] == "long garbage collection" and r["generation"] == 2 for r in records)
+    assert watch._on_gc not in gc.callbacks
