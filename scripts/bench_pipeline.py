@@ -261,15 +261,15 @@ def wait_while(services: Services, seconds: float, status: Callable[[], str], do
 
 
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
-    """(sample name, stream or step kind or pool state, reason) -> value, from a service's
-    Prometheus endpoint."""
+    """(sample name, stream or step kind or pool state, reason or histogram bucket) -> value, from
+    a service's Prometheus endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {
         (
             s.name,
             next((s.labels[k] for k in ("stream", "kind", "state", "how") if k in s.labels), ""),
-            s.labels.get("reason", ""),
+            s.labels.get("reason", s.labels.get("le", "")),
         ): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
@@ -296,6 +296,9 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         for (name, kind, _), value in worker.items()
         if name in ("svqa_gpu_step_seconds_sum", "svqa_gpu_step_seconds_count", "svqa_gpu_step_units_total")
     }
+    for kind in ("encode", "decode", "task"):  # steps that stood the loop still (common/stalls.py)
+        bucket = ("svqa_gpu_step_seconds_bucket", kind)
+        counts["gpu"][f"over_1s:{kind}"] = worker.get((*bucket, "+Inf"), 0.0) - worker.get((*bucket, "1.0"), 0.0)
     for sample in (
         "svqa_gpu_graph_capture_seconds_sum",
         "svqa_gpu_graph_capture_seconds_count",
@@ -561,7 +564,8 @@ def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[st
 
 def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]:
     """What the GPU schedulers did in the window, summed over workers: each step kind's share of
-    the time, steps, mean step time, and work per step (chunks, question tokens, tasks); CUDA graph
+    the time, steps, mean step time, work per step (chunks, question tokens, tasks) and steps of
+    over a second (the loop stood still: frames drop, answers wait); CUDA graph
     captures and torch.compile graphs made or declined (stalls, or code left eager: the warm-up
     at start should have made every graph serving needs); allocator retries (each synchronizes
     the device); the KV pools at the end and their caches' re-layouts in the window (copies:
@@ -591,6 +595,7 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
             "steps": int(steps),
             "ms_per_step": round(1000 * spent / steps, 2) if steps else None,
             "units_per_step": round(units / steps, 2) if steps else None,
+            "steps_over_1s": int(delta(f"over_1s:{kind}")),
         }
     return out
 

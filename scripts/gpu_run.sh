@@ -11,7 +11,10 @@
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (5 min); their 32K caches
-#                need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`
+#                need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
+#                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the
+#                window or just before it changes the numbers: the worker's logs say which
+#     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 # A/B against an older commit REV on the same machine (timings of two machines do not compare):
 # here `git archive REV | tar -x -C .base` (with /.base/ in .git/info/exclude), `carry` .base too,
 # and there, after the steps of this checkout, in the same call:
@@ -75,7 +78,8 @@ for what in "$@"; do
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json python3 scripts/bench_pipeline.py --device cuda --askers 8 --cameras 64 \
       --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs "$OUT/logs" ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline)" >&2; exit 2 ;;
+    storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm)" >&2; exit 2 ;;
   esac
 done
 exit $status

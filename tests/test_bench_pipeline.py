@@ -105,6 +105,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert 1 <= gpu["encode"]["units_per_step"] <= 2 and gpu["decode"]["units_per_step"] >= 1
     chunks = gpu["encode"]["units_per_step"] * gpu["encode"]["steps"]
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
+    assert all(0 <= gpu[k]["steps_over_1s"] <= gpu[k]["steps"] for k in ("encode", "decode", "task"))
     assert gpu["graph_captures"] == {"count": 0, "seconds": 0.0}  # no CUDA graphs on a CPU
     assert gpu["alloc_retries"] == 0
     assert gpu["compiles"] == {"compiled": 0, "not_compiled": 0}  # nothing compiles on a CPU
