@@ -27,7 +27,7 @@ from common.config import ConfigError, GPUSettings, check_redis_url, check_setti
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
-from common.stalls import StallWatch
+from common.stalls import StallWatch, freeze_heap
 from common.version import VERSION
 
 if TYPE_CHECKING:  # torch only where a model is loaded
@@ -178,7 +178,14 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
     ).start()
     health.READINESS.model_loaded = True
-    log.info("model loaded", model=model, device=str(rt.device), load_s=round(load_s, 1), warm_up_s=round(warm_up_s, 1))
+    log.info(
+        "model loaded",
+        model=model,
+        device=str(rt.device),
+        load_s=round(load_s, 1),
+        warm_up_s=round(warm_up_s, 1),
+        frozen_objects=freeze_heap(),
+    )
     return rt
 
 

@@ -205,3 +205,16 @@ def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys,
     assert slow[0]["gc_s"] > 0 and slow[0]["compiled_frames"] == 0 and slow[0]["alloc_retries"] == 0
     assert any(r["event"] == "long garbage collection" and r["generation"] == 2 for r in records)
     assert watch._on_gc not in gc.callbacks
+
+
+def test_the_heap_alive_after_start_up_is_frozen_out_of_later_collections():
+    from common.stalls import freeze_heap
+
+    alive = [[i] for i in range(10_000)]  # containers, which collections walk
+    try:
+        assert freeze_heap() >= len(alive)
+        walked = {id(o) for o in gc.get_objects()}  # what a full collection walks
+        assert not any(id(x) in walked for x in alive)
+    finally:
+        gc.unfreeze()
+    assert all(id(x) in {id(o) for o in gc.get_objects()} for x in alive[:10])
