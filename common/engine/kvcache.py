@@ -653,8 +653,8 @@ class StreamCache:
         keys' temporal band by `token_shift` (one value per token). `src` may be slots of `kv` at or
         above `offset` (an eviction moving chunks down in place, or turning them where they are): it
         is written in blocks in order, each read before it is written, so none overwrites slots
-        still to be read. A few large blocks, not a loop over chunks: an eviction re-laying out a
-        32K cache chunk by chunk launched 2,000 kernels and synchronised 46 times."""
+        still to be read. A few large blocks, not a loop over chunks: chunk by chunk, 8 caches of
+        32K evicting in one encode step took 21,000 kernel launches and 368 waits for the device."""
         src = src.to(kv.device)
         at = _slot_of(src, kv)
         turn = _on_device(token_shift, kv.device) if token_shift.any() else None
