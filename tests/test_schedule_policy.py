@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 
-from common.engine.interleave import between_layers
+from common.engine.interleave import between_layers, between_outputs
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.work import BatchJob, StepJob
 
@@ -163,3 +163,59 @@ def test_a_step_that_breaks_beside_an_encode_step_is_the_loop_failing_not_the_ch
     assert chunk.result(timeout=0) == "encoded", "the chunks were not what failed"
     assert not question.done()  # the loop fails it, with everything else, as for any broken step
     assert BreaksBeside.steps == 2
+
+
+class Counted(StepJob):
+    """A question that counts its steps and ends after `steps`."""
+
+    def __init__(self, steps: int = 100):
+        super().__init__()
+        self.taken, self.steps = 0, steps
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        for job in jobs:
+            assert isinstance(job, Counted)
+            job.taken += 1
+            if job.taken == job.steps:
+                job.future.set_result(job.taken)
+
+
+class Publishing(BatchJob):
+    """An encode step's end: its chunks published one by one (`between_outputs` after each); a
+    question arrives meanwhile, then one more layer-like point comes (`between_layers`)."""
+
+    lane = "cam"
+    scheduler: Scheduler
+    active: Counted
+    late: Counted
+    seen: dict[str, tuple[int, int]]
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        cls.scheduler.submit(cls.late)
+        for _ in range(3):
+            between_outputs()
+        cls.seen["outputs"] = (cls.active.taken, cls.late.taken)
+        between_layers()
+        between_layers()
+        cls.seen["layers"] = (cls.active.taken, cls.late.taken)
+        for job in jobs:
+            job.future.set_result("encoded")
+
+
+def test_between_published_chunks_questions_decode_on_but_none_joins():
+    """A re-layout per evicting chunk is host work of tens of milliseconds: the questions being
+    answered must keep decoding through it, but a question arriving then must not start before the
+    versions just published are written (it joins where joining is safe)."""
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0, join_during_encode=True))  # driven by hand
+    Publishing.scheduler, Publishing.active, Publishing.late, Publishing.seen = scheduler, Counted(), Counted(), {}
+    scheduler.submit(Publishing.active)
+    chunk = scheduler.submit(Publishing())
+    scheduler.step()  # the question's step, then the encode step
+    assert chunk.result(timeout=0) == "encoded"
+    active, late = Publishing.seen["outputs"]
+    assert active == 1 + 3, "a decode step at every published chunk"
+    assert late == 0, "joined between published chunks"
+    active, late = Publishing.seen["layers"]
+    assert late >= 1, "never joined where joining is safe"

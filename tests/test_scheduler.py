@@ -269,8 +269,16 @@ def answer_beside_encoding(
         carveouts["encode"].add(torch._C._get_sm_carveout_experimental())
         return vision(jobs)
 
+    outputs, between_outputs = [], stream_module.between_outputs
+
+    def between_outputs_spy():  # a published chunk: do questions decode on here too?
+        before = len(launches)
+        between_outputs()
+        outputs.append(len(launches) - before)
+
     monkeypatch.setattr(answer, "_forward", forward_spy)
     monkeypatch.setattr(stream_module, "_vision", vision_spy)
+    monkeypatch.setattr(stream_module, "between_outputs", between_outputs_spy)
     # driven by hand: an encode step after each decode
     scheduler = Scheduler(SchedulePolicy(encode_share=1.0, decode_sms=decode_sms))
     engine_a = StreamEngine(rt, SPECS[0])
@@ -291,6 +299,7 @@ def answer_beside_encoding(
         rt.executor = InlineExecutor()
     got = question.result()
     assert any(launches), "no decode step ran beside an encode step"
+    assert any(outputs), "no decode step ran between the chunks an encode step published"
     assert not any(inference), "a decode step beside an encode step ran in its inference mode"
     again = ask(rt, engine_b.head, QUESTIONS[2], params)  # replays what was captured beside, if anything
     assert again.token_ids == want.token_ids

@@ -6,7 +6,10 @@ step is most of what an answer costs while cameras stream. So the vision and lan
 call `between_layers()`, and the scheduler, while it runs an encode step, installs a hook there
 (`interleaved`) that completes the decode step in flight, if the device has finished it, and
 launches the next one on a high-priority CUDA stream: decoding runs beside the encode step instead
-of after it. Without a hook (everywhere but inside an encode step) it does nothing.
+of after it. The chunk loop that publishes the step's versions calls `between_outputs()` after
+each one: 64 cameras evicting within seconds made steps of 8 re-layouts, 200 ms of host work
+during which no decode step was launched. Without a hook (everywhere but inside an encode step)
+both do nothing.
 """
 
 from __future__ import annotations
@@ -19,19 +22,31 @@ _local = threading.local()
 
 
 def between_layers() -> None:
-    hook: Callable[[], None] | None = getattr(_local, "hook", None)
+    _call_hook(may_join=True)
+
+
+def between_outputs() -> None:
+    """Between the chunks an encode step publishes (an eviction's re-layout is tens of milliseconds
+    of host work): questions being answered decode on, but none joins here, because a version
+    just published may not be written on the device yet."""
+    _call_hook(may_join=False)
+
+
+def _call_hook(may_join: bool) -> None:
+    hook: Callable[[bool], None] | None = getattr(_local, "hook", None)
     if hook is None:
         return
     _local.hook = None  # the hook's own forwards (an eager decode step) do not call it again
     try:
-        hook()
+        hook(may_join)
     finally:
         _local.hook = hook
 
 
 @contextmanager
-def interleaved(hook: Callable[[], None]) -> Iterator[None]:
-    """Call `hook` at every `between_layers()` of this thread until the block ends."""
+def interleaved(hook: Callable[[bool], None]) -> Iterator[None]:
+    """Call `hook(may_join)` at every `between_layers()` (True) and `between_outputs()` (False) of
+    this thread until the block ends."""
     previous = getattr(_local, "hook", None)
     _local.hook = hook
     try:

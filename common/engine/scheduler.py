@@ -219,23 +219,23 @@ class Scheduler:
         if report and self.on_step is not None:
             self.on_step("decode", time.perf_counter() - launched_at, n)
 
-    def _decode_alongside(self, wait: bool = False) -> None:
+    def _decode_alongside(self, may_join: bool = True, wait: bool = False) -> None:
         """Inside an encode step: the next decode step, once the device has finished the last (or
-        after waiting for it). A failure outside any job is kept for after the encode step: it is
-        not the chunks'."""
+        after waiting for it); questions waiting join it only where `may_join` (interleave.py). A
+        failure outside any job is kept for after the encode step: it is not the chunks'."""
         if self._broken is not None:
             return
         try:
-            self._next_alongside(wait)
+            self._next_alongside(may_join, wait)
         except Exception as e:
             self._broken = e
 
-    def _next_alongside(self, wait: bool) -> None:
+    def _next_alongside(self, may_join: bool, wait: bool) -> None:
         if self._in_flight is not None:
             if not wait and not all(launched.ready() for launched, _ in self._in_flight[1]):
                 return
             self._complete_in_flight()
-        if self._joining:
+        if self._joining and may_join:
             self._admit()
         if self._active:
             with self._sm_carveout(None):  # a graph captured here keeps every SM

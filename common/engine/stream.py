@@ -21,6 +21,7 @@ import torch
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import pad_to_temporal, patchify, stack_frames, video_grid_thw
 from common.engine.grid import FrameError, StreamSpec
+from common.engine.interleave import between_outputs
 from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item, KVView
 from common.engine.pool import Region
@@ -275,7 +276,7 @@ class ChunkJob(BatchJob):
             fail_all(list(started), e)
             return
         del inputs, started  # their bases hold the heads' pages, which an eviction may now turn in place
-        for job, result in _each(chunk_jobs, ChunkJob._output).items():
+        for job, result in _each(chunk_jobs, ChunkJob._output, between=between_outputs).items():
             if result is not None:
                 job.future.set_result(result)
 
@@ -308,8 +309,11 @@ class ChunkJob(BatchJob):
         return self.engine._appended(before, version, segment, self.original, self.chunk.embeds)
 
 
-def _each(jobs: Sequence[ChunkJob], step: Callable[[ChunkJob], T]) -> dict[ChunkJob, T]:
-    """`step` of every job not failed yet, by job; a job whose step raises fails alone."""
+def _each(
+    jobs: Sequence[ChunkJob], step: Callable[[ChunkJob], T], between: Callable[[], None] = lambda: None
+) -> dict[ChunkJob, T]:
+    """`step` of every job not failed yet, by job, with `between()` after each; a job whose step
+    raises fails alone."""
     out: dict[ChunkJob, T] = {}
     for job in jobs:
         if job.future.done():
@@ -318,6 +322,7 @@ def _each(jobs: Sequence[ChunkJob], step: Callable[[ChunkJob], T]) -> dict[Chunk
             out[job] = step(job)
         except Exception as e:
             job.future.set_exception(e)
+        between()
     return out
 
 
