@@ -178,13 +178,14 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
     ).start()
     health.READINESS.model_loaded = True
+    frozen = freeze_heap()  # what start-up made lives as long as the process (stalls.py)
     log.info(
         "model loaded",
         model=model,
         device=str(rt.device),
         load_s=round(load_s, 1),
         warm_up_s=round(warm_up_s, 1),
-        frozen_objects=freeze_heap(),
+        frozen_objects=frozen,
     )
     return rt
 
