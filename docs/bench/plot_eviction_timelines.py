@@ -15,7 +15,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 LIVE = 32  # versions a second that 64 cameras at 2 fps need (4 frames a chunk)
 
