@@ -22,13 +22,9 @@ Count = Query(50, ge=1, le=1000, description="newest entries to return")
 SUBTITLE_TYPES = {"vtt": "text/vtt; charset=utf-8", "srt": "application/x-subrip; charset=utf-8"}
 
 
-def _text(x: bytes | str) -> str:
-    return x.decode() if isinstance(x, bytes) else x
-
-
 def entries(raw: list) -> list[dict[str, str]]:
     """XREVRANGE replies (newest first) -> dicts with their entry `id`, oldest first."""
-    return [{"id": _text(i)} | redisio.text_fields(f) for i, f in reversed(raw)]
+    return [{"id": redisio.text(i)} | redisio.text_fields(f) for i, f in reversed(raw)]
 
 
 async def stream_names(r: aredis.Redis) -> list[str]:
@@ -78,7 +74,8 @@ async def _jpeg(r: aredis.Redis, key: str, what: str) -> Response:
     frame = await r.hgetall(key)
     if b"jpeg" not in frame:
         raise errors.ApiError(404, f"no {what}")
-    headers = {"Cache-Control": "no-store", "X-Frame-Seq": _text(frame[b"seq"]), "X-Frame-Ts": _text(frame[b"ts"])}
+    seq, ts = redisio.text(frame[b"seq"]), redisio.text(frame[b"ts"])
+    headers = {"Cache-Control": "no-store", "X-Frame-Seq": seq, "X-Frame-Ts": ts}
     return Response(frame[b"jpeg"], media_type="image/jpeg", headers=headers)
 
 
@@ -105,7 +102,7 @@ async def transcript(
 async def jobs(name: str, request: Request) -> dict:
     r = request.app.state.r
     prefix = keys.job_output(await replies.known_stream(r, name), "")
-    found = sorted({_text(k)[len(prefix) :] async for k in r.scan_iter(prefix + "*")})
+    found = sorted({redisio.text(k)[len(prefix) :] async for k in r.scan_iter(prefix + "*")})
     return {"stream": name, "jobs": found}
 
 

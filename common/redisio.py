@@ -67,7 +67,7 @@ class RedisGone(RuntimeError):
     """Redis stayed unreachable past the grace period: the service exits 3 and is restarted."""
 
 
-def _str(x: bytes | str) -> str:
+def text(x: bytes | str) -> str:
     """Bytes that are no UTF-8 are replaced, not raised: what a reader shows of an entry somebody
     else wrote must not depend on that entry being well formed."""
     return x.decode(errors="replace") if isinstance(x, bytes) else x
@@ -75,7 +75,7 @@ def _str(x: bytes | str) -> str:
 
 def text_fields(fields: Mapping[bytes | str, bytes | str]) -> dict[str, str]:
     """A stream entry's fields as text."""
-    return {_str(k): _str(v) for k, v in fields.items()}
+    return {text(k): text(v) for k, v in fields.items()}
 
 
 def cluster_nodes(url: str) -> tuple[str, list[tuple[str, int]]] | None:
@@ -198,7 +198,7 @@ def _entries(resp: Any) -> list[Entry]:
     for stream, messages in items:
         if isinstance(messages, list) and messages and isinstance(messages[0], list):
             messages = messages[0]  # RESP3 wraps each stream's messages once more
-        out.extend((_str(stream), _str(eid), fields) for eid, fields in messages)
+        out.extend((text(stream), text(eid), fields) for eid, fields in messages)
     return out
 
 
@@ -380,7 +380,7 @@ class GroupReader:
         pending = self.r.xpending_range(
             stream, self.group, min=start, max="+", count=self.count, consumername=self.consumer
         )
-        ids = [_str(p["message_id"]) for p in pending]
+        ids = [text(p["message_id"]) for p in pending]
         pipe = self.r.pipeline(transaction=False)
         for eid in ids:
             pipe.xrange(stream, eid, eid)
@@ -406,8 +406,8 @@ def claim_stale(
     start = "0-0"
     while len(out) < count:
         resp = r.xautoclaim(stream, group, consumer, min_idle_ms, start_id=start, count=count - len(out))
-        start, claimed = _str(resp[0]), resp[1]
-        out.extend((stream, _str(eid), fields) for eid, fields in claimed if fields)  # trimmed: skipped
+        start, claimed = text(resp[0]), resp[1]
+        out.extend((stream, text(eid), fields) for eid, fields in claimed if fields)  # trimmed: skipped
         if start == "0-0":
             break
     return out
@@ -434,7 +434,7 @@ def keep_alive(r: redis.Redis, stream: str, group: str, consumer: str, ids: Iter
 
 def xadd_capped(r: redis.Redis, key: str, fields: Mapping[Any, Any], maxlen: int) -> str:
     """XADD with ``MAXLEN ~ maxlen`` (trims whole macro nodes: cheap, roughly maxlen kept)."""
-    return _str(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
+    return text(r.xadd(key, dict(fields), maxlen=maxlen, approximate=True))
 
 
 # XADD guarded by a marker key in the stream's slot: the entry is added only by whoever sets it.
@@ -454,7 +454,7 @@ def xadd_once(
     repeat (the audit copy of an answer, a dead letter) happen once."""
     flat = [x for kv in fields.items() for x in kv]
     added = r.eval(_XADD_ONCE, 2, key, once_key, ttl_s, maxlen, *flat)
-    return _str(added) if added else None
+    return text(added) if added else None
 
 
 EVENTS_MAXLEN = 10_000
@@ -523,7 +523,7 @@ def delivery_counts(r: redis.Redis, group: str, consumer: str, entries: list[Ent
             count=len(ids) + 1000,
             consumername=consumer,
         )
-        counts |= {_str(p["message_id"]): int(p["times_delivered"]) for p in pend}
+        counts |= {text(p["message_id"]): int(p["times_delivered"]) for p in pend}
     return counts
 
 
@@ -584,13 +584,13 @@ def _id_key(entry_id: str) -> tuple[int, int]:
 
 def trim_consumed(r: redis.Redis, stream: str, group: str) -> None:
     """Trim ``stream`` below the oldest entry ``group`` still needs (pending, or not yet delivered)."""
-    info = next((g for g in r.xinfo_groups(stream) if _str(g["name"]) == group), None)
+    info = next((g for g in r.xinfo_groups(stream) if text(g["name"]) == group), None)
     if info is None:
         return
-    keep = _str(info["last-delivered-id"])
+    keep = text(info["last-delivered-id"])
     oldest = r.xpending(stream, group).get("min")
-    if oldest is not None and _id_key(_str(oldest)) < _id_key(keep):
-        keep = _str(oldest)
+    if oldest is not None and _id_key(text(oldest)) < _id_key(keep):
+        keep = text(oldest)
     r.xtrim(stream, minid=keep, approximate=True)
 
 
@@ -598,7 +598,7 @@ def prune_consumers(r: redis.Redis, stream: str, group: str, keep: str, idle_ms:
     """Remove members of ``group`` silent for ``idle_ms`` with nothing pending (dead processes)."""
     gone = 0
     for c in r.xinfo_consumers(stream, group):
-        name = _str(c["name"])
+        name = text(c["name"])
         if name != keep and int(c["pending"]) == 0 and int(c["idle"]) > idle_ms:
             r.xgroup_delconsumer(stream, group, name)
             gone += 1
