@@ -1,0 +1,220 @@
+"""Questions decoding beside encode steps, in the engine alone: ways of sharing the GPU's SMs.
+
+The pipeline's load at 64 cameras and 8 askers without Redis or ingest: 8 streams get a 448x448
+chunk (4 frames) each per encode step, from a feeder that always keeps one queued per stream,
+while 8 askers on 8 other streams at 32K cached tokens ask for 32-token answers back to back,
+all through one `Scheduler` as `streamvqa worker` runs it. For each way of sharing the SMs it
+prints a JSON line: encode and decode ms a step, chunks/s, answer tokens/s, answer latency
+p50/p95. Modes:
+  encode    encode steps alone (no askers); `decode`: questions alone (no feeder)
+  share     questions' steps on a high-priority stream (main as it is)
+  sms:N     + cuBLAS products of the encode step leave N SMs (`decode_sms`)
+  green:N   the encode step, while questions are active, on a stream of a green context holding
+            all but N SMs: those N are the questions' alone (they may use the others too)
+Run from the root of the code: `PYTHONPATH=. python3 docs/bench/beside_encode.py [MODE ...]`;
+`tiny-random cpu` as the first arguments: a smoke run of `share` on the CPU.
+"""
+
+import ctypes
+import json
+import sys
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from common.engine.answer import Generation
+from common.engine.eviction import EvictionPolicy
+from common.engine.grid import Grid, StreamSpec
+from common.engine.model import load_model
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.stream import StreamEngine
+from common.engine.warmup import warm_up
+
+BUDGET = 32768
+STREAMS = ASKERS = 8
+SETTLE_S, MEASURE_S = 3.0, 10.0  # seconds
+
+
+class GreenScheduler(Scheduler):
+    """Encode steps beside questions go to `stream` (a green context's: fewer SMs)."""
+
+    def __init__(self, stream: torch.cuda.Stream, **kwargs):
+        super().__init__(**kwargs)
+        self.green = stream
+
+    def _run_batches(self, batch):
+        if not self._active:
+            return super()._run_batches(batch)
+        self.green.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.green):
+            super()._run_batches(batch)
+        torch.cuda.current_stream().wait_stream(self.green)
+
+
+def green_stream(sms: int) -> torch.cuda.Stream:
+    """A stream whose kernels run on `sms` SMs only (a green context of that many), from torch's
+    `GreenContext` where it has streams, else from the driver."""
+    from torch.cuda.green_contexts import GreenContext
+
+    if hasattr(GreenContext, "Stream"):
+        ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
+        _KEEP.append(ctx)  # the context must outlive its stream
+        return ctx.Stream()
+    return _driver_green_stream(sms)
+
+
+_KEEP: list = []
+
+
+def _driver_green_stream(sms: int) -> torch.cuda.Stream:
+    cuda = ctypes.CDLL("libcuda.so.1")
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed: CUresult {result}")
+
+    torch.cuda.init()
+    dev = ctypes.c_int()
+    check(cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
+    whole, group, rest = (ctypes.create_string_buffer(1024) for _ in range(3))  # CUdevResource, generously
+    check(cuda.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # 1: SMs
+    groups = ctypes.c_uint(1)
+    check(cuda.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), whole, rest, 0, sms), "split")
+    desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), group, 1), "cuDevResourceGenerateDesc")
+    check(cuda.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")  # 1: default stream
+    check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
+    _KEEP.append(ctx)
+    print(json.dumps({"green_sms": int.from_bytes(group.raw[96:100], "little")}), flush=True)
+    return torch.cuda.ExternalStream(stream.value)
+
+
+def fill(rt: Runtime, engines: list[StreamEngine], tokens: int) -> None:
+    tpp = Grid(448, 448).tokens_per_patch
+    for e in engines:
+        seq = 0
+        while e.head.tokens + 2 * tpp <= tokens:
+            embeds = torch.zeros(2 * tpp, rt.lm.embed_tokens.embedding_dim, device=rt.device)
+            e.append_embeddings(embeds, 2, (seq, seq + 3), (seq / 2, seq / 2 + 1.5))
+            seq += 4
+
+
+class Load:
+    """The feeder and the askers, running until `stop`; what they saw, for a window."""
+
+    def __init__(self, rt: Runtime, cams: list[StreamEngine], asked: list[StreamEngine]):
+        self.rt, self.cams, self.asked = rt, cams, asked
+        self.stop = threading.Event()
+        self.frames = list(np.random.default_rng(0).integers(0, 256, (4, 448, 448, 3), dtype=np.uint8))
+        self.chunks = 0
+        self.answers: list[tuple[float, float, int]] = []  # (done at, latency, tokens)
+        self.threads = [threading.Thread(target=self._feed, args=(e,), daemon=True) for e in cams]
+        self.threads += [threading.Thread(target=self._ask, args=(e,), daemon=True) for e in asked]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _feed(self, engine: StreamEngine) -> None:
+        """Two chunks queued at a time, so that every encode step finds one of each stream (a camera
+        that has fallen behind has frames waiting)."""
+        seq, queued = engine.head.last_frame_seq + 1, deque()
+        while not self.stop.is_set():
+            while len(queued) < 2:
+                chunk = engine.prepare(self.frames, [(seq + i) / 2 for i in range(4)], range(seq, seq + 4))
+                queued.append(engine.submit(chunk))
+                seq += 4
+            engine.finish(queued.popleft().result())
+            self.chunks += 1
+        for future in queued:
+            engine.finish(future.result())
+
+    def _ask(self, engine: StreamEngine) -> None:
+        params = GenerationParams(max_tokens=32)
+        while not self.stop.is_set():
+            t0 = time.perf_counter()
+            job = Generation(self.rt, engine.head, "What happens in the video?", params)
+            got = self.rt.executor.submit(job).result()
+            self.answers.append((time.perf_counter(), time.perf_counter() - t0, len(got.token_ids)))
+
+
+def measure(rt: Runtime, mode: str, load: Load, steps: dict) -> dict:
+    scheduler = rt.executor
+    assert isinstance(scheduler, Scheduler)
+    steps.clear()
+    t0, chunks0 = time.perf_counter(), load.chunks
+    time.sleep(MEASURE_S)
+    spent = time.perf_counter() - t0
+    window = [a for a in load.answers if a[0] >= t0]
+    lat = sorted(a[1] for a in window)
+    row = {"mode": mode, "seconds": round(spent, 1), "chunks_per_s": round((load.chunks - chunks0) / spent, 1)}
+    for kind in ("encode", "decode"):
+        times = steps.get(kind, [])
+        row[f"{kind}_steps"] = len(times)
+        row[f"{kind}_ms"] = round(1000 * sum(t for t, _ in times) / max(1, len(times)), 1)
+        row[f"{kind}_units"] = round(sum(u for _, u in times) / max(1, len(times)), 1)
+    row["answers"] = len(window)
+    row["tokens_per_s"] = round(sum(a[2] for a in window) / spent, 1)
+    if lat:
+        row["latency_p50_s"] = round(lat[len(lat) // 2], 3)
+        row["latency_p95_s"] = round(lat[min(len(lat) - 1, int(0.95 * len(lat)))], 3)
+    return row
+
+
+def scheduler_for(mode: str, on_step) -> Scheduler:
+    kind, _, n = mode.partition(":")
+    if kind in ("share", "encode", "decode"):
+        return Scheduler(SchedulePolicy(), on_step=on_step)
+    if kind == "sms":
+        return Scheduler(SchedulePolicy(decode_sms=int(n)), on_step=on_step)
+    if kind == "green":
+        total = torch.cuda.get_device_properties(0).multi_processor_count
+        return GreenScheduler(green_stream(total - int(n)), policy=SchedulePolicy(), on_step=on_step)
+    raise SystemExit(f"unknown mode {mode!r}")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    model, device = ("tiny-random", "cpu") if args[:2] == ["tiny-random", "cpu"] else ("random-3b", "cuda")
+    default = ["encode", "decode", "share", "sms:16", "green:12", "green:20"]
+    modes = [a for a in args if a not in ("tiny-random", "cpu")] or default
+    torch.set_num_threads(1)
+    rt = Runtime(load_model(model, device=device), pool_tokens=1_200_000 if device == "cuda" else None)
+    print(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}), flush=True)
+    if device == "cuda":
+        print(json.dumps({"warm_up_s": round(warm_up(rt), 1)}), flush=True)
+    spec = lambda name: StreamSpec(name, 2.0, Grid(448, 448), 4)  # noqa: E731
+    policy = EvictionPolicy(max_cache_tokens=BUDGET)
+    cams = [StreamEngine(rt, spec(f"cam{i}"), policy) for i in range(STREAMS)]
+    asked = [StreamEngine(rt, spec(f"asked{i}"), policy) for i in range(ASKERS)]
+    fill(rt, cams, 20_000 if device == "cuda" else 1_000)
+    fill(rt, asked, BUDGET - 600 if device == "cuda" else 1_000)
+    steps: dict[str, list[tuple[float, int]]] = {}
+
+    def on_step(kind: str, seconds: float, units: int) -> None:
+        steps.setdefault(kind, []).append((seconds, units))
+
+    for mode in modes:
+        try:
+            scheduler = scheduler_for(mode, on_step)
+        except Exception as e:  # a mode this machine cannot run (no green contexts, say)
+            print(json.dumps({"mode": mode, "error": repr(e)}), flush=True)
+            continue
+        rt.executor = scheduler.start()
+        load = Load(rt, [] if mode == "decode" else cams, [] if mode == "encode" else asked)
+        load.start()
+        time.sleep(SETTLE_S)
+        print(json.dumps(measure(rt, mode, load, steps)), flush=True)
+        load.stop.set()
+        for t in load.threads:
+            t.join(timeout=60)
+        scheduler.stop()
+
+
+if __name__ == "__main__":
+    main()
