@@ -290,9 +290,9 @@ def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
 
 
 def test_questions_decoded_beside_an_encode_step_that_leaves_them_sms_equal_alone(rt, monkeypatch):
-    """`decode_sms` on the GPU: the encode step's products run on fewer SMs (cuBLAS may pick other
-    kernels, so its caches are equal to encoding alone within bf16 rounding, not bit for bit); the
-    questions beside it answer exactly as alone."""
+    """`decode_sms` on the GPU: the encode step runs in a green context of fewer SMs (its kernels
+    may split their work otherwise, so its caches are equal to encoding alone within bf16
+    rounding, not bit for bit); the questions beside it answer exactly as alone."""
     from tests.test_scheduler import answer_beside_encoding
 
     rt.step_graphs = None

@@ -89,6 +89,17 @@ def test_lanes_take_turns():
     assert order == ["a", "b", "c", "a", "a"]
 
 
+def test_encoding_leaves_sms_to_questions_only_beside_them_and_while_it_keeps_up():
+    """`decode_sms`: SMs are left free only for an encode step that questions decode beside, and
+    only while its chunks have waited no longer than the deadline: a camera falling behind gets
+    every SM back. Off (0), never."""
+    policy = SchedulePolicy(decode_sms=16, chunk_deadline_s=1.0)
+    assert policy.leaves_sms(alongside=True, waited_s=0.3)
+    assert not policy.leaves_sms(alongside=False, waited_s=0.3)  # nobody to leave them to
+    assert not policy.leaves_sms(alongside=True, waited_s=1.2)  # encoding is falling behind
+    assert not SchedulePolicy().leaves_sms(alongside=True, waited_s=0.0)
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -8,14 +8,13 @@ prints a JSON line: encode and decode ms a step, chunks/s, answer tokens/s, answ
 p50/p95. Modes:
   encode    encode steps alone (no askers); `decode`: questions alone (no feeder)
   share     questions' steps on a high-priority stream (main as it is)
-  sms:N     + cuBLAS products of the encode step leave N SMs (`decode_sms`)
-  green:N   the encode step, while questions are active, on a stream of a green context holding
-            all but N SMs: those N are the questions' alone (they may use the others too)
+  sms:N     `decode_sms` N: while it keeps up, an encode step beside questions runs in a green
+            context of all but N SMs (at fb17637 this script had `green:N` for that, without the
+            keeping-up rule, and `sms:N` for the cuBLAS carveout `decode_sms` was then)
 Run from the root of the code: `PYTHONPATH=. python3 docs/bench/beside_encode.py [MODE ...]`;
 `tiny-random cpu` as the first arguments: a smoke run of `share` on the CPU.
 """
 
-import ctypes
 import json
 import sys
 import threading
@@ -38,60 +37,6 @@ from common.engine.warmup import warm_up
 BUDGET = 32768
 STREAMS = ASKERS = 8
 SETTLE_S, MEASURE_S = 3.0, 10.0  # seconds
-
-
-class GreenScheduler(Scheduler):
-    """Encode steps beside questions go to `stream` (a green context's: fewer SMs)."""
-
-    def __init__(self, stream: torch.cuda.Stream, **kwargs):
-        super().__init__(**kwargs)
-        self.green = stream
-
-    def _run_batches(self, batch):
-        if not self._active:
-            return super()._run_batches(batch)
-        self.green.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.green):
-            super()._run_batches(batch)
-        torch.cuda.current_stream().wait_stream(self.green)
-
-
-def green_stream(sms: int) -> torch.cuda.Stream:
-    """A stream whose kernels run on `sms` SMs only (a green context of that many), from torch's
-    `GreenContext` where it has streams, else from the driver."""
-    from torch.cuda.green_contexts import GreenContext
-
-    if hasattr(GreenContext, "Stream"):
-        ctx = GreenContext.create(num_sms=sms, device_id=torch.cuda.current_device())
-        _KEEP.append(ctx)  # the context must outlive its stream
-        return ctx.Stream()
-    return _driver_green_stream(sms)
-
-
-_KEEP: list = []
-
-
-def _driver_green_stream(sms: int) -> torch.cuda.Stream:
-    cuda = ctypes.CDLL("libcuda.so.1")
-
-    def check(result: int, what: str) -> None:
-        if result != 0:
-            raise RuntimeError(f"{what} failed: CUresult {result}")
-
-    torch.cuda.init()
-    dev = ctypes.c_int()
-    check(cuda.cuDeviceGet(ctypes.byref(dev), torch.cuda.current_device()), "cuDeviceGet")
-    whole, group, rest = (ctypes.create_string_buffer(1024) for _ in range(3))  # CUdevResource, generously
-    check(cuda.cuDeviceGetDevResource(dev, whole, 1), "cuDeviceGetDevResource")  # 1: SMs
-    groups = ctypes.c_uint(1)
-    check(cuda.cuDevSmResourceSplitByCount(group, ctypes.byref(groups), whole, rest, 0, sms), "split")
-    desc, ctx, stream = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    check(cuda.cuDevResourceGenerateDesc(ctypes.byref(desc), group, 1), "cuDevResourceGenerateDesc")
-    check(cuda.cuGreenCtxCreate(ctypes.byref(ctx), desc, dev, 1), "cuGreenCtxCreate")  # 1: default stream
-    check(cuda.cuGreenCtxStreamCreate(ctypes.byref(stream), ctx, 1, 0), "cuGreenCtxStreamCreate")  # non-blocking
-    _KEEP.append(ctx)
-    print(json.dumps({"green_sms": int.from_bytes(group.raw[96:100], "little")}), flush=True)
-    return torch.cuda.ExternalStream(stream.value)
 
 
 def fill(rt: Runtime, engines: list[StreamEngine], tokens: int) -> None:
@@ -172,16 +117,13 @@ def scheduler_for(mode: str, on_step) -> Scheduler:
         return Scheduler(SchedulePolicy(), on_step=on_step)
     if kind == "sms":
         return Scheduler(SchedulePolicy(decode_sms=int(n)), on_step=on_step)
-    if kind == "green":
-        total = torch.cuda.get_device_properties(0).multi_processor_count
-        return GreenScheduler(green_stream(total - int(n)), policy=SchedulePolicy(), on_step=on_step)
     raise SystemExit(f"unknown mode {mode!r}")
 
 
 def main() -> None:
     args = sys.argv[1:]
     model, device = ("tiny-random", "cpu") if args[:2] == ["tiny-random", "cpu"] else ("random-3b", "cuda")
-    default = ["encode", "decode", "share", "sms:16", "green:12", "green:20"]
+    default = ["encode", "decode", "share", "sms:12", "sms:20", "sms:28"]
     modes = [a for a in args if a not in ("tiny-random", "cpu")] or default
     torch.set_num_threads(1)
     rt = Runtime(load_model(model, device=device), pool_tokens=1_200_000 if device == "cuda" else None)
