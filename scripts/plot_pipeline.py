@@ -40,11 +40,14 @@ def _ms(value: float | None) -> str:
     return "–" if value is None else f"{value * 1000:.0f}"
 
 
+KEPT_UP = {True: "yes", False: "no", None: "–"}  # –: a run from before bench_pipeline reported it
+
+
 def table(runs: list[Run]) -> str:
     rows = [
         "| cameras | askers | frames dropped | encoded per camera min / max | encoder lag p50 / max | answers/s "
-        "| client latency p50 / p95 | server first token p50 / p95 | errors |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| client latency p50 / p95 | server first token p50 / p95 | errors | kept up |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         f, lag, client, first = r["frames"], r["encoder_lag_s"], r["client_latency_s"], r["server_first_token_s"]
@@ -53,7 +56,7 @@ def table(runs: list[Run]) -> str:
             f"| {r['cameras']} | {r['askers']} | {dropped} | {f['encoded']['min']} / {f['encoded']['max']} "
             f"| {_s(lag['p50'])} / {_s(lag['max'])} s | {r['answers_per_s']:.2f} "
             f"| {_s(client['p50'])} / {_s(client['p95'])} s | {_ms(first['p50'])} / {_ms(first['p95'])} ms "
-            f"| {r['errors']} |"
+            f"| {r['errors']} | {KEPT_UP.get(r.get('kept_up'))} |"
         )
     return "\n".join(rows)
 
@@ -111,7 +114,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"no measured runs in {ns.results}")
     print(table(runs))
     clean = [r["cameras"] for r in runs if r["frames"]["dropped"]["total"] == 0]
+    kept = [r["cameras"] for r in runs if r.get("kept_up")]
     print(f"\nmost cameras with zero dropped frames: {max(clean) if clean else 'none'}")
+    print(f"most cameras the encoder kept up with (no drops, no growing backlog): {max(kept) if kept else 'none'}")
     if ns.png:
         plot({Path(f).stem: load_runs([f]) for f in ns.results} if ns.series else {"": runs}, ns.png)
     return 0
