@@ -16,7 +16,9 @@ forwards, so there is no lock that threads take turns on. Each step:
    and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
    Questions being answered keep decoding beside an encode step, launched between its layers
    (interleave.py); with `join_during_encode`, questions that arrive while it is being launched
-   (before its batch publishes any version) start beside it too.
+   (before its batch publishes any version) start beside it too; with `decode_sms`, while
+   encoding keeps up, the encode step runs on fewer SMs (a green context), leaving the rest free
+   for the decode kernels.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
    `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
    streams' chunks, until its rebuilt version is published: questions keep their turn between
