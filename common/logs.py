@@ -115,6 +115,9 @@ class _CurrentStderr:
     def flush(self) -> None:
         sys.stderr.flush()
 
+    def isatty(self) -> bool:
+        return sys.stderr.isatty()
+
 
 def configure_logging(level: str = "INFO", json: bool = True, stream: TextIO | None = None) -> None:
     """Configure structlog, stdlib logging and the uncaught-exception hooks of every thread."""

@@ -181,6 +181,22 @@ def test_thread_exceptions_are_json_log_lines(capsys):
     assert record["thread"] == "boom" and record["exception"][0]["exc_type"] == "ZeroDivisionError"
 
 
+def test_console_logs_go_to_stderr_as_it_is_at_each_write(capsys):
+    """`json=False`: readable lines, on whatever sys.stderr is when a line is written (pytest
+    swaps it between tests), secrets redacted as in JSON lines."""
+    import structlog
+
+    from common.logs import configure_logging
+
+    configure_logging("INFO", json=False)
+    try:
+        structlog.get_logger().info("camera added", url="rtsp://admin:hunter2@cam/1")
+        err = capsys.readouterr().err
+    finally:
+        configure_logging("INFO")
+    assert "camera added" in err and "hunter2" not in err and not err.lstrip().startswith("{")
+
+
 def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys, monkeypatch):
     """The GPU loop stood still: the line says which step, how long, and what happened meanwhile
     (garbage collected here; compiles are counted the same way, allocator retries since start)."""

@@ -33,6 +33,7 @@ from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream import StreamEngine
 from common.engine.warmup import warm_up
+from common.logs import configure_logging
 
 BUDGET = 32768
 STREAMS = ASKERS = 8
@@ -125,6 +126,7 @@ def main() -> None:
     model, device = ("tiny-random", "cpu") if args[:2] == ["tiny-random", "cpu"] else ("random-3b", "cuda")
     default = ["encode", "decode", "share", "sms:12", "sms:20", "sms:28"]
     modes = [a for a in args if a not in ("tiny-random", "cpu")] or default
+    configure_logging("INFO")  # the engine's log lines on stderr: stdout is the JSON
     torch.set_num_threads(1)
     rt = Runtime(load_model(model, device=device), pool_tokens=1_200_000 if device == "cuda" else None)
     print(json.dumps({"device": torch.cuda.get_device_name(0) if device == "cuda" else "cpu"}), flush=True)

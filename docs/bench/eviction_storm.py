@@ -25,6 +25,7 @@ from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import ChunkJob, StreamEngine
 from common.engine.warmup import warm_up
+from common.logs import configure_logging
 
 BUDGET = 32768
 ACTIVITIES = {"cuda": [ProfilerActivity.CPU, ProfilerActivity.CUDA], "cpu": [ProfilerActivity.CPU]}
@@ -34,6 +35,7 @@ STREAMS = 8
 def main() -> None:
     args = [a for a in sys.argv[1:] if a not in ("warm", "profile")]
     model, device, budget = (args[0], args[1], int(args[2])) if args else ("random-3b", "cuda", BUDGET)
+    configure_logging("INFO")  # the engine's log lines on stderr: stdout is the JSON
     torch.set_num_threads(1)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rt = Runtime(load_model(model, device=device), pool_tokens=600_000 if device == "cuda" else None)
