@@ -352,19 +352,22 @@ class Scheduler:
             future.set_exception(error)
 
 
+def _cuda_in_use() -> bool:
+    """Whether this process drives a GPU. torch is not imported here: settings load SchedulePolicy
+    without it."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
+
+
 def _device_done() -> Callable[[], bool]:
     """Whether the device has finished what was queued on this thread's stream so far."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
+    if not _cuda_in_use():
         return lambda: True
+    import torch
+
     event = torch.cuda.Event()
     event.record()
     return event.query
-
-
-def _cuda_in_use() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
 
 
 def _stream_without_sms(free: int) -> tuple[Any, Any]:
@@ -405,6 +408,7 @@ def _on_stream(stream: Any) -> Iterator[None]:
 def _settle() -> None:
     """Wait for the GPU to finish the step: the shares must count each step's GPU time, not the
     launch (a step that never syncs would pass its GPU time to the next one that does)."""
-    torch = sys.modules.get("torch")  # not imported here: settings load SchedulePolicy without torch
-    if torch is not None and torch.cuda.is_initialized():
+    if _cuda_in_use():
+        import torch
+
         torch.cuda.synchronize()
