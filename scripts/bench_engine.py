@@ -41,6 +41,7 @@ from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
+from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream import Chunk, ChunkJob, StreamEngine
 from common.engine.vision import VisionTower
 from common.logs import configure_logging
@@ -466,11 +467,15 @@ def pool_report(rt: Runtime, engines: list[StreamEngine]) -> dict:
 
 
 def batched_decode(rt: Runtime, versions: list, tokens: int = 64) -> dict:
-    """One question per version, all advanced together until each has `tokens` tokens."""
+    """One question per version, all advanced together until each has `tokens` tokens (stepped
+    here, or through the scheduler installed as the runtime's executor)."""
     jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=tokens)) for v in versions]
     sync()
     t0 = time.perf_counter()
-    active = list(jobs)
+    if isinstance(rt.executor, Scheduler):
+        for future in [rt.executor.submit(j) for j in jobs]:
+            future.result()
+    active = [j for j in jobs if not j.done]
     while active:
         Generation.step_batch(active)
         active = [j for j in active if not j.done]
@@ -588,6 +593,13 @@ def main() -> None:
     p.add_argument("--pool-tokens", type=int, default=None, help="KV pool size (default: the free GPU memory)")
     p.add_argument("--questions-only", action="store_true", help="only: the question path, profiled")
     p.add_argument(
+        "--question-executor",
+        choices=("inline", "scheduler", "chained"),
+        default="inline",
+        help="the question path's questions (profiles aside) stepped here, or through a Scheduler, "
+        "its decode steps chained or not (`gpu_chain_decode`)",
+    )
+    p.add_argument(
         "--chunks-only", action="store_true", help="only: vision batches and, on --fit-streams streams, the chunk path"
     )
     p.add_argument("--fit-streams", type=int, default=100, help="streams at --batch-cache-tokens held at once")
@@ -610,8 +622,14 @@ def main() -> None:
         return
     questions = [int(n) for n in args.batch_questions.split(",")]
     if args.questions_only:
+        if args.question_executor != "inline":
+            rt.executor = Scheduler(SchedulePolicy(chain_decode=args.question_executor == "chained")).start()
         q = bench_questions(rt, sizes, questions, args.batch_cache_tokens, args.decode_tokens)
-        print(json.dumps({**run_info(rt, args.model), "questions": q}, indent=1))
+        print(
+            json.dumps(
+                {**run_info(rt, args.model), "question_executor": args.question_executor, "questions": q}, indent=1
+            )
+        )
         return
     streams = [int(n) for n in args.batch_streams.split(",")]
     vision_counts = tuple(int(n) for n in args.vision_batches.split(","))

@@ -170,6 +170,20 @@ def answer_chained(rt: Runtime, monkeypatch, sampled_too: bool = True) -> None:
     assert rt.pool.used_tokens == used
 
 
+def test_the_question_benchmark_runs_through_a_chained_scheduler(rt: Runtime):
+    """bench_engine's `--question-executor chained` (what a GPU run compares with `scheduler`)."""
+    from scripts.bench_engine import batched_decode
+
+    versions = [encode(rt, spec, frames_for(spec, 4)).head for spec in SPECS]
+    rt.executor = scheduler = Scheduler(SchedulePolicy(chain_decode=True)).start()
+    try:
+        row = batched_decode(rt, versions, tokens=5)
+    finally:
+        scheduler.stop()
+        rt.executor = InlineExecutor()
+    assert row["questions"] == 3 and row["aggregate_tok_s"] > 0 and row["first_token_ms_max"] > 0
+
+
 def test_a_chained_step_that_fails_fails_its_questions_not_the_loop(rt: Runtime, monkeypatch):
     spec = SPECS[0]
     engine = encode(rt, spec, frames_for(spec, 4))
