@@ -123,6 +123,11 @@ class Generation(StepJob):
             return 1, self.length + n, self.pos + n
         return len(self.pending), self.length, self.pos
 
+    def item(self, chained: bool = False) -> Item:
+        """The next step's item (see `feed`)."""
+        n, at, _ = self.feed(chained)
+        return Item(n, self.scratch, at, base=self.version.view)
+
     @classmethod
     def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False, after: Launched | None = None) -> _Step:
         return _Step(
@@ -292,7 +297,7 @@ def _forward_batch(
     feeds = [g.feed(chained=picks is not None) for g in gens]
     ids = picks if picks is not None else [t for g in gens for t in g.pending]
     positions = [p for n, _, pos in feeds for p in range(pos, pos + n)]  # text: all three axes alike
-    items = [Item(n, g.scratch, at, base=g.version.view) for g, (n, at, _) in zip(gens, feeds, strict=True)]
+    items = [g.item(chained=picks is not None) for g in gens]
     base_tokens = max(g.version.tokens for g in gens)
     if graphs is not None:
         graphed = graphs.run(ids, positions, items, base_tokens)
