@@ -174,11 +174,13 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         sys.setswitchinterval(GIL_SWITCH_S)
     gpu = gpu or GPUSettings()
     # one loop owns the GPU: batches every stream and question
+    # what start-up made lives as long as the process (stalls.py); frozen before the stall watch
+    # starts timing collections, so that this deliberate one is not reported as a pause
+    frozen = freeze_heap()
     rt.executor = Scheduler(
         gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
     ).start()
     health.READINESS.model_loaded = True
-    frozen = freeze_heap()  # what start-up made lives as long as the process (stalls.py)
     log.info(
         "model loaded",
         model=model,

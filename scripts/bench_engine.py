@@ -475,10 +475,11 @@ def batched_decode(rt: Runtime, versions: list, tokens: int = 64) -> dict:
     if isinstance(rt.executor, Scheduler):
         for future in [rt.executor.submit(j) for j in jobs]:
             future.result()
-    active = [j for j in jobs if not j.done]
-    while active:
-        Generation.step_batch(active)
-        active = [j for j in active if not j.done]
+    else:
+        active = list(jobs)
+        while active:
+            Generation.step_batch(active)
+            active = [j for j in active if not j.done]
     sync()
     seconds = time.perf_counter() - t0
     total = sum(len(j.future.result().token_ids) for j in jobs)

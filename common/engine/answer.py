@@ -114,19 +114,14 @@ class Generation(StepJob):
         self.t0, self.first_token_s = time.perf_counter(), 0.0
         self.first_logits: torch.Tensor | None = None
 
-    def feed(self, chained: bool) -> tuple[int, int, int]:
-        """What this generation's next step feeds: (tokens, first scratch slot, first position).
-        Its pending tokens; or, `chained`, the one token that the step in flight (which feeds the
-        pending ones and is not completed yet) picks."""
-        if chained:
-            n = len(self.pending)
-            return 1, self.length + n, self.pos + n
-        return len(self.pending), self.length, self.pos
-
-    def item(self, chained: bool = False) -> Item:
-        """The next step's item (see `feed`)."""
-        n, at, _ = self.feed(chained)
-        return Item(n, self.scratch, at, base=self.version.view)
+    def feed(self, chained: bool = False) -> tuple[Item, int]:
+        """What this generation's next step feeds: its item (how many tokens, where in its scratch
+        they go, the version it reads) and the first token's position. Its pending tokens; or,
+        `chained`, the one token that the step in flight (which feeds the pending ones and is not
+        completed yet) picks."""
+        ahead = len(self.pending) if chained else 0  # tokens the step in flight writes first
+        n = 1 if chained else len(self.pending)
+        return Item(n, self.scratch, self.length + ahead, base=self.version.view), self.pos + ahead
 
     @classmethod
     def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False, after: Launched | None = None) -> _Step:
@@ -296,16 +291,16 @@ def _forward_batch(
     lm = gens[0].rt.lm
     feeds = [g.feed(chained=picks is not None) for g in gens]
     ids = picks if picks is not None else [t for g in gens for t in g.pending]
-    positions = [p for n, _, pos in feeds for p in range(pos, pos + n)]  # text: all three axes alike
-    items = [g.item(chained=picks is not None) for g in gens]
+    positions = [p for it, pos in feeds for p in range(pos, pos + it.n)]  # text: all three axes alike
+    items = [it for it, _ in feeds]
     base_tokens = max(g.version.tokens for g in gens)
     if graphs is not None:
         graphed = graphs.run(ids, positions, items, base_tokens)
         if graphed is not None:
             return graphed
-    split = lm.split_for(len(gens), max(n for n, _, _ in feeds), base_tokens)
+    split = lm.split_for(len(gens), max(it.n for it in items), base_tokens)
     hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))
-    last = torch.tensor([n for n, _, _ in feeds]).cumsum(0) - 1
+    last = torch.tensor([it.n for it in items]).cumsum(0) - 1
     logits = lm.logits(hidden[last.to(hidden.device, non_blocking=True)])
     return logits, logits.argmax(dim=-1)
 

@@ -255,10 +255,8 @@ class Scheduler:
         by_class: dict[type, list[StepJob]] = {}
         for job in self._active:
             by_class.setdefault(type(job), []).append(job)
-        if after is None:
-            steps = [(cls.launch_batch(jobs, alongside), jobs) for cls, jobs in by_class.items()]
-        else:  # one class (see _chains)
-            steps = [(cls.launch_batch(jobs, alongside, after=after[1][0][0]), jobs) for cls, jobs in by_class.items()]
+        previous = None if after is None else after[1][0][0]  # one class when chained (see _chains)
+        steps = [(cls.launch_batch(jobs, alongside, after=previous), jobs) for cls, jobs in by_class.items()]
         self._in_flight = (time.perf_counter(), steps)
 
     def _complete_in_flight(self, report: bool = True) -> None:
@@ -307,8 +305,9 @@ class Scheduler:
         joining = self.policy.decode_during_encode and self.policy.join_during_encode
         alongside = joining or (self.policy.decode_during_encode and bool(self._active))
         self._joining = joining
-        waited = time.monotonic() - min(job.submitted for job in batch)
-        leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
+        leave = self._fewer_sms is not None and self.policy.leaves_sms(
+            alongside, time.monotonic() - min(job.submitted for job in batch)
+        )
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             with _on_stream(self._fewer_sms[1] if leave else None):
                 self._run_batches(batch)
