@@ -19,7 +19,8 @@ Reported over the measured window:
   entries' first_token_s), p50/p95; errors (error replies and timeouts);
 - each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM).
 With --profile DIR every worker writes a torch.profiler trace of its GPU scheduler's steps
-halfway through the window (SIGUSR2; `gpu_profile_dir`), kept under DIR.
+right after the window, at the same load (SIGUSR2; `gpu_profile_dir`), kept under DIR: writing
+it stalls the loop for seconds, which the window's numbers do not see.
 Each run says whether the encoder `kept_up`: no frame dropped, caught up before the window
 (`settled`), and its backlog (frames published, not yet encoded) grew by at most a chunk per
 camera over the window. A window shorter than a growing backlog takes to reach the worker's
@@ -85,6 +86,7 @@ SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): inges
 QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
+PROFILE_WAIT_S = 120.0  # for the workers' traces after the window (writing one takes seconds)
 STOP_TIMEOUT_S = 30.0
 CHUNK_FRAMES = EncoderConfig.chunk_frames  # the worker's, which the runs leave as it is
 VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + settling + measurement by this much
@@ -130,7 +132,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write every run's result (and the summary) to this JSON file")
     p.add_argument("--logs", help="keep the services' logs of every run in this directory")
-    p.add_argument("--profile", help="a trace of every worker's GPU steps mid-window, kept in this directory")
+    p.add_argument("--profile", help="a trace of every worker's GPU steps after the window, kept in this directory")
     p.add_argument("--profile-steps", type=int, default=20, help="scheduler steps one trace covers")
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
@@ -526,19 +528,23 @@ def measure(
 
     load.start()
     try:
-        half = ns.duration / 2 if ns.profile else 0.0
-        wait_while(running, half, status, lambda: False)
-        if ns.profile:
-            running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
-        wait_while(running, ns.duration - half, status, lambda: False)
+        wait_while(running, ns.duration, status, lambda: False)
         after = frame_counts(*ports, cameras)
         t_end = time.monotonic()
         memory = running.memory_gib("worker")
+        if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
+            running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
+            traces = Path(ns.profile).resolve() / running.workdir.name
+            wait_while(running, PROFILE_WAIT_S, status, lambda: traces_written(traces) >= ns.workers)
     except BaseException:
         load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
         raise
     load.finish()
     return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory}
+
+
+def traces_written(under: Path) -> int:
+    return len(list(under.rglob("gpu-steps-*.txt")))  # the table is written after the trace
 
 
 # --------------------------------------------------------------------------- results

@@ -17,6 +17,8 @@
 #     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     chained    the question path through a Scheduler, decode steps unchained and chained
 #                (`gpu_chain_decode`, not measured yet; 3 min)
+#     copies     docs/bench/host_copies.py: whether a small host-to-device copy waits for the work
+#                queued before it, from pageable and from page-locked memory (10 s)
 #     beside     docs/bench/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
 #                with 12/20/28 SMs left to questions (`decode_sms`) and without (3.5 min)
 # A/B against an older commit REV on the same machine (timings of two machines do not compare):
@@ -86,8 +88,9 @@ for what in "$@"; do
     chained) for how in scheduler chained; do step "questions-$how" "questions-$how.json" python3 scripts/bench_engine.py \
       --model random-3b --questions-only --question-executor $how --sizes 32768,100000 --batch-questions 1,8,32 \
       --batch-cache-tokens 32768 --decode-tokens 64 --pool-tokens 1400000; done ;;
+    copies) step copies copies.json python3 docs/bench/host_copies.py ;;
     beside) step beside beside.jsonl python3 docs/bench/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, chained, beside)" >&2; exit 2 ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, chained, copies, beside)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -4,7 +4,10 @@ bench_pipeline.py --profile): one JSON object per step kind (encode, decode, tas
 For each kind, means per step: wall time; device busy time (the union of kernel, copy and set
 intervals that fall in the step, so overlapping decode and encode kernels count once); the
 device's idle share of the step (host-bound when high); time the host sat in CUDA synchronising
-calls; kernels launched; and the kernels that took the most device time in all steps of that kind.
+calls; kernels launched; the kernels that took the most device time in all steps of that kind;
+and where the device's idle time lies (`idle_ms`): before the step's first device work, after its
+last, and between, the last split by what the step's thread was in when each gap began (the
+innermost op around that moment, `(python)` when in none: the host was between torch calls).
 
     python scripts/profile_summary.py traces/gpu-steps-20261124-120000.json.gz
 """
@@ -40,11 +43,53 @@ def union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+def gaps(busy: list[tuple[float, float]], start: float, stop: float) -> list[tuple[float, float]]:
+    """The intervals of [start, stop] that no interval of `busy` covers."""
+    out, at = [], start
+    for b0, b1 in sorted(busy):
+        if b0 > at:
+            out.append((at, min(b0, stop)))
+        at = max(at, b1)
+        if at >= stop:
+            break
+    if at < stop:
+        out.append((at, stop))
+    return [(a, b) for a, b in out if b > a]
+
+
+def innermost(ops: list[dict[str, Any]], t: float) -> str:
+    """The name of the shortest op of `ops` running at `t`; "(python)" when none is."""
+    around = [e for e in ops if e["ts"] <= t < e["ts"] + e["dur"]]
+    return min(around, key=lambda e: e["dur"])["name"][:60] if around else "(python)"
+
+
+def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """One step's idle device time (us): before its first device work, after its last, and the
+    gaps between by the op its thread was in when each began."""
+    start, stop = step["ts"], step["ts"] + step["dur"]
+    holes = gaps(busy, start, stop)
+    out: dict[str, Any] = {"before_first": 0.0, "after_last": 0.0, "between": Counter()}
+    if not busy:
+        out["before_first"] = stop - start
+        return out
+    for a, b in holes:
+        if a == start:
+            out["before_first"] += b - a
+        elif b == stop:
+            out["after_last"] += b - a
+        else:
+            out["between"][innermost(ops, a)] += b - a
+    return out
+
+
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in KINDS]
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(SYNC_CALLS)]
-    per_kind: dict[str, dict[str, Any]] = defaultdict(lambda: {"steps": 0, "wall": 0.0, "busy": 0.0, "sync": 0.0})
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation") and "dur" in e]
+    per_kind: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {"steps": 0, "wall": 0.0, "busy": 0.0, "sync": 0.0, "before": 0.0, "after": 0.0, "between": Counter()}
+    )
     top: dict[str, Counter[str]] = defaultdict(Counter)
     launches: Counter[str] = Counter()
     for step in steps:
@@ -53,7 +98,13 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         acc = per_kind[step["name"]]
         acc["steps"] += 1
         acc["wall"] += step["dur"]
-        acc["busy"] += union_us([(e["ts"], min(stop, e["ts"] + e["dur"])) for e in inside])
+        busy = [(e["ts"], min(stop, e["ts"] + e["dur"])) for e in inside]
+        acc["busy"] += union_us(busy)
+        ops = [e for e in host if e["tid"] == step["tid"] and start <= e["ts"] < stop and e is not step]
+        gapped = idle(step, busy, ops)
+        acc["before"] += gapped["before_first"]
+        acc["after"] += gapped["after_last"]
+        acc["between"] += gapped["between"]
         acc["sync"] += sum(e["dur"] for e in syncs if start <= e["ts"] < stop)
         launches[step["name"]] += sum(e.get("cat") == "kernel" for e in inside)
         for e in inside:
@@ -69,6 +120,12 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             "host_sync_ms": round(acc["sync"] / n / 1000, 2),
             "kernels": round(launches[kind] / n, 1),
             "top_kernels_ms": {name: round(us / n / 1000, 3) for name, us in top[kind].most_common(8)},
+            "idle_ms": {
+                "before_first": round(acc["before"] / n / 1000, 2),
+                "after_last": round(acc["after"] / n / 1000, 2),
+                "between": round(sum(acc["between"].values()) / n / 1000, 2),
+                "between_by_op": {op: round(us / n / 1000, 2) for op, us in acc["between"].most_common(10)},
+            },
         }
     return out
 

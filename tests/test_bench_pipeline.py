@@ -121,7 +121,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     memory = run["worker_memory_gib"]
     assert set(memory) == {"worker-0", "worker-1"}
     assert all(0.1 < m["rss"] <= m["peak"] < 64 for m in memory.values())
-    for worker in ("worker-0", "worker-1"):  # SIGUSR2 halfway: a trace of 3 steps each, labelled by kind
+    for worker in ("worker-0", "worker-1"):  # SIGUSR2 after the window: a trace of 3 steps each, labelled by kind
         (trace,) = (tmp_path / "profiles").glob(f"*/{worker}/gpu-steps-*.json.gz")
         events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
         assert {"encode", "decode"} & {e.get("name") for e in events}
@@ -136,6 +136,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
         kinds = {k: v for k, v in json.loads(summary.stdout).items() if k in ("encode", "decode", "task")}
         assert 3 <= sum(v["steps"] for v in kinds.values()) <= 9  # a step: task, decode and encode at most
         assert all(v["wall_ms"] > 0 and v["device_busy_ms"] == 0 for v in kinds.values())  # a CPU: no kernels
+        assert all(abs(v["idle_ms"]["before_first"] - v["wall_ms"]) <= 0.02 for v in kinds.values())
 
     table = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "plot_pipeline.py"), str(out)],
@@ -177,3 +178,29 @@ def test_a_service_that_dies_fails_the_run_with_its_reason(tmp_path, monkeypatch
     (log,) = (tmp_path / "logs").glob("*/worker-0.log")  # kept for a post-mortem
     assert "chunk_frames must be a positive even number" in log.read_text()
     assert_nothing_left(tmp_path)
+
+
+def test_profile_summary_places_idle_device_time_before_after_and_between_by_the_op_the_loop_was_in():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import profile_summary
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    step = {"cat": "user_annotation", "name": "encode", "ts": 0.0, "dur": 100.0, "tid": 1}
+    events = [
+        step,
+        {"cat": "kernel", "name": "k1", "ts": 10.0, "dur": 20.0},
+        {"cat": "kernel", "name": "k2", "ts": 50.0, "dur": 40.0},
+        {"cat": "kernel", "name": "k3", "ts": 55.0, "dur": 10.0},  # overlaps k2: counted once
+        {"cat": "cpu_op", "name": "aten::linear", "ts": 25.0, "dur": 30.0, "tid": 1},
+        {"cat": "cpu_op", "name": "aten::item", "ts": 28.0, "dur": 20.0, "tid": 1},  # innermost at 30
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 29.0, "dur": 5.0, "tid": 2},  # another thread's
+    ]
+    (encode,) = profile_summary.summarize(events).values()
+    assert encode["device_busy_ms"] == 0.06 and encode["device_idle_share"] == 0.4
+    assert encode["idle_ms"] == {
+        "before_first": 0.01,
+        "after_last": 0.01,
+        "between": 0.02,
+        "between_by_op": {"aten::item": 0.02},
+    }

@@ -1,0 +1,64 @@
+"""Does a small host-to-device copy wait for the work queued before it? (the premise of
+common/engine/hostcopy.py)
+
+Queues about 50 ms of matmuls on the current stream, then times on the host a copy of 4 KB of
+indices into a device buffer, as a step's inputs are copied: from pageable memory (`copy_` with
+`non_blocking=True`) and through `hostcopy.copy_in` (page-locked). Prints one JSON line: the
+host's milliseconds for each, the queued work's milliseconds, and the device. A copy that waits
+takes about as long as the queued work. Run from the root of the code on a GPU:
+`PYTHONPATH=. python3 docs/bench/host_copies.py`.
+"""
+
+import json
+import time
+
+import torch
+
+from common.engine.hostcopy import copy_in
+
+REPEATS = 5
+
+
+def queued_ms(a: torch.Tensor, n: int) -> float:
+    """Milliseconds of device time that `n` matmuls of `a` take."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(n):
+        a @ a
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def host_ms(copy, a: torch.Tensor, n: int) -> float:
+    """The host's milliseconds in `copy()` right after queueing `n` matmuls."""
+    times = []
+    for _ in range(REPEATS):
+        torch.cuda.synchronize()
+        for _ in range(n):
+            a @ a
+        t0 = time.perf_counter()
+        copy()
+        times.append((time.perf_counter() - t0) * 1000)
+    torch.cuda.synchronize()
+    return round(min(times), 3)
+
+
+def main() -> None:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    queued_ms(a, 3)  # warm-up
+    n = max(1, round(50 / (queued_ms(a, 10) / 10)))
+    dest = torch.zeros(1024, dtype=torch.long, device="cuda")
+    values = list(range(1024))
+    row = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "queued_ms": round(queued_ms(a, n), 1),
+        "pageable_copy_host_ms": host_ms(lambda: dest.copy_(torch.tensor(values), non_blocking=True), a, n),
+        "pinned_copy_host_ms": host_ms(lambda: copy_in(dest, torch.tensor(values)), a, n),
+    }
+    print(json.dumps(row))
+
+
+if __name__ == "__main__":
+    main()
