@@ -1,20 +1,20 @@
-"""Does a small host-to-device copy wait for the work queued before it? (the premise of
-common/engine/hostcopy.py)
+"""Does a small host-to-device copy wait for the work queued before it? (CUDA documents a stream
+sync before a copy from pageable memory; if it happened, every step's index copies would hold the
+host until the device had run the step before, and chained steps could not overlap.)
 
 Queues about 50 ms of matmuls on the current stream, then times on the host a copy of 4 KB of
 indices into a device buffer, as a step's inputs are copied: from pageable memory (`copy_` with
-`non_blocking=True`) and through `hostcopy.copy_in` (page-locked). Prints one JSON line: the
-host's milliseconds for each, the queued work's milliseconds, and the device. A copy that waits
-takes about as long as the queued work. Run from the root of the code on a GPU:
-`PYTHONPATH=. python3 docs/bench/host_copies.py`.
+`non_blocking=True`) and from page-locked memory. Prints one JSON line: the host's milliseconds
+for each, the queued work's milliseconds, and the device. A copy that waits takes about as long
+as the queued work. Measured on an H200 (torch 2.11): neither waits (0.27 and 0.37 ms against
+51.7 ms queued), so the engine's small copies stay pageable. Run from the root of the code on a
+GPU: `PYTHONPATH=. python3 docs/bench/host_copies.py`.
 """
 
 import json
 import time
 
 import torch
-
-from common.engine.hostcopy import copy_in
 
 REPEATS = 5
 
@@ -55,7 +55,7 @@ def main() -> None:
         "torch": torch.__version__,
         "queued_ms": round(queued_ms(a, n), 1),
         "pageable_copy_host_ms": host_ms(lambda: dest.copy_(torch.tensor(values), non_blocking=True), a, n),
-        "pinned_copy_host_ms": host_ms(lambda: copy_in(dest, torch.tensor(values)), a, n),
+        "pinned_copy_host_ms": host_ms(lambda: dest.copy_(torch.tensor(values).pin_memory(), non_blocking=True), a, n),
     }
     print(json.dumps(row))
 
