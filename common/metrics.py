@@ -12,8 +12,10 @@ import sys
 from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
+from common.threadcpu import ThreadCPU
 from common.version import VERSION
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -140,6 +142,26 @@ def alloc_retries() -> float:
     return float(torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0))
 
 
+class _ThreadCPUCollector(Collector):
+    """svqa_process_thread_cpu_seconds_total{role}, read from /proc at every scrape (threadcpu.py)."""
+
+    NAME, HELP = "svqa_process_thread_cpu_seconds", "CPU seconds of this process's threads, by role"
+
+    def __init__(self) -> None:
+        self.threads = ThreadCPU()
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["role"])]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self.NAME, self.HELP, labels=["role"])
+        for role, seconds in sorted(self.threads.totals().items()):
+            family.add_metric([role], seconds)
+        yield family
+
+
+THREAD_CPU = _ThreadCPUCollector()
+
 _GPU = (
     GPU_STEP_SECONDS,
     GPU_STEP_UNITS,
@@ -151,10 +173,21 @@ _GPU = (
 )
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
-ROLES: dict[str, tuple[MetricWrapperBase, ...]] = {
-    "ingest": (FRAMES_IN, FRAME_BYTES, DECODE_ERRORS, RECONNECTS, STALLS, INGEST_FPS, INGEST_UP, LAST_FRAME_AGE),
-    "encoder": (FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, *_GPU),
+ROLES: dict[str, tuple[Collector, ...]] = {
+    "ingest": (
+        THREAD_CPU,
+        FRAMES_IN,
+        FRAME_BYTES,
+        DECODE_ERRORS,
+        RECONNECTS,
+        STALLS,
+        INGEST_FPS,
+        INGEST_UP,
+        LAST_FRAME_AGE,
+    ),
+    "encoder": (THREAD_CPU, FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, *_GPU),
     "qa": (
+        THREAD_CPU,
         QUESTIONS_IN_FLIGHT,
         QUESTIONS,
         QUEUE_WAIT_SECONDS,

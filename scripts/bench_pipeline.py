@@ -276,12 +276,12 @@ def scrape(port: int) -> dict[tuple[str, str, str], float]:
     return {
         (
             s.name,
-            next((s.labels[k] for k in ("stream", "kind", "state", "how") if k in s.labels), ""),
+            next((s.labels[k] for k in ("stream", "kind", "state", "how", "role") if k in s.labels), ""),
             s.labels.get("reason", s.labels.get("le", "")),
         ): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
-        if "stream" in s.labels or s.name.startswith(("svqa_gpu_", "svqa_kv_"))
+        if "stream" in s.labels or s.name.startswith(("svqa_gpu_", "svqa_kv_", "svqa_process_"))
     }
 
 
@@ -316,6 +316,9 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
     for (name, label, _), value in worker.items():
         if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts", "svqa_gpu_compiles"):
             counts["gpu"][f"{name}:{label}"] = value
+    counts["threads"] = {
+        role: value for (name, role, _), value in worker.items() if name == "svqa_process_thread_cpu_seconds_total"
+    }
     return counts
 
 
@@ -379,6 +382,7 @@ class Load:
         self.asked: list[Asked] = []  # list.append is atomic: the askers share it
         self.lags: list[float] = []
         self.last_lag = math.nan
+        self.window_end = math.inf  # monotonic; lags after it are not kept (a trace is being taken)
         self.threads = [
             threading.Thread(target=self._ask, args=(i,), name=f"asker-{i}", daemon=True) for i in range(ns.askers)
         ]
@@ -417,7 +421,8 @@ class Load:
         r = redisio.connect(self.redis_url)
         while not self.stop.wait(self.ns.sample_every):
             lags = [lag for lag in head_lags(r, self.cameras) if lag is not None]
-            self.lags.extend(lags)
+            if time.monotonic() <= self.window_end:
+                self.lags.extend(lags)
             self.last_lag = max(lags, default=math.nan)
 
 
@@ -530,7 +535,7 @@ def measure(
     try:
         wait_while(running, ns.duration, status, lambda: False)
         after = frame_counts(*ports, cameras)
-        t_end = time.monotonic()
+        t_end = load.window_end = time.monotonic()
         memory = running.memory_gib("worker")
         if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
             running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
@@ -622,8 +627,9 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
 def summarize(
     ns: argparse.Namespace, cameras: list[str], before: Counts, after: Counts, load: Load, t0: float, t_end: float
 ) -> dict[str, Any]:
-    answered = [a for a in load.asked if a.error is None]
-    errors = [a.error for a in load.asked if a.error is not None]
+    asked = [a for a in load.asked if a.sent <= t_end]  # not those asked while a trace was taken after it
+    answered = [a for a in asked if a.error is None]
+    errors = [a.error for a in asked if a.error is not None]
     # answers and latencies: every question asked in the window; answers/s: those finished in it
     in_window = sum(a.sent + a.latency_s <= t_end for a in answered)
     lags = load.lags
@@ -640,6 +646,7 @@ def summarize(
         "duration_s": round(t_end - t0, 2),
         "frames": frames_summary(cameras, before, after),
         "gpu_steps": gpu_summary(before, after, t_end - t0),
+        "worker_cpu_cores": thread_cores(before, after, t_end - t0),
         "encoder_lag_s": {
             **percentiles(lags, 50, 95),
             "max": round(max(lags), 4) if lags else None,
@@ -652,6 +659,13 @@ def summarize(
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
     }
+
+
+def thread_cores(before: Counts, after: Counts, seconds: float) -> dict[str, float]:
+    """CPU cores the workers' threads used in the window, by role, busiest first: Python time of
+    other roles is time the GPU loop (`gpu-scheduler`) may wait for the GIL."""
+    used = {role: v - before.get("threads", {}).get(role, 0.0) for role, v in after.get("threads", {}).items()}
+    return {role: round(v / seconds, 3) for role, v in sorted(used.items(), key=lambda kv: -kv[1])}
 
 
 def hardware(device: str) -> dict[str, Any]:

@@ -118,6 +118,10 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert 0 < pool["used_tokens"] <= pool["peak_tokens"] <= pool["capacity_tokens"]
     assert pool["relayouts_in_place"] == pool["relayouts_copied"] == 0
 
+    cores = run["worker_cpu_cores"]  # both workers' threads by role; each runs a GPU loop and a stream
+    assert cores["gpu-scheduler"] > 0 and cores["stream"] > 0 and cores["MainThread"] >= 0
+    assert 0 < sum(cores.values()) <= os.cpu_count()
+
     memory = run["worker_memory_gib"]
     assert set(memory) == {"worker-0", "worker-1"}
     assert all(0.1 < m["rss"] <= m["peak"] < 64 for m in memory.values())

@@ -234,3 +234,33 @@ def test_the_heap_alive_after_start_up_is_frozen_out_of_later_collections():
     finally:
         gc.unfreeze()
     assert all(id(x) in {id(o) for o in gc.get_objects()} for x in alive[:10])
+
+
+def test_thread_cpu_is_counted_by_role_and_only_grows():
+    from common.threadcpu import ThreadCPU, role
+
+    assert [role(n) for n in ("stream_12", "question_3", "ingest:cam001", "Thread-5 (run)", "gpu-scheduler")] == [
+        "stream",
+        "question",
+        "ingest",
+        "Thread",
+        "gpu-scheduler",
+    ]
+    threads, stop = ThreadCPU(), threading.Event()
+    first = threads.totals()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    busy = threading.Thread(target=spin, name="busy_7")
+    busy.start()
+    try:
+        time.sleep(0.5)
+        during = threads.totals()
+    finally:
+        stop.set()
+        busy.join()
+    assert during["busy"] >= 0.05  # it held the GIL for part of half a second (ticks are 10 ms)
+    after = threads.totals()  # it has ended: what it used stays counted
+    assert after["busy"] == during["busy"] and all(after[k] >= first.get(k, 0.0) for k in after)
