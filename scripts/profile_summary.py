@@ -7,7 +7,7 @@ device's idle share of the step (host-bound when high); time the host sat in CUD
 calls; kernels launched; the kernels that took the most device time in all steps of that kind;
 and where the device's idle time lies (`idle_ms`): before the step's first device work, after its
 last, and between, the last split by what the step's thread was in when each gap began (the
-innermost op around that moment, `(python)` when in none: the host was between torch calls).
+innermost op or Python function around that moment, `(python)` when in none).
 
     python scripts/profile_summary.py traces/gpu-steps-20261124-120000.json.gz
 """
@@ -15,6 +15,7 @@ innermost op around that moment, `(python)` when in none: the host was between t
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import sys
@@ -24,6 +25,8 @@ from typing import Any
 
 KINDS = ("encode", "decode", "task")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+INNERMOST_SCAN = 2000  # host ranges looked back through for the one around a moment
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation", "python_function")  # the last with_stack
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -57,10 +60,13 @@ def gaps(busy: list[tuple[float, float]], start: float, stop: float) -> list[tup
     return [(a, b) for a, b in out if b > a]
 
 
-def innermost(ops: list[dict[str, Any]], t: float) -> str:
-    """The name of the shortest op of `ops` running at `t`; "(python)" when none is."""
-    around = [e for e in ops if e["ts"] <= t < e["ts"] + e["dur"]]
-    return min(around, key=lambda e: e["dur"])["name"][:60] if around else "(python)"
+def innermost(ops: list[dict[str, Any]], starts: list[float], t: float) -> str:
+    """The name of the innermost of `ops` (sorted by start, `starts` their starts) running at `t`:
+    of nested ranges, the one that started last; "(python)" when none is."""
+    for e in reversed(ops[max(0, bisect.bisect_right(starts, t) - INNERMOST_SCAN) : bisect.bisect_right(starts, t)]):
+        if t < e["ts"] + e["dur"]:
+            return e["name"][:60]
+    return "(python)"
 
 
 def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[str, Any]]) -> dict[str, Any]:
@@ -68,6 +74,7 @@ def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[s
     gaps between by the op its thread was in when each began."""
     start, stop = step["ts"], step["ts"] + step["dur"]
     holes = gaps(busy, start, stop)
+    starts = [e["ts"] for e in ops]
     out: dict[str, Any] = {"before_first": 0.0, "after_last": 0.0, "between": Counter()}
     if not busy:
         out["before_first"] = stop - start
@@ -78,7 +85,7 @@ def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[s
         elif b == stop:
             out["after_last"] += b - a
         else:
-            out["between"][innermost(ops, a)] += b - a
+            out["between"][innermost(ops, starts, a)] += b - a
     return out
 
 
@@ -86,7 +93,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in KINDS]
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(SYNC_CALLS)]
-    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation") and "dur" in e]
+    host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
+    host_starts = [e["ts"] for e in host]
     per_kind: dict[str, dict[str, Any]] = defaultdict(
         lambda: {"steps": 0, "wall": 0.0, "busy": 0.0, "sync": 0.0, "before": 0.0, "after": 0.0, "between": Counter()}
     )
@@ -100,7 +108,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         acc["wall"] += step["dur"]
         busy = [(e["ts"], min(stop, e["ts"] + e["dur"])) for e in inside]
         acc["busy"] += union_us(busy)
-        ops = [e for e in host if e["tid"] == step["tid"] and start <= e["ts"] < stop and e is not step]
+        during = host[bisect.bisect_left(host_starts, start) : bisect.bisect_left(host_starts, stop)]
+        ops = [e for e in during if e["tid"] == step["tid"] and e is not step]
         gapped = idle(step, busy, ops)
         acc["before"] += gapped["before_first"]
         acc["after"] += gapped["after_last"]

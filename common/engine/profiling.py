@@ -62,7 +62,8 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profile = torch.profiler.profile(activities=activities)
+        # with Python frames: where the loop's host time goes when the device waits for it
+        profile = torch.profiler.profile(activities=activities, with_stack=True)
         try:
             profile.start()
         except RuntimeError as e:  # another profiler running, or CUPTI missing
