@@ -86,7 +86,7 @@ SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): inges
 QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
-PROFILE_WAIT_S = 120.0  # for the workers' traces after the window (writing one takes seconds)
+PROFILE_WAIT_S = 240.0  # for the workers' traces after the window (writing one takes seconds to minutes)
 STOP_TIMEOUT_S = 30.0
 CHUNK_FRAMES = EncoderConfig.chunk_frames  # the worker's, which the runs leave as it is
 VIDEO_MARGIN_S = 30.0  # the video outlasts first versions + warm-up + settling + measurement by this much
@@ -540,12 +540,17 @@ def measure(
         if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
             running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
             traces = Path(ns.profile).resolve() / running.workdir.name
-            wait_while(running, PROFILE_WAIT_S, status, lambda: traces_written(traces) >= ns.workers)
+            wait_while(running, PROFILE_WAIT_S, lambda: tracing(traces), lambda: traces_written(traces) >= ns.workers)
     except BaseException:
         load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
         raise
     load.finish()
     return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory}
+
+
+def tracing(under: Path) -> str:
+    """The progress line while traces are written: no scrapes, which a worker writing one answers late."""
+    return f"waiting for the workers' traces under {under}"
 
 
 def traces_written(under: Path) -> int:
