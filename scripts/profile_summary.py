@@ -7,7 +7,7 @@ device's idle share of the step (host-bound when high); time the host sat in CUD
 calls; kernels launched; the kernels that took the most device time in all steps of that kind;
 and where the device's idle time lies (`idle_ms`): before the step's first device work, after its
 last, and between, the last split by what the step's thread was in when each gap began (the
-innermost op or Python function around that moment, `(python)` when in none).
+innermost op around that moment, `(python)` when in none: the host was between torch calls).
 
     python scripts/profile_summary.py traces/gpu-steps-20261124-120000.json.gz
 """
@@ -26,7 +26,7 @@ from typing import Any
 KINDS = ("encode", "decode", "task")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 INNERMOST_SCAN = 2000  # host ranges looked back through for the one around a moment
-HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation", "python_function")  # the last with_stack
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import health, metrics
@@ -264,3 +265,25 @@ def test_thread_cpu_is_counted_by_role_and_only_grows():
     assert during["busy"] >= 0.05  # it held the GIL for part of half a second (ticks are 10 ms)
     after = threads.totals()  # it has ended: what it used stays counted
     assert after["busy"] == during["busy"] and all(after[k] >= first.get(k, 0.0) for k in after)
+
+
+def test_a_step_trace_that_cannot_be_written_is_a_warning_and_the_loop_goes_on(tmp_path, monkeypatch):
+    from common.engine.profiling import StepProfiler
+
+    def run_steps(profiler: StepProfiler, n: int) -> None:
+        profiler.request()
+        for _ in range(n):
+            with profiler.step(), profiler.region("encode"):
+                torch.ones(4).sum()
+
+    written = StepProfiler(tmp_path / "ok", steps=2)
+    run_steps(written, 2)
+    assert sorted(p.suffix for p in written.written) == [".gz", ".txt"] and all(p.exists() for p in written.written)
+
+    def broken(self, path):
+        raise UnicodeDecodeError("utf-8", b"\xd5", 0, 1, "unexpected end of data")  # as with_stack=True once did
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", broken)
+    failed = StepProfiler(tmp_path / "broken", steps=2)
+    run_steps(failed, 3)  # the third step runs unprofiled, after the failed write
+    assert failed.written == [] and not list((tmp_path / "broken").glob("gpu-steps-*"))

@@ -62,8 +62,7 @@ class StepProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        # with Python frames: where the loop's host time goes when the device waits for it
-        profile = torch.profiler.profile(activities=activities, with_stack=True)
+        profile = torch.profiler.profile(activities=activities)
         try:
             profile.start()
         except RuntimeError as e:  # another profiler running, or CUPTI missing
@@ -75,17 +74,18 @@ class StepProfiler:
     def _finish(self) -> None:
         profile, self._profile = self._profile, None
         assert profile is not None
-        profile.stop()
         stamp = time.strftime("%Y%m%d-%H%M%S")
         trace = self.out_dir / f"gpu-steps-{stamp}.json.gz"
         table = self.out_dir / f"gpu-steps-{stamp}.txt"
         device = "self_cuda_time_total" if torch.cuda.is_initialized() else "self_cpu_time_total"
         try:
+            profile.stop()
             self.out_dir.mkdir(parents=True, exist_ok=True)
             profile.export_chrome_trace(str(trace))
             table.write_text(profile.key_averages().table(sort_by=device, row_limit=40) + "\n")
-        except OSError as e:
-            log.warning("gpu profile not written", dir=str(self.out_dir), error=str(e))
+        except Exception as e:  # a full disk, or the profiler's own failure (with_stack=True once
+            # failed to decode a frame's name and, uncaught here, stopped the worker): serving goes on
+            log.warning("gpu profile not written", dir=str(self.out_dir), error=f"{type(e).__name__}: {e}")
             return
         self.written += [trace, table]
         log.info("gpu profile written", trace=str(trace), table=str(table), steps=self.steps)
