@@ -180,17 +180,27 @@ def test_warm_up_caches_lie_in_one_extent_as_serving_caches_do(rt, monkeypatch):
     long_tokens = 5000  # past a fresh unbudgeted run (4096 tokens)
     used = rt.pool.used_tokens
     assert warmup.warm_up(rt, long_tokens=long_tokens) > 0
-    assert len(made) == warmup.BODY_MIN_ITEMS
-    for e in made:
+    first = [e for e in made if not e.spec.name.startswith("warm-up-evict")]
+    evicting = [e for e in made if e.spec.name.startswith("warm-up-evict")]
+    assert len(first) == len(evicting) == warmup.BODY_MIN_ITEMS
+    for e in first:
         assert e.head.stats.evictions == 0 and e.head.tokens > long_tokens and len(e.head.chunks) == 2
         assert len(e.head.view.extents) == 1, "one extent, like a serving cache"
-    chunk_tokens = made[0].head.chunks[-1].segment.tokens
-    batches = [items for items in planned if len(items) == len(made) and all(it.n == chunk_tokens for it in items)]
-    assert batches and all(it.base is None and it.since == 0 for it in batches[-1]), "one causal range each"
+    for e in evicting:  # caches that reached their budget: evicted, re-laid out in place, one extent still
+        assert e.head.stats.evictions >= 1 and len(e.head.view.extents) == 1
+    chunk_tokens = first[0].head.chunks[-1].segment.tokens
+    batches = [items for items in planned if len(items) == len(first) and all(it.n == chunk_tokens for it in items)]
+    assert len(batches) == 3, "a batch of long caches, then two of the eviction round"
+    for items in (batches[0], batches[2]):
+        assert all(it.base is None and it.since == 0 for it in items), "one causal range each"
+    # serving's first eviction step: shortened caches' chunks beside full caches' chunks, each of
+    # which goes over its budget into a spill of its own, reading its cache as a base
+    spills = [it for it in batches[1] if it.base is not None]
+    assert len(spills) == len(evicting) // 2 and all(it.at == 0 and len(it.base.extents) == 1 for it in spills)
     bases = [it.base for items in planned for it in items if it.base is not None]
     assert bases and all(len(b.extents) == 1 for b in bases)
     made.clear(), planned.clear()
-    del e, bases, batches
+    del e, first, evicting, bases, batches, spills, items
     assert rt.pool.used_tokens == used, "the warm-up gives its pages back"
 
 

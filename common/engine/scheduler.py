@@ -70,8 +70,9 @@ class SchedulePolicy:
     decode_sms: int = 0
     # the next decode step is launched before the one in flight is completed, its tokens that
     # one's picks on the device: the host's work between steps (reading picks back, preparing the
-    # next) overlaps the device's. A decode step of 32 questions was 16.1 ms of wall time for 12.8
-    # of GPU work (H200). Off until measured on a GPU
+    # next) overlaps the device's. Exact on an H200, but no gain beyond run-to-run noise there
+    # (question path and 64-camera pipeline), and one of 32 questions arriving together waited
+    # ~440 ms for its first token in 3 of 4 runs (docs/BENCHMARKS.md, ninth session): off
     chain_decode: bool = False
 
     def __post_init__(self) -> None:
