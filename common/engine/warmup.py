@@ -64,11 +64,12 @@ def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
 
 def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
     """Caches of chunks reaching their budget, as every camera's does after a few minutes: half of
-    them evict first, so that the next encode step mixes shortened caches with full ones that evict
-    in it (re-laid out in place), then one of shortened caches only, and questions on them. Serving
-    first met these steps at the cameras' first evictions: an encode step of 3.9-4.8 s with one
-    frame compiled, seen in three 64-camera runs (H200). `budget` keeps a shortened cache long
-    enough for the cuDNN body, as a 32K camera's is."""
+    them evict first, so that the next encode step mixes shortened caches with full ones whose chunks
+    spill (read their caches as bases) and evict in it, then one of shortened caches only, and
+    questions on them. The mixed step merges attention parts not stacked alike (`_merge`), which
+    nothing else runs: serving compiled it at the cameras' first evictions, a step of 3.7-4.8 s in
+    3 of 5 64-camera runs (H200). `budget` keeps a shortened cache long enough for the cuDNN body,
+    as a 32K camera's is."""
     policy = EvictionPolicy(max_cache_tokens=len(rt.prefix_ids()) + budget)
     engines = [StreamEngine(rt, StreamSpec(f"warm-up-evict-{i}", 2.0, GRID, 4), policy) for i in range(BODY_MIN_ITEMS)]
     chunk_tokens = 2 * GRID.tokens_per_patch
