@@ -7,7 +7,8 @@ pipeline: stalls of 3-5 s in the first minute, every camera and question waiting
 So a worker walks throwaway streams through what serving does before it reports ready, on short
 caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
 of chunks, questions prefilled together and decoded in batches of every warmed size, questions
-joining a batch mid-decode, lone questions of a few lengths.
+joining a batch mid-decode, lone questions of a few lengths, and an eviction round (caches
+reaching their budget).
 """
 
 from __future__ import annotations
