@@ -6,8 +6,10 @@ intervals that fall in the step, so overlapping decode and encode kernels count 
 device's idle share of the step (host-bound when high); time the host sat in CUDA synchronising
 calls; kernels launched; the kernels that took the most device time in all steps of that kind;
 and where the device's idle time lies (`idle_ms`): before the step's first device work, after its
-last, and between, the last split by what the step's thread was in when each gap began (the
-innermost op around that moment, `(python)` when in none: the host was between torch calls).
+last, and between, the last split by what the step's thread was in when each gap began: the
+innermost op around that moment (`(python)` when in none: the host was between torch calls), and
+the innermost phase of the step (`common/engine/profiling.phase`: vision, plan, prefill, publish,
+a decode step's launch or completion).
 
     python scripts/profile_summary.py traces/gpu-steps-20261124-120000.json.gz
 """
@@ -60,22 +62,23 @@ def gaps(busy: list[tuple[float, float]], start: float, stop: float) -> list[tup
     return [(a, b) for a, b in out if b > a]
 
 
-def innermost(ops: list[dict[str, Any]], starts: list[float], t: float) -> str:
+def innermost(ops: list[dict[str, Any]], starts: list[float], t: float, outside: str = "(python)") -> str:
     """The name of the innermost of `ops` (sorted by start, `starts` their starts) running at `t`:
-    of nested ranges, the one that started last; "(python)" when none is."""
+    of nested ranges, the one that started last; `outside` when none is."""
     for e in reversed(ops[max(0, bisect.bisect_right(starts, t) - INNERMOST_SCAN) : bisect.bisect_right(starts, t)]):
         if t < e["ts"] + e["dur"]:
             return e["name"][:60]
-    return "(python)"
+    return outside
 
 
 def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[str, Any]]) -> dict[str, Any]:
     """One step's idle device time (us): before its first device work, after its last, and the
-    gaps between by the op its thread was in when each began."""
+    gaps between by the op, and by the phase (profiling.phase), its thread was in when each began."""
     start, stop = step["ts"], step["ts"] + step["dur"]
     holes = gaps(busy, start, stop)
-    starts = [e["ts"] for e in ops]
-    out: dict[str, Any] = {"before_first": 0.0, "after_last": 0.0, "between": Counter()}
+    phases = [e for e in ops if e.get("cat") == "user_annotation" and e["name"] not in KINDS]
+    starts, phase_starts = [e["ts"] for e in ops], [e["ts"] for e in phases]
+    out: dict[str, Any] = {"before_first": 0.0, "after_last": 0.0, "between": Counter(), "by_phase": Counter()}
     if not busy:
         out["before_first"] = stop - start
         return out
@@ -86,6 +89,7 @@ def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[s
             out["after_last"] += b - a
         else:
             out["between"][innermost(ops, starts, a)] += b - a
+            out["by_phase"][innermost(phases, phase_starts, a, outside="(no phase)")] += b - a
     return out
 
 
@@ -96,7 +100,16 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
     host_starts = [e["ts"] for e in host]
     per_kind: dict[str, dict[str, Any]] = defaultdict(
-        lambda: {"steps": 0, "wall": 0.0, "busy": 0.0, "sync": 0.0, "before": 0.0, "after": 0.0, "between": Counter()}
+        lambda: {
+            "steps": 0,
+            "wall": 0.0,
+            "busy": 0.0,
+            "sync": 0.0,
+            "before": 0.0,
+            "after": 0.0,
+            "between": Counter(),
+            "by_phase": Counter(),
+        }
     )
     top: dict[str, Counter[str]] = defaultdict(Counter)
     launches: Counter[str] = Counter()
@@ -114,6 +127,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         acc["before"] += gapped["before_first"]
         acc["after"] += gapped["after_last"]
         acc["between"] += gapped["between"]
+        acc["by_phase"] += gapped["by_phase"]
         acc["sync"] += sum(e["dur"] for e in syncs if start <= e["ts"] < stop)
         launches[step["name"]] += sum(e.get("cat") == "kernel" for e in inside)
         for e in inside:
@@ -134,6 +148,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 "after_last": round(acc["after"] / n / 1000, 2),
                 "between": round(sum(acc["between"].values()) / n / 1000, 2),
                 "between_by_op": {op: round(us / n / 1000, 2) for op, us in acc["between"].most_common(10)},
+                "between_by_phase": {ph: round(us / n / 1000, 2) for ph, us in acc["by_phase"].most_common(10)},
             },
         }
     return out

@@ -199,6 +199,7 @@ def test_profile_summary_places_idle_device_time_before_after_and_between_by_the
         {"cat": "cpu_op", "name": "aten::linear", "ts": 25.0, "dur": 30.0, "tid": 1},
         {"cat": "cpu_op", "name": "aten::item", "ts": 28.0, "dur": 20.0, "tid": 1},  # innermost at 30
         {"cat": "cpu_op", "name": "aten::mm", "ts": 29.0, "dur": 5.0, "tid": 2},  # another thread's
+        {"cat": "user_annotation", "name": "prefill", "ts": 20.0, "dur": 40.0, "tid": 1},  # a phase of the step
     ]
     (encode,) = profile_summary.summarize(events).values()
     assert encode["device_busy_ms"] == 0.06 and encode["device_idle_share"] == 0.4
@@ -207,4 +208,5 @@ def test_profile_summary_places_idle_device_time_before_after_and_between_by_the
         "after_last": 0.01,
         "between": 0.02,
         "between_by_op": {"aten::item": 0.02},
+        "between_by_phase": {"prefill": 0.02},
     }

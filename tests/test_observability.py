@@ -3,7 +3,9 @@ health endpoints tell ready from not, and the Grafana dashboard queries only rea
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import gzip
 import json
 import re
 import threading
@@ -268,17 +270,20 @@ def test_thread_cpu_is_counted_by_role_and_only_grows():
 
 
 def test_a_step_trace_that_cannot_be_written_is_a_warning_and_the_loop_goes_on(tmp_path, monkeypatch):
-    from common.engine.profiling import StepProfiler
+    from common.engine.profiling import StepProfiler, phase
 
     def run_steps(profiler: StepProfiler, n: int) -> None:
         profiler.request()
         for _ in range(n):
-            with profiler.step(), profiler.region("encode"):
+            with profiler.step(), profiler.region("encode"), phase("vision"):
                 torch.ones(4).sum()
 
     written = StepProfiler(tmp_path / "ok", steps=2)
     run_steps(written, 2)
     assert sorted(p.suffix for p in written.written) == [".gz", ".txt"] and all(p.exists() for p in written.written)
+    names = {e.get("name") for e in json.loads(gzip.decompress(written.written[0].read_bytes()))["traceEvents"]}
+    assert {"encode", "vision"} <= names  # the step's kind, and a phase inside it
+    assert isinstance(phase("vision"), contextlib.nullcontext)  # no trace being taken: nothing labelled
 
     def broken(self, path):
         raise UnicodeDecodeError("utf-8", b"\xd5", 0, 1, "unexpected end of data")  # as with_stack=True once did

@@ -23,6 +23,7 @@ from common.engine.kvcache import Version
 from common.engine.lm import Item, StepGraphs
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
+from common.engine.profiling import phase
 from common.engine.runtime import Runtime
 from common.engine.work import Launched, StepJob, fail_all
 
@@ -185,7 +186,7 @@ class _Step:
             self.error = after.error
             return
         try:
-            with _outside_inference(), _on(self.stream):
+            with phase("decode launch"), _outside_inference(), _on(self.stream):
                 if self.stream is not None and not alongside:  # what the caller queued comes first
                     self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
                 self.logits, self.picks = _forward(gens, None if after is None else after.picks)
@@ -205,7 +206,7 @@ class _Step:
         if not self.gens:
             return
         try:
-            with _outside_inference(), _on(self.stream):
+            with phase("decode complete"), _outside_inference(), _on(self.stream):
                 if self.done is not None:
                     self.done.synchronize()
                 greedy = self.greedy.tolist()

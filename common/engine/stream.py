@@ -26,6 +26,7 @@ from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item, KVView
 from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
+from common.engine.profiling import phase
 from common.engine.runtime import Runtime
 from common.engine.work import BatchJob, fail_all
 
@@ -257,26 +258,33 @@ class ChunkJob(BatchJob):
         if len({id(j.engine) for j in chunk_jobs}) != len(chunk_jobs):
             raise ValueError("a batch holds at most one chunk per stream")
         try:
-            _vision(chunk_jobs)
+            with phase("vision"):
+                _vision(chunk_jobs)
         except Exception as e:
             fail_all(chunk_jobs, e)
             return
         # What one stream's cache refuses (no room in the pool for its chunk, or for the copy its
         # eviction needs) fails that stream's chunk alone; the batch goes on without it.
-        started = _each(chunk_jobs, ChunkJob._input)
+        with phase("inputs"):
+            started = _each(chunk_jobs, ChunkJob._input)
         if not started:
             return
         try:
             lm = chunk_jobs[0].engine.rt.lm
             inputs = list(started.values())
-            embeds = torch.cat([e for e, _, _ in inputs])
-            positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
-            lm.forward(embeds, positions, lm.plan([item for _, _, item in inputs]))
+            with phase("plan"):
+                embeds = torch.cat([e for e, _, _ in inputs])
+                positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
+                plan = lm.plan([item for _, _, item in inputs])
+            with phase("prefill"):
+                lm.forward(embeds, positions, plan)
         except Exception as e:
             fail_all(list(started), e)
             return
         del inputs, started  # their bases hold the heads' pages, which an eviction may now turn in place
-        for job, result in _each(chunk_jobs, ChunkJob._output, between=between_outputs).items():
+        with phase("publish"):
+            outputs = _each(chunk_jobs, ChunkJob._output, between=between_outputs)
+        for job, result in outputs.items():
             if result is not None:
                 job.future.set_result(result)
 
