@@ -63,12 +63,14 @@ class Services:
                 p.kill()
 
 
-def wait_for(cond: Callable[[], object], timeout_s: float, what: str, services: Services | None = None):
+def wait_for(
+    cond: Callable[[], object], timeout_s: float, what: str, services: Services | None = None, poll_s: float = 0.1
+):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if value := cond():
             return value
-        time.sleep(0.1)
+        time.sleep(poll_s)
     raise AssertionError(f"timed out waiting for {what}\n{services.logs() if services else ''}")
 
 

@@ -193,7 +193,8 @@ def test_qa_kill9_with_question_in_flight_is_answered_exactly_once(rt, redis_url
     question = "Tell me everything about the video in great detail."
     reader = Reader(r, question, max_tokens=2048)  # a client reading the deltas all along
     qid = reader.qid
-    wait_for(lambda: reader.deltas, 60, "the first delta read", services)
+    # the tiny model's whole answer takes under 0.1 s: polled slower, the kill could come after it
+    wait_for(lambda: reader.deltas, 60, "the first delta read", services, poll_s=0.002)
     qa.kill()
     qa.wait()
     assert _final(r, qid) is None, "the killed worker had already finished"
