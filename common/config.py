@@ -288,7 +288,6 @@ class GPUSettings:
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
     gpu_join_during_encode: bool = False  # and questions arriving during its launch start beside it (no gain measured)
     gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
-    gpu_chain_decode: bool = False  # launch each decode step before the last one is read back (no gain measured)
     gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)
     gpu_profile_steps: int = 20  # steps one trace covers
 
@@ -307,7 +306,6 @@ class GPUSettings:
             decode_during_encode=self.gpu_decode_during_encode,
             join_during_encode=self.gpu_join_during_encode,
             decode_sms=self.gpu_decode_sms,
-            chain_decode=self.gpu_chain_decode,
         )
 
 

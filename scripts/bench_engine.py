@@ -595,10 +595,9 @@ def main() -> None:
     p.add_argument("--questions-only", action="store_true", help="only: the question path, profiled")
     p.add_argument(
         "--question-executor",
-        choices=("inline", "scheduler", "chained"),
+        choices=("inline", "scheduler"),
         default="inline",
-        help="the question path's questions (profiles aside) stepped here, or through a Scheduler, "
-        "its decode steps chained or not (`gpu_chain_decode`)",
+        help="the question path's questions (profiles aside) stepped here, or through a Scheduler",
     )
     p.add_argument(
         "--chunks-only", action="store_true", help="only: vision batches and, on --fit-streams streams, the chunk path"
@@ -624,7 +623,7 @@ def main() -> None:
     questions = [int(n) for n in args.batch_questions.split(",")]
     if args.questions_only:
         if args.question_executor != "inline":
-            rt.executor = Scheduler(SchedulePolicy(chain_decode=args.question_executor == "chained")).start()
+            rt.executor = Scheduler(SchedulePolicy()).start()
         q = bench_questions(rt, sizes, questions, args.batch_cache_tokens, args.decode_tokens)
         print(
             json.dumps(

@@ -15,8 +15,6 @@
 #                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the
 #                window or just before it changes the numbers: the worker's logs say which
 #     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
-#     chained    the question path through a Scheduler, decode steps unchained and chained
-#                (`gpu_chain_decode`, not measured yet; 3 min)
 #     copies     docs/bench/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
 #     beside     docs/bench/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
@@ -85,12 +83,9 @@ for what in "$@"; do
     pipeline) step pipeline pipeline.json python3 scripts/bench_pipeline.py --device cuda --askers 8 --cameras 64 \
       --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs "$OUT/logs" ;;
     storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
-    chained) for how in scheduler chained; do step "questions-$how" "questions-$how.json" python3 scripts/bench_engine.py \
-      --model random-3b --questions-only --question-executor $how --sizes 32768,100000 --batch-questions 1,8,32 \
-      --batch-cache-tokens 32768 --decode-tokens 64 --pool-tokens 1400000; done ;;
     copies) step copies copies.json python3 docs/bench/host_copies.py ;;
     beside) step beside beside.jsonl python3 docs/bench/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, chained, copies, beside)" >&2; exit 2 ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, copies, beside)" >&2; exit 2 ;;
   esac
 done
 exit $status

@@ -419,7 +419,7 @@ def test_prefills_padded_as_their_graph_runs_them_give_each_question_its_own_log
     def prefill(batch: list[Generation]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         tokens = [t for g in batch for t in g.pending]
         positions = [p for g in batch for p in range(g.pos, g.pos + len(g.pending))]
-        tokens, positions, items, last = graphs.padded(tokens, positions, [g.feed()[0] for g in batch])
+        tokens, positions, items, last = graphs.padded(tokens, positions, [g.item() for g in batch])
         assert len(items) == 4 and {it.n for it in items} == {StepGraphs.prefill_room(max(lengths))}
         hidden = rt.lm.forward(rt.lm.embed(tokens), torch.tensor(positions).expand(3, -1), rt.lm.plan(items))
         kv = [g.scratch.kv[:, :, :, : len(g.pending)].clone() for g in batch]
@@ -427,7 +427,7 @@ def test_prefills_padded_as_their_graph_runs_them_give_each_question_its_own_log
 
     together, kv_together = prefill(gens)
     for g, logits, kv in zip(gens, together, kv_together, strict=True):
-        hidden = rt.lm.forward(rt.lm.embed(g.pending), text_positions(g.pos, len(g.pending)), rt.lm.plan([g.feed()[0]]))
+        hidden = rt.lm.forward(rt.lm.embed(g.pending), text_positions(g.pos, len(g.pending)), rt.lm.plan([g.item()]))
         alone = rt.lm.logits(hidden[-1])
         assert torch.allclose(logits, alone, atol=1e-4, rtol=0) and logits.argmax() == alone.argmax()
         assert torch.allclose(kv, g.scratch.kv[:, :, :, : len(g.pending)], atol=1e-5, rtol=0)

@@ -299,17 +299,6 @@ def test_questions_decoded_beside_an_encode_step_that_leaves_them_sms_equal_alon
     answer_beside_encoding(rt, monkeypatch, atol=0.0, decode_sms=16, cache_atol=0.05)
 
 
-def test_chained_decode_steps_replayed_from_graphs_answer_as_alone(rt, monkeypatch):
-    """`chain_decode` on the GPU: a decode step's tokens are the step in flight's picks, copied on
-    the device into its graph's input row; the same answers as alone, a question that stops
-    mid-answer and one that joins included. (Sampling is left out: a sampled answer depends on
-    logits that differ in the last bf16 bit between batch shapes.)"""
-    from tests.test_scheduler import answer_chained
-
-    rt.step_graphs = None
-    answer_chained(rt, monkeypatch, sampled_too=False)
-
-
 def test_a_question_joining_during_an_encode_step_equals_alone(rt, monkeypatch):
     """`join_during_encode` on the GPU: a question arriving while an encode step is launched is
     prefilled on the high-priority stream beside it, reading a version the step does not write:

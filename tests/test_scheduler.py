@@ -73,10 +73,9 @@ def in_threads(fns) -> list:
     return results
 
 
-@pytest.fixture(params=[False, True], ids=["unchained", "chained"])
-def scheduled(rt: Runtime, request):
-    """The scheduler as services run it, and with decode steps chained (`chain_decode`)."""
-    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4, chain_decode=request.param)).start()
+@pytest.fixture
+def scheduled(rt: Runtime):
+    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
     rt.executor = scheduler
     yield scheduler
     scheduler.stop()
@@ -117,97 +116,19 @@ def test_an_answer_does_not_depend_on_its_batch(rt: Runtime, scheduled: Schedule
         assert torch.allclose(got.first_logits, alone.first_logits, atol=1e-4, rtol=0)
 
 
-def test_chained_decode_steps_answer_as_one_at_a_time(rt: Runtime, monkeypatch):
-    """`chain_decode`: each decode step is launched before the last one is completed, its tokens
-    that one's picks. Questions of different lengths (each one's end breaks the chain for a step),
-    one stopped by a stop token mid-answer (its chained step after that is discarded, its scratch
-    held till then), one joining mid-decode and one sampled (both unchained) answer exactly as
-    alone, and every scratch region goes back to the pool (tests/test_gpu.py runs the same with
-    the decode steps replayed from graphs)."""
-    answer_chained(rt, monkeypatch)
-
-
-def answer_chained(rt: Runtime, monkeypatch, sampled_too: bool = True) -> None:
-    spec = SPECS[1]
-    engine = encode(rt, spec, frames_for(spec, 6))
-    asked = [(QUESTIONS[0], 3), (QUESTIONS[1], 7), (QUESTIONS[2], 12), (QUESTIONS[0], 12)]  # (question, max_tokens)
-    alone = [ask(rt, engine.head, q, GenerationParams(max_tokens=n)) for q, n in asked]
-    stop_at = 5  # the last question stops at its 6th token, as if it were an end token
-    stop = alone[3].token_ids[stop_at]
-    want_stopped = alone[3].token_ids[: alone[3].token_ids.index(stop)]
-    sampled = GenerationParams(max_tokens=6, temperature=0.8, seed=3)
-    want_sampled = ask(rt, engine.head, QUESTIONS[2], sampled).token_ids
-    used = rt.pool.used_tokens
-
-    chained: list[bool] = []
-    spy_on_launches(monkeypatch, chained)
-    scheduler = Scheduler(SchedulePolicy(chain_decode=True)).start()
-    rt.executor = scheduler
-    try:
-        started = threading.Event()
-        jobs = [
-            Generation(rt, engine.head, q, GenerationParams(max_tokens=n), on_tokens=lambda t: started.set())
-            for q, n in asked
-        ]
-        jobs[3].stops = {*jobs[3].stops, stop}
-        futures = [scheduler.submit(j) for j in jobs]
-        assert started.wait(60)
-        late = scheduler.submit(Generation(rt, engine.head, QUESTIONS[1], GenerationParams(max_tokens=7)))
-        lucky = scheduler.submit(Generation(rt, engine.head, QUESTIONS[2], sampled)) if sampled_too else None
-        got = [f.result(timeout=120) for f in futures]
-        got_late = late.result(timeout=120)
-        got_lucky = lucky.result(timeout=120) if lucky is not None else None
-    finally:
-        scheduler.stop()
-        rt.executor = InlineExecutor()
-    for answer_got, want in zip(got[:3], alone[:3], strict=True):
-        assert answer_got.token_ids == want.token_ids and answer_got.stop == want.stop
-    assert got[3].token_ids == want_stopped and got[3].stop == "eos"
-    assert got_late.token_ids == alone[1].token_ids
-    assert got_lucky is None or got_lucky.token_ids == want_sampled
-    assert any(chained) and not all(chained), "no step was chained, or every one was"
-    del jobs
-    assert rt.pool.used_tokens == used
-
-
-def test_the_question_benchmark_runs_through_a_chained_scheduler(rt: Runtime):
-    """bench_engine's `--question-executor chained` (what a GPU run compares with `scheduler`)."""
+def test_the_question_benchmark_runs_through_a_scheduler(rt: Runtime):
+    """bench_engine's `--question-executor scheduler`: questions submitted together, decoded in
+    the scheduler's batches, every one to its full length."""
     from scripts.bench_engine import batched_decode
 
     versions = [encode(rt, spec, frames_for(spec, 4)).head for spec in SPECS]
-    rt.executor = scheduler = Scheduler(SchedulePolicy(chain_decode=True)).start()
+    rt.executor = scheduler = Scheduler(SchedulePolicy()).start()
     try:
         row = batched_decode(rt, versions, tokens=5)
     finally:
         scheduler.stop()
         rt.executor = InlineExecutor()
     assert row["questions"] == 3 and row["aggregate_tok_s"] > 0 and row["first_token_ms_max"] > 0
-
-
-def test_a_chained_step_that_fails_fails_its_questions_not_the_loop(rt: Runtime, monkeypatch):
-    spec = SPECS[0]
-    engine = encode(rt, spec, frames_for(spec, 4))
-    params = GenerationParams(max_tokens=6)
-    want = ask(rt, engine.head, QUESTIONS[0], params)
-    forward, broke = answer._forward, []
-
-    def breaks_once_chained(gens, picks=None):
-        if picks is not None and not broke:
-            broke.append(True)
-            raise RuntimeError("no room on the device")
-        return forward(gens, picks)
-
-    monkeypatch.setattr(answer, "_forward", breaks_once_chained)
-    scheduler = Scheduler(SchedulePolicy(chain_decode=True)).start()
-    rt.executor = scheduler
-    try:
-        with pytest.raises(RuntimeError, match="no room on the device"):
-            ask(rt, engine.head, QUESTIONS[0], params)
-        again = ask(rt, engine.head, QUESTIONS[0], params)
-    finally:
-        scheduler.stop()
-        rt.executor = InlineExecutor()
-    assert broke and again.token_ids == want.token_ids
 
 
 def test_a_question_failing_in_its_own_step_work_fails_alone(rt: Runtime):
@@ -285,17 +206,14 @@ def question_and_chunks(rt: Runtime, question: str, max_tokens: int, n_frames: i
     return engine_b, params, want, frames, encode(rt, spec_a, frames)
 
 
-def spy_on_launches(monkeypatch, chained: list[bool] | None = None) -> list[bool]:
-    """Filled with `alongside` of every question step launched: True beside an encode step (and
-    `chained` with whether each was chained to the step in flight)."""
+def spy_on_launches(monkeypatch) -> list[bool]:
+    """Filled with `alongside` of every question step launched: True beside an encode step."""
     launches: list[bool] = []
     launch = Generation.launch_batch
 
-    def spy(cls, jobs, alongside=False, after=None):
+    def spy(cls, jobs, alongside=False):
         launches.append(alongside)
-        if chained is not None:
-            chained.append(after is not None)
-        return launch(jobs, alongside, after)
+        return launch(jobs, alongside)
 
     monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
     return launches
@@ -348,11 +266,11 @@ def answer_beside_encoding(
     inference: list[bool] = []
     encode_streams: set[object] = set()  # where the encode steps' vision ran, on a GPU
 
-    def forward_spy(gens, picks=None):
+    def forward_spy(gens):
         # inside an encode step's forward, a step must still run as it would alone: a graph
         # captured in inference mode has buffers that no later replay can write
         inference.append(torch.is_inference_mode_enabled())
-        return forward(gens, picks)
+        return forward(gens)
 
     def vision_spy(jobs):
         if rt.device.type == "cuda":

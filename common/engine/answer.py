@@ -25,7 +25,7 @@ from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, Question
 from common.engine.positions import text_positions
 from common.engine.profiling import phase
 from common.engine.runtime import Runtime
-from common.engine.work import Launched, StepJob, fail_all
+from common.engine.work import StepJob, fail_all
 
 CUDA_GRAPHS = True  # replay question steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
@@ -115,33 +115,12 @@ class Generation(StepJob):
         self.t0, self.first_token_s = time.perf_counter(), 0.0
         self.first_logits: torch.Tensor | None = None
 
-    def feed(self, chained: bool = False) -> tuple[Item, int]:
-        """What this generation's next step feeds: its item (how many tokens, where in its scratch
-        they go, the version it reads) and the first token's position. Its pending tokens; or,
-        `chained`, the one token that the step in flight (which feeds the pending ones and is not
-        completed yet) picks."""
-        ahead = len(self.pending) if chained else 0  # tokens the step in flight writes first
-        n = 1 if chained else len(self.pending)
-        return Item(n, self.scratch, self.length + ahead, base=self.version.view), self.pos + ahead
+    def item(self) -> Item:
+        return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
 
     @classmethod
-    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False, after: Launched | None = None) -> _Step:
-        return _Step(
-            [j for j in jobs if isinstance(j, Generation)], alongside, after if isinstance(after, _Step) else None
-        )
-
-    @classmethod
-    def chainable(cls, jobs: Sequence[StepJob]) -> bool:
-        """Greedy generations with a token still to come after the step in flight, none of them
-        waiting for its first logits: a step's logits are not read once the next step is
-        replayed (graphs share one memory pool), only its picks, copied out at launch."""
-        return all(
-            isinstance(g, Generation)
-            and g.params.temperature == 0.0
-            and not (g.keep_logits and not g.tokens)
-            and len(g.tokens) + 1 < g.params.max_tokens
-            for g in jobs
-        )
+    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> _Step:
+        return _Step([j for j in jobs if isinstance(j, Generation)], alongside)
 
     def _advance(self, logits: torch.Tensor, greedy: int) -> None:
         self.length += len(self.pending)
@@ -169,28 +148,21 @@ class Generation(StepJob):
 class _Step:
     """One decode step of `gens`, queued on the device: on a GPU on its own high-priority stream, so
     that beside an encode step (see interleave.py) its kernels go first as the encode step's
-    finish. Its greedy picks come back to pinned host memory; `complete` reads them. `after`: the
-    step in flight of the same generations, whose picks on the device are this step's tokens."""
+    finish. Its greedy picks come back to pinned host memory; `complete` reads them."""
 
-    def __init__(self, gens: list[Generation], alongside: bool, after: _Step | None = None):
+    def __init__(self, gens: list[Generation], alongside: bool):
         self.gens = gens
         self.error: Exception | None = None
         self.stream = _decode_stream(gens[0].rt.device) if gens else None
         self.done: torch.cuda.Event | None = None
-        # a generation that stops at the step before this one frees its scratch there: this step
-        # still writes it, so it stays held until this one is completed
-        self.scratch = [g.scratch for g in gens]
         if not gens:
-            return
-        if after is not None and after.error is not None:  # no picks to go on from: it fails them all
-            self.error = after.error
             return
         try:
             with phase("decode launch"), _outside_inference(), _on(self.stream):
                 if self.stream is not None and not alongside:  # what the caller queued comes first
                     self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
-                self.logits, self.picks = _forward(gens, None if after is None else after.picks)
-                self.greedy = self.picks.to("cpu", non_blocking=True)
+                self.logits, greedy = _forward(gens)
+                self.greedy = greedy.to("cpu", non_blocking=True)
                 if self.stream is not None:
                     self.done = torch.cuda.Event()
                     self.done.record(self.stream)
@@ -211,8 +183,6 @@ class _Step:
                     self.done.synchronize()
                 greedy = self.greedy.tolist()
                 for i, g in enumerate(self.gens):
-                    if g.done:  # stopped at the step before, this one launched chained to it
-                        continue
                     try:
                         g._advance(self.logits[i], greedy[i])
                     except Exception as e:  # its own sampling or token callback: the others' tokens stand
@@ -244,9 +214,8 @@ def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
 
 
-def _forward(gens: Sequence[Generation], picks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every generation's pending tokens (or, chained, `picks`: the step in flight's greedy picks,
-    one per generation, on the device) through the model: logits (B, V) at each one's last token
+def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every generation's pending tokens through the model: logits (B, V) at each one's last token
     and their greedy picks (B,), on the device. On a GPU with graphs, questions being prefilled
     (joining a batch mid-decode, or arriving together) run apart from the decoding ones, from
     graphs of their own (`_prefill_groups`): a mixed batch has no graph, and run eagerly it costs
@@ -254,11 +223,9 @@ def _forward(gens: Sequence[Generation], picks: torch.Tensor | None = None) -> t
     split changes nothing in it)."""
     rt = gens[0].rt
     if not (rt.lm.flash and CUDA_GRAPHS):
-        return _forward_batch(gens, picks=picks)
+        return _forward_batch(gens)
     if rt.step_graphs is None:
         rt.step_graphs = StepGraphs(rt.lm, on_capture=rt.on_graph_capture)
-    if picks is not None:  # every generation feeds one token: a decode step
-        return _forward_batch(gens, rt.step_graphs, picks)
     decoding = [g for g in gens if len(g.pending) == 1]
     groups = [decoding] if decoding else []
     groups += _prefill_groups([g for g in gens if len(g.pending) > 1])
@@ -284,24 +251,20 @@ def _prefill_groups(gens: Sequence[Generation]) -> list[list[Generation]]:
     return groups
 
 
-def _forward_batch(
-    gens: Sequence[Generation], graphs: StepGraphs | None = None, picks: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward of `gens` (chained to the step in flight when `picks` are given), replayed from
-    a graph when one fits its shape."""
+def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of `gens`, replayed from a graph when one fits its shape."""
     lm = gens[0].rt.lm
-    feeds = [g.feed(chained=picks is not None) for g in gens]
-    ids = picks if picks is not None else [t for g in gens for t in g.pending]
-    positions = [p for it, pos in feeds for p in range(pos, pos + it.n)]  # text: all three axes alike
-    items = [it for it, _ in feeds]
+    ids = [t for g in gens for t in g.pending]
+    positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
+    items = [g.item() for g in gens]
     base_tokens = max(g.version.tokens for g in gens)
     if graphs is not None:
         graphed = graphs.run(ids, positions, items, base_tokens)
         if graphed is not None:
             return graphed
-    split = lm.split_for(len(gens), max(it.n for it in items), base_tokens)
+    split = lm.split_for(len(gens), max(len(g.pending) for g in gens), base_tokens)
     hidden = lm.forward(lm.embed(ids), torch.tensor(positions).expand(3, -1), lm.plan(items, split))
-    last = torch.tensor([it.n for it in items]).cumsum(0) - 1
+    last = torch.tensor([len(g.pending) for g in gens]).cumsum(0) - 1
     logits = lm.logits(hidden[last.to(hidden.device, non_blocking=True)])
     return logits, logits.argmax(dim=-1)
 

@@ -694,12 +694,10 @@ class StepGraphs:
         self.graphs: dict[tuple, _Graph] = {}
         self.mempool = None  # the graphs' shared memory pool, made with the first
 
-    def run(self, tokens: list[int] | torch.Tensor, positions: list[int], items: list[Item], base_tokens: int):
+    def run(self, tokens: list[int], positions: list[int], items: list[Item], base_tokens: int):
         """(logits (B, V), greedy ids (B,)) at each item's last token, on the device; or None when
-        this batch's shape is not graphed. `base_tokens`: the longest base an item reads. `tokens`
-        on the device: a decode step's, one per item (a chained step's, see answer.py)."""
-        on_device = tokens if isinstance(tokens, torch.Tensor) else None
-        shape = self.padded([0] * len(positions) if on_device is not None else tokens, positions, items)
+        this batch's shape is not graphed. `base_tokens`: the longest base an item reads."""
+        shape = self.padded(tokens, positions, items)
         if shape is None:
             return None
         tokens, positions, padded, last = shape
@@ -713,7 +711,7 @@ class StepGraphs:
         graph = self.graphs.get(key)
         if graph is None:
             graph = self._capture(key, plan, len(tokens))
-        logits, greedy = graph.replay(tokens, positions, last, plan, on_device)
+        logits, greedy = graph.replay(tokens, positions, last, plan)
         return logits[: len(items)], greedy[: len(items)]
 
     def _capture(self, key: tuple, plan: Plan, rows: int) -> _Graph:
@@ -777,13 +775,9 @@ class _Graph:
         return logits, logits.argmax(dim=-1)
 
     def replay(
-        self, tokens: list[int], positions: list[int], last: list[int], host_plan: Plan, on_device: torch.Tensor | None
+        self, tokens: list[int], positions: list[int], last: list[int], host_plan: Plan
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`on_device`: the first rows' tokens, already on the device (they stand for those of
-        `tokens`, placeholders)."""
         self.io.copy_(torch.tensor([tokens, positions, positions, positions]), non_blocking=True)
-        if on_device is not None:
-            self.io[0, : len(on_device)].copy_(on_device)
         self.last.copy_(torch.tensor(last), non_blocking=True)
         self.plan.longs.copy_(host_plan.longs, non_blocking=True)
         self.plan.ints.copy_(host_plan.ints, non_blocking=True)

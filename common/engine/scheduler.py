@@ -50,7 +50,6 @@ T = TypeVar("T")
 
 
 StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
-InFlight = tuple[float, list[tuple[Launched, list[StepJob]]]]  # launched when (perf_counter), steps and their jobs
 
 
 @dataclass(frozen=True)
@@ -68,12 +67,6 @@ class SchedulePolicy:
     # chunks waited at most chunk_deadline_s): the step runs in a green context of the others, so
     # each small decode kernel finds a free SM instead of waiting for one of the encode step's
     decode_sms: int = 0
-    # the next decode step is launched before the one in flight is completed, its tokens that
-    # one's picks on the device: the host's work between steps (reading picks back, preparing the
-    # next) overlaps the device's. Exact on an H200, but no gain beyond run-to-run noise there
-    # (question path and 64-camera pipeline), and one of 32 questions arriving together waited
-    # ~440 ms for its first token in 3 of 4 runs (docs/BENCHMARKS.md, ninth session): off
-    chain_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
@@ -113,7 +106,7 @@ class Scheduler:
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
         self._waiting: deque[StepJob] = deque()
         self._active: list[StepJob] = []
-        self._in_flight: InFlight | None = None
+        self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
         self._joining = False  # newcomers may start beside the encode step being launched
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
@@ -173,7 +166,7 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    while not self._stop.is_set() and not (self._has_work() or self._in_flight):
+                    while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
                         self._lock.wait(timeout=1.0)
                 self.step()
         except BaseException as e:  # jobs fail on their own; this is the device or the loop broken
@@ -183,9 +176,6 @@ class Scheduler:
                 raise
             self.on_fatal(e)
         self._fail_everything(RuntimeError("the GPU scheduler stopped"))
-
-    def _has_work(self) -> bool:
-        return bool(self._tasks or self._lanes or self._waiting or self._active)
 
     def step(self) -> None:
         """One scheduling decision and the work it chose."""
@@ -199,8 +189,6 @@ class Scheduler:
         questions = bool(self._active)
         if questions:  # first, so a question that just arrived is prefilled before any encoding
             self._timed("decode", self._decode)
-        elif self._in_flight is not None:  # a chained step whose generations all stopped before it
-            self._complete_in_flight()
         if self._lanes and (not questions or self._encode_is_due()):
             self._timed("encode", self._encode)
 
@@ -227,46 +215,24 @@ class Scheduler:
                 self._active.append(self._waiting.popleft())
 
     def _decode(self) -> int:
-        """One decode step (timed as a whole by _timed). Chained: the next step goes to the device
-        before the one in flight (launched by the last decode step) is completed; else a step in
-        flight (chained, or launched beside an encode step) is completed first."""
-        n = len(self._active)
-        previous = self._in_flight
-        if previous is not None and self._chains(previous):
-            self._launch(after=previous)
-            self._complete(previous, report=False)
-            return n
-        self._complete_in_flight(report=False)
+        n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
         self._launch()
-        if not self.policy.chain_decode:
-            self._complete_in_flight(report=False)
+        self._complete_in_flight(report=False)  # this step is timed as a whole by _timed
         return n
 
-    def _chains(self, in_flight: InFlight) -> bool:
-        """Chaining is on, and the step in flight holds exactly the active jobs (nobody joined or
-        left since), of one class that can chain them."""
-        steps = in_flight[1]
-        if not self.policy.chain_decode or len(steps) != 1:
-            return False
-        jobs = steps[0][1]
-        return jobs == self._active and type(jobs[0]).chainable(jobs)
-
-    def _launch(self, alongside: bool = False, after: InFlight | None = None) -> None:
+    def _launch(self, alongside: bool = False) -> None:
         # One class of step job today (Generation); grouped by class should another appear.
         by_class: dict[type, list[StepJob]] = {}
         for job in self._active:
             by_class.setdefault(type(job), []).append(job)
-        previous = None if after is None else after[1][0][0]  # one class when chained (see _chains)
-        steps = [(cls.launch_batch(jobs, alongside, after=previous), jobs) for cls, jobs in by_class.items()]
+        steps = [(cls.launch_batch(jobs, alongside), jobs) for cls, jobs in by_class.items()]
         self._in_flight = (time.perf_counter(), steps)
 
     def _complete_in_flight(self, report: bool = True) -> None:
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            self._complete(in_flight, report)
-
-    def _complete(self, in_flight: InFlight, report: bool) -> None:
-        launched_at, steps = in_flight
+        if self._in_flight is None:
+            return
+        launched_at, steps = self._in_flight
+        self._in_flight = None
         for launched, _ in steps:
             launched.complete()
         n = sum(len(jobs) for _, jobs in steps)
@@ -306,9 +272,8 @@ class Scheduler:
         joining = self.policy.decode_during_encode and self.policy.join_during_encode
         alongside = joining or (self.policy.decode_during_encode and bool(self._active))
         self._joining = joining
-        leave = self._fewer_sms is not None and self.policy.leaves_sms(
-            alongside, time.monotonic() - min(job.submitted for job in batch)
-        )
+        waited = time.monotonic() - min(job.submitted for job in batch)
+        leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             with _on_stream(self._fewer_sms[1] if leave else None):
                 self._run_batches(batch)
@@ -387,22 +352,19 @@ class Scheduler:
             future.set_exception(error)
 
 
-def _cuda_in_use() -> bool:
-    """Whether this process drives a GPU. torch is not imported here: settings load SchedulePolicy
-    without it."""
-    torch = sys.modules.get("torch")
-    return torch is not None and torch.cuda.is_initialized()
-
-
 def _device_done() -> Callable[[], bool]:
     """Whether the device has finished what was queued on this thread's stream so far."""
-    if not _cuda_in_use():
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
         return lambda: True
-    import torch
-
     event = torch.cuda.Event()
     event.record()
     return event.query
+
+
+def _cuda_in_use() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.cuda.is_initialized()
 
 
 def _stream_without_sms(free: int) -> tuple[Any, Any]:
@@ -442,9 +404,7 @@ def _on_stream(stream: Any) -> Iterator[None]:
 
 def _settle() -> None:
     """Wait for the GPU to finish the step: the shares must count each step's GPU time, not the
-    launch (a step that never syncs would pass its GPU time to the next one that does). This
-    thread's stream only: a chained decode step stays in flight on its own."""
-    if _cuda_in_use():
-        import torch
-
-        torch.cuda.current_stream().synchronize()
+    launch (a step that never syncs would pass its GPU time to the next one that does)."""
+    torch = sys.modules.get("torch")  # not imported here: settings load SchedulePolicy without torch
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

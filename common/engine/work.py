@@ -66,19 +66,11 @@ class StepJob(Job):
     max_batch: ClassVar[int] = 64
 
     @classmethod
-    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False, after: Launched | None = None) -> Launched:
+    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> Launched:
         """Queue one step of every job. `alongside`: the device may still be running an encode
-        step, and the step goes beside it (it reads only what was finished before that step).
-        `after`: the step of these same jobs still in flight, not completed (only where
-        `chainable` said so); this step's inputs are that one's outputs, taken on the device."""
+        step, and the step goes beside it (it reads only what was finished before that step)."""
         cls.step_batch(jobs)
         return _Finished()
-
-    @classmethod
-    def chainable(cls, jobs: Sequence[StepJob]) -> bool:
-        """Whether the next step of `jobs` (the jobs of the step in flight) may be launched before
-        that step is completed: `launch_batch(jobs, after=it)`."""
-        return False
 
     @classmethod
     def step_batch(cls, jobs: Sequence[StepJob]) -> None:
