@@ -219,10 +219,10 @@ def stepped(rt: Runtime, monkeypatch) -> Iterator[tuple[Scheduler, list[list[str
             ran[-1].extend(f"{j.lane}:{'rebuild' if j.rebuild else 'chunk'}" for j in jobs)
         run_batch(jobs)
 
-    def questions(cls, jobs, alongside=False, after=None):
+    def questions(cls, jobs, alongside=False):
         if rt.executor is scheduler:
             ran[-1].append("beside" if alongside else "question")
-        return launch_batch(jobs, alongside, after)
+        return launch_batch(jobs, alongside)
 
     monkeypatch.setattr(ChunkJob, "run_batch", classmethod(chunks))
     monkeypatch.setattr(Generation, "launch_batch", classmethod(questions))
