@@ -9,7 +9,9 @@ and where the device's idle time lies (`idle_ms`): before the step's first devic
 last, and between, the last split by what the step's thread was in when each gap began: the
 innermost op around that moment (`(python)` when in none: the host was between torch calls), and
 the innermost phase of the step (`common/engine/profiling.phase`: vision, plan, prefill, publish,
-a decode step's launch or completion).
+a decode step's launch or completion). And where the device's busy time came from
+(`device_ms`): each kernel's and copy's time by the phase, and by the phase and innermost op, its
+launch was made in (a CUDA graph's kernels: its replay's).
 
     python scripts/profile_summary.py traces/gpu-steps-20261124-120000.json.gz
 """
@@ -93,9 +95,36 @@ def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[s
     return out
 
 
+def launched_in(
+    inside: list[dict[str, Any]], launches: dict[int, dict[str, Any]], ops: list[dict[str, Any]]
+) -> tuple[Counter[str], Counter[str]]:
+    """Device time (us) of `inside` by the phase, and by "phase / op", that its launch was made in
+    on the step's thread (`ops`); work whose launch is not in the trace counts as "(unknown)"."""
+    calls = [e for e in ops if e.get("cat") != "cuda_runtime"]
+    phases = [e for e in calls if e.get("cat") == "user_annotation" and e["name"] not in KINDS]
+    starts, phase_starts = [e["ts"] for e in calls], [e["ts"] for e in phases]
+    by_phase: Counter[str] = Counter()
+    by_op: Counter[str] = Counter()
+    for e in inside:
+        launch = launches.get(e.get("args", {}).get("correlation"))
+        if launch is None:
+            phase = op = "(unknown)"
+        else:
+            phase = innermost(phases, phase_starts, launch["ts"], outside="(no phase)")
+            op = innermost(calls, starts, launch["ts"])
+        by_phase[phase] += e["dur"]
+        by_op[f"{phase} / {op}"] += e["dur"]
+    return by_phase, by_op
+
+
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in KINDS]
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
+    launch_of = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(SYNC_CALLS)]
     host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e), key=lambda e: e["ts"])
     host_starts = [e["ts"] for e in host]
@@ -109,6 +138,8 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
             "after": 0.0,
             "between": Counter(),
             "by_phase": Counter(),
+            "device_by_phase": Counter(),
+            "device_by_op": Counter(),
         }
     )
     top: dict[str, Counter[str]] = defaultdict(Counter)
@@ -128,6 +159,9 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
         acc["after"] += gapped["after_last"]
         acc["between"] += gapped["between"]
         acc["by_phase"] += gapped["by_phase"]
+        by_phase, by_op = launched_in(inside, launch_of, ops)
+        acc["device_by_phase"] += by_phase
+        acc["device_by_op"] += by_op
         acc["sync"] += sum(e["dur"] for e in syncs if start <= e["ts"] < stop)
         launches[step["name"]] += sum(e.get("cat") == "kernel" for e in inside)
         for e in inside:
@@ -149,6 +183,10 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
                 "between": round(sum(acc["between"].values()) / n / 1000, 2),
                 "between_by_op": {op: round(us / n / 1000, 2) for op, us in acc["between"].most_common(10)},
                 "between_by_phase": {ph: round(us / n / 1000, 2) for ph, us in acc["by_phase"].most_common(10)},
+            },
+            "device_ms": {
+                "by_phase": {ph: round(us / n / 1000, 2) for ph, us in acc["device_by_phase"].most_common()},
+                "by_phase_op": {op: round(us / n / 1000, 2) for op, us in acc["device_by_op"].most_common(20)},
             },
         }
     return out

@@ -184,7 +184,7 @@ def test_a_service_that_dies_fails_the_run_with_its_reason(tmp_path, monkeypatch
     assert_nothing_left(tmp_path)
 
 
-def test_profile_summary_places_idle_device_time_before_after_and_between_by_the_op_the_loop_was_in():
+def test_profile_summary_places_idle_and_busy_device_time_by_the_op_the_loop_was_in():
     sys.path.insert(0, str(REPO / "scripts"))
     try:
         import profile_summary
@@ -193,9 +193,25 @@ def test_profile_summary_places_idle_device_time_before_after_and_between_by_the
     step = {"cat": "user_annotation", "name": "encode", "ts": 0.0, "dur": 100.0, "tid": 1}
     events = [
         step,
-        {"cat": "kernel", "name": "k1", "ts": 10.0, "dur": 20.0},
-        {"cat": "kernel", "name": "k2", "ts": 50.0, "dur": 40.0},
+        {"cat": "kernel", "name": "k1", "ts": 10.0, "dur": 20.0, "args": {"correlation": 7}},
+        {"cat": "kernel", "name": "k2", "ts": 50.0, "dur": 40.0, "args": {"correlation": 8}},
         {"cat": "kernel", "name": "k3", "ts": 55.0, "dur": 10.0},  # overlaps k2: counted once
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 5.0,
+            "dur": 1.0,
+            "tid": 1,
+            "args": {"correlation": 7},
+        },
+        {
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 49.0,  # in aten::linear, after aten::item
+            "dur": 1.0,
+            "tid": 1,
+            "args": {"correlation": 8},
+        },
         {"cat": "cpu_op", "name": "aten::linear", "ts": 25.0, "dur": 30.0, "tid": 1},
         {"cat": "cpu_op", "name": "aten::item", "ts": 28.0, "dur": 20.0, "tid": 1},  # innermost at 30
         {"cat": "cpu_op", "name": "aten::mm", "ts": 29.0, "dur": 5.0, "tid": 2},  # another thread's
@@ -209,4 +225,9 @@ def test_profile_summary_places_idle_device_time_before_after_and_between_by_the
         "between": 0.02,
         "between_by_op": {"aten::item": 0.02},
         "between_by_phase": {"prefill": 0.02},
+    }
+    # each kernel's time goes to the phase and op its launch was made in (k3's launch is not traced)
+    assert encode["device_ms"] == {
+        "by_phase": {"prefill": 0.04, "(no phase)": 0.02, "(unknown)": 0.01},
+        "by_phase_op": {"prefill / aten::linear": 0.04, "(no phase) / (python)": 0.02, "(unknown) / (unknown)": 0.01},
     }
