@@ -74,6 +74,7 @@ class EncoderService:
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and
         # share its batches; entries of one stream stay in order, in one task.
         self.streams_pool = ThreadPoolExecutor(max_workers=max(1, len(self.names)), thread_name_prefix="stream")
+        self._decoding = threading.BoundedSemaphore(cfg.frame_decoders())  # cores left to the GPU loop
         self._last_lease_check = 0.0
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._last_prune = time.monotonic()
@@ -282,7 +283,8 @@ class EncoderService:
             return  # lease lost between read and handle: the new owner gets it redelivered
         if not self._renew_if_due(owned):
             return
-        msg = decode_frame(fields)  # SchemaError: rejected by the boundary
+        with self._decoding:
+            msg = decode_frame(fields)  # SchemaError: rejected by the boundary
         try:
             owned.add(entry_id, msg)
         except LeaseLost:

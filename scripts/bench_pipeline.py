@@ -17,7 +17,9 @@ Reported over the measured window:
 - encoder lag: now - last_ts of every camera's head manifest, sampled (p50, p95, max);
 - answers/s, client latency (XADD to the final entry) and server first token (the final
   entries' first_token_s), p50/p95; errors (error replies and timeouts);
-- each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM).
+- each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM);
+- the workers' CPU by thread role, and the whole machine's busy cores every 50 ms (mean, p95,
+  and the share of intervals with 90 % of the cores busy, when the GPU loop waits for one).
 With --profile DIR every worker writes a torch.profiler trace of its GPU scheduler's steps
 right after the window, at the same load (SIGUSR2; `gpu_profile_dir`), kept under DIR: writing
 it stalls the loop for seconds, which the window's numbers do not see.
@@ -86,6 +88,7 @@ SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): inges
 QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
+CPU_SAMPLE_S = 0.05  # the machine's busy cores are sampled this often in the window
 PROFILE_WAIT_S = 240.0  # for the workers' traces after the window (writing one takes seconds to minutes)
 STOP_TIMEOUT_S = 30.0
 CHUNK_FRAMES = EncoderConfig.chunk_frames  # the worker's, which the runs leave as it is
@@ -387,6 +390,8 @@ class Load:
             threading.Thread(target=self._ask, args=(i,), name=f"asker-{i}", daemon=True) for i in range(ns.askers)
         ]
         self.threads.append(threading.Thread(target=self._sample, name="lag-sampler", daemon=True))
+        self.threads.append(threading.Thread(target=self._sample_cpu, name="cpu-sampler", daemon=True))
+        self.busy_cores: list[float] = []  # the machine's, each CPU_SAMPLE_S in the window
 
     def start(self) -> None:
         for t in self.threads:
@@ -425,8 +430,48 @@ class Load:
                 self.lags.extend(lags)
             self.last_lag = max(lags, default=math.nan)
 
+    def _sample_cpu(self) -> None:
+        """Busy cores of the whole machine (every process: ingest, Redis, askers, workers), in
+        short intervals: frames of cameras played in step arrive together, and their decoding
+        may take every core at once for a moment, which a mean over the window hides."""
+        last = cpu_times()
+        while last is not None and not self.stop.wait(CPU_SAMPLE_S):
+            now = cpu_times()
+            if now is None or time.monotonic() > self.window_end:
+                return
+            (busy0, total0), (busy1, total1) = last, now
+            if total1 > total0:
+                self.busy_cores.append(os.cpu_count() * (busy1 - busy0) / (total1 - total0))
+            last = now
+
 
 # --------------------------------------------------------------------------- one run
+
+
+def cpu_times() -> tuple[float, float] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (None where there is none)."""
+    try:
+        fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0.0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def machine_cpu(busy_cores: list[float]) -> dict[str, Any]:
+    """The machine's busy cores over the window: mean, p95, and the share of the sampled
+    intervals in which at least 90 % of them were busy (the GPU loop then waits for a core)."""
+    cores = os.cpu_count() or 1
+    if not busy_cores:
+        return {"cores": cores, "samples": 0}
+    return {
+        "cores": cores,
+        "busy_mean": round(sum(busy_cores) / len(busy_cores), 2),
+        **{f"busy_{k}": v for k, v in percentiles(busy_cores, 95).items()},
+        "saturated_share": round(sum(b >= 0.9 * cores for b in busy_cores) / len(busy_cores), 3),
+        "samples": len(busy_cores),
+        "interval_s": CPU_SAMPLE_S,
+    }
 
 
 def write_cameras(path: Path, cameras: list[str], video: str, fps: float) -> Path:
@@ -652,6 +697,7 @@ def summarize(
         "frames": frames_summary(cameras, before, after),
         "gpu_steps": gpu_summary(before, after, t_end - t0),
         "worker_cpu_cores": thread_cores(before, after, t_end - t0),
+        "machine_cpu": machine_cpu(load.busy_cores),
         "encoder_lag_s": {
             **percentiles(lags, 50, 95),
             "max": round(max(lags), 4) if lags else None,

@@ -31,6 +31,7 @@ KINDS = ("encode", "decode", "task")
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 INNERMOST_SCAN = 2000  # host ranges looked back through for the one around a moment
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
+LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")  # Triton launches through the driver API
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -100,7 +101,7 @@ def launched_in(
 ) -> tuple[Counter[str], Counter[str]]:
     """Device time (us) of `inside` by the phase, and by "phase / op", that its launch was made in
     on the step's thread (`ops`); work whose launch is not in the trace counts as "(unknown)"."""
-    calls = [e for e in ops if e.get("cat") != "cuda_runtime"]
+    calls = [e for e in ops if e.get("cat") not in LAUNCH_CATEGORIES]
     phases = [e for e in calls if e.get("cat") == "user_annotation" and e["name"] not in KINDS]
     starts, phase_starts = [e["ts"] for e in calls], [e["ts"] for e in phases]
     by_phase: Counter[str] = Counter()
@@ -123,7 +124,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
     launch_of = {
         e["args"]["correlation"]: e
         for e in events
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+        if e.get("cat") in LAUNCH_CATEGORIES and "correlation" in e.get("args", {})
     }
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and e.get("name", "").startswith(SYNC_CALLS)]
     host = sorted((e for e in events if e.get("cat") in HOST_CATEGORIES and "dur" in e), key=lambda e: e["ts"])

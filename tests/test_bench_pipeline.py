@@ -121,6 +121,9 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     cores = run["worker_cpu_cores"]  # both workers' threads by role; each runs a GPU loop and a stream
     assert cores["gpu-scheduler"] > 0 and cores["stream"] > 0 and cores["MainThread"] >= 0
     assert 0 < sum(cores.values()) <= os.cpu_count()
+    machine = run["machine_cpu"]  # sampled every 50 ms in the window: at least the workers' own use
+    assert machine["cores"] == os.cpu_count() and machine["samples"] >= 10 * run["duration_s"]
+    assert 0 < machine["busy_mean"] <= machine["cores"] and 0 <= machine["saturated_share"] <= 1
 
     memory = run["worker_memory_gib"]
     assert set(memory) == {"worker-0", "worker-1"}

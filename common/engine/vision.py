@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from common.engine.grid import FrameError
 from common.engine.interleave import between_layers
-from common.engine.lm import _rms_norm
+from common.engine.lm import _rms_norm, tokens_vary
 from common.engine.model import LoadedModel
 
 GridTHW = tuple[int, int, int]
@@ -200,10 +200,10 @@ class VisionTower:
         for i, block in enumerate(self.blocks):
             between_layers()
             runs = plan.frames if i in self.full_attention else plan.windows
-            _token_count_varies(compiled, x, cos, sin)
+            tokens_vary(x, cos, sin)
             q, k, v = attention_input(block, x, cos, sin)
             attended = runs.attend(q, k, v, scale)
-            _token_count_varies(compiled, attended)
+            tokens_vary(attended)
             x = output_and_mlp(block, x, attended)
         merger = self.visual.merger
         merged = merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
@@ -270,13 +270,6 @@ class VisionTower:
         inv_freq = self.visual.rotary_pos_emb.inv_freq.to(self.device, torch.float32)
         half = (positions[..., None].float() * inv_freq).flatten(1)
         return torch.cat([half, half], dim=-1)
-
-
-def _token_count_varies(compiled: bool, *tensors: torch.Tensor) -> None:
-    """Tell torch.compile that only these tensors' first size (tokens) varies between calls."""
-    if compiled:
-        for t in tensors:
-            torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def _attention_input(block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
