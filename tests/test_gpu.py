@@ -384,24 +384,30 @@ def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt
 
 def test_cudnn_body_attention_equals_exact_attention():
     """The cuDNN body kernel at random-3b's head layout (16 query heads on 2 KV heads, 128 wide),
-    four items, against exact fp32 attention item by item."""
+    four items of different lengths read in place from one pool layer, each cut into pieces and
+    merged, against exact fp32 attention item by item."""
     from common.engine import lm as lm_module
 
     if not lm_module._cudnn_attention_works(torch.device("cuda"), torch.bfloat16, 128):
         pytest.skip("cuDNN attention is not available here")
     torch.manual_seed(0)
-    items, n, body, heads, kv_heads, hd = 4, 64, 4096, 16, 2, 128
-    q = torch.randn(items * n, heads, hd, device="cuda", dtype=torch.bfloat16)
-    kv = torch.randn(2, kv_heads, items * body, hd, device="cuda", dtype=torch.bfloat16)
-    out, lse = lm_module.cudnn_body_attention(q, kv, items, hd**-0.5)
-    for i in range(items):
+    n, heads, kv_heads, hd = 64, 16, 2, 128
+    bodies = ((5000, 4096, n), (100, 8192, n), (20000, 4096, n), (12000, 8192, n))  # (first slot, tokens, rows)
+    q = torch.randn(len(bodies) * n, heads, hd, device="cuda", dtype=torch.bfloat16)
+    layer = torch.randn(2, kv_heads, 30000, hd, device="cuda", dtype=torch.bfloat16)
+    out, lse = lm_module.cudnn_body_attention(q, layer, bodies, hd**-0.5)
+    splits = out.shape[0] // q.shape[0]
+    assert splits > 1  # a few rows over long bodies: cut into pieces to fill the GPU
+    merged = lm_module._merge_stacked(q.shape[0], [(out, lse, None)])
+    total_lse = torch.logsumexp(lse.view(splits, -1, heads), 0)
+    for i, (start, length, _) in enumerate(bodies):
         qi = q[i * n : (i + 1) * n].float().transpose(0, 1)  # (H, n, hd)
-        k, v = (t[:, i * body : (i + 1) * body].float().repeat_interleave(heads // kv_heads, 0) for t in kv)
+        k, v = (t[:, start : start + length].float().repeat_interleave(heads // kv_heads, 0) for t in layer)
         scores = qi @ k.transpose(1, 2) * hd**-0.5
         ref_lse = torch.logsumexp(scores, -1)  # (H, n)
         ref = (torch.softmax(scores, -1) @ v).transpose(0, 1)
-        assert torch.allclose(lse[i * n : (i + 1) * n], ref_lse.transpose(0, 1), atol=1e-2)
-        assert torch.allclose(out[i * n : (i + 1) * n].float(), ref, atol=2e-2)
+        assert torch.allclose(total_lse[i * n : (i + 1) * n], ref_lse.transpose(0, 1), atol=1e-2)
+        assert torch.allclose(merged[i * n : (i + 1) * n].float(), ref, atol=2e-2)
 
 
 def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
@@ -424,7 +430,7 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
     q = torch.randn(len(items) * n, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, lm.n_kv_heads, len(items) * n, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     plan = lm.plan(items)
-    assert plan.body is not None and plan.body[2] == 1024
+    assert plan.body is not None and [length for _, length, _ in plan.body[1]] == [1024, 1024, 1024, 1536]
     with_body = lm._attention(0, q, kv, plan)
     monkeypatch.setattr(lm, "cudnn", False)
     plan = lm.plan(items)

@@ -55,12 +55,14 @@ GRAPH_BASE_TOKENS = 32768  # question graphs are sized for caches up to this (lo
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
 # 32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
-# builds a graph per shape (~50 ms), so bodies are whole buckets: one graph per (chunks, rows,
-# buckets), each built once. Few chunks would leave the GPU half idle (64 thread blocks a chunk).
+# builds a graph per shape (~50 ms), so bodies are whole buckets: one graph per (rows, bucket),
+# each built once. Each chunk's body is read where it lies in the pool, cut into a few pieces
+# along the keys so that one chunk's call fills the GPU (64 thread blocks a chunk and piece).
 BODY_MIN_TOKENS = 8192
 BODY_BUCKET = 4096
 BODY_MIN_ITEMS = 4
 BODY_MIN_ROWS = 64
+BODY_MAX_SPLITS = 4
 
 
 @dataclass(frozen=True)
@@ -133,8 +135,8 @@ class Plan:
     piece_spans: dict[tuple[int, bool], PieceSpans]  # (slab, causal) -> rows, cu_q, cu_q packed, starts, lengths
     n_rows: int
     max_q: int
-    # (slab, rows per item, body tokens, each item's first slot); never graphed, so host ints
-    body: tuple[int, int, int, tuple[int, ...]] | None = None
+    # (slab, (first slot, body tokens, rows) of each item); never graphed, so host ints
+    body: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
     # the least max_k of causal (own) and non-causal (base) pieces: a graph's, so that caches
     # growing within it keep one graph (see StepGraphs)
     max_k_floor: tuple[int, int] = (0, 0)
@@ -161,7 +163,7 @@ class Plan:
     @property
     def shape(self) -> tuple:
         """What a CUDA graph of this plan depends on besides its index values."""
-        body = None if self.body is None else self.body[:3]
+        body = None if self.body is None else tuple((length, n) for _, length, n in self.body[1])
         return (*((key, p.max_k, len(p.host)) for key, p in self.pieces.items()), body)
 
     @property
@@ -261,15 +263,15 @@ class LanguageModel:
         writes: dict[int, tuple[list[int], list[int]]] = {}
         pieces: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
         bases: dict[tuple[int, bool], list[list[tuple[int, int, int, int]]]] = {}
-        body = self._body(items)
+        bodies = self._bodies(items)
         row = 0
-        for it in items:
+        for k, it in enumerate(items):
             if it.at + it.n > it.dest.size:
                 raise ValueError(f"region of {it.dest.size} tokens too small for {it.at + it.n}")
             rows, slots = writes.setdefault(it.dest.slab, ([], []))
             rows += range(row, row + it.n)
             slots += range(it.dest.start + it.at, it.dest.start + it.at + it.n)
-            lo = it.since + body  # after the body, if any
+            lo = it.since + (bodies[k] if bodies else 0)  # after the body, if any
             own = (row, it.n, it.dest.start + lo, it.at + it.n - lo)
             read = {} if it.base is None else _base_pieces(row, it.n, it.base, split)
             if it.n == 1 and read and split > 1:  # see _own_beside_base
@@ -291,7 +293,12 @@ class LanguageModel:
             for slab, (rows, slots) in writes.items()
         }
         piece_spans = {key: self._piece_spans(pack, host, row) for key, host in pieces.items()}
-        body_span = (items[0].dest.slab, items[0].n, body, tuple(it.dest.start for it in items)) if body else None
+        body_span = None
+        if bodies:
+            body_span = (
+                items[0].dest.slab,
+                tuple((it.dest.start, b, it.n) for it, b in zip(items, bodies, strict=True)),
+            )
         plan = Plan(
             torch.tensor(pack.longs, dtype=torch.long),
             torch.tensor(pack.ints, dtype=torch.int32),
@@ -310,18 +317,17 @@ class LanguageModel:
     # H200). Unsplit (many questions at once) they stay a call of their own: tiny pieces beside
     # whole bases made flash split each base less (attention at 32 questions: 9.6 -> 10.4 ms).
 
-    def _body(self, items: list[Item]) -> int:
-        """Tokens of each item's cache that cuDNN reads (see BODY_MIN_TOKENS), or 0: only for a
-        batch of enough chunks (no base, equal lengths) of one slab, each after a long cache."""
+    def _bodies(self, items: list[Item]) -> list[int] | None:
+        """Tokens of each item's cache that cuDNN reads (see BODY_MIN_TOKENS), or None: only for a
+        batch of enough chunks (no base) of one slab, each after a long cache, so that every row
+        has a body and the merge stays stacked."""
         if not self.cudnn or len(items) < BODY_MIN_ITEMS:
-            return 0
-        first = items[0]
-        if first.n < BODY_MIN_ROWS or any(
-            it.base is not None or it.since or it.n != first.n or it.dest.slab != first.dest.slab for it in items
-        ):
-            return 0
-        body = min(it.at for it in items) // BODY_BUCKET * BODY_BUCKET
-        return body if body >= BODY_MIN_TOKENS else 0
+            return None
+        slab = items[0].dest.slab
+        if any(it.base is not None or it.since or it.n < BODY_MIN_ROWS or it.dest.slab != slab for it in items):
+            return None
+        bodies = [it.at // BODY_BUCKET * BODY_BUCKET for it in items]
+        return bodies if min(bodies) >= BODY_MIN_TOKENS else None
 
     def _piece_spans(self, pack: _Packer, host: list[tuple[int, int, int, int]], n_rows: int) -> PieceSpans:
         cu_q = [0, *accumulate(n for _, n, _, _ in host)]
@@ -364,13 +370,10 @@ class LanguageModel:
             for (slab, causal), p in plan.pieces.items()
         ]
         if plan.body is not None:  # every row in order, as its own piece is: the merge stays stacked
-            slab, _, length, starts = plan.body
-            layer = self.pool.slabs[slab][i]
-            # each body is a block per K/V and head: one batched copy of whole blocks, where a
-            # gather by slot index ran at a fifth of the bandwidth (14 ms of a 240 ms encode step)
-            kv = torch.cat([layer[:, :, s : s + length] for s in starts], dim=2)
-            out, lse = cudnn_body_attention(q, kv, len(starts), self.head_dim**-0.5)
-            parts.append((out, lse, plan.pieces[(slab, True)].rows))
+            slab, bodies = plan.body
+            out, lse = cudnn_body_attention(q, self.pool.slabs[slab][i], bodies, self.head_dim**-0.5)
+            rows = plan.pieces[(slab, True)].rows
+            parts.append((out, lse, rows.repeat(out.shape[0] // rows.shape[0])))
         return self._merge_stacked(q.shape[0], parts) if plan.stacked else self._merge(q.shape[0], parts)
 
     def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
@@ -438,31 +441,56 @@ class LanguageModel:
         return out.transpose(0, 1).to(q.dtype), lse.transpose(0, 1)
 
 
-def cudnn_body_attention(q: torch.Tensor, kv: torch.Tensor, n_items: int, scale: float):
-    """Non-causal attention of `n_items` items' query rows over each item's body, through cuDNN.
+def cudnn_body_attention(
+    q: torch.Tensor, layer: torch.Tensor, bodies: tuple[tuple[int, int, int], ...], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-causal attention of each item's query rows over its cache's body, through cuDNN, the
+    keys read where they lie in the pool (a batched copy of every body first cost 8 % of an encode
+    step's device time at 64 cameras, H200).
 
-    q (n_items * n, H, hd), items back to back; kv (2, kv_heads, n_items * body, hd), each item's
-    body keys back to back. GQA heads are packed as rows and every (KV head, item) is a batch
-    entry of one head, so every tensor is a plain contiguous (batch, 1, seq, hd) and the keys are
-    read once per KV head. -> out (n_items * n, H, hd), lse (n_items * n, H)."""
-    rows, heads, hd = q.shape
-    kv_heads, n = kv.shape[1], rows // n_items
+    q (R, H, hd), items' rows back to back; `layer` one slab layer (2, kv_heads, slots, hd);
+    `bodies` (first slot, tokens, rows) of each item. An item's body is cut into `splits` equal
+    pieces along the keys, each a batch entry of one call (a strided view: no copy), and the query
+    heads that share a KV head are packed as rows, so one item's call has enough thread blocks to
+    fill the GPU. -> out (splits * R, H, hd), lse (splits * R, H): `splits` parts per row, in row
+    order each, to be merged by log-sum-exp."""
+    heads, hd = q.shape[1:]
+    kv_heads = layer.shape[1]
     group = heads // kv_heads
-    packed = q.view(n_items, n, kv_heads, group, hd).permute(2, 0, 1, 3, 4).reshape(-1, 1, n * group, hd)
-    k, v = (t.view(kv_heads * n_items, 1, -1, hd) for t in kv)
-    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-        packed, k, v, None, True, 0.0, False, False, scale=scale
-    )[:2]
-    out = out.view(kv_heads, n_items, n, group, hd).permute(1, 2, 0, 3, 4).reshape(rows, heads, hd)
-    lse = lse.reshape(kv_heads, n_items, n, group).permute(1, 2, 0, 3).reshape(rows, heads)
-    return out, lse
+    splits = _body_splits(q.device, min(n for _, _, n in bodies) * group, kv_heads)
+    outs, lses, r0 = [], [], 0
+    for start, length, n in bodies:
+        packed = q[r0 : r0 + n].view(n, kv_heads, group, hd).transpose(0, 1).reshape(1, kv_heads, n * group, hd)
+        k, v = layer[:, :, start : start + length].unflatten(2, (splits, length // splits)).transpose(1, 2)
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            packed.expand(splits, -1, -1, -1).contiguous(), k, v, None, True, 0.0, False, False, scale=scale
+        )[:2]
+        outs.append(out.view(splits, kv_heads, n, group, hd).transpose(1, 2).reshape(splits, n, heads, hd))
+        lses.append(lse.reshape(splits, kv_heads, n, group).transpose(1, 2).reshape(splits, n, heads))
+        r0 += n
+    rows = q.shape[0]
+    return torch.cat(outs, dim=1).view(splits * rows, heads, hd), torch.cat(lses, dim=1).view(splits * rows, heads)
+
+
+def _body_splits(device: torch.device, packed_rows: int, kv_heads: int) -> int:
+    """Pieces an item's body is cut into: cuDNN runs a thread block per KV head, 128 packed query
+    rows and piece; enough pieces for about one block per SM (2 for a 448² chunk on an H200), a
+    power of two that divides BODY_BUCKET."""
+    blocks = kv_heads * -(-packed_rows // 128)
+    n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    splits = 1
+    while splits < BODY_MAX_SPLITS and blocks * splits * 2 <= n_sm + blocks // 2 and BODY_BUCKET % (splits * 2) == 0:
+        splits *= 2
+    return splits
 
 
 def _cudnn_attention_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether this torch, cuDNN and GPU run cuDNN's attention at this head size (else flash only)."""
+    """Whether this torch, cuDNN and GPU run cuDNN's attention as the bodies do (keys read in place
+    from a pool-like layer) at this head size (else flash only)."""
     try:
-        x = torch.zeros(2, 1, 64, head_dim, device=device, dtype=dtype)
-        torch.ops.aten._scaled_dot_product_cudnn_attention(x, x, x, None, True, 0.0, False, False, scale=1.0)
+        q = torch.zeros(64, 2, head_dim, device=device, dtype=dtype)
+        layer = torch.zeros(2, 1, 2 * BODY_BUCKET, head_dim, device=device, dtype=dtype)
+        cudnn_body_attention(q, layer, ((BODY_BUCKET // 2, BODY_BUCKET, 64),), 1.0)
     except RuntimeError:
         return False
     return True
