@@ -61,6 +61,13 @@ def table(runs: list[Run]) -> str:
     return "\n".join(rows)
 
 
+def not_encoded(run: Run) -> float:
+    """The share of the window's published frames not encoded in it: dropped, or waiting in a
+    backlog (a run can drop nothing in its window and still not keep up)."""
+    published = run["frames"]["published"]["total"]
+    return 1 - run["frames"]["encoded"]["total"] / published if published else 0.0
+
+
 def plot(series: dict[str, list[Run]], dst: str) -> None:
     """Drops and latency against cameras; one set of lines per series (an empty name: only one)."""
     try:
@@ -74,7 +81,10 @@ def plot(series: dict[str, list[Run]], dst: str) -> None:
     markers = iter("os^vD*")
     for name, runs in series.items():
         cams, mark, tag = [r["cameras"] for r in runs], next(markers), f"{name}: " if name else ""
-        drops.plot(cams, [100 * (r["frames"]["dropped_fraction"] or 0) for r in runs], f"{mark}-", label=name or None)
+        dropped = [100 * (r["frames"]["dropped_fraction"] or 0) for r in runs]
+        drops.plot(cams, dropped, f"{mark}-", label=f"{tag}dropped")
+        waiting = [100 * not_encoded(r) for r in runs]
+        drops.plot(cams, waiting, f"{mark}:", label=f"{tag}not encoded (dropped or waiting)")
         for key, label, color in (
             ("client_latency_s", "client latency", "tab:blue"),
             ("server_first_token_s", "server first token", "tab:green"),
@@ -82,9 +92,8 @@ def plot(series: dict[str, list[Run]], dst: str) -> None:
             for q, style in (("p50", "--"), ("p95", "-")):
                 values = [r[key][q] for r in runs]
                 latency.plot(cams, values, f"{mark}{style}", color=color, label=f"{tag}{label} {q}")
-    drops.set_ylabel("frames dropped (%)")
-    if len(series) > 1:
-        drops.legend(fontsize=8)
+    drops.set_ylabel("of the frames published (%)")
+    drops.legend(fontsize=7)
     every = sorted({r["cameras"] for runs in series.values() for r in runs})
     runs = [r for rs in series.values() for r in rs]
     latency.set_yscale("log")
