@@ -7,8 +7,8 @@ pipeline: stalls of 3-5 s in the first minute, every camera and question waiting
 So a worker walks throwaway streams through what serving does before it reports ready, on short
 caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
 of chunks, questions prefilled together and decoded in batches of every warmed size, questions
-joining a batch mid-decode, lone questions of a few lengths, and an eviction round (caches
-reaching their budget).
+joining a batch mid-decode, lone questions of a few lengths, an eviction round (caches
+reaching their budget), and cuDNN's graph for a chunk's body at every cache length bucket.
 """
 
 from __future__ import annotations
@@ -22,7 +22,14 @@ import torch
 from common.engine.answer import Generation, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
-from common.engine.lm import BODY_MIN_ITEMS, BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS
+from common.engine.lm import (
+    BODY_BUCKET,
+    BODY_MIN_ITEMS,
+    BODY_MIN_TOKENS,
+    GRAPH_BASE_TOKENS,
+    SPLIT_KV_MIN_TOKENS,
+    cudnn_body_attention,
+)
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import ChunkJob, StreamEngine
@@ -60,7 +67,21 @@ def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
     _question_steps(rt, [e.head for e in engines])
     if long_tokens:
         _eviction_round(rt, frames, 2 * long_tokens)
+    _cudnn_bodies(rt, chunk_patches * GRID.tokens_per_patch)
     return time.perf_counter() - t0
+
+
+def _cudnn_bodies(rt: Runtime, rows: int, up_to: int = GRAPH_BASE_TOKENS) -> None:
+    """cuDNN's graph for a chunk's body of every length bucket up to `up_to` tokens (a 32K
+    camera's cache passes through each as it fills): each is built on its first call, and each
+    chunk has its own body length (lm.cudnn_body_attention). Reads pool slots as they are; the
+    output is thrown away."""
+    if not rt.lm.cudnn or not rt.pool.slabs:
+        return
+    layer = rt.pool.slabs[0][0]
+    q = torch.zeros(rows, rt.lm.n_heads, rt.lm.head_dim, device=rt.device, dtype=rt.lm.dtype)
+    for length in range(BODY_MIN_TOKENS, min(up_to, layer.shape[2]) + 1, BODY_BUCKET):
+        cudnn_body_attention(q, layer, ((0, length, rows),), 1.0)
 
 
 def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
