@@ -61,8 +61,9 @@ class EncoderConfig(GPUSettings):
 
     def frame_decoders(self) -> int:
         """Frames decoded at once: the worker's stream threads (one per stream) decode their
-        frames themselves, and cameras in step deliver theirs together; unbounded, 64 streams'
-        decodes took every core at once and the GPU loop waited for one (docs/BENCHMARKS.md)."""
+        frames themselves, and cameras in step deliver theirs together; bounded, so that those
+        decodes never take every core from the GPU loop (64 WebP frames at once: 64 cores busy
+        for about 22 ms each, by the arithmetic of docs/BENCHMARKS.md; not measured unbounded)."""
         return self.decode_threads or max(2, (os.cpu_count() or 2) // 2)
 
     def eviction_policy(self) -> EvictionPolicy:

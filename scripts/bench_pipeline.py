@@ -441,7 +441,7 @@ class Load:
                 return
             (busy0, total0), (busy1, total1) = last, now
             if total1 > total0:
-                self.busy_cores.append(os.cpu_count() * (busy1 - busy0) / (total1 - total0))
+                self.busy_cores.append((os.cpu_count() or 1) * (busy1 - busy0) / (total1 - total0))
             last = now
 
 

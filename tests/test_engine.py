@@ -456,3 +456,40 @@ def test_generation_params_refuse_what_float32_sampling_cannot_do(kw):
     with pytest.raises(QuestionError):
         GenerationParams(**kw)
     assert GenerationParams(temperature=1e-6, top_p=1e-6).temperature == 1e-6
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_cudnn_bodies_read_in_place_equal_attention_without_bodies(rt, monkeypatch, splits):
+    """The cuDNN body path's plumbing on the CPU: each chunk's body read in place from the pool,
+    cut into `splits` pieces, merged with the rest, equals the chunks attending without bodies.
+    cuDNN's kernel cannot run here, so an exact attention stands in for it (tests/test_gpu.py
+    checks the kernel itself on a GPU); everything around it is the engine's own."""
+    from common.engine import lm as lm_module
+
+    def attention(q, k, v, bias, with_lse, dropout, causal, debug, scale):  # cuDNN's signature
+        assert bias is None and with_lse and not causal
+        scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+        return (torch.softmax(scores, -1) @ v.float()).to(q.dtype), torch.logsumexp(scores, -1)
+
+    monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", attention)
+    monkeypatch.setattr(lm_module, "BODY_MIN_TOKENS", 256)
+    monkeypatch.setattr(lm_module, "BODY_BUCKET", 128)
+    monkeypatch.setattr(lm_module, "_body_splits", lambda *_: splits)
+    lm = rt.lm
+    torch.manual_seed(3)
+    n, ats = 64, [300, 420, 260, 520]
+    regions = [rt.pool.alloc(at + n) for at in ats]
+    for r in regions:
+        r.kv.normal_()
+    items = [lm_module.Item(n, r, at) for r, at in zip(regions, ats, strict=True)]
+    q = torch.randn(len(items) * n, lm.n_heads, lm.head_dim)
+    kv = torch.randn(2, lm.n_kv_heads, len(items) * n, lm.head_dim)
+    monkeypatch.setattr(lm, "cudnn", True)
+    plan = lm.plan(items)
+    assert plan.body is not None and plan.body[1] == splits
+    assert [length for _, length, _ in plan.body[2]] == [256, 384, 256, 512]  # each chunk's own
+    with_bodies = lm._attention(0, q, kv, plan)
+    monkeypatch.setattr(lm, "cudnn", False)
+    plain = lm.plan(items)
+    assert plain.body is None
+    assert torch.allclose(with_bodies, lm._attention(0, q, kv, plain), atol=1e-5)

@@ -395,9 +395,10 @@ def test_cudnn_body_attention_equals_exact_attention():
     bodies = ((5000, 4096, n), (100, 8192, n), (20000, 4096, n), (12000, 8192, n))  # (first slot, tokens, rows)
     q = torch.randn(len(bodies) * n, heads, hd, device="cuda", dtype=torch.bfloat16)
     layer = torch.randn(2, kv_heads, 30000, hd, device="cuda", dtype=torch.bfloat16)
-    out, lse = lm_module.cudnn_body_attention(q, layer, bodies, hd**-0.5)
-    splits = out.shape[0] // q.shape[0]
+    splits = lm_module._body_splits(torch.device("cuda"), n, heads, kv_heads)
     assert splits > 1  # a few rows over long bodies: cut into pieces to fill the GPU
+    out, lse = lm_module.cudnn_body_attention(q, layer, bodies, splits, hd**-0.5)
+    assert out.shape[0] == lse.shape[0] == splits * q.shape[0]
     merged = lm_module._merge_stacked(q.shape[0], [(out, lse, None)])
     total_lse = torch.logsumexp(lse.view(splits, -1, heads), 0)
     for i, (start, length, _) in enumerate(bodies):
@@ -430,7 +431,7 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
     q = torch.randn(len(items) * n, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     kv = torch.randn(2, lm.n_kv_heads, len(items) * n, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     plan = lm.plan(items)
-    assert plan.body is not None and [length for _, length, _ in plan.body[1]] == [1024, 1024, 1024, 1536]
+    assert plan.body is not None and [length for _, length, _ in plan.body[2]] == [1024, 1024, 1024, 1536]
     with_body = lm._attention(0, q, kv, plan)
     monkeypatch.setattr(lm, "cudnn", False)
     plan = lm.plan(items)

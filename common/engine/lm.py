@@ -135,8 +135,9 @@ class Plan:
     piece_spans: dict[tuple[int, bool], PieceSpans]  # (slab, causal) -> rows, cu_q, cu_q packed, starts, lengths
     n_rows: int
     max_q: int
-    # (slab, (first slot, body tokens, rows) of each item); never graphed, so host ints
-    body: tuple[int, tuple[tuple[int, int, int], ...]] | None = None
+    # (slab, pieces each body is cut into, (first slot, body tokens, rows) of each item); never
+    # graphed, so host ints
+    body: tuple[int, int, tuple[tuple[int, int, int], ...]] | None = None
     # the least max_k of causal (own) and non-causal (base) pieces: a graph's, so that caches
     # growing within it keep one graph (see StepGraphs)
     max_k_floor: tuple[int, int] = (0, 0)
@@ -153,6 +154,11 @@ class Plan:
         }
         # every row's pieces stacked alike: the merge is a reduction over a stack, no scatter
         self.stacked = all(p.copies for p in self.pieces.values())
+        # the bodies' output rows: every row in order, once per piece of the body (as its own piece)
+        self.body_rows = None
+        if self.body is not None:
+            slab, splits, _ = self.body
+            self.body_rows = self.pieces[(slab, True)].rows.repeat(splits)
 
     def to(self, device: torch.device) -> Plan:
         longs, ints = (t.to(device, non_blocking=True) for t in (self.longs, self.ints))
@@ -163,7 +169,7 @@ class Plan:
     @property
     def shape(self) -> tuple:
         """What a CUDA graph of this plan depends on besides its index values."""
-        body = None if self.body is None else tuple((length, n) for _, length, n in self.body[1])
+        body = None if self.body is None else (self.body[1], tuple((length, n) for _, length, n in self.body[2]))
         return (*((key, p.max_k, len(p.host)) for key, p in self.pieces.items()), body)
 
     @property
@@ -295,8 +301,10 @@ class LanguageModel:
         piece_spans = {key: self._piece_spans(pack, host, row) for key, host in pieces.items()}
         body_span = None
         if bodies:
+            splits = _body_splits(self.device, min(it.n for it in items), self.n_heads, self.n_kv_heads)
             body_span = (
                 items[0].dest.slab,
+                splits,
                 tuple((it.dest.start, b, it.n) for it, b in zip(items, bodies, strict=True)),
             )
         plan = Plan(
@@ -370,10 +378,9 @@ class LanguageModel:
             for (slab, causal), p in plan.pieces.items()
         ]
         if plan.body is not None:  # every row in order, as its own piece is: the merge stays stacked
-            slab, bodies = plan.body
-            out, lse = cudnn_body_attention(q, self.pool.slabs[slab][i], bodies, self.head_dim**-0.5)
-            rows = plan.pieces[(slab, True)].rows
-            parts.append((out, lse, rows.repeat(out.shape[0] // rows.shape[0])))
+            slab, splits, bodies = plan.body
+            out, lse = cudnn_body_attention(q, self.pool.slabs[slab][i], bodies, splits, self.head_dim**-0.5)
+            parts.append((out, lse, plan.body_rows))
         return self._merge_stacked(q.shape[0], parts) if plan.stacked else self._merge(q.shape[0], parts)
 
     def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
@@ -442,7 +449,7 @@ class LanguageModel:
 
 
 def cudnn_body_attention(
-    q: torch.Tensor, layer: torch.Tensor, bodies: tuple[tuple[int, int, int], ...], scale: float
+    q: torch.Tensor, layer: torch.Tensor, bodies: tuple[tuple[int, int, int], ...], splits: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each item's query rows over its cache's body, through cuDNN, the
     keys read where they lie in the pool (a batched copy of every body first cost 8 % of an encode
@@ -450,14 +457,13 @@ def cudnn_body_attention(
 
     q (R, H, hd), items' rows back to back; `layer` one slab layer (2, kv_heads, slots, hd);
     `bodies` (first slot, tokens, rows) of each item. An item's body is cut into `splits` equal
-    pieces along the keys, each a batch entry of one call (a strided view: no copy), and the query
-    heads that share a KV head are packed as rows, so one item's call has enough thread blocks to
-    fill the GPU. -> out (splits * R, H, hd), lse (splits * R, H): `splits` parts per row, in row
-    order each, to be merged by log-sum-exp."""
+    pieces along the keys (`_body_splits`), each a batch entry of one call (a strided view: no
+    copy), and the query heads that share a KV head are packed as rows, so one item's call has
+    enough thread blocks to fill the GPU. -> out (splits * R, H, hd), lse (splits * R, H):
+    `splits` parts per row, in row order each, to be merged by log-sum-exp."""
     heads, hd = q.shape[1:]
     kv_heads = layer.shape[1]
     group = heads // kv_heads
-    splits = _body_splits(q.device, min(n for _, _, n in bodies) * group, kv_heads)
     outs, lses, r0 = [], [], 0
     for start, length, n in bodies:
         packed = q[r0 : r0 + n].view(n, kv_heads, group, hd).transpose(0, 1).reshape(1, kv_heads, n * group, hd)
@@ -472,11 +478,11 @@ def cudnn_body_attention(
     return torch.cat(outs, dim=1).view(splits * rows, heads, hd), torch.cat(lses, dim=1).view(splits * rows, heads)
 
 
-def _body_splits(device: torch.device, packed_rows: int, kv_heads: int) -> int:
-    """Pieces an item's body is cut into: cuDNN runs a thread block per KV head, 128 packed query
-    rows and piece; enough pieces for about one block per SM (2 for a 448² chunk on an H200), a
-    power of two that divides BODY_BUCKET."""
-    blocks = kv_heads * -(-packed_rows // 128)
+def _body_splits(device: torch.device, rows: int, heads: int, kv_heads: int) -> int:
+    """Pieces the body of an item of `rows` query rows is cut into: cuDNN runs a thread block per
+    KV head, 128 packed query rows (GQA heads as rows) and piece; enough pieces for about one
+    block per SM (2 for a 448² chunk on an H200), a power of two that divides BODY_BUCKET."""
+    blocks = kv_heads * -(-rows * heads // kv_heads // 128)
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     splits = 1
     while splits < BODY_MAX_SPLITS and blocks * splits * 2 <= n_sm + blocks // 2 and BODY_BUCKET % (splits * 2) == 0:
@@ -490,7 +496,7 @@ def _cudnn_attention_works(device: torch.device, dtype: torch.dtype, head_dim: i
     try:
         q = torch.zeros(64, 2, head_dim, device=device, dtype=dtype)
         layer = torch.zeros(2, 1, 2 * BODY_BUCKET, head_dim, device=device, dtype=dtype)
-        cudnn_body_attention(q, layer, ((BODY_BUCKET // 2, BODY_BUCKET, 64),), 1.0)
+        cudnn_body_attention(q, layer, ((BODY_BUCKET // 2, BODY_BUCKET, 64),), _body_splits(device, 64, 2, 1), 1.0)
     except RuntimeError:
         return False
     return True

@@ -28,6 +28,7 @@ from common.engine.lm import (
     BODY_MIN_TOKENS,
     GRAPH_BASE_TOKENS,
     SPLIT_KV_MIN_TOKENS,
+    _body_splits,
     cudnn_body_attention,
 )
 from common.engine.params import GenerationParams
@@ -78,10 +79,11 @@ def _cudnn_bodies(rt: Runtime, rows: int, up_to: int = GRAPH_BASE_TOKENS) -> Non
     output is thrown away."""
     if not rt.lm.cudnn or not rt.pool.slabs:
         return
-    layer = rt.pool.slabs[0][0]
-    q = torch.zeros(rows, rt.lm.n_heads, rt.lm.head_dim, device=rt.device, dtype=rt.lm.dtype)
+    lm, layer = rt.lm, rt.pool.slabs[0][0]
+    q = torch.zeros(rows, lm.n_heads, lm.head_dim, device=rt.device, dtype=lm.dtype)
+    splits = _body_splits(rt.device, rows, lm.n_heads, lm.n_kv_heads)
     for length in range(BODY_MIN_TOKENS, min(up_to, layer.shape[2]) + 1, BODY_BUCKET):
-        cudnn_body_attention(q, layer, ((0, length, rows),), 1.0)
+        cudnn_body_attention(q, layer, ((0, length, rows),), splits, 1.0)
 
 
 def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
