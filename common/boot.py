@@ -153,6 +153,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     from common.engine.warmup import warm_up
 
     check_device(device)
+    gpu = gpu or GPUSettings()
     t0 = time.monotonic()
     try:
         rt = Runtime(load_model(model, device=device))
@@ -167,12 +168,11 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         # change after it recompiled everything the warm-up compiled, as stalls of the serving loop.
         _one_cpu_thread_per_op()
         # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
-        warm_up_s = warm_up(rt)
+        warm_up_s = warm_up(rt, max_chunks=gpu.gpu_max_chunks)
         # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
         # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
         # many times a step. A short interval hands it back sooner.
         sys.setswitchinterval(GIL_SWITCH_S)
-    gpu = gpu or GPUSettings()
     # one loop owns the GPU: batches every stream and question
     # what start-up made lives as long as the process (stalls.py); frozen before the stall watch
     # starts timing collections, so that this deliberate one is not reported as a pause

@@ -265,6 +265,8 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
 
     warm_up(rt)
     warmed = set(rt.step_graphs.graphs)
+    # the vision tower's graphs too: every batch of 448² chunks big enough to be compiled
+    assert all(((2, 32, 32),) * n in rt.vision_tower._graphs for n in range(2, 9))
     grid = Grid(448, 448)
     engine = StreamEngine(rt, StreamSpec("served", 2.0, grid, 4), EvictionPolicy(max_cache_tokens=GRAPH_BASE_TOKENS))
     patches = 48  # 12K tokens: past SPLIT_KV_MIN_TOKENS like the warm-up's long caches, another length

@@ -205,3 +205,27 @@ def test_gpu_compiled_runtime_vision_equals_eager():
     chunks = [chunk(g, seed, "cuda") for seed, g in enumerate([(2, 8, 8), (2, 4, 6), (2, 6, 10)])]
     for mine, theirs in zip(compiled.vision_batch(chunks), eager.vision_batch(chunks), strict=True):
         assert relative_error(mine, theirs) <= 1e-2
+
+
+@needs_cuda
+@pytest.mark.timeout(600)
+def test_gpu_vision_graphs_replay_what_the_compiled_layers_compute(monkeypatch):
+    """A batch composition is launched layer by layer the first time, captured the second and
+    replayed from then on, whatever order its chunks come in, with new pixels each time: exactly
+    what the compiled layers compute launched one by one."""
+    from common.engine import vision
+
+    tower = Runtime(load_model("tiny-random", device="cuda"), vision_compile_min_tokens=0).vision_tower
+    grids = [(2, 8, 8), (2, 4, 6), (2, 8, 8)]
+
+    def batch(seed: int, order: list[int]) -> list:
+        return [chunk(grids[i], seed + i, "cuda") for i in order]
+
+    tower(batch(0, [0, 1, 2]))
+    assert not tower._graphs
+    replayed = [tower(batch(1, [0, 1, 2])), tower(batch(2, [2, 0, 1])), tower(batch(3, [1, 2, 0]))]
+    assert len(tower._graphs) == 1
+    monkeypatch.setattr(vision, "CUDA_GRAPHS", False)
+    for seed, order, got in zip((1, 2, 3), ([0, 1, 2], [2, 0, 1], [1, 2, 0]), replayed, strict=True):
+        for mine, theirs in zip(got, tower(batch(seed, order)), strict=True):
+            assert torch.equal(mine, theirs)

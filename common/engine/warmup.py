@@ -8,7 +8,8 @@ So a worker walks throwaway streams through what serving does before it reports 
 caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
 of chunks, questions prefilled together and decoded in batches of every warmed size, questions
 joining a batch mid-decode, lone questions of a few lengths, an eviction round (caches
-reaching their budget), and cuDNN's graph for a chunk's body at every cache length bucket.
+reaching their budget), cuDNN's graph for a chunk's body at every cache length bucket, and the
+vision tower's graph for every batch size of chunks.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from common.engine.answer import Generation, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
+from common.engine.frames import patchify, stack_frames
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import (
     BODY_BUCKET,
@@ -40,10 +42,11 @@ DECODE_BATCHES = (1, 2, 4, 8)  # decode and prefill graph buckets captured at st
 PREFILL_LENGTHS = (16, 32, 64, 128)  # questions' length buckets prefilled in each batch; longer on first use
 
 
-def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
+def warm_up(rt: Runtime, long_tokens: int | None = None, max_chunks: int = 8) -> float:
     """Run the steps inline (before a scheduler is installed); the seconds it took. `long_tokens`:
     how long the long caches are (default: long enough for split-KV and cuDNN bodies where flash
-    runs them, else none)."""
+    runs them, else none). `max_chunks`: the most chunks an encode step batches (vision graphs of
+    every batch size up to it)."""
     t0 = time.perf_counter()
     if long_tokens is None:  # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
         long_tokens = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
@@ -69,7 +72,18 @@ def warm_up(rt: Runtime, long_tokens: int | None = None) -> float:
     if long_tokens:
         _eviction_round(rt, frames, 2 * long_tokens)
     _cudnn_bodies(rt, chunk_patches * GRID.tokens_per_patch)
+    _vision_batches(rt, frames, max_chunks)
     return time.perf_counter() - t0
+
+
+def _vision_batches(rt: Runtime, frames: list[np.ndarray], max_chunks: int) -> None:
+    """Batches of 1 to `max_chunks` chunks through the vision tower, each twice: a composition
+    coming the second time is captured as a CUDA graph (vision.py)."""
+    video = stack_frames(frames, GRID).to(rt.device)
+    pixels = patchify(video, temporal_patch_size=rt.loaded.temporal_patch_size)
+    for n in range(1, max_chunks + 1):
+        for _ in range(2):
+            rt.vision_batch([pixels] * n)
 
 
 def _cudnn_bodies(rt: Runtime, rows: int, up_to: int = GRAPH_BASE_TOKENS) -> None:
