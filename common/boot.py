@@ -156,7 +156,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     gpu = gpu or GPUSettings()
     t0 = time.monotonic()
     try:
-        rt = Runtime(load_model(model, device=device))
+        rt = Runtime(load_model(model, device=device), vision_graphs=gpu.gpu_vision_graphs)
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
     load_s = time.monotonic() - t0

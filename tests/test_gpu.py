@@ -250,7 +250,7 @@ def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypa
     assert_logits_close(got[0].first_logits, eager.first_logits)
 
 
-def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(rt):
+def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(rt, monkeypatch):
     """The warm-up's caches lie in one extent, as a budgeted serving stream's do, so a lone
     question's prefill and decode over a long serving cache replay graphs the warm-up captured
     (under the paged pool, unbudgeted warm-up caches in 2-3 extents had other pieces, so other keys),
@@ -263,9 +263,10 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
     from common.engine.stream import StreamEngine
     from common.engine.warmup import _question_of, warm_up
 
+    monkeypatch.setattr(rt.vision_tower, "graphs", True)
     warm_up(rt)
     warmed = set(rt.step_graphs.graphs)
-    # the vision tower's graphs too: every batch of 448² chunks big enough to be compiled
+    # the vision tower's graphs too (gpu_vision_graphs): every batch of 448² chunks big enough to be compiled
     assert all(((2, 32, 32),) * n in rt.vision_tower._graphs for n in range(2, 9))
     grid = Grid(448, 448)
     engine = StreamEngine(rt, StreamSpec("served", 2.0, grid, 4), EvictionPolicy(max_cache_tokens=GRAPH_BASE_TOKENS))

@@ -34,17 +34,19 @@ class Runtime:
         compile_vision: bool = True,
         vision_compile_min_tokens: int = COMPILED_MIN_TOKENS,
         page_tokens: int = PAGE_TOKENS,
+        vision_graphs: bool = False,
     ):
         """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
         `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
         `compile_vision`: torch.compile the vision blocks, on a GPU only (there it takes a batch of
         16 448² chunks from 10.3 to 7.9 ms a chunk; on a CPU inductor spends a minute building C++
         for little gain), for batches of at least `vision_compile_min_tokens` patches.
-        `page_tokens`: the pool's page (pool.py)."""
+        `page_tokens`: the pool's page (pool.py). `vision_graphs`: compiled vision batches are
+        replayed from CUDA graphs (vision.py)."""
         self.loaded = loaded
         # before the pool, which takes what memory is left: the tower holds a padded MLP copy
         backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
-        self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens)
+        self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens, vision_graphs)
         self.pool = _make_pool(loaded, pool_tokens, page_tokens)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer

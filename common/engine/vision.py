@@ -18,15 +18,17 @@ are transformers' own modules; only the MLP gets a copy, with gate and up fused 
 matmul and its 3420 width zero-padded to a multiple of 128 (exact: padded units are
 silu(0) * 0 = 0 and meet zero columns of the down projection).
 
-On a GPU a batch composition (its chunks' grids, in grid order whatever order they came in)
-that comes a second time is captured as a CUDA graph and replayed from then on: one launch
-instead of ~500 from Python. Engine alone the tower is device-bound either way; in a worker
-with 64 camera threads the GPU loop's Python waits for the GIL, and a profiled encode step
-had the device idle 76 ms of it between the vision tower's kernels (35 ms of work, H200).
+With `graphs` (a GPU setting, off by default), a batch composition (its chunks' grids, in grid
+order whatever order they came in) that comes a second time is captured as a CUDA graph and
+replayed from then on: one launch instead of ~500 from Python. Engine alone the tower is
+device-bound either way; in a worker with 64 camera threads the GPU loop's Python waits for the
+GIL, and a profiled encode step had the device idle 76 ms of it between the vision tower's
+kernels (35 ms of work, H200). Why it is off: docs/BENCHMARKS.md (eleventh session).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -45,8 +47,7 @@ GridTHW = tuple[int, int, int]
 MLP_ALIGN = 128  # tensor-core friendly width for the padded MLP
 COMPILED_MIN_TOKENS = 4096  # below this (two 448² chunks) compiled blocks lose: launch-bound (16.7 vs 21.5 ms at one)
 BATCH_PLANS_KEPT = 64  # distinct batch compositions whose plans stay cached
-GRAPHS_KEPT = 16  # batch compositions replayed from CUDA graphs (the least recently used goes)
-CUDA_GRAPHS = True  # compiled batches replayed from CUDA graphs on GPUs (off: the same kernels, launched from Python)
+GRAPHS_KEPT = 16  # batch compositions captured at most (never freed: see _TowerGraph); others launch layer by layer
 
 log = structlog.get_logger()
 
@@ -149,11 +150,16 @@ def _padded_mlp(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch
 
 class VisionTower:
     def __init__(
-        self, loaded: LoadedModel, compile_backend: str | None = None, compile_min_tokens: int = COMPILED_MIN_TOKENS
+        self,
+        loaded: LoadedModel,
+        compile_backend: str | None = None,
+        compile_min_tokens: int = COMPILED_MIN_TOKENS,
+        graphs: bool = False,
     ):
         """`compile_backend` ("inductor" on a GPU) compiles what surrounds the attention in a
         block (norms, projections, rotary, MLP): one graph each for every block and batch, used
-        for batches of at least `compile_min_tokens` patches (smaller ones run eagerly)."""
+        for batches of at least `compile_min_tokens` patches (smaller ones run eagerly). `graphs`:
+        compiled batches are replayed from CUDA graphs (on a GPU)."""
         visual = loaded.model.model.visual
         cfg = loaded.vision_config
         if cfg.hidden_act != "silu":
@@ -180,8 +186,10 @@ class VisionTower:
         )
         self._grid_plans: dict[GridTHW, GridPlan] = {}
         self._batch_plans: OrderedDict[tuple[GridTHW, ...], BatchPlan] = OrderedDict()
-        self._graphs: OrderedDict[tuple[GridTHW, ...], _TowerGraph] = OrderedDict()
-        self._mempool = None  # the graphs' shared memory pool, made with the first
+        self.graphs = graphs and self.device.type == "cuda"
+        self._graphs: dict[tuple[GridTHW, ...], _TowerGraph] = {}
+        self._capture_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
+        self._mempool = None  # both made with the first
         self.compile_min_tokens = compile_min_tokens
         self._compiled = None
         if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
@@ -222,11 +230,10 @@ class VisionTower:
         if self._compiled is None or plan.perm.numel() < self.compile_min_tokens:
             return self._forward(torch.cat(pixels).to(self.dtype), plan, (_attention_input, _output_and_mlp))
         graph = self._graphs.get(key) if self._graphable() else None
-        if graph is None and seen and self._graphable():
+        if graph is None and seen and self._graphable() and len(self._graphs) < GRAPHS_KEPT:
             graph = self._capture(key, plan)
         if graph is None:
             return self._forward(torch.cat(pixels).to(self.dtype), plan, self._compiled)
-        self._graphs.move_to_end(key)
         return graph.replay(pixels)
 
     def _forward(self, pixels: torch.Tensor, plan: BatchPlan, fns: tuple[Callable, Callable]) -> torch.Tensor:
@@ -248,16 +255,14 @@ class VisionTower:
     def _graphable(self) -> bool:
         """On the device's own stream only: an encode step that leaves SMs to questions runs on a
         green context's stream (scheduler.py), where replaying a graph has not been tried."""
-        return CUDA_GRAPHS and self.device.type == "cuda" and torch.cuda.current_stream() == torch.cuda.default_stream()
+        return self.graphs and torch.cuda.current_stream() == torch.cuda.default_stream()
 
     def _capture(self, key: tuple[GridTHW, ...], plan: BatchPlan) -> _TowerGraph:
         t0 = time.perf_counter()
-        if self._mempool is None:
-            self._mempool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream, self._mempool = _own_stream(), torch.cuda.graph_pool_handle()
         with interleaved(_launch_nothing):  # no decode step may be launched into the capture
-            graph = self._graphs[key] = _TowerGraph(self, plan, self._mempool)
-        if len(self._graphs) > GRAPHS_KEPT:
-            self._graphs.popitem(last=False)
+            graph = self._graphs[key] = _TowerGraph(self, plan, self._capture_stream, self._mempool)
         seconds = time.perf_counter() - t0
         log.info("vision graph captured", chunks=len(key), graphs=len(self._graphs), seconds=round(seconds, 2))
         return graph
@@ -329,9 +334,16 @@ class VisionTower:
 
 class _TowerGraph:
     """One batch composition's compiled forward as a CUDA graph: the chunks' pixels are copied
-    into its input buffer, then one launch runs every layer."""
+    into its input buffer, then one launch runs every layer.
 
-    def __init__(self, tower: VisionTower, plan: BatchPlan, mempool):
+    Captured on the tower's own stream: PyTorch gives matrix products a cuBLAS workspace per
+    stream, and a graph keeps the one of the stream it was captured on. Captured on torch's
+    default capture stream, as the question step graphs are, a vision graph and a decode step
+    beside it (encode and decode steps overlap, see interleave.py) would write one workspace at
+    once. And a graph is never freed: freeing one frees its capture stream's workspace, which the
+    tower's other graphs still use (pytorch/pytorch#193402)."""
+
+    def __init__(self, tower: VisionTower, plan: BatchPlan, stream: torch.cuda.Stream, mempool):
         self.plan = plan  # its index tensors are the graph's
         self.pixels = torch.zeros(plan.perm.numel(), tower.patch_dim, dtype=tower.dtype, device=tower.device)
         side = torch.cuda.Stream()
@@ -340,7 +352,7 @@ class _TowerGraph:
             tower._forward(self.pixels, plan, tower._compiled)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
             self.out = tower._forward(self.pixels, plan, tower._compiled)
 
     def replay(self, pixels: list[torch.Tensor]) -> torch.Tensor:
@@ -351,6 +363,14 @@ class _TowerGraph:
             at += p.shape[0]
         self.graph.replay()
         return self.out
+
+
+def _own_stream() -> torch.cuda.ExternalStream:
+    """A CUDA stream no other code uses: `torch.cuda.Stream()` hands out streams of a pool of 32
+    round-robin, so one taken there may be another's (the question graphs' capture stream)."""
+    raw = ctypes.c_void_p()
+    torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(raw)))
+    return torch.cuda.ExternalStream(raw.value)
 
 
 def _launch_nothing(may_join: bool) -> None:

@@ -8,8 +8,8 @@ So a worker walks throwaway streams through what serving does before it reports 
 caches and on caches long enough for the paths of long caches (cuDNN bodies, split-KV): a batch
 of chunks, questions prefilled together and decoded in batches of every warmed size, questions
 joining a batch mid-decode, lone questions of a few lengths, an eviction round (caches
-reaching their budget), cuDNN's graph for a chunk's body at every cache length bucket, and the
-vision tower's graph for every batch size of chunks.
+reaching their budget), cuDNN's graph for a chunk's body at every cache length bucket, and, where
+the vision tower replays graphs, its graph for every batch size of chunks.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def warm_up(rt: Runtime, long_tokens: int | None = None, max_chunks: int = 8) ->
     if long_tokens:
         _eviction_round(rt, frames, 2 * long_tokens)
     _cudnn_bodies(rt, chunk_patches * GRID.tokens_per_patch)
-    _vision_batches(rt, frames, max_chunks)
+    if rt.vision_tower.graphs:
+        _vision_batches(rt, frames, max_chunks)
     return time.perf_counter() - t0
 
 
