@@ -47,7 +47,7 @@ GridTHW = tuple[int, int, int]
 MLP_ALIGN = 128  # tensor-core friendly width for the padded MLP
 COMPILED_MIN_TOKENS = 4096  # below this (two 448² chunks) compiled blocks lose: launch-bound (16.7 vs 21.5 ms at one)
 BATCH_PLANS_KEPT = 64  # distinct batch compositions whose plans stay cached
-GRAPHS_KEPT = 16  # batch compositions captured at most (never freed: see _TowerGraph); others launch layer by layer
+MAX_GRAPHS = 16  # batch compositions captured at most (never freed: see _TowerGraph); others launch layer by layer
 
 log = structlog.get_logger()
 
@@ -230,7 +230,7 @@ class VisionTower:
         if self._compiled is None or plan.perm.numel() < self.compile_min_tokens:
             return self._forward(torch.cat(pixels).to(self.dtype), plan, (_attention_input, _output_and_mlp))
         graph = self._graphs.get(key) if self._graphable() else None
-        if graph is None and seen and self._graphable() and len(self._graphs) < GRAPHS_KEPT:
+        if graph is None and seen and self._graphable() and len(self._graphs) < MAX_GRAPHS:
             graph = self._capture(key, plan)
         if graph is None:
             return self._forward(torch.cat(pixels).to(self.dtype), plan, self._compiled)
