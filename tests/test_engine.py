@@ -404,7 +404,8 @@ def test_prefills_padded_as_their_graph_runs_them_give_each_question_its_own_log
     at each one's last real token. Run eagerly here (fp32), that padded batch gives every question
     the logits (and the K/V) it gets prefilled alone."""
     from common.engine.answer import Generation
-    from common.engine.lm import Item, StepGraphs
+    from common.engine.lm import Item
+    from common.engine.step_graphs import StepGraphs
 
     engines = [
         stream(rt, make_frames(n, g, seed=n), g, 2, 2, name=f"pad{n}")
@@ -440,7 +441,7 @@ def test_questions_arriving_together_are_prefilled_in_batches_of_one_length_buck
     from types import SimpleNamespace
 
     from common.engine.answer import _prefill_groups
-    from common.engine.lm import StepGraphs
+    from common.engine.step_graphs import StepGraphs
 
     gens = [SimpleNamespace(pending=[0] * n, name=i) for i, n in enumerate([12, 40, 15, 16, 60, 3000, *[20] * 40])]
     groups = [[g.name for g in group] for group in _prefill_groups(gens)]

@@ -197,8 +197,8 @@ def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     from common.engine import answer
     from common.engine.eviction import EvictionPolicy
     from common.engine.grid import Grid, StreamSpec
-    from common.engine.lm import GRAPH_BASE_TOKENS
     from common.engine.params import GenerationParams
+    from common.engine.step_graphs import GRAPH_BASE_TOKENS
     from common.engine.stream import StreamEngine
 
     grid = Grid(448, 448)
@@ -258,8 +258,8 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
     from common.engine import answer
     from common.engine.eviction import EvictionPolicy
     from common.engine.grid import Grid, StreamSpec
-    from common.engine.lm import GRAPH_BASE_TOKENS
     from common.engine.params import GenerationParams
+    from common.engine.step_graphs import GRAPH_BASE_TOKENS
     from common.engine.stream import StreamEngine
     from common.engine.warmup import _question_of, warm_up
 

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kvcache import Version
-from common.engine.lm import Item, StepGraphs
+from common.engine.lm import Item
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
 from common.engine.positions import text_positions
 from common.engine.profiling import phase
 from common.engine.runtime import Runtime
+from common.engine.step_graphs import StepGraphs
 from common.engine.work import StepJob, fail_all
 
 CUDA_GRAPHS = True  # replay question steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)

@@ -10,9 +10,10 @@ from tokenizers import Tokenizer
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import StreamCache
-from common.engine.lm import LanguageModel, StepGraphs
+from common.engine.lm import LanguageModel
 from common.engine.model import SYSTEM_PROMPT, LoadedModel
 from common.engine.pool import PAGE_TOKENS, KVPool, token_bytes
+from common.engine.step_graphs import StepGraphs
 from common.engine.vision import COMPILED_MIN_TOKENS, GridTHW, VisionTower
 from common.engine.work import Executor, InlineExecutor
 

@@ -28,13 +28,13 @@ from common.engine.lm import (
     BODY_BUCKET,
     BODY_MIN_ITEMS,
     BODY_MIN_TOKENS,
-    GRAPH_BASE_TOKENS,
     SPLIT_KV_MIN_TOKENS,
     _body_splits,
     cudnn_body_attention,
 )
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
+from common.engine.step_graphs import GRAPH_BASE_TOKENS
 from common.engine.stream import ChunkJob, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
