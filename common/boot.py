@@ -27,7 +27,7 @@ from common.config import ConfigError, GPUSettings, check_redis_url, check_setti
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
-from common.stalls import StallWatch, freeze_heap
+from common.stalls import StallWatch, StuckWatch, freeze_heap
 from common.version import VERSION
 
 if TYPE_CHECKING:  # torch only where a model is loaded
@@ -177,9 +177,12 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     # what start-up made lives as long as the process (stalls.py); frozen before the stall watch
     # starts timing collections, so that this deliberate one is not reported as a pause
     frozen = freeze_heap()
-    rt.executor = Scheduler(
+    scheduler = Scheduler(
         gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
     ).start()
+    if rt.device.type == "cuda" and gpu.gpu_stuck_s:  # on a CPU a long step is only a slow one
+        StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()
+    rt.executor = scheduler
     health.READINESS.model_loaded = True
     log.info(
         "model loaded",
@@ -222,6 +225,15 @@ def _gpu_failed(error: BaseException) -> NoReturn:
     exit 5 at once, from its thread. Nothing unfinished was acked, so a restarted worker (or another
     one) gets every frame and question again."""
     log.error("gpu failed", exit_code=EXIT_GPU, error=redact_text(f"{type(error).__name__}: {error}"))
+    logging.shutdown()
+    os._exit(EXIT_GPU)
+
+
+def _gpu_stuck(seconds: float, stack: list[str]) -> NoReturn:
+    """A GPU step has run past `gpu_stuck_s` (a hung device does not come back to this process):
+    one line saying where the loop stands, then exit 5 as for a failed device, from the watch's
+    thread; what was not finished is delivered again to the restarted worker."""
+    log.error("gpu loop stuck", exit_code=EXIT_GPU, seconds=round(seconds, 1), stack=stack)
     logging.shutdown()
     os._exit(EXIT_GPU)
 

@@ -291,11 +291,14 @@ class GPUSettings:
     gpu_vision_graphs: bool = False  # vision batches replayed from CUDA graphs (not yet proven in a pipeline)
     gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)
     gpu_profile_steps: int = 20  # steps one trace covers
+    gpu_stuck_s: float = 120.0  # a GPU step running longer: one line with where the loop is, exit 5 (0: never)
 
     def __post_init__(self) -> None:
         self.schedule_policy()  # its checks fail at start-up
         if self.gpu_profile_steps < 1:
             raise ValueError("gpu_profile_steps must be at least 1")
+        if self.gpu_stuck_s < 0:
+            raise ValueError("gpu_stuck_s must be >= 0 (0: never)")
 
     def schedule_policy(self) -> SchedulePolicy:
         return SchedulePolicy(

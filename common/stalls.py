@@ -1,5 +1,6 @@
-"""Why the GPU loop stood still: one log line for every step that took over `slow_s`, and one for
-every garbage collection that paused the process over `LONG_GC_S`.
+"""Why the GPU loop stood still: one log line for every step that took over `slow_s`, one for
+every garbage collection that paused the process over `LONG_GC_S`, and a watch for a step that
+never ends.
 
 Everything waits on the one GPU loop, so a step of seconds is frames dropped and answers late for
 every camera. The pipeline has shown such stalls (4.7 s during 64 cameras' first evictions, H200,
@@ -11,12 +12,19 @@ spent collecting garbage; and how often the CUDA allocator has run out and retri
 from __future__ import annotations
 
 import gc
+import sys
+import threading
 import time
-from typing import Any
+import traceback
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from common import metrics
+
+if TYPE_CHECKING:
+    from common.engine.scheduler import Scheduler
 
 log = structlog.get_logger()
 
@@ -83,3 +91,34 @@ class StallWatch:
                 generation=info.get("generation"),
                 collected=info.get("collected"),
             )
+
+
+class StuckWatch:
+    """A step that never ends (a hung device, a deadlock) cannot be reported by the loop running
+    it, and everything waits on that loop: this thread looks at it every second or so, and once a
+    step has run past `stuck_s` calls `on_stuck(seconds, stack)`, `stack` the loop thread's Python
+    frames, innermost last. A 64-camera worker once stopped like that with not one line logged."""
+
+    def __init__(self, scheduler: Scheduler, stuck_s: float, on_stuck: Callable[[float, list[str]], None]):
+        self.scheduler, self.stuck_s, self.on_stuck = scheduler, stuck_s, on_stuck
+        self._thread = threading.Thread(target=self._run, name="gpu-stuck-watch", daemon=True)
+
+    def start(self) -> StuckWatch:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.stuck_s / 4))
+            began = self.scheduler.step_began
+            if began is not None and time.monotonic() - began > self.stuck_s:
+                self.on_stuck(time.monotonic() - began, thread_stack(self.scheduler.thread))
+                return
+
+
+def thread_stack(thread: threading.Thread | None, frames: int = 16) -> list[str]:
+    """Where `thread` is now, as "file:line function" from its innermost `frames` frames."""
+    frame = sys._current_frames().get(thread.ident) if thread is not None and thread.ident else None
+    if frame is None:
+        return []
+    return [f"{f.filename}:{f.lineno} {f.name}" for f in traceback.extract_stack(frame)[-frames:]]

@@ -108,6 +108,39 @@ time.sleep(30)
 """
 
 
+GPU_STUCK = """
+import threading
+import time
+from common import boot
+from common.engine.scheduler import Scheduler
+from common.engine.work import StepJob
+from common.logs import configure_logging
+from common.stalls import StuckWatch
+
+class Hangs(StepJob):
+    @classmethod
+    def step_batch(cls, jobs):
+        threading.Event().wait()  # a step that never ends, as on a device that hung
+
+configure_logging("INFO")
+scheduler = Scheduler().start()
+StuckWatch(scheduler, 0.5, boot._gpu_stuck).start()
+scheduler.submit(Hangs())
+time.sleep(30)
+"""
+
+
+def test_a_gpu_step_that_never_ends_is_one_line_with_where_it_stands_and_exit_5():
+    """A hung device or a deadlock stops the GPU loop without an error: the watch sees the step
+    run past `gpu_stuck_s`, says where the loop thread stands, and exits 5 like a failed device."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    out = subprocess.run([sys.executable, "-c", GPU_STUCK], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 5, out.stderr
+    lines = [json.loads(x) for x in out.stderr.splitlines() if '"gpu loop stuck"' in x]
+    assert len(lines) == 1 and lines[0]["exit_code"] == 5 and lines[0]["seconds"] >= 0.5, out.stderr
+    assert any(frame.endswith(" step_batch") for frame in lines[0]["stack"]), lines[0]["stack"]
+
+
 def test_a_device_that_fails_while_running_is_one_line_and_exit_5():
     """The GPU loop's own failure (a CUDA error poisons the device for the process) ends the
     process at once, from the loop's thread, with the documented code and no secret in the line."""

@@ -226,6 +226,30 @@ def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys,
     assert watch._on_gc not in gc.callbacks
 
 
+def test_the_stuck_watch_reports_a_step_past_its_limit_once_and_a_long_one_within_it_never():
+    from common.engine.scheduler import Scheduler
+    from common.stalls import StuckWatch
+
+    release, reported = threading.Event(), []
+    scheduler = Scheduler().start()
+    try:
+        StuckWatch(scheduler, 0.8, lambda seconds, stack: reported.append((seconds, stack))).start()
+        scheduler.call(lambda: time.sleep(0.5))  # long, but within the limit
+        time.sleep(0.6)  # idle between steps is not a step
+        assert reported == []
+        threading.Thread(target=scheduler.call, args=(release.wait,), daemon=True).start()
+        deadline = time.monotonic() + 10
+        while not reported and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # once, not every second after
+    finally:
+        release.set()
+        scheduler.stop()
+    assert len(reported) == 1, reported
+    seconds, stack = reported[0]
+    assert seconds > 0.8 and any(frame.endswith(" wait") for frame in stack), stack
+
+
 def test_the_heap_alive_after_start_up_is_frozen_out_of_later_collections():
     from common.stalls import freeze_heap
 

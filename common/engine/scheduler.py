@@ -118,6 +118,7 @@ class Scheduler:
         if self.policy.decode_sms and _cuda_in_use():
             self._fewer_sms = _stream_without_sms(self.policy.decode_sms)
         self.steps = 0
+        self.step_began: float | None = None  # time.monotonic() when the step running now began
 
     # -- the callers' side (any thread) ----------------------------------------------------
     def submit(self, job: BatchJob | StepJob) -> Future[Any]:
@@ -177,11 +178,20 @@ class Scheduler:
             self.on_fatal(e)
         self._fail_everything(RuntimeError("the GPU scheduler stopped"))
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The loop's thread, once started."""
+        return self._thread
+
     def step(self) -> None:
         """One scheduling decision and the work it chose."""
         self.steps += 1
-        with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
-            self._step()
+        self.step_began = time.monotonic()
+        try:
+            with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+                self._step()
+        finally:
+            self.step_began = None
 
     def _step(self) -> None:
         self._run_tasks()
