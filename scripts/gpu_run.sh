@@ -27,7 +27,9 @@
 # Each step leaves two files (the device tool brings back 8): its output (the benchmarks' JSON,
 # NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
 # fails is reported and the next one runs; the exit status is 1 when any failed. The pipeline also
-# keeps its services' logs, in logs/.
+# keeps its services' logs, in pipeline-logs.tgz, and stops within 9 minutes (in a call that runs
+# past its limit, the logs would never have been packed). `SVQA_GPU_VISION_GRAPHS=true bash scripts/gpu_run.sh pipeline`
+# runs it with the vision tower's CUDA graphs (any GPU setting goes the same way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,8 +82,9 @@ for what in "$@"; do
     chunks) step chunks chunks.json python3 scripts/bench_engine.py --model random-3b --chunks-only --vision-batches 16 \
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
       --evict-batch 4 --decode-tokens 64 ;;
-    pipeline) step pipeline pipeline.json python3 scripts/bench_pipeline.py --device cuda --askers 8 --cameras 64 \
-      --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs "$OUT/logs" ;;
+    pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
+      --cameras 64 --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs /tmp/pipeline-logs
+      tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
     storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
     copies) step copies copies.json python3 docs/bench/host_copies.py ;;
     beside) step beside beside.jsonl python3 docs/bench/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
