@@ -260,7 +260,7 @@ class VisionTower:
     def _capture(self, key: tuple[GridTHW, ...], plan: BatchPlan) -> _TowerGraph:
         t0 = time.perf_counter()
         if self._capture_stream is None:
-            self._capture_stream, self._mempool = _own_stream(), torch.cuda.graph_pool_handle()
+            self._capture_stream, self._mempool = _own_stream(self.device), torch.cuda.graph_pool_handle()
         with interleaved(_launch_nothing):  # no decode step may be launched into the capture
             graph = self._graphs[key] = _TowerGraph(self, plan, self._capture_stream, self._mempool)
         seconds = time.perf_counter() - t0
@@ -365,12 +365,14 @@ class _TowerGraph:
         return self.out
 
 
-def _own_stream() -> torch.cuda.ExternalStream:
-    """A CUDA stream no other code uses: `torch.cuda.Stream()` hands out streams of a pool of 32
-    round-robin, so one taken there may be another's (the question graphs' capture stream)."""
+def _own_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A CUDA stream on `device` that no other code uses: `torch.cuda.Stream()` hands out streams of
+    a pool of 32 round-robin, so one taken there may be another's (the question graphs' capture
+    stream)."""
     raw = ctypes.c_void_p()
-    torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(raw)))
-    return torch.cuda.ExternalStream(raw.value)
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(raw)))
+    return torch.cuda.ExternalStream(raw.value, device=device)
 
 
 def _launch_nothing(may_join: bool) -> None:
