@@ -340,17 +340,19 @@ class _TowerGraph:
     stream, and a graph keeps the one of the stream it was captured on. Captured on torch's
     default capture stream, as the question step graphs are, a vision graph and a decode step
     beside it (encode and decode steps overlap, see interleave.py) would write one workspace at
-    once. And a graph is never freed: freeing one frees its capture stream's workspace, which the
-    tower's other graphs still use (pytorch/pytorch#193402)."""
+    once. (A stream from torch's pool for the warm-up could be that one too.) And a graph is never
+    freed: freeing one frees its capture stream's workspace, which the tower's other graphs still
+    use (pytorch/pytorch#193402)."""
 
     def __init__(self, tower: VisionTower, plan: BatchPlan, stream: torch.cuda.Stream, mempool):
         self.plan = plan  # its index tensors are the graph's
         self.pixels = torch.zeros(plan.perm.numel(), tower.patch_dim, dtype=tower.dtype, device=tower.device)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up outside the graph (compilation, kernel selection)
+        # warm-up outside the graph (compilation, kernel selection), on the same stream: its matrix
+        # products use the workspace only this tower's graphs do, after the last one's replay
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
             tower._forward(self.pixels, plan, tower._compiled)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
             self.out = tower._forward(self.pixels, plan, tower._compiled)
