@@ -24,6 +24,7 @@ from common.engine.lm import LanguageModel
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
+from common.logs import configure_logging
 
 sys.path.insert(0, "scripts")
 from bench_engine import QUESTION, filled_engine, free_gpu
@@ -114,6 +115,7 @@ def main() -> None:
     p.add_argument("--splits", default="0,8,16,32,64")
     p.add_argument("--steps", type=int, default=64)
     args = p.parse_args()
+    configure_logging("INFO")  # the engine's log lines (graph captures) on stderr: stdout is the JSON
     rt = Runtime(load_model(args.model, device="cuda"), pool_tokens=400_000)
     own_split = LanguageModel.split_for
     out: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
