@@ -250,6 +250,32 @@ def test_the_stuck_watch_reports_a_step_past_its_limit_once_and_a_long_one_withi
     assert seconds > 0.8 and any(frame.endswith(" wait") for frame in stack), stack
 
 
+def test_writing_a_profile_after_a_step_is_not_a_stuck_step(tmp_path, monkeypatch):
+    """A trace is written when its last step ends, in the loop's thread (seconds to minutes on a
+    GPU): the stuck watch times the steps, not the writing."""
+    from common.engine.profiling import StepProfiler
+    from common.engine.scheduler import Scheduler
+    from common.stalls import StuckWatch
+
+    finish = StepProfiler._finish
+
+    def slow_finish(self: StepProfiler) -> None:
+        finish(self)
+        time.sleep(1.5)
+
+    monkeypatch.setattr(StepProfiler, "_finish", slow_finish)
+    profiler, reported = StepProfiler(tmp_path, steps=1), []
+    scheduler = Scheduler(profiler=profiler).start()
+    try:
+        StuckWatch(scheduler, 0.5, lambda seconds, stack: reported.append(seconds)).start()
+        profiler.request()
+        scheduler.call(lambda: None)
+        time.sleep(1.0)  # the watch looks every 0.125 s
+    finally:
+        scheduler.stop()
+    assert len(profiler.written) == 2 and reported == []
+
+
 def test_the_heap_alive_after_start_up_is_frozen_out_of_later_collections():
     from common.stalls import freeze_heap
 

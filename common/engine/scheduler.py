@@ -186,12 +186,12 @@ class Scheduler:
     def step(self) -> None:
         """One scheduling decision and the work it chose."""
         self.steps += 1
-        self.step_began = time.monotonic()
-        try:
-            with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+        with self.profiler.step() if self.profiler is not None else contextlib.nullcontext():
+            self.step_began = time.monotonic()  # inside: writing a trace after the step is not the step
+            try:
                 self._step()
-        finally:
-            self.step_began = None
+            finally:
+                self.step_began = None
 
     def _step(self) -> None:
         self._run_tasks()
