@@ -7,7 +7,8 @@
 # There (the device tool, `carry: [".whl"]`), any steps in one call; each writes under $OUT:
 #   bash scripts/gpu_run.sh tests questions chunks pipeline
 # (all four take about 12 minutes, past one command's 10: split them over two calls)
-#     tests      tests/test_gpu.py, the CUDA paths against eager and CPU oracles (1.5-2 min, 2026-11-25)
+#     tests      tests/test_gpu.py and the vision tower's GPU tests, the CUDA paths against eager and
+#                CPU oracles (2-2.5 min, 2026-11-26)
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (5 min); their 32K caches
@@ -75,7 +76,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&
 status=0
 for what in "$@"; do
   case $what in
-    tests) step tests tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py ;;
+    tests) step tests tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_vision.py -k gpu ;;
     questions) step questions questions.json python3 scripts/bench_engine.py --model random-3b --questions-only \
       --sizes 32768,100000 --batch-questions 1,8,32 --batch-cache-tokens 32768 --decode-tokens 64 \
       --pool-tokens 1400000 ;;
