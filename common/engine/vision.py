@@ -22,8 +22,9 @@ With `graphs` (a GPU setting, off by default), a batch composition (its chunks' 
 order whatever order they came in) that comes a second time is captured as a CUDA graph and
 replayed from then on: one launch instead of ~500 from Python. Engine alone the tower is
 device-bound either way; in a worker with 64 camera threads the GPU loop's Python waits for the
-GIL, and a profiled encode step had the device idle 76 ms of it between the vision tower's
-kernels (35 ms of work, H200). Why it is off: docs/BENCHMARKS.md (eleventh session).
+GIL: a profiled encode step (the profiler slows the host too) had the device idle 76 ms between
+the vision tower's kernels, for 35 ms of work (H200). Replayed, the encoder published 29-31
+chunks/s at 64 cameras against about 28. Why it is off: docs/BENCHMARKS.md (eleventh session).
 """
 
 from __future__ import annotations
