@@ -161,7 +161,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
     load_s = time.monotonic() - t0
     warm_up_s = 0.0
-    rt.on_graph_capture = metrics.record_graph_capture
+    rt.on_graph_capture = rt.vision_tower.on_capture = metrics.record_graph_capture
     metrics.watch_pool(rt.pool)
     if rt.device.type == "cuda":  # neither exists on a CPU
         # Before the warm-up: a compiled function's guards include torch's thread count, so a

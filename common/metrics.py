@@ -83,7 +83,8 @@ GPU_STEP_UNITS = Counter(
 )
 GPU_GRAPH_CAPTURES = Histogram(
     "svqa_gpu_graph_capture_seconds",
-    "CUDA graph captures of question steps (the GPU loop stands still during each)",
+    "CUDA graph captures of question steps, and of vision batches with gpu_vision_graphs"
+    " (the GPU loop stands still during each)",
     buckets=_STEP_BUCKETS,
     **_R,
 )

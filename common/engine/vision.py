@@ -191,6 +191,7 @@ class VisionTower:
         self._graphs: dict[tuple[GridTHW, ...], _TowerGraph] = {}
         self._capture_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
         self._mempool = None  # both made with the first
+        self.on_capture: Callable[[float], None] | None = None  # seconds of each capture (metrics)
         self.compile_min_tokens = compile_min_tokens
         self._compiled = None
         if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
@@ -265,6 +266,8 @@ class VisionTower:
         with interleaved(_launch_nothing):  # no decode step may be launched into the capture
             graph = self._graphs[key] = _TowerGraph(self, plan, self._capture_stream, self._mempool)
         seconds = time.perf_counter() - t0
+        if self.on_capture is not None:
+            self.on_capture(seconds)
         log.info("vision graph captured", chunks=len(key), graphs=len(self._graphs), seconds=round(seconds, 2))
         return graph
 
