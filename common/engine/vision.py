@@ -226,17 +226,14 @@ class VisionTower:
     def _merged(
         self, key: tuple[GridTHW, ...], plan: BatchPlan, pixels: list[torch.Tensor], seen: bool
     ) -> torch.Tensor:
-        """The batch's merged tokens in window order: replayed from its graph where there is one
-        (captured the second time a composition comes: a one-off batch is not worth a capture),
+        """The batch's merged tokens in window order: replayed from its graph where there is one,
         else launched layer by layer, compiled for batches of at least `compile_min_tokens`."""
-        if self._compiled is None or plan.perm.numel() < self.compile_min_tokens:
-            return self._forward(torch.cat(pixels).to(self.dtype), plan, (_attention_input, _output_and_mlp))
-        graph = self._graphs.get(key) if self._graphable() else None
-        if graph is None and seen and self._graphable() and len(self._graphs) < MAX_GRAPHS:
-            graph = self._capture(key, plan)
-        if graph is None:
-            return self._forward(torch.cat(pixels).to(self.dtype), plan, self._compiled)
-        return graph.replay(pixels)
+        compiled = self._compiled is not None and plan.perm.numel() >= self.compile_min_tokens
+        graph = self._graph(key, plan, seen) if compiled and self._graphable() else None
+        if graph is not None:
+            return graph.replay(pixels)
+        fns = self._compiled if compiled else (_attention_input, _output_and_mlp)
+        return self._forward(torch.cat(pixels).to(self.dtype), plan, fns)
 
     def _forward(self, pixels: torch.Tensor, plan: BatchPlan, fns: tuple[Callable, Callable]) -> torch.Tensor:
         attention_input, output_and_mlp = fns
@@ -258,6 +255,14 @@ class VisionTower:
         """On the device's own stream only: an encode step that leaves SMs to questions runs on a
         green context's stream (scheduler.py), where replaying a graph has not been tried."""
         return self.graphs and torch.cuda.current_stream() == torch.cuda.default_stream()
+
+    def _graph(self, key: tuple[GridTHW, ...], plan: BatchPlan, seen: bool) -> _TowerGraph | None:
+        """The composition's graph, captured the second time it comes (a one-off batch is not worth
+        a capture) while there are fewer than MAX_GRAPHS."""
+        graph = self._graphs.get(key)
+        if graph is None and seen and len(self._graphs) < MAX_GRAPHS:
+            graph = self._capture(key, plan)
+        return graph
 
     def _capture(self, key: tuple[GridTHW, ...], plan: BatchPlan) -> _TowerGraph:
         t0 = time.perf_counter()
