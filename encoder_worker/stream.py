@@ -15,6 +15,7 @@ persistence); versions, head, lease, events and dead letters stay on the durable
 
 from __future__ import annotations
 
+import math
 import time
 
 import redis
@@ -157,7 +158,8 @@ class OwnedStream:
         frames = [m for _, m in self.pending]
         if self.engine.head.last_frame_seq < frames[-1].seq:
             t0 = time.perf_counter()
-            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
+            seqs, since = [m.seq for m in frames], self._waiting_since(frames[-1])
+            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], seqs, waiting_since=since)
             metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
             metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
         version = self.engine.head
@@ -178,6 +180,11 @@ class OwnedStream:
             lag_s=lag,
         )
         return version
+
+    def _waiting_since(self, last: FrameMsg) -> float:
+        """A live chunk has waited since its last frame was captured (clocks: ingest's wall time,
+        read as this process's monotonic time); a file's, since the GPU was asked."""
+        return time.monotonic() - max(0.0, time.time() - last.ts) if self.live else math.inf
 
     def publish(self, version: Version) -> None:
         """Manifest to `versions` and `head`; segments are already in the store (on_segment)."""

@@ -48,16 +48,28 @@ class Endless(StepJob):
                 job.future.set_result(None)
 
 
-def shares(policy: SchedulePolicy, seconds: float = 1.5) -> dict[str, float]:
-    """GPU time by step kind while a question and a deep backlog of chunks compete."""
+def shares(policy: SchedulePolicy, seconds: float = 1.5, camera_behind_s: float | None = None) -> dict[str, float]:
+    """GPU time by step kind while a question and a deep backlog of chunks compete: queued in the
+    scheduler, or (`camera_behind_s`) held back by a camera's thread that submits one chunk at a
+    time, as the encoder worker's do, each chunk's last frame captured that long before."""
     spent: dict[str, float] = {"encode": 0.0, "decode": 0.0, "task": 0.0}
     scheduler = Scheduler(policy, on_step=lambda kind, s, _: spent.__setitem__(kind, spent[kind] + s)).start()
     Endless.stop.clear()
     order: list[str] = []
+
+    def camera() -> None:
+        while not Endless.stop.is_set():
+            chunk = Busy("cam", order)
+            chunk.waiting_since = time.monotonic() - (camera_behind_s or 0.0)
+            scheduler.submit(chunk).result(timeout=10)
+
     try:
         question = scheduler.submit(Endless())
-        for _ in range(int(seconds / ENCODE_S) + 50):  # more than can run: the backlog never empties
-            scheduler.submit(Busy("cam", order))
+        if camera_behind_s is None:
+            for _ in range(int(seconds / ENCODE_S) + 50):  # more than can run: the backlog never empties
+                scheduler.submit(Busy("cam", order))
+        else:
+            threading.Thread(target=camera, daemon=True).start()
         time.sleep(seconds)
         Endless.stop.set()
         question.result(timeout=10)
@@ -77,6 +89,15 @@ def test_a_chunk_past_its_deadline_takes_more_but_questions_keep_the_rest():
     got = shares(policy)
     assert 0.65 < got["encode"] < 0.88, got
     assert got["decode"] > 0.12, got
+
+
+def test_a_live_camera_behind_counts_from_its_frames_not_from_when_its_chunk_was_submitted():
+    """The worker's camera threads hand over one chunk at a time, so a backlog waits in Redis,
+    not in the scheduler: a chunk just submitted may hold frames seconds old."""
+    policy = SchedulePolicy(max_chunks=1, encode_share=0.2, chunk_deadline_s=0.5, max_encode_share=0.8, window_s=0.3)
+    assert shares(policy, camera_behind_s=0.0)["encode"] < 0.35  # keeping up: its guaranteed share
+    behind = shares(policy, camera_behind_s=2.0)
+    assert 0.65 < behind["encode"] < 0.88, behind
 
 
 def test_lanes_take_turns():

@@ -127,7 +127,7 @@ class Scheduler:
             return job.future
         with self._lock:
             if isinstance(job, BatchJob):
-                job.submitted = time.monotonic()
+                job.waiting_since = min(job.waiting_since, time.monotonic())
                 self._lanes.setdefault(job.lane, deque()).append(job)
             else:
                 self._waiting.append(job)
@@ -282,7 +282,7 @@ class Scheduler:
         joining = self.policy.decode_during_encode and self.policy.join_during_encode
         alongside = joining or (self.policy.decode_during_encode and bool(self._active))
         self._joining = joining
-        waited = time.monotonic() - min(job.submitted for job in batch)
+        waited = time.monotonic() - min(job.waiting_since for job in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             with _on_stream(self._fewer_sms[1] if leave else None):
@@ -335,7 +335,7 @@ class Scheduler:
 
     def _oldest_wait(self) -> float:
         with self._lock:
-            oldest = min((lane[0].submitted for lane in self._lanes.values() if lane), default=None)
+            oldest = min((lane[0].waiting_since for lane in self._lanes.values() if lane), default=None)
         return 0.0 if oldest is None else time.monotonic() - oldest
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:

@@ -11,6 +11,7 @@ A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -47,6 +48,7 @@ class Chunk:
     padded_frames: int = 0
     video: torch.Tensor | None = None  # (T, H, W, 3) uint8, patchified on the device (frames.py)
     embeds: torch.Tensor | None = None
+    waiting_since: float = math.inf  # time.monotonic() since when its camera waits (BatchJob's)
 
 
 @dataclass
@@ -102,11 +104,15 @@ class StreamEngine:
         frames: Sequence[np.ndarray],
         capture_times: Sequence[float] | None = None,
         frame_seqs: Sequence[int] | None = None,
+        waiting_since: float = math.inf,
     ) -> Version:
         """Encode one chunk (any positive count; an odd tail is padded by repeating the last
         frame) and publish the version that contains it. Bad input raises before any state
-        changes."""
-        return self.finish(self.submit(self.prepare(frames, capture_times, frame_seqs)).result())
+        changes. `waiting_since`: time.monotonic() since when the chunk has been ready, where that
+        was before this call (a live camera's backlog): the scheduler's deadline counts from it."""
+        chunk = self.prepare(frames, capture_times, frame_seqs)
+        chunk.waiting_since = waiting_since
+        return self.finish(self.submit(chunk).result())
 
     def append_embeddings(
         self,
@@ -248,6 +254,7 @@ class ChunkJob(BatchJob):
         super().__init__()
         self.engine, self.chunk = engine, chunk
         self.lane = engine.spec.name
+        self.waiting_since = chunk.waiting_since
         self.started: tuple[Region, int, Segment] | None = None  # where the chunk was prefilled; its segment
         self.original: torch.Tensor | None = None  # its K/V as prefilled, for `on_segment`
         self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled

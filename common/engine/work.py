@@ -19,6 +19,7 @@ the benchmarks use. Services install a `Scheduler` (scheduler.py) that batches.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -38,7 +39,10 @@ class Job:
 
 class BatchJob(Job):
     lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
-    submitted: float = 0.0  # time.monotonic() when the scheduler got it
+    # time.monotonic() since when it has waited: when the scheduler got it, or earlier where the
+    # caller knows (a live chunk: since its last frame was captured, not since the stream's
+    # thread, done with the chunk before, got to it)
+    waiting_since: float = math.inf
 
     @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
