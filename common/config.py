@@ -288,7 +288,7 @@ class GPUSettings:
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
     gpu_join_during_encode: bool = False  # and questions arriving during its launch start beside it (no gain measured)
     gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
-    gpu_vision_graphs: bool = False  # vision batches replayed from CUDA graphs (not yet proven in a pipeline)
+    gpu_vision_graphs: bool = True  # vision batches replayed from CUDA graphs
     gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)
     gpu_profile_steps: int = 20  # steps one trace covers
     gpu_stuck_s: float = 120.0  # a GPU step running longer: one line with where the loop is, exit 5 (0: never)
