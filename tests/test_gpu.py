@@ -73,6 +73,48 @@ def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
         assert torch.allclose(out.float(), ref_out.float(), atol=2e-2)
 
 
+@pytest.mark.parametrize("split", [1, 4, 16])
+def test_decode_rows_through_the_triton_kernel_equal_the_exact_cpu_pieces(rt, split):
+    """Decode rows (one token an item: lm's Triton kernel, not flash): bases long and short, one in
+    two extents, splits that leave pieces empty, two rows on one version."""
+    from common.engine.lm import Item, KVView
+
+    lm = rt.lm
+    assert lm.decode_kernel is not None
+    torch.manual_seed(1)
+    base = rt.pool.alloc(20_000)
+    base.kv.normal_()
+    scratch = [rt.pool.alloc(64) for _ in range(5)]
+    for s in scratch:
+        s.kv.normal_()
+
+    def view(*ranges: tuple[int, int]) -> KVView:
+        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
+
+    items = [
+        Item(1, scratch[0], 10, base=view((0, 20_000))),
+        Item(1, scratch[1], 30, base=view((0, 12_345))),
+        Item(1, scratch[2], 0, base=view((0, 7))),
+        Item(1, scratch[3], 5, base=view((0, 7_000), (9_001, 5_000))),
+        Item(1, scratch[4], 63, base=view((0, 12_345))),
+    ]
+    plan = lm.plan(items, split)
+    assert plan.max_q == 1
+    q = torch.randn(len(items), lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
+    for (slab, causal), pieces in plan.pieces.items():
+        kv = rt.pool.slabs[slab][0]
+        out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+        lm.flash = False
+        try:
+            ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
+        finally:
+            lm.flash = True
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(finite, torch.isfinite(lse))
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3)
+        assert torch.allclose(out.float(), ref_out.float(), atol=1e-2)
+
+
 def _engine(rt, name: str, grid, n_chunks: int, seed: int):
     from common.engine.grid import StreamSpec
     from common.engine.stream import StreamEngine

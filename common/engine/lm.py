@@ -45,6 +45,10 @@ SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
 # Decode rows over long bases cut into pieces too (off: flash's own split-KV kernel for one-row
 # queries splits the keys alone, with no query rows to gather and no pieces to merge)
 DECODE_SPLIT_KV = True
+# Decode rows' attention through our Triton kernel (decode_attention.py) instead of flash, where
+# Triton is: a program per piece and KV head, no copies, no combine of flash's own
+TRITON_DECODE = True
+DECODE_BLOCKS_PER_SM = 2  # pieces x KV heads a lone decode row is cut into, per SM
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
 # 32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
@@ -209,6 +213,7 @@ class LanguageModel:
         self.pool = pool
         self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         self.cudnn = self.flash and CUDNN_BODIES and _cudnn_attention_works(self.device, self.dtype, self.head_dim)
+        self.decode_kernel = _decode_kernel(self.head_dim) if self.flash and TRITON_DECODE else None
         with torch.no_grad():
             self.weights = [_LayerWeights.of(layer) for layer in self.layers]
         self.eps = self.norm.variance_epsilon
@@ -247,6 +252,8 @@ class LanguageModel:
         if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS or (rows_per_item == 1 and not DECODE_SPLIT_KV):
             return 1
         group = self.n_heads // self.n_kv_heads
+        if rows_per_item == 1 and self.decode_kernel is not None:  # a program per piece and KV head
+            return max(1, min(DECODE_MAX_SPLIT, (DECODE_BLOCKS_PER_SM * n_sm) // (n_items * self.n_kv_heads)))
         blocks = self.n_heads if rows_per_item == 1 else self.n_kv_heads * -(-rows_per_item * group // 128)
         split = max(1, min(MAX_SPLIT, (2 * n_sm) // (n_items * blocks)))
         # A split prefill has at least UNROLL_COPIES pieces, so its merge is always the stacked one:
@@ -378,6 +385,8 @@ class LanguageModel:
 
     def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
+        if self.flash and max_q == 1 and self.decode_kernel is not None:  # one query row a piece
+            return (*self.decode_kernel(q, kv, p.rows, p.starts, p.lengths, self.head_dim**-0.5), p.rows)
         if self.flash:
             q = q if p.copies == 1 else q.index_select(0, p.rows)
             return (*self._flash(q, kv, p, causal, max_q), p.rows)
@@ -519,6 +528,19 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
 
 
 MAX_SPLIT = 64
+DECODE_MAX_SPLIT = 128  # the Triton decode kernel's pieces of one row's base
+
+
+def _decode_kernel(head_dim: int):
+    """decode_attention.piece_attention, or None where Triton is not installed or the head width
+    is no power of two from 16 (flash serves)."""
+    if head_dim < 16 or head_dim & (head_dim - 1):
+        return None
+    try:
+        from common.engine.decode_attention import piece_attention
+    except ImportError:
+        return None
+    return piece_attention
 
 
 def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""One decode row's attention over a long cache, two ways, one layer at random-3b's heads (16 query
+"""One decode row's attention over a long cache, three ways, one layer at random-3b's heads (16 query
 heads on 2 KV heads, 128 wide); prints JSON lines (device microseconds a layer, replayed from a
 CUDA graph as a decode step is, over 8 layers' caches in turn so that the L2 cache holds none,
 and the largest error against exact fp32 attention).
@@ -10,6 +10,10 @@ and the largest error against exact fp32 attention).
 - `packed`: the 8 query heads of each KV head packed as 8 rows before the call (as lm._flash does
   for bases read by several rows), so flash runs its plain kernel, one thread block per piece and
   KV head, no swap, no split of its own, no combine; then our merge over more pieces.
+
+- `triton`: common/engine/decode_attention.py, one program per piece and KV head reading the
+  piece's keys once for the 8 query heads, no copies; then our merge. Its tile (`block_n` keys)
+  and loads in flight (`stages`) are varied too.
 
 Whether `packed` with enough pieces beats `swapped` says whether a decode step at 100K can lose
 some of its 1.39 ms of split-KV kernel, 0.22 ms of combine and ~0.3 ms of copies a step (H200,
@@ -25,13 +29,15 @@ import json
 
 import torch
 
+from common.engine import decode_attention
 from common.engine.lm import _merge_stacked
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 128
 GROUP = HEADS // KV_HEADS
 SIZES = (32768, 100000)
 LAYERS = 8  # distinct layers' caches, in turn: together past the L2 cache (50 MB on an H200), as 36 are
-LAYOUTS = {"swapped": (1, 8, 16, 32), "packed": (16, 32, 64, 128, 256)}
+LAYOUTS = {"swapped": (1, 8, 16, 32), "packed": (64, 128), "triton": (32, 64, 128, 256)}
+TRITON_TILES = ((64, 3), (32, 3), (128, 2))  # (block_n, stages)
 
 
 def pieces(length: int, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -44,11 +50,15 @@ def pieces(length: int, n: int, device: torch.device) -> tuple[torch.Tensor, tor
     return torch.tensor([*starts, 0], **as_int), torch.tensor(lengths, **as_int), max_k
 
 
-def attend(q: torch.Tensor, layer: torch.Tensor, cut: tuple, packed: bool, merge) -> torch.Tensor:
+def attend(q: torch.Tensor, layer: torch.Tensor, cut: tuple, layout: str, merge) -> torch.Tensor:
     """q (1, H, hd) over every key of `layer` (2, kv_heads, L, hd), cut as `cut` (from `pieces`,
     made beforehand: a graph copies nothing from the host) -> (1, H, hd)."""
     starts, lengths, max_k = cut
     n = lengths.numel()
+    if layout == "triton":
+        out, lse = decode_attention.piece_attention(q, layer, _row_zero(n, q.device), starts, lengths, HEAD_DIM**-0.5)
+        return merge(1, [(out, lse, None)])
+    packed = layout == "packed"
     k, v = layer[0].transpose(0, 1), layer[1].transpose(0, 1)  # (slots, kv_heads, hd), read in place
     rows = GROUP if packed else 1
     if packed:  # (1, H, hd) -> (GROUP, kv_heads, hd): query head kv * GROUP + g is row g of KV head kv
@@ -66,6 +76,12 @@ def attend(q: torch.Tensor, layer: torch.Tensor, cut: tuple, packed: bool, merge
     return merge(1, [(out, lse, None)])
 
 
+@functools.cache
+def _row_zero(n: int, device: torch.device) -> torch.Tensor:
+    """Every piece's query row: the one row (made once, outside the graphs)."""
+    return torch.zeros(n, dtype=torch.long, device=device)
+
+
 def exact(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     k = layer[0].float().repeat_interleave(GROUP, 0)  # (H, L, hd)
     v = layer[1].float().repeat_interleave(GROUP, 0)
@@ -73,9 +89,9 @@ def exact(q: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(scores, -1) @ v).transpose(0, 1)  # (1, H, hd)
 
 
-def layers_in_turn(q: torch.Tensor, layers: torch.Tensor, cut: tuple, packed: bool, merge) -> None:
+def layers_in_turn(q: torch.Tensor, layers: torch.Tensor, cut: tuple, layout: str, merge) -> None:
     for layer in layers:
-        attend(q, layer, cut, packed, merge)
+        attend(q, layer, cut, layout, merge)
 
 
 def replay_us(fn, n: int = 200) -> float:
@@ -109,12 +125,16 @@ def main() -> None:
         truth = exact(q, layer)
         for layout, counts in LAYOUTS.items():
             for n in counts:
-                packed, cut = layout == "packed", pieces(length, n, device)
-                got = attend(q, layer, cut, packed, merge)
-                us = replay_us(functools.partial(layers_in_turn, q, layers, cut, packed, merge)) / LAYERS
-                error = (got.float() - truth).abs().max().item()
-                row = {"cache_tokens": length, "layout": layout, "pieces": n, "us_per_layer": round(us, 1)}
-                print(json.dumps({**row, "max_error": round(error, 5)}), flush=True)
+                for block_n, stages in TRITON_TILES if layout == "triton" else ((None, None),):
+                    tile = {} if block_n is None else {"block_n": block_n, "stages": stages}
+                    if tile:
+                        decode_attention.BLOCK_N, decode_attention.NUM_STAGES = block_n, stages
+                    cut = pieces(length, n, device)
+                    got = attend(q, layer, cut, layout, merge)
+                    us = replay_us(functools.partial(layers_in_turn, q, layers, cut, layout, merge)) / LAYERS
+                    error = (got.float() - truth).abs().max().item()
+                    row = {"cache_tokens": length, "layout": layout, "pieces": n, **tile, "us_per_layer": round(us, 1)}
+                    print(json.dumps({**row, "max_error": round(error, 5)}), flush=True)
 
 
 if __name__ == "__main__":

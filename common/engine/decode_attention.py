@@ -1,0 +1,138 @@
+"""Attention of decode rows (one query token each) over key ranges of the pool, as a Triton kernel.
+
+Flash attention's decode path swaps each row's query heads into rows itself (three small copies a
+layer), splits the keys once more and combines (two kernels); at 100K cached tokens it read the
+cache at 2.65 TB/s of the H200's 4.8. Here one program reads one piece's key range for one KV
+head, once, for every query head that shares it (GQA), straight from the pool's (kv_heads, slots,
+hd) layout, and writes the piece's output and log-sum-exp: the plan's pieces are already the
+split-KV, and lm.py's merge already combines them.
+
+The kernel is only used where Triton and a GPU are; lm.py's CPU path (exact, fp32) is the oracle
+it is tested against (tests/test_gpu.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # keys a loop iteration reads: 16 KB of K and 16 KB of V per KV head
+NUM_STAGES = 3  # loads in flight per program (Hopper's shared memory holds them)
+NUM_WARPS = 4
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _piece_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    rows_ptr,
+    starts_ptr,
+    lengths_ptr,
+    out_ptr,
+    lse_ptr,
+    stride_q_row,
+    stride_q_head,
+    stride_k_head,
+    stride_k_slot,
+    stride_v_head,
+    stride_v_slot,
+    stride_o_row,
+    stride_o_head,
+    stride_l_row,
+    scale_log2,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    piece = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = tl.load(rows_ptr + piece)
+    start = tl.load(starts_ptr + piece).to(tl.int64)
+    length = tl.load(lengths_ptr + piece)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + offs_g
+    in_group = offs_g < GROUP
+    q = tl.load(
+        q_ptr + row * stride_q_row + heads[:, None] * stride_q_head + offs_d[None, :], mask=in_group[:, None], other=0.0
+    )
+    k_base = k_ptr + kv_head * stride_k_head + start * stride_k_slot
+    v_base = v_ptr + kv_head * stride_v_head + start * stride_v_slot
+    peak = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for n0 in tl.range(0, length, BLOCK_N):
+        keys = n0 + offs_n
+        valid = keys < length
+        k = tl.load(k_base + keys[:, None] * stride_k_slot + offs_d[None, :], mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * scale_log2  # base-2 exponents: exp2 is one instruction
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        new_peak = tl.maximum(peak, tl.max(scores, 1))
+        rescale = tl.exp2(peak - new_peak)
+        p = tl.exp2(scores - new_peak[:, None])
+        total = total * rescale + tl.sum(p, 1)
+        v = tl.load(v_base + keys[:, None] * stride_v_slot + offs_d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
+        peak = new_peak
+    seen = total > 0.0  # an empty piece (a split past a short base's end) adds nothing to the merge
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    lse = tl.where(seen, (peak + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
+    tl.store(
+        out_ptr + piece * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=in_group[:, None],
+    )
+    tl.store(lse_ptr + piece * stride_l_row + heads, lse, mask=in_group)
+
+
+def piece_attention(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    rows: torch.Tensor,
+    starts: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per piece: q (T, H, hd), one slab layer's kv (2, kv_heads, slots, hd), each
+    piece's query row, first slot and key count -> out (P, H, hd) and lse (P, H) in fp32, -inf for
+    a piece with no keys."""
+    n_pieces, heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
+    kv_heads = kv.shape[1]
+    group = heads // kv_heads
+    out = torch.empty(n_pieces, heads, head_dim, dtype=q.dtype, device=q.device)
+    lse = torch.empty(n_pieces, heads, dtype=torch.float32, device=q.device)
+    k, v = kv[0], kv[1]
+    _piece_kernel[(n_pieces, kv_heads)](
+        q,
+        k,
+        v,
+        rows,
+        starts,
+        lengths,
+        out,
+        lse,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        lse.stride(0),
+        scale * LOG2_E,
+        GROUP=group,
+        BLOCK_G=max(16, 1 << math.ceil(math.log2(group))),  # tl.dot takes at least 16 rows
+        HEAD_DIM=head_dim,
+        BLOCK_N=BLOCK_N,
+        num_warps=NUM_WARPS,
+        num_stages=NUM_STAGES,
+    )
+    return out, lse
