@@ -48,7 +48,7 @@ DECODE_SPLIT_KV = True
 # Decode rows' attention through our Triton kernel (decode_attention.py) instead of flash, where
 # Triton is: a program per piece and KV head, no copies, no combine of flash's own
 TRITON_DECODE = True
-DECODE_BLOCKS_PER_SM = 2  # pieces x KV heads a lone decode row is cut into, per SM
+DECODE_BLOCKS_PER_SM = 8  # pieces x KV heads x rows per SM: several waves, so the last one is short
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
 # 32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
@@ -528,7 +528,7 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
 
 
 MAX_SPLIT = 64
-DECODE_MAX_SPLIT = 128  # the Triton decode kernel's pieces of one row's base
+DECODE_MAX_SPLIT = 64  # the Triton decode kernel's pieces of one row's base
 
 
 def _decode_kernel(head_dim: int):
