@@ -11,8 +11,10 @@
 #                CPU oracles (2-2.5 min, 2026-11-26)
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
-#     pipeline   bench_pipeline: 64 live cameras with full caches, 8 askers (5 min); their 32K caches
-#                need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
+#     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count) with full caches, 8
+#                askers, measured for 150 s (6.5 min): a 30 s window called a 64-camera run kept up
+#                whose backlog then grew to 13 s and dropped frames (2026-11-27); 64 cameras' 32K
+#                caches need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
 #                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the
 #                window or just before it changes the numbers: the worker's logs say which
 #     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
@@ -84,7 +86,7 @@ for what in "$@"; do
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
-      --cameras 64 --warmup 128 --settle-timeout 5 --duration 30 --start-timeout 200 --logs /tmp/pipeline-logs
+      --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration 150 --start-timeout 200 --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
     storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
     copies) step copies copies.json python3 docs/bench/host_copies.py ;;
