@@ -13,6 +13,7 @@ it is tested against (tests/test_gpu.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -104,35 +105,38 @@ def piece_attention(
     piece's query row, first slot and key count -> out (P, H, hd) and lse (P, H) in fp32, -inf for
     a piece with no keys."""
     n_pieces, heads, head_dim = rows.shape[0], q.shape[1], q.shape[2]
-    kv_heads = kv.shape[1]
-    group = heads // kv_heads
+    k, v = kv[0], kv[1]
+    if k.stride(2) != 1 or q.stride(2) != 1:
+        raise ValueError("a head's values must be contiguous")
+    group = heads // k.shape[0]
     out = torch.empty(n_pieces, heads, head_dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(n_pieces, heads, dtype=torch.float32, device=q.device)
-    k, v = kv[0], kv[1]
-    _piece_kernel[(n_pieces, kv_heads)](
-        q,
-        k,
-        v,
-        rows,
-        starts,
-        lengths,
-        out,
-        lse,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        lse.stride(0),
-        scale * LOG2_E,
-        GROUP=group,
-        BLOCK_G=max(16, 1 << math.ceil(math.log2(group))),  # tl.dot takes at least 16 rows
-        HEAD_DIM=head_dim,
-        BLOCK_N=BLOCK_N,
-        num_warps=NUM_WARPS,
-        num_stages=NUM_STAGES,
-    )
+    # Triton launches on the current device, and a worker may serve cuda:1
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _piece_kernel[(n_pieces, k.shape[0])](
+            q,
+            k,
+            v,
+            rows,
+            starts,
+            lengths,
+            out,
+            lse,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            scale * LOG2_E,
+            GROUP=group,
+            BLOCK_G=max(16, 1 << math.ceil(math.log2(group))),  # tl.dot takes at least 16 rows
+            HEAD_DIM=head_dim,
+            BLOCK_N=BLOCK_N,
+            num_warps=NUM_WARPS,
+            num_stages=NUM_STAGES,
+        )
     return out, lse
