@@ -34,31 +34,28 @@ def rt():
     return Runtime(load_model("tiny-random", device="cuda", dtype="bfloat16"), pool_tokens=1 << 18)
 
 
-@pytest.mark.parametrize("split", [1, 4])
-def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
-    """Overlapping regions (two questions on one version), causal own pieces, split bases, and a
-    base in two extents (padded with an empty piece to the others' count)."""
+def _assert_pieces_equal_exact(rt, lengths: list[int], split: int, atol: tuple[float, float]) -> None:
+    """Items of `lengths` new tokens over bases of a 20K-token cache (two questions on one
+    version, a short base, one in two extents padded with an empty piece to the others' count):
+    every piece group of the plan as the GPU attends it against the exact CPU pieces (lse, out)."""
     from common.engine.lm import Item, KVView
 
     lm = rt.lm
     torch.manual_seed(0)
     base = rt.pool.alloc(20_000)
     base.kv.normal_()
-    scratch = [rt.pool.alloc(64) for _ in range(4)]
-    for s in scratch:
-        s.kv.normal_()
 
     def view(*ranges: tuple[int, int]) -> KVView:
         return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
 
-    items = [
-        Item(5, scratch[0], 10, base=view((0, 20_000))),
-        Item(1, scratch[1], 30, base=view((0, 12_345))),
-        Item(3, scratch[2], 0, base=view((0, 7))),
-        Item(2, scratch[3], 5, base=view((0, 7_000), (9_001, 5_000))),
-    ]
+    bases = [view((0, 20_000)), view((0, 12_345)), view((0, 7)), view((0, 7_000), (9_001, 5_000)), view((0, 12_345))]
+    items = []
+    for n, at, b in zip(lengths, (10, 30, 0, 5, 63 - max(lengths)), bases, strict=False):
+        scratch = rt.pool.alloc(64)
+        scratch.kv.normal_()
+        items.append(Item(n, scratch, at, base=b))
     plan = lm.plan(items, split)
-    q = torch.randn(11, lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(sum(lengths), lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     for (slab, causal), pieces in plan.pieces.items():
         kv = rt.pool.slabs[slab][0]
         out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
@@ -69,50 +66,21 @@ def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
             lm.flash = True
         finite = torch.isfinite(ref_lse)
         assert torch.equal(finite, torch.isfinite(lse))
-        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-2)
-        assert torch.allclose(out.float(), ref_out.float(), atol=2e-2)
+        assert torch.allclose(lse[finite], ref_lse[finite], atol=atol[0])
+        assert torch.allclose(out.float(), ref_out.float(), atol=atol[1])
+
+
+@pytest.mark.parametrize("split", [1, 4])
+def test_varlen_flash_pieces_equal_the_exact_cpu_pieces(rt, split):
+    """Items of several tokens (flash): causal own pieces, split bases."""
+    _assert_pieces_equal_exact(rt, [5, 1, 3, 2], split, atol=(1e-2, 2e-2))
 
 
 @pytest.mark.parametrize("split", [1, 4, 16])
 def test_decode_rows_through_the_triton_kernel_equal_the_exact_cpu_pieces(rt, split):
-    """Decode rows (one token an item: lm's Triton kernel, not flash): bases long and short, one in
-    two extents, splits that leave pieces empty, two rows on one version."""
-    from common.engine.lm import Item, KVView
-
-    lm = rt.lm
-    assert lm.decode_kernel is not None
-    torch.manual_seed(1)
-    base = rt.pool.alloc(20_000)
-    base.kv.normal_()
-    scratch = [rt.pool.alloc(64) for _ in range(5)]
-    for s in scratch:
-        s.kv.normal_()
-
-    def view(*ranges: tuple[int, int]) -> KVView:
-        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
-
-    items = [
-        Item(1, scratch[0], 10, base=view((0, 20_000))),
-        Item(1, scratch[1], 30, base=view((0, 12_345))),
-        Item(1, scratch[2], 0, base=view((0, 7))),
-        Item(1, scratch[3], 5, base=view((0, 7_000), (9_001, 5_000))),
-        Item(1, scratch[4], 63, base=view((0, 12_345))),
-    ]
-    plan = lm.plan(items, split)
-    assert plan.max_q == 1
-    q = torch.randn(len(items), lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
-    for (slab, causal), pieces in plan.pieces.items():
-        kv = rt.pool.slabs[slab][0]
-        out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
-        lm.flash = False
-        try:
-            ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
-        finally:
-            lm.flash = True
-        finite = torch.isfinite(ref_lse)
-        assert torch.equal(finite, torch.isfinite(lse))
-        assert torch.allclose(lse[finite], ref_lse[finite], atol=1e-3)
-        assert torch.allclose(out.float(), ref_out.float(), atol=1e-2)
+    """Decode rows (one token an item: lm's Triton kernel, not flash), splits that leave pieces empty."""
+    assert rt.lm.decode_kernel is not None
+    _assert_pieces_equal_exact(rt, [1, 1, 1, 1, 1], split, atol=(1e-3, 1e-2))
 
 
 def _engine(rt, name: str, grid, n_chunks: int, seed: int):
