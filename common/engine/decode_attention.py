@@ -84,7 +84,8 @@ def _piece_kernel(
         peak = new_peak
     seen = total > 0.0  # an empty piece (a split past a short base's end) adds nothing to the merge
     out = acc / tl.where(seen, total, 1.0)[:, None]
-    lse = tl.where(seen, (peak + tl.log2(tl.where(seen, total, 1.0))) / 1.4426950408889634, float("-inf"))
+    lse_log2 = peak + tl.log2(tl.where(seen, total, 1.0))
+    lse = tl.where(seen, lse_log2 * 0.6931471805599453, float("-inf"))  # times ln 2: back to natural logs
     tl.store(
         out_ptr + piece * stride_o_row + heads[:, None] * stride_o_head + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
