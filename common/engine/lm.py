@@ -385,7 +385,7 @@ class LanguageModel:
 
     def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
-        if self.flash and max_q == 1 and self.decode_kernel is not None:  # one query row a piece
+        if max_q == 1 and self.decode_kernel is not None:  # one query row a piece (set on GPUs only)
             return (*self.decode_kernel(q, kv, p.rows, p.starts, p.lengths, self.head_dim**-0.5), p.rows)
         if self.flash:
             q = q if p.copies == 1 else q.index_select(0, p.rows)

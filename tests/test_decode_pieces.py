@@ -1,0 +1,77 @@
+"""How lm.py uses the GPU's decode-row kernel (decode_attention.piece_attention: one query row a
+piece, its first slot and key count; out and lse per piece, lse -inf for a piece with no keys),
+checked on the CPU with an exact implementation of that contract in the kernel's place. The
+kernel itself is held to the exact pieces on a GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.engine.answer import ask
+from common.engine.grid import Grid
+from common.engine.lm import Item, KVView
+from common.engine.model import load_model
+from common.engine.offline import offline_answer
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from tests.engine_helpers import QUESTION, make_frames, stream
+
+
+def exact_piece_attention(q, kv, rows, starts, lengths, scale):
+    """The kernel's contract in fp32: q (T, H, hd), kv (2, kv_heads, slots, hd), per piece its
+    query row, first slot and key count -> out (P, H, hd), lse (P, H)."""
+    heads, group = q.shape[1], q.shape[1] // kv.shape[1]
+    out = torch.zeros(rows.shape[0], heads, q.shape[2], dtype=q.dtype)
+    lse = torch.full((rows.shape[0], heads), -math.inf)
+    for p, (row, start, n) in enumerate(zip(rows.tolist(), starts.tolist(), lengths.tolist(), strict=False)):
+        if n:
+            k = kv[0, :, start : start + n].float().repeat_interleave(group, 0)  # (H, n, hd)
+            v = kv[1, :, start : start + n].float().repeat_interleave(group, 0)
+            scores = (k @ q[row].float()[:, :, None])[..., 0] * scale  # (H, n)
+            lse[p] = torch.logsumexp(scores, -1)
+            out[p] = (torch.softmax(scores, -1)[:, None, :] @ v)[:, 0].to(q.dtype)
+    return out, lse
+
+
+@pytest.fixture
+def rt():
+    rt = Runtime(load_model("tiny-random"), pool_tokens=1 << 16)
+    rt.lm.decode_kernel = exact_piece_attention
+    return rt
+
+
+def test_a_streamed_answer_decoded_through_the_kernels_contract_equals_offline(rt):
+    grid = Grid(56, 84)
+    frames = make_frames(8, grid, seed=3)
+    engine = stream(rt, frames, grid, 2, 4)
+    streamed = ask(rt, engine.head, QUESTION, GenerationParams(max_tokens=12))
+    offline = offline_answer(rt, frames, grid, 2, QUESTION, max_tokens=12)
+    assert streamed.token_ids == offline.token_ids and len(streamed.token_ids) > 1
+
+
+@pytest.mark.parametrize("split", [1, 4, 64])
+def test_decode_rows_split_into_pieces_equal_the_cpu_path(rt, split):
+    """Decode rows over bases cut into up to 64 pieces (empty ones past a short base's end, a
+    base in two extents): the forward through the kernel's contract equals the CPU path's."""
+    lm = rt.lm
+    torch.manual_seed(0)
+    base = rt.pool.alloc(3_000)
+    base.kv.normal_()
+
+    def view(*ranges: tuple[int, int]) -> KVView:
+        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
+
+    items = []
+    for at, b in [(3, view((0, 3_000))), (0, view((0, 7))), (9, view((0, 1_000), (1_500, 900)))]:
+        scratch = rt.pool.alloc(16)
+        scratch.kv.normal_()
+        items.append(Item(1, scratch, at, base=b))
+    embeds = torch.randn(len(items), lm.embed_tokens.embedding_dim) * 0.02
+    positions = torch.tensor([5_000, 30, 4_000]).expand(3, -1)
+    plan = lm.plan(items, split)
+    through_kernel = lm.forward(embeds, positions, plan)
+    lm.decode_kernel = None
+    assert torch.allclose(through_kernel, lm.forward(embeds, positions, plan), atol=1e-5)
