@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,6 +14,7 @@ from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import Version
+from common.engine.lm import Item, KVView, LanguageModel
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
@@ -89,3 +92,31 @@ def policy_keeping(rt: Runtime, budget_video_tokens: int, keep_video_tokens: int
 def same_kv(a: Version, b: Version, atol: float = 1e-5) -> bool:
     n = a.tokens
     return b.tokens == n and torch.allclose(a.view.kv[:, :, :, :n], b.view.kv[:, :, :, :n], atol=atol)
+
+
+def items_over_one_cache(
+    rt: Runtime, cache_tokens: int, items: list[tuple[int, int, tuple[tuple[int, int], ...]]]
+) -> list[Item]:
+    """A cache of `cache_tokens` random K/V, and per (new tokens, at, base ranges of the cache) an
+    item writing into 64 random scratch slots at `at` over a base of those ranges (a range each an
+    extent). Seeded: call `torch.manual_seed` first."""
+    cache = rt.pool.alloc(cache_tokens)
+    cache.kv.normal_()
+    out = []
+    for n, at, ranges in items:
+        scratch = rt.pool.alloc(64)
+        scratch.kv.normal_()
+        base = KVView(tuple(rt.pool.hold(cache.slab, cache.start + a, k) for a, k in ranges))
+        out.append(Item(n, scratch, at, base=base))
+    return out
+
+
+@contextmanager
+def exact_attention(lm: LanguageModel) -> Iterator[None]:
+    """The CPU path's attention (exact, fp32, piece by piece) on any device, for the block."""
+    flash, kernel = lm.flash, lm.decode_kernel
+    lm.flash, lm.decode_kernel = False, None
+    try:
+        yield
+    finally:
+        lm.flash, lm.decode_kernel = flash, kernel

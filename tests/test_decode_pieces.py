@@ -12,12 +12,11 @@ import torch
 
 from common.engine.answer import ask
 from common.engine.grid import Grid
-from common.engine.lm import Item, KVView
 from common.engine.model import load_model
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from tests.engine_helpers import QUESTION, make_frames, stream
+from tests.engine_helpers import QUESTION, exact_attention, items_over_one_cache, make_frames, stream
 
 
 def exact_piece_attention(q, kv, rows, starts, lengths, scale):
@@ -58,20 +57,11 @@ def test_decode_rows_split_into_pieces_equal_the_cpu_path(rt, split):
     base in two extents): the forward through the kernel's contract equals the CPU path's."""
     lm = rt.lm
     torch.manual_seed(0)
-    base = rt.pool.alloc(3_000)
-    base.kv.normal_()
-
-    def view(*ranges: tuple[int, int]) -> KVView:
-        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
-
-    items = []
-    for at, b in [(3, view((0, 3_000))), (0, view((0, 7))), (9, view((0, 1_000), (1_500, 900)))]:
-        scratch = rt.pool.alloc(16)
-        scratch.kv.normal_()
-        items.append(Item(1, scratch, at, base=b))
+    bases = [((0, 3_000),), ((0, 7),), ((0, 1_000), (1_500, 900))]
+    items = items_over_one_cache(rt, 3_000, [(1, at, b) for at, b in zip((3, 0, 9), bases, strict=True)])
     embeds = torch.randn(len(items), lm.embed_tokens.embedding_dim) * 0.02
     positions = torch.tensor([5_000, 30, 4_000]).expand(3, -1)
     plan = lm.plan(items, split)
     through_kernel = lm.forward(embeds, positions, plan)
-    lm.decode_kernel = None
-    assert torch.allclose(through_kernel, lm.forward(embeds, positions, plan), atol=1e-5)
+    with exact_attention(lm):
+        assert torch.allclose(through_kernel, lm.forward(embeds, positions, plan), atol=1e-5)

@@ -38,32 +38,20 @@ def _assert_pieces_equal_exact(rt, lengths: list[int], split: int, atol: tuple[f
     """Items of `lengths` new tokens over bases of a 20K-token cache (two questions on one
     version, a short base, one in two extents padded with an empty piece to the others' count):
     every piece group of the plan as the GPU attends it against the exact CPU pieces (lse, out)."""
-    from common.engine.lm import Item, KVView
+    from tests.engine_helpers import exact_attention, items_over_one_cache
 
     lm = rt.lm
     torch.manual_seed(0)
-    base = rt.pool.alloc(20_000)
-    base.kv.normal_()
-
-    def view(*ranges: tuple[int, int]) -> KVView:
-        return KVView(tuple(rt.pool.hold(base.slab, base.start + a, n) for a, n in ranges))
-
-    bases = [view((0, 20_000)), view((0, 12_345)), view((0, 7)), view((0, 7_000), (9_001, 5_000)), view((0, 12_345))]
-    items = []
-    for n, at, b in zip(lengths, (10, 30, 0, 5, 63 - max(lengths)), bases, strict=False):
-        scratch = rt.pool.alloc(64)
-        scratch.kv.normal_()
-        items.append(Item(n, scratch, at, base=b))
+    bases = [((0, 20_000),), ((0, 12_345),), ((0, 7),), ((0, 7_000), (9_001, 5_000)), ((0, 12_345),)]
+    ats = (10, 30, 0, 5, 63 - max(lengths))
+    items = items_over_one_cache(rt, 20_000, list(zip(lengths, ats, bases, strict=False)))
     plan = lm.plan(items, split)
     q = torch.randn(sum(lengths), lm.n_heads, lm.head_dim, device="cuda", dtype=torch.bfloat16)
     for (slab, causal), pieces in plan.pieces.items():
         kv = rt.pool.slabs[slab][0]
         out, lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
-        lm.flash = False
-        try:
+        with exact_attention(lm):
             ref_out, ref_lse, _ = lm._piece_attention(q, kv, pieces, causal, plan.max_q)
-        finally:
-            lm.flash = True
         finite = torch.isfinite(ref_lse)
         assert torch.equal(finite, torch.isfinite(lse))
         assert torch.allclose(lse[finite], ref_lse[finite], atol=atol[0])
