@@ -224,16 +224,19 @@ def _gpu_failed(error: BaseException) -> NoReturn:
     """The GPU loop broke (a CUDA error leaves the device unusable to this process): one line, then
     exit 5 at once, from its thread. Nothing unfinished was acked, so a restarted worker (or another
     one) gets every frame and question again."""
-    log.error("gpu failed", exit_code=EXIT_GPU, error=redact_text(f"{type(error).__name__}: {error}"))
-    logging.shutdown()
-    os._exit(EXIT_GPU)
+    _exit_gpu("gpu failed", error=redact_text(f"{type(error).__name__}: {error}"))
 
 
 def _gpu_stuck(seconds: float, stack: list[str]) -> NoReturn:
     """A GPU step has run past `gpu_stuck_s` (a hung device does not come back to this process):
     one line saying where the loop stands, then exit 5 as for a failed device, from the watch's
     thread; what was not finished is delivered again to the restarted worker."""
-    log.error("gpu loop stuck", exit_code=EXIT_GPU, seconds=round(seconds, 1), stack=stack)
+    _exit_gpu("gpu loop stuck", seconds=round(seconds, 1), stack=stack)
+
+
+def _exit_gpu(event: str, **fields: object) -> NoReturn:
+    """One line, then exit 5 at once, from whichever thread saw the GPU loop lost."""
+    log.error(event, exit_code=EXIT_GPU, **fields)
     logging.shutdown()
     os._exit(EXIT_GPU)
 

@@ -18,13 +18,15 @@ are transformers' own modules; only the MLP gets a copy, with gate and up fused 
 matmul and its 3420 width zero-padded to a multiple of 128 (exact: padded units are
 silu(0) * 0 = 0 and meet zero columns of the down projection).
 
-With `graphs` (a GPU setting, off by default), a batch composition (its chunks' grids, in grid
-order whatever order they came in) that comes a second time is captured as a CUDA graph and
-replayed from then on: one launch instead of ~500 from Python. Engine alone the tower is
-device-bound either way; in a worker with 64 camera threads the GPU loop's Python waits for the
-GIL: a profiled encode step (the profiler slows the host too) had the device idle 76 ms between
-the vision tower's kernels, for 35 ms of work (H200). Replayed, the encoder published 29-31
-chunks/s at 64 cameras against about 28. Why it is off: docs/BENCHMARKS.md (eleventh session).
+With `graphs` (the services' `gpu_vision_graphs`, on by default there; off for a bare
+`Runtime`), a batch composition (its chunks' grids, in grid order whatever order they came in)
+that comes a second time is captured as a CUDA graph and replayed from then on: one launch
+instead of ~500 from Python. Engine alone the tower is device-bound either way; in a worker with
+64 camera threads the GPU loop's Python waits for the GIL: a profiled encode step (the profiler
+slows the host too) had the device idle 76 ms between the vision tower's kernels, for 35 ms of
+work (H200). Replayed, encode steps of 7-8 chunks took 205-219 ms at 64 cameras against 226-231.
+A replay has no layer boundaries, so no decode step is launched from inside it: decode steps
+beside an encode step are launched from the prefill's layers.
 """
 
 from __future__ import annotations
