@@ -177,8 +177,15 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     # what start-up made lives as long as the process (stalls.py); frozen before the stall watch
     # starts timing collections, so that this deliberate one is not reported as a pause
     frozen = freeze_heap()
+    policy = gpu.schedule_policy()
+    if policy.join_during_encode:  # questions start beside encode steps: see pool.py
+        rt.pool.defer_frees()
     scheduler = Scheduler(
-        gpu.schedule_policy(), on_step=StallWatch().on_step, on_fatal=_gpu_failed, profiler=_profiler(gpu)
+        policy,
+        on_step=StallWatch().on_step,
+        on_fatal=_gpu_failed,
+        profiler=_profiler(gpu),
+        on_settled=rt.pool.settled,
     ).start()
     if rt.device.type == "cuda" and gpu.gpu_stuck_s:  # on a CPU a long step is only a slow one
         StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()

@@ -55,7 +55,8 @@ def _assert_pieces_equal_exact(rt, lengths: list[int], split: int, atol: tuple[f
         finite = torch.isfinite(ref_lse)
         assert torch.equal(finite, torch.isfinite(lse))
         assert torch.allclose(lse[finite], ref_lse[finite], atol=atol[0])
-        assert torch.allclose(out.float(), ref_out.float(), atol=atol[1])
+        # both outputs rounded to bf16 from fp32: a rounding apart is 2^-7 of the value, past atol above 2
+        torch.testing.assert_close(out.float(), ref_out.float(), atol=atol[1], rtol=2**-7)
 
 
 @pytest.mark.parametrize("split", [1, 4])

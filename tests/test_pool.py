@@ -64,3 +64,20 @@ def test_a_region_extends_in_place_only_into_free_pages():
     assert pool.extend(grown, 1) is None, "the next page is taken"
     del run, blocker
     assert pool.used_tokens == 24
+
+
+def test_deferred_frees_are_handed_out_only_once_the_device_has_settled():
+    """Where questions start beside an encode step, pages let go of during the step (a re-layout's
+    old pages, which copies the step queued may still read) must not become a question's scratch
+    before the device is done: they are free again at `settled()`, or when nothing else fits."""
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=32, page_tokens=8)
+    pool.defer_frees()
+    old, _kept = pool.alloc(8), pool.alloc(8)
+    del old  # page 0, let go of during a step
+    assert pool.used_tokens == 8, "no longer held: counted as free at once"
+    scratch = pool.alloc(8)
+    assert scratch.start == 16, "but not handed out before the device settles"
+    pool.settled()
+    assert pool.alloc(8).start == 0
+    del scratch
+    assert pool.alloc(16).start == 16 and len(pool.slabs) == 1, "a full pool takes back deferred pages, not more memory"

@@ -198,11 +198,15 @@ def test_a_step_that_breaks_beside_an_encode_step_is_the_loop_failing_not_the_ch
 
 
 class Counted(StepJob):
-    """A question that counts its steps and ends after `steps`."""
+    """A question that counts its steps and ends after `steps`; `written`: whether what it reads is
+    on the device (a version an encode step in flight published may not be)."""
 
-    def __init__(self, steps: int = 100):
+    def __init__(self, steps: int = 100, written: bool = True):
         super().__init__()
-        self.taken, self.steps = 0, steps
+        self.taken, self.steps, self.written = 0, steps, written
+
+    def may_start_beside(self) -> bool:
+        return self.written
 
     @classmethod
     def step_batch(cls, jobs: Sequence[StepJob]) -> None:
@@ -214,40 +218,48 @@ class Counted(StepJob):
 
 
 class Publishing(BatchJob):
-    """An encode step's end: its chunks published one by one (`between_outputs` after each); a
-    question arrives meanwhile, then one more layer-like point comes (`between_layers`)."""
+    """An encode step's end: its chunks published one by one (`between_outputs` after each); two
+    questions arrive meanwhile, one on a version already written, one on a version not written
+    until the third chunk is out; then one more layer-like point comes (`between_layers`)."""
 
     lane = "cam"
     scheduler: Scheduler
     active: Counted
-    late: Counted
-    seen: dict[str, tuple[int, int]]
+    ready: Counted
+    unwritten: Counted
+    seen: list[tuple[int, int, int]]
 
     @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        cls.scheduler.submit(cls.late)
-        for _ in range(3):
+        cls.scheduler.submit(cls.ready)
+        cls.scheduler.submit(cls.unwritten)
+        for k in range(3):
             between_outputs()
-        cls.seen["outputs"] = (cls.active.taken, cls.late.taken)
+            cls.seen.append((cls.active.taken, cls.ready.taken, cls.unwritten.taken))
+            if k == 1:
+                cls.unwritten.written = True  # its version's writes finished on the device
         between_layers()
-        between_layers()
-        cls.seen["layers"] = (cls.active.taken, cls.late.taken)
+        cls.seen.append((cls.active.taken, cls.ready.taken, cls.unwritten.taken))
         for job in jobs:
             job.future.set_result("encoded")
 
 
-def test_between_published_chunks_questions_decode_on_but_none_joins():
-    """A re-layout per evicting chunk is host work of tens of milliseconds: the questions being
-    answered must keep decoding through it, but a question arriving then must not start before the
-    versions just published are written (it joins where joining is safe)."""
-    scheduler = Scheduler(SchedulePolicy(encode_share=1.0, join_during_encode=True))  # driven by hand
-    Publishing.scheduler, Publishing.active, Publishing.late, Publishing.seen = scheduler, Counted(), Counted(), {}
+@pytest.mark.parametrize("join", [True, False])
+def test_questions_arriving_during_an_encode_step_start_beside_it_once_what_they_read_is_written(join: bool):
+    """Questions being answered decode on at every point of an encode step (a re-layout per
+    evicting chunk is tens of milliseconds of host work); with `join_during_encode` a question
+    arriving meanwhile starts there too, but only once what it reads is written on the device;
+    without, it waits for the next step."""
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0, join_during_encode=join))  # driven by hand
+    Publishing.scheduler, Publishing.seen = scheduler, []
+    Publishing.active, Publishing.ready, Publishing.unwritten = Counted(), Counted(), Counted(written=False)
     scheduler.submit(Publishing.active)
     chunk = scheduler.submit(Publishing())
     scheduler.step()  # the question's step, then the encode step
     assert chunk.result(timeout=0) == "encoded"
-    active, late = Publishing.seen["outputs"]
-    assert active == 1 + 3, "a decode step at every published chunk"
-    assert late == 0, "joined between published chunks"
-    active, late = Publishing.seen["layers"]
-    assert late >= 1, "never joined where joining is safe"
+    active = [a for a, _, _ in Publishing.seen]
+    assert active == [2, 3, 4, 5], "a decode step at every point of the encode step"
+    if join:
+        assert Publishing.seen == [(2, 1, 0), (3, 2, 0), (4, 3, 1), (5, 4, 2)]
+    else:
+        assert [(r, u) for _, r, u in Publishing.seen] == [(0, 0)] * 4

@@ -188,10 +188,10 @@ def test_questions_decode_beside_an_encode_step_and_answer_the_same(rt: Runtime,
 
 @pytest.mark.parametrize("join", [True, False], ids=["join-during-encode", "wait-for-the-step"])
 def test_a_question_arriving_during_an_encode_step_joins_it_only_if_asked_to(rt: Runtime, monkeypatch, join: bool):
-    """With `join_during_encode`, a question submitted while an encode step is being launched (here:
-    once its vision pass is done, before the language model's layers) is prefilled between the
-    step's layers instead of after it; either way it answers as alone, and the chunk's cache is
-    what encoding alone gives (tests/test_gpu.py runs the same on the GPU)."""
+    """With `join_during_encode`, questions submitted during an encode step are prefilled beside it
+    instead of after it; either way they answer as alone, and the chunk's cache is what encoding
+    alone gives (tests/test_gpu.py runs the same on the GPU, where a version just published is
+    written only later)."""
     answer_joining_during_encoding(rt, monkeypatch, join)
 
 
@@ -220,37 +220,48 @@ def spy_on_launches(monkeypatch) -> list[bool]:
 
 
 def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: float = 1e-4) -> None:
+    """Two questions arrive during an encode step of stream a: one on stream b once the vision
+    pass is done, one on stream a's version the step has just published. With `join` both start
+    beside the step, the second only once that version is written on the device; each answers as
+    alone, and stream a's cache is what encoding alone gives."""
     from common.engine import stream as stream_module
 
     engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[1], 6, 4)
+    want_a = ask(rt, alone.head, QUESTIONS[0], params, keep_logits=True)
     launches = spy_on_launches(monkeypatch)
-    vision = stream_module._vision
+    vision, published = stream_module._vision, stream_module.between_outputs
     scheduler = Scheduler(SchedulePolicy(join_during_encode=join))
     asked: list = []
+    engine_a = StreamEngine(rt, SPECS[0])
 
     def vision_then_a_question(jobs):
         vision(jobs)
         if not asked:
             asked.append(scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)))
 
+    def published_then_a_question():
+        if len(asked) == 1:
+            asked.append(scheduler.submit(Generation(rt, engine_a.head, QUESTIONS[0], params, keep_logits=True)))
+        published()
+
     monkeypatch.setattr(stream_module, "_vision", vision_then_a_question)
-    engine_a = StreamEngine(rt, SPECS[0])
+    monkeypatch.setattr(stream_module, "between_outputs", published_then_a_question)
     rt.executor = scheduler
     try:
         chunk = engine_a.submit(engine_a.prepare(frames, [k / 2 for k in range(4)], range(4)))
-        scheduler.step()  # the encode step, during which the question arrives
+        scheduler.step()  # the encode step, during which the questions arrive
         first_launch = launches[:1]
         for _ in range(50):
-            if asked[0].done():
+            if all(a.done() for a in asked):
                 break
             scheduler.step()
         engine_a.finish(chunk.result())
     finally:
         rt.executor = InlineExecutor()
     assert first_launch == ([True] if join else [])
-    got = asked[0].result()
-    assert got.token_ids == want.token_ids
-    assert torch.allclose(got.first_logits, want.first_logits, atol=atol, rtol=0)
+    for got, wanted in zip((a.result() for a in asked), (want, want_a), strict=True):
+        assert got.token_ids == wanted.token_ids
+        assert torch.allclose(got.first_logits, wanted.first_logits, atol=atol, rtol=0)
     assert torch.equal(engine_a.head.view.kv, alone.head.view.kv)
 
 

@@ -119,6 +119,11 @@ class Generation(StepJob):
     def item(self) -> Item:
         return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
 
+    def may_start_beside(self) -> bool:
+        """Its scratch is its own (the pool hands out no page an encode step may still be
+        reading); its version may be one the encode step in flight is still writing."""
+        return self.version.is_written()
+
     @classmethod
     def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> _Step:
         return _Step([j for j in jobs if isinstance(j, Generation)], alongside)

@@ -22,31 +22,30 @@ _local = threading.local()
 
 
 def between_layers() -> None:
-    _call_hook(may_join=True)
+    _call_hook()
 
 
 def between_outputs() -> None:
     """Between the chunks an encode step publishes (an eviction's re-layout is tens of milliseconds
-    of host work): questions being answered decode on, but none joins here, because a version
-    just published may not be written on the device yet."""
-    _call_hook(may_join=False)
+    of host work)."""
+    _call_hook()
 
 
-def _call_hook(may_join: bool) -> None:
-    hook: Callable[[bool], None] | None = getattr(_local, "hook", None)
+def _call_hook() -> None:
+    hook: Callable[[], None] | None = getattr(_local, "hook", None)
     if hook is None:
         return
     _local.hook = None  # the hook's own forwards (an eager decode step) do not call it again
     try:
-        hook(may_join)
+        hook()
     finally:
         _local.hook = hook
 
 
 @contextmanager
-def interleaved(hook: Callable[[bool], None]) -> Iterator[None]:
-    """Call `hook(may_join)` at every `between_layers()` (True) and `between_outputs()` (False) of
-    this thread until the block ends."""
+def interleaved(hook: Callable[[], None]) -> Iterator[None]:
+    """Call `hook()` at every `between_layers()` and `between_outputs()` of this thread until the
+    block ends."""
     previous = getattr(_local, "hook", None)
     _local.hook = hook
     try:

@@ -137,6 +137,14 @@ class Version:
     next_patch: int  # logical index the next chunk gets
     stats: CacheStats = field(default_factory=CacheStats)
     layout: object = None  # the same object for every version between two evictions (or re-layouts)
+    # recorded on the device after the work that writes this version was queued (None: written
+    # when published, as on the CPU)
+    written: torch.cuda.Event | None = field(default=None, compare=False, repr=False)
+
+    def is_written(self) -> bool:
+        """Whether the device has written every token of this version: a version published by an
+        encode step still in flight may not be."""
+        return self.written is None or self.written.query()
 
     @property
     def tokens(self) -> int:
@@ -440,6 +448,7 @@ class StreamCache:
             next_patch=next_patch,
             stats=stats,
             layout=self._layout,
+            written=_queued_so_far(self.lm.pool.device),
         )
         self._head, self._spill, self._pinned = version, None, []  # the version holds their pages now
         return version
@@ -712,6 +721,15 @@ def _on_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def _queued_so_far(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on this thread's stream (where its writes went)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 def _common_prefix(a: Sequence[Placement], b: Sequence[Placement]) -> int:

@@ -15,6 +15,13 @@ last region covering it is dropped, so memory lives exactly as long as someone c
 - `exclusive(...)` says whether anybody but a given set of regions holds some slots: what lets a
   writer change pages in place (copy-on-write otherwise; see kvcache.py).
 
+Pages let go of while the device may still read them (a re-layout's old pages, read by copies an
+encode step has queued) are only safe to hand out to work on the same CUDA stream. Where a GPU
+loop starts questions beside an encode step in flight, on another stream, it has the pool
+`defer_frees()`: pages let go of return to the free list at the next `settled()` (the loop calls
+it once the device has finished each step), so a question's scratch is never a page the step is
+still reading.
+
 Accounting is exact and in whole pages: `used_tokens` is the pages held times `page_tokens`,
 `peak_tokens` the most ever held at once. Pages are small (`PAGE_TOKENS`): a cache's segments are
 packed back to back regardless of pages (the page is the unit of holding and freeing, not of
@@ -92,6 +99,7 @@ class KVPool:
         self.slabs: list[torch.Tensor] = []
         self._refs: list[np.ndarray] = []  # per slab: holders of each page
         self._free: list[list[tuple[int, int]]] = []  # per slab: sorted (first page, pages) holes
+        self._deferred: list[tuple[int, np.ndarray]] | None = None  # (slab, pages) let go of since settled()
         self._lock = threading.Lock()
         self.used_tokens = 0  # pages held, in tokens
         self.peak_tokens = 0  # the most ever held at once
@@ -165,6 +173,17 @@ class KVPool:
                     others[max(0, lo - a) : max(0, hi - a)] -= 1
         return not others.any()
 
+    def defer_frees(self) -> None:
+        """From now on pages let go of are free again only at the next `settled()`."""
+        with self._lock:
+            if self._deferred is None:
+                self._deferred = []
+
+    def settled(self) -> None:
+        """The device has finished all work queued so far: pages let go of may be handed out."""
+        with self._lock:
+            self._free_deferred()
+
     # -- internals (under the lock) --------------------------------------------------------
     def _pages(self, start: int, size: int) -> tuple[int, int]:
         """The pages that slots `start .. start + size` touch, as a range."""
@@ -190,6 +209,11 @@ class KVPool:
                 if n >= pages:
                     holes[i : i + 1] = [(first + pages, n - pages)] if n > pages else []
                     return slab, first
+        if self._deferred:  # they may fit: wait for the device rather than take more memory
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._free_deferred()
+            return self._first_fit(pages)
         want = self.grow_tokens if self.slabs else self.slab_tokens
         self._add_slab(max(pages, self.pages_for(want)), pages)
         return self._first_fit(pages)
@@ -228,17 +252,30 @@ class KVPool:
             if not len(freed):
                 return
             self._count(-len(freed))
-            breaks = np.flatnonzero(np.diff(freed) != 1) + 1
-            holes = self._free[slab]
-            holes += [(int(run[0]), len(run)) for run in np.split(freed, breaks)]
-            holes.sort()
-            merged: list[tuple[int, int]] = []
-            for first, n in holes:  # coalesce neighbours so large runs fit again
-                if merged and merged[-1][0] + merged[-1][1] == first:
-                    merged[-1] = (merged[-1][0], merged[-1][1] + n)
-                else:
-                    merged.append((first, n))
-            self._free[slab] = merged
+            if self._deferred is not None:
+                self._deferred.append((slab, freed))
+            else:
+                self._free_pages(slab, freed)
+
+    def _free_deferred(self) -> None:
+        if self._deferred:
+            for slab, pages in self._deferred:
+                self._free_pages(slab, pages)
+            self._deferred.clear()
+
+    def _free_pages(self, slab: int, pages: np.ndarray) -> None:
+        """Sorted page indices back into the slab's holes."""
+        breaks = np.flatnonzero(np.diff(pages) != 1) + 1
+        holes = self._free[slab]
+        holes += [(int(run[0]), len(run)) for run in np.split(pages, breaks)]
+        holes.sort()
+        merged: list[tuple[int, int]] = []
+        for first, n in holes:  # coalesce neighbours so large runs fit again
+            if merged and merged[-1][0] + merged[-1][1] == first:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((first, n))
+        self._free[slab] = merged
 
 
 def _free_bytes(device: torch.device) -> int:

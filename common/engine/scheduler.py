@@ -15,8 +15,9 @@ forwards, so there is no lock that threads take turns on. Each step:
    need to stay live (the deadline), questions keep at least 1 - `max_encode_share` of the GPU,
    and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
    Questions being answered keep decoding beside an encode step, launched between its layers
-   (interleave.py); with `join_during_encode`, questions that arrive while it is being launched
-   (before its batch publishes any version) start beside it too; with `decode_sms`, while
+   (interleave.py); with `join_during_encode`, questions that arrive meanwhile start beside it
+   too, each once all it reads is on the device (`StepJob.may_start_beside`: a version the step
+   published may not be written yet, while one of another stream is); with `decode_sms`, while
    encoding keeps up, the encode step runs on fewer SMs (a green context), leaving the rest free
    for the decode kernels.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
@@ -61,7 +62,7 @@ class SchedulePolicy:
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
-    # questions arriving while an encode step is being launched start beside it (off: no gain measured on a GPU)
+    # questions arriving during an encode step start beside it, each once what it reads is written
     join_during_encode: bool = False
     # SMs an encode step leaves to the questions decoding beside it, while encoding keeps up (its
     # chunks waited at most chunk_deadline_s): the step runs in a green context of the others, so
@@ -93,14 +94,17 @@ class Scheduler:
         on_step: StepObserver | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         profiler: StepProfiler | None = None,
+        on_settled: Callable[[], None] | None = None,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
         "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
         runs in the loop's thread when a step fails outside any job (a CUDA error that poisons the
         device, say): every job has failed and no more will run, so a service exits there.
-        `profiler` traces steps when asked to (profiling.py)."""
+        `profiler` traces steps when asked to (profiling.py). `on_settled()` runs after every
+        step, once the device has finished it (the KV pool's deferred frees, pool.py)."""
         self.policy = policy or SchedulePolicy()
         self.on_step, self.on_fatal, self.profiler = on_step, on_fatal, profiler
+        self.on_settled = on_settled
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
@@ -108,7 +112,6 @@ class Scheduler:
         self._active: list[StepJob] = []
         self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
-        self._joining = False  # newcomers may start beside the encode step being launched
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -219,10 +222,23 @@ class Scheduler:
             except Exception as e:
                 future.set_exception(e)
 
-    def _admit(self) -> None:
+    def _admit(self, beside: bool = False) -> None:
+        """Waiting jobs become active, in order, up to `max_batch`; `beside` an encode step in
+        flight, only those that may start there (the others keep their place)."""
         with self._lock:
-            while self._waiting and len(self._active) < self.policy.max_batch:
-                self._active.append(self._waiting.popleft())
+            room = self.policy.max_batch - len(self._active)
+            if not beside:
+                while self._waiting and room > 0:
+                    self._active.append(self._waiting.popleft())
+                    room -= 1
+                return
+            for job in list(self._waiting):
+                if room <= 0:
+                    return
+                if job.may_start_beside():
+                    self._waiting.remove(job)
+                    self._active.append(job)
+                    room -= 1
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
@@ -250,24 +266,25 @@ class Scheduler:
         if report and self.on_step is not None:
             self.on_step("decode", time.perf_counter() - launched_at, n)
 
-    def _decode_alongside(self, may_join: bool = True, wait: bool = False) -> None:
+    def _decode_alongside(self, wait: bool = False) -> None:
         """Inside an encode step: the next decode step, once the device has finished the last (or
-        after waiting for it); questions waiting join it only where `may_join` (interleave.py). A
-        failure outside any job is kept for after the encode step: it is not the chunks'."""
+        after waiting for it), with the questions waiting that may start beside the step (with
+        `join_during_encode`). A failure outside any job is kept for after the encode step: it is
+        not the chunks'."""
         if self._broken is not None:
             return
         try:
-            self._next_alongside(may_join, wait)
+            self._next_alongside(wait)
         except Exception as e:
             self._broken = e
 
-    def _next_alongside(self, may_join: bool, wait: bool) -> None:
+    def _next_alongside(self, wait: bool) -> None:
         if self._in_flight is not None:
             if not wait and not all(launched.ready() for launched, _ in self._in_flight[1]):
                 return
             self._complete_in_flight()
-        if self._joining and may_join:
-            self._admit()
+        if self.policy.join_during_encode:
+            self._admit(beside=True)
         if self._active:
             self._launch(alongside=True)
 
@@ -279,9 +296,7 @@ class Scheduler:
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
-        joining = self.policy.decode_during_encode and self.policy.join_during_encode
-        alongside = joining or (self.policy.decode_during_encode and bool(self._active))
-        self._joining = joining
+        alongside = self.policy.decode_during_encode and (self.policy.join_during_encode or bool(self._active))
         waited = time.monotonic() - min(job.waiting_since for job in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
@@ -305,14 +320,19 @@ class Scheduler:
                 cls.run_batch(jobs)
             except Exception as e:
                 fail_all(jobs, e)
-            # its versions are published now, maybe before the device has written them: a question
-            # arriving from here on may read one, so it starts at the next step, after the sync
-            self._joining = False
 
     def _drain(self, done: Callable[[], bool]) -> None:
         """Until the device has finished the encode step (`done`), decode beside it."""
-        while self._broken is None and self._in_flight is not None and not done():
+        while self._broken is None and not done():
+            if self._in_flight is None and not self._may_join():
+                return
             self._decode_alongside(wait=True)  # a high-priority step: a few milliseconds
+
+    def _may_join(self) -> bool:
+        if not self.policy.join_during_encode:
+            return False
+        with self._lock:
+            return any(job.may_start_beside() for job in self._waiting)
 
     def _requeue(self, unfinished: list[BatchJob]) -> None:
         """A job that needs more batches (an exact eviction's rebuild) stays first in its lane, and
@@ -343,6 +363,8 @@ class Scheduler:
         with self.profiler.region(kind) if self.profiler is not None else contextlib.nullcontext():
             units = fn()
             _settle()
+        if self.on_settled is not None:
+            self.on_settled()
         spent = time.perf_counter() - t0
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)

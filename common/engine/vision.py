@@ -388,7 +388,7 @@ def _own_stream(device: torch.device) -> torch.cuda.ExternalStream:
     return torch.cuda.ExternalStream(raw.value, device=device)
 
 
-def _launch_nothing(may_join: bool) -> None:
+def _launch_nothing() -> None:
     """The interleaving hook while a graph is captured: nothing runs between its layers."""
 
 

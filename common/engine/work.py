@@ -69,6 +69,12 @@ class StepJob(Job):
 
     max_batch: ClassVar[int] = 64
 
+    def may_start_beside(self) -> bool:
+        """Whether this job, not started yet, may start beside an encode step in flight: only if
+        all it reads is on the device already (a question's version may be one that step is still
+        writing). No, unless a job class knows."""
+        return False
+
     @classmethod
     def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> Launched:
         """Queue one step of every job. `alongside`: the device may still be running an encode
