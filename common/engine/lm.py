@@ -356,6 +356,18 @@ class LanguageModel:
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
         """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
         and returns the final-norm hidden states (T, D)."""
+        h = self._layers(embeds, positions, plan, kv_only=False)
+        assert h is not None
+        return h
+
+    @torch.inference_mode()
+    def write_kv(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> None:
+        """`forward` for work that wants only its K/V in the pool (a chunk, a prompt prefix): the
+        last layer stops once it has written them, since its attention and MLP would only feed
+        logits that nobody reads (1/36 of a 3B model's prefill)."""
+        self._layers(embeds, positions, plan, kv_only=True)
+
+    def _layers(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, kv_only: bool) -> torch.Tensor | None:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
         x = embeds.to(self.dtype)
         h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)
@@ -364,15 +376,21 @@ class LanguageModel:
             between_layers()
             tokens_vary(h, cos, sin)
             q, kv = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
-            attended = self._attention(i, q, kv, plan)
+            self._write(i, kv, plan)
+            if kv_only and i == self.n_layers - 1:
+                return None
+            attended = self._attention(i, q, plan)
             tokens_vary(x, attended)
             x, h = self._output_and_mlp(x, attended, w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps)
         return h
 
-    def _attention(self, i: int, q: torch.Tensor, kv: torch.Tensor, plan: Plan) -> torch.Tensor:
-        """q (T, H, hd), K/V (2, kv_heads, T, hd) -> attended (T, H, hd); K/V written to the pool."""
+    def _write(self, i: int, kv: torch.Tensor, plan: Plan) -> None:
+        """K/V (2, kv_heads, T, hd) of layer `i` into the pool, where the plan says."""
         for slab, (rows, slots) in plan.writes.items():
             self.pool.slabs[slab][i].index_copy_(2, slots, kv if rows is None else kv.index_select(2, rows))
+
+    def _attention(self, i: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+        """q (T, H, hd) -> attended (T, H, hd), over layer `i`'s keys (its own written first)."""
         parts = [
             self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
             for (slab, causal), p in plan.pieces.items()

@@ -169,7 +169,7 @@ class StreamEngine:
         ids = self.rt.prefix_ids()
         item = self.cache.reserve(len(ids))
         lm = self.rt.lm
-        lm.forward(lm.embed(ids), text_positions(0, len(ids)), lm.plan([item]))
+        lm.write_kv(lm.embed(ids), text_positions(0, len(ids)), lm.plan([item]))
         segment = Segment(id="prefix", tokens=len(ids))
         original = self._read_out(segment, item.dest.kv, item.at)
         version = self.cache.publish_prefix(segment, video_start=len(ids))
@@ -284,7 +284,7 @@ class ChunkJob(BatchJob):
                 positions = torch.cat([pos for _, pos, _ in inputs], dim=1)
                 plan = lm.plan([item for _, _, item in inputs])
             with phase("prefill"):
-                lm.forward(embeds, positions, plan)
+                lm.write_kv(embeds, positions, plan)
         except Exception as e:
             fail_all(list(started), e)
             return
