@@ -6,8 +6,8 @@ device's time for a step, no host work between), the host's share (padding, plan
 the kernels of one replay by time. A step slower than its replay alone is waiting on the host.
 
     PYTHONPATH=. python3 docs/bench/decode_step_probe.py --sizes 32768,100000 --splits 0,8,16,32,64
-(split 0: the engine's own choice). `--stacks`: also one step launched eagerly, its GPU work by the
-op and the line of the engine that launched it (what each of the graph's kernels comes from).
+(split 0: the engine's own choice). `--eager-ops`: also one step launched eagerly, its GPU work by
+the op that launched it (which op each of the graph's kernels comes from).
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ def kernels(graph, n: int = 5) -> dict:
 
 
 def eager_ops(rt: Runtime, version) -> list[dict]:
-    """One decode step launched eagerly (no graph): device time and count by op and engine line."""
+    """One decode step launched eagerly (no graph): device time and count by op."""
     from torch.profiler import ProfilerActivity, profile
 
     from common.engine import answer
@@ -121,24 +121,16 @@ def eager_ops(rt: Runtime, version) -> list[dict]:
         for _ in range(3):
             Generation.step_batch([job])
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             Generation.step_batch([job])
             torch.cuda.synchronize()
     finally:
         answer.CUDA_GRAPHS = True
-    rows = []
-    for e in prof.key_averages(group_by_stack_n=12):
-        if e.self_device_time_total <= 0:
-            continue
-        ours = [f for f in e.stack if "common/engine" in f]
-        rows.append(
-            {
-                "op": e.key,
-                "count": e.count,
-                "device_us": round(e.self_device_time_total, 1),
-                "where": ours[0] if ours else (e.stack[0] if e.stack else ""),
-            }
-        )
+    rows = [
+        {"op": e.key, "count": e.count, "device_us": round(e.self_device_time_total, 1)}
+        for e in prof.key_averages()
+        if e.self_device_time_total > 0
+    ]
     return sorted(rows, key=lambda r: -r["count"])
 
 
@@ -148,7 +140,7 @@ def main() -> None:
     p.add_argument("--sizes", default="32768,100000")
     p.add_argument("--splits", default="0,8,16,32,64")
     p.add_argument("--steps", type=int, default=64)
-    p.add_argument("--stacks", action="store_true")
+    p.add_argument("--eager-ops", action="store_true")
     args = p.parse_args()
     configure_logging("INFO")  # the engine's log lines (graph captures) on stderr: stdout is the JSON
     rt = Runtime(load_model(args.model, device="cuda"), pool_tokens=400_000)
@@ -169,7 +161,7 @@ def main() -> None:
             print(json.dumps(row), file=sys.stderr, flush=True)
             out["rows"].append(row)
         LanguageModel.split_for = own_split
-        if args.stacks:
+        if args.eager_ops:
             out.setdefault("eager_ops", {})[version.tokens] = eager_ops(rt, version)
         rt.step_graphs = None
         del version
