@@ -15,8 +15,10 @@ Reported over the measured window:
   svqa_encoder_frames_dropped_total{reason}): exact counts, where the `dropped` events come at
   most every 5 s per stream and a head's last_frame_seq jumps over dropped frames;
 - encoder lag: now - last_ts of every camera's head manifest, sampled (p50, p95, max);
-- answers/s, client latency (XADD to the final entry) and server first token (the final
-  entries' first_token_s), p50/p95; errors (error replies and timeouts);
+- answers/s, client latency (XADD to the final entry), server first token and total (the final
+  entries' first_token_s and total_s: from the question reaching the engine) and the rest of
+  each answer's latency outside them (queues, Redis, the reply), p50/p95; errors (error replies
+  and timeouts);
 - each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM);
 - the workers' CPU by thread role, and the whole machine's busy cores every 50 ms (mean, p95,
   and the share of intervals with 90 % of the cores busy, when the GPU loop waits for one).
@@ -377,6 +379,7 @@ class Asked:
     sent: float  # monotonic
     latency_s: float  # XADD to the final entry
     first_token_s: float | None  # the server's, from the final entry
+    total_s: float | None  # the server's, from the final entry
     error: str | None
 
 
@@ -419,9 +422,9 @@ class Load:
                     timeout_s=self.ns.ask_timeout,
                     max_tokens=self.ns.max_tokens,
                 )
-                asked = Asked(sent, time.monotonic() - sent, final.first_token_s, final.error)
+                asked = Asked(sent, time.monotonic() - sent, final.first_token_s, final.total_s, final.error)
             except (TimeoutError, redis.RedisError, SchemaError) as e:
-                asked = Asked(sent, time.monotonic() - sent, None, f"{type(e).__name__}: {e}")
+                asked = Asked(sent, time.monotonic() - sent, None, None, f"{type(e).__name__}: {e}")
             self.asked.append(asked)
             if asked.error:
                 self.stop.wait(0.1)  # a failing pipeline is not hammered
@@ -711,6 +714,8 @@ def summarize(
         "answers_per_s": round(in_window / (t_end - t0), 3),
         "client_latency_s": percentiles([a.latency_s for a in answered], 50, 95),
         "server_first_token_s": percentiles([a.first_token_s for a in answered if a.first_token_s is not None], 50, 95),
+        "server_total_s": percentiles([a.total_s for a in answered if a.total_s is not None], 50, 95),
+        "outside_server_s": percentiles([a.latency_s - a.total_s for a in answered if a.total_s is not None], 50, 95),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
     }

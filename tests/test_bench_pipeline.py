@@ -102,6 +102,8 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     client, server = run["client_latency_s"], run["server_first_token_s"]
     assert 0 < server["p50"] <= server["p95"] and client["p50"] <= client["p95"]
     assert client["p50"] >= server["p50"]  # each question's wait includes its first token
+    total, outside = run["server_total_s"], run["outside_server_s"]
+    assert server["p50"] <= total["p50"] <= client["p50"] and 0 <= outside["p50"] <= outside["p95"]
 
     gpu = run["gpu_steps"]  # two workers: their GPU-seconds add up, to at most 2 a second
     assert gpu["encode"]["share"] > 0 and gpu["decode"]["share"] > 0
