@@ -8,7 +8,7 @@
 #   bash scripts/gpu_run.sh tests questions chunks pipeline
 # (all four take about 12 minutes, past one command's 10: split them over two calls)
 #     tests      tests/test_gpu.py and the vision tower's GPU tests, the CUDA paths against eager and
-#                CPU oracles (2-2.5 min, 2026-11-26)
+#                CPU oracles (1.5 min, 2026-11-27)
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count) with full caches, 8
@@ -31,8 +31,8 @@
 # NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
 # fails is reported and the next one runs; the exit status is 1 when any failed. The pipeline also
 # keeps its services' logs, in pipeline-logs.tgz, and stops within 9 minutes (in a call that runs
-# past its limit, the logs would never have been packed). `SVQA_GPU_VISION_GRAPHS=true bash scripts/gpu_run.sh pipeline`
-# runs it with the vision tower's CUDA graphs (any GPU setting goes the same way).
+# past its limit, the logs would never have been packed). `SVQA_GPU_JOIN_DURING_ENCODE=true bash scripts/gpu_run.sh pipeline`
+# runs it with questions joining beside encode steps (any GPU setting goes the same way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 

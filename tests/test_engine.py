@@ -495,3 +495,22 @@ def test_cudnn_bodies_read_in_place_equal_attention_without_bodies(rt, monkeypat
     plain = lm.plan(items)
     assert plain.body is None
     assert torch.allclose(with_bodies, lm._attention(0, q, plain), atol=1e-5)  # the same K/V written
+
+
+def test_a_chunks_kv_only_prefill_writes_what_the_whole_forward_writes(rt: Runtime):
+    """`write_kv` (what encoding runs) stops in the last layer once its K/V are written: every
+    layer's K/V equal the whole forward's, bit for bit, over the same cache."""
+    from common.engine.lm import Item
+
+    lm = rt.lm
+    torch.manual_seed(4)
+    cache, n, at = 200, 24, 150
+    whole, kv_only = rt.pool.alloc(cache), rt.pool.alloc(cache)
+    whole.kv[:, :, :, :at].normal_()
+    kv_only.kv.copy_(whole.kv)
+    embeds = torch.randn(n, lm.embed_tokens.embedding_dim) * 0.02
+    positions = text_positions(at, n)
+    lm.forward(embeds, positions, lm.plan([Item(n, whole, at)]))
+    lm.write_kv(embeds, positions, lm.plan([Item(n, kv_only, at)]))
+    assert torch.equal(whole.kv, kv_only.kv)
+    assert whole.kv[-1, :, :, at : at + n].abs().sum() > 0, "the last layer's K/V were written"
