@@ -22,16 +22,7 @@ _local = threading.local()
 
 
 def between_layers() -> None:
-    _call_hook()
-
-
-def between_outputs() -> None:
-    """Between the chunks an encode step publishes (an eviction's re-layout is tens of milliseconds
-    of host work)."""
-    _call_hook()
-
-
-def _call_hook() -> None:
+    """A point where the hook of `interleaved`, if any, runs."""
     hook: Callable[[], None] | None = getattr(_local, "hook", None)
     if hook is None:
         return
@@ -40,6 +31,11 @@ def _call_hook() -> None:
         hook()
     finally:
         _local.hook = hook
+
+
+# The same point between the chunks an encode step publishes (an eviction's re-layout is tens of
+# milliseconds of host work); its own name says where it is called from.
+between_outputs = between_layers
 
 
 @contextmanager
