@@ -114,9 +114,9 @@ def items_over_one_cache(
 @contextmanager
 def exact_attention(lm: LanguageModel) -> Iterator[None]:
     """The CPU path's attention (exact, fp32, piece by piece) on any device, for the block."""
-    flash, kernel = lm.flash, lm.decode_kernel
-    lm.flash, lm.decode_kernel = False, None
+    saved = lm.flash, lm.decode_kernel, lm.decode_combine
+    lm.flash, lm.decode_kernel, lm.decode_combine = False, None, None
     try:
         yield
     finally:
-        lm.flash, lm.decode_kernel = flash, kernel
+        lm.flash, lm.decode_kernel, lm.decode_combine = saved

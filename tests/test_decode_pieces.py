@@ -1,7 +1,8 @@
-"""How lm.py uses the GPU's decode-row kernel (decode_attention.piece_attention: one query row a
-piece, its first slot and key count; out and lse per piece, lse -inf for a piece with no keys),
-checked on the CPU with an exact implementation of that contract in the kernel's place. The
-kernel itself is held to the exact pieces on a GPU (tests/test_gpu.py)."""
+"""How lm.py uses the GPU's decode-row kernels (decode_attention.piece_attention: one query row a
+piece, its first slot and key count; out and lse per piece, lse -inf for a piece with no keys;
+decode_attention.combine: pieces stacked as copies of the rows merged per row), checked on the
+CPU with exact implementations of those contracts in the kernels' place. The kernels themselves
+are held to the exact ones on a GPU (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,18 @@ def exact_piece_attention(q, kv, rows, starts, lengths, scale):
     return out, lse
 
 
+def exact_combine(out, lse, n_rows):
+    """The combine's contract in fp32: out (copies * n_rows, H, hd) and lse (copies * n_rows, H)
+    of pieces stacked as whole copies of the rows -> each row's attention over all its pieces."""
+    copies = out.shape[0] // n_rows
+    weights = torch.softmax(lse.view(copies, n_rows, -1), 0)  # an empty piece (lse -inf) weighs 0
+    return (out.view(copies, n_rows, *out.shape[1:]).float() * weights[..., None]).sum(0).to(out.dtype)
+
+
 @pytest.fixture
 def rt():
     rt = Runtime(load_model("tiny-random"), pool_tokens=1 << 16)
-    rt.lm.decode_kernel = exact_piece_attention
+    rt.lm.decode_kernel, rt.lm.decode_combine = exact_piece_attention, exact_combine
     return rt
 
 

@@ -72,6 +72,23 @@ def test_decode_rows_through_the_triton_kernel_equal_the_exact_cpu_pieces(rt, sp
     _assert_pieces_equal_exact(rt, [1, 1, 1, 1, 1], split, atol=(1e-3, 1e-2))
 
 
+@pytest.mark.parametrize("copies", [2, 17, 65])
+def test_the_triton_combine_of_stacked_decode_pieces_equals_the_exact_merge(copies):
+    """Pieces stacked as copies of 8 rows (copy counts below, at and past a loop block), every
+    row's last piece empty (lse -inf, as a split past a base's end) and lse spread over tens:
+    the kernel's merge against the softmax over the copies in fp32."""
+    from common.engine.decode_attention import combine
+    from tests.test_decode_pieces import exact_combine
+
+    torch.manual_seed(0)
+    rows, heads, hd = 8, 16, 128
+    out = torch.randn(copies * rows, heads, hd, device="cuda").to(torch.bfloat16)
+    lse = torch.randn(copies * rows, heads, device="cuda") * 20
+    lse[-rows:] = -math.inf
+    merged = combine(out, lse, rows)
+    torch.testing.assert_close(merged.float(), exact_combine(out, lse, rows).float(), atol=1e-2, rtol=2**-7)
+
+
 def _engine(rt, name: str, grid, n_chunks: int, seed: int):
     from common.engine.grid import StreamSpec
     from common.engine.stream import StreamEngine

@@ -5,7 +5,9 @@ layer), splits the keys once more and combines (two kernels); at 100K cached tok
 cache at 2.65 TB/s of the H200's 4.8. Here one program reads one piece's key range for one KV
 head, once, for every query head that shares it (GQA), straight from the pool's (kv_heads, slots,
 hd) layout, and writes the piece's output and log-sum-exp: the plan's pieces are already the
-split-KV, and lm.py's merge already combines them.
+split-KV. `combine` merges a row's pieces in one kernel where lm.py's compiled merge of many
+stacked copies took two (a reduction for the peak, one for the weighted sum), a kernel a layer
+fewer in every decode step: beside an encode step each kernel waits for an SM.
 
 The kernel is only used where Triton and a GPU are; lm.py's CPU path (exact, fp32) is the oracle
 it is tested against (tests/test_gpu.py).
@@ -141,3 +143,76 @@ def piece_attention(
             num_stages=NUM_STAGES,
         )
     return out, lse
+
+
+COMBINE_BLOCK = 16  # pieces a loop iteration of the combine reads
+
+
+@triton.jit
+def _combine_kernel(
+    out_ptr,
+    lse_ptr,
+    dest_ptr,
+    n_rows,
+    copies,
+    stride_o_row,
+    stride_o_head,
+    stride_l_row,
+    stride_d_row,
+    stride_d_head,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_d = tl.arange(0, HEAD_DIM)
+    peak = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    for c0 in tl.range(0, copies, BLOCK_C):  # pass 1: the largest lse, element-wise over blocks
+        c = c0 + offs_c
+        lse = tl.load(lse_ptr + (c * n_rows + row) * stride_l_row + head, mask=c < copies, other=float("-inf"))
+        peak = tl.maximum(peak, lse)
+    top = tl.max(peak, 0)
+    total = tl.zeros([BLOCK_C], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for c0 in tl.range(0, copies, BLOCK_C):  # pass 2: weights (0 for empty pieces) and their sum
+        c = c0 + offs_c
+        pieces = c * n_rows + row
+        lse = tl.load(lse_ptr + pieces * stride_l_row + head, mask=c < copies, other=float("-inf"))
+        weight = tl.exp(lse - top)
+        out = tl.load(
+            out_ptr + pieces[:, None] * stride_o_row + head * stride_o_head + offs_d[None, :],
+            mask=(c < copies)[:, None],
+            other=0.0,
+        )
+        total += weight
+        acc += tl.sum(out.to(tl.float32) * weight[:, None], 0)
+    merged = acc / tl.sum(total, 0)
+    tl.store(dest_ptr + row * stride_d_row + head * stride_d_head + offs_d, merged.to(dest_ptr.dtype.element_ty))
+
+
+def combine(out: torch.Tensor, lse: torch.Tensor, n_rows: int) -> torch.Tensor:
+    """Pieces stacked as whole copies of rows 0..n_rows-1 in order -- out (copies * n_rows, H, hd)
+    and lse (copies * n_rows, H) from `piece_attention` -- merged into each row's attention over
+    the union of its pieces' keys (n_rows, H, hd). Every row needs a piece with keys (its own)."""
+    heads, head_dim = out.shape[1], out.shape[2]
+    if out.stride(2) != 1:
+        raise ValueError("a head's values must be contiguous")
+    dest = torch.empty(n_rows, heads, head_dim, dtype=out.dtype, device=out.device)
+    with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
+        _combine_kernel[(n_rows, heads)](
+            out,
+            lse,
+            dest,
+            n_rows,
+            out.shape[0] // n_rows,
+            out.stride(0),
+            out.stride(1),
+            lse.stride(0),
+            dest.stride(0),
+            dest.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_C=COMBINE_BLOCK,
+            num_warps=1,
+        )
+    return dest

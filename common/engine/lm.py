@@ -213,7 +213,9 @@ class LanguageModel:
         self.pool = pool
         self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         self.cudnn = self.flash and CUDNN_BODIES and _cudnn_attention_works(self.device, self.dtype, self.head_dim)
-        self.decode_kernel = _decode_kernel(self.head_dim) if self.flash and TRITON_DECODE else None
+        self.decode_kernel, self.decode_combine = (
+            _decode_kernels(self.head_dim) if self.flash and TRITON_DECODE else (None, None)
+        )
         with torch.no_grad():
             self.weights = [_LayerWeights.of(layer) for layer in self.layers]
         self.eps = self.norm.variance_epsilon
@@ -399,7 +401,12 @@ class LanguageModel:
             slab, splits, bodies = plan.body
             out, lse = cudnn_body_attention(q, self.pool.slabs[slab][i], bodies, splits, self.head_dim**-0.5)
             parts.append((out, lse, plan.body_rows))
-        return self._merge_stacked(q.shape[0], parts) if plan.stacked else self._merge(q.shape[0], parts)
+        if not plan.stacked:
+            return self._merge(q.shape[0], parts)
+        (out, lse, _), n_rows = parts[0], q.shape[0]
+        if len(parts) == 1 and out.shape[0] > n_rows and plan.max_q == 1 and self.decode_combine is not None:
+            return self.decode_combine(out, lse, n_rows)  # decode rows' split pieces, from decode_kernel
+        return self._merge_stacked(n_rows, parts)
 
     def _piece_attention(self, q, kv, p: Pieces, causal: bool, max_q: int):
         """(out (R, H, hd), lse (R, H), rows (R,)) for every piece row."""
@@ -549,16 +556,16 @@ MAX_SPLIT = 64
 DECODE_MAX_SPLIT = 64  # the Triton decode kernel's pieces of one row's base
 
 
-def _decode_kernel(head_dim: int):
-    """decode_attention.piece_attention, or None where Triton is not installed or the head width
-    is no power of two from 16 (flash serves)."""
+def _decode_kernels(head_dim: int):
+    """decode_attention's piece_attention and combine, or Nones where Triton is not installed or
+    the head width is no power of two from 16 (flash and the compiled merges serve)."""
     if head_dim < 16 or head_dim & (head_dim - 1):
-        return None
+        return None, None
     try:
-        from common.engine.decode_attention import piece_attention
+        from common.engine.decode_attention import combine, piece_attention
     except ImportError:
-        return None
-    return piece_attention
+        return None, None
+    return piece_attention, combine
 
 
 def _merge(n_rows: int, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> torch.Tensor:
@@ -714,8 +721,11 @@ def _attention_input(h, qkv_w, qkv_b, cos, sin, n_heads: int, n_kv_heads: int):
 
 
 def _output_and_mlp(x, attended, o_w, norm2, gate_up_w, down_w, next_norm, eps: float):
-    """The rest of a layer and the next one's input norm: (x, normed x) after it."""
-    x = x + F.linear(attended.reshape(x.shape[0], -1), o_w)
+    """The rest of a layer and the next one's input norm: (x, normed x) after it.
+    The residual products are taken over a batch of one (3-D): compiled, `x + linear(2-D)` became
+    an addmm, which copies x into its output before the product (two device copies a layer, a
+    kernel each in every decode step); so the add fuses into the norm that reads x next."""
+    x = x + F.linear(attended.reshape(1, x.shape[0], -1), o_w)[0]
     gate, up = F.linear(_rms_norm_weight(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
-    x = x + F.linear(F.silu(gate) * up, down_w)
+    x = x + F.linear((F.silu(gate) * up)[None], down_w)[0]
     return x, _rms_norm_weight(x, next_norm, eps)
