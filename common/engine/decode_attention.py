@@ -145,7 +145,7 @@ def piece_attention(
     return out, lse
 
 
-COMBINE_BLOCK = 16  # pieces a loop iteration of the combine reads
+COMBINE_MAX_BLOCK = 128  # pieces a loop iteration of the combine reads at most (a row's are 2-65)
 
 
 @triton.jit
@@ -195,7 +195,7 @@ def combine(out: torch.Tensor, lse: torch.Tensor, n_rows: int) -> torch.Tensor:
     """Pieces stacked as whole copies of rows 0..n_rows-1 in order -- out (copies * n_rows, H, hd)
     and lse (copies * n_rows, H) from `piece_attention` -- merged into each row's attention over
     the union of its pieces' keys (n_rows, H, hd). Every row needs a piece with keys (its own)."""
-    heads, head_dim = out.shape[1], out.shape[2]
+    heads, head_dim, copies = out.shape[1], out.shape[2], out.shape[0] // n_rows
     if out.stride(2) != 1:
         raise ValueError("a head's values must be contiguous")
     dest = torch.empty(n_rows, heads, head_dim, dtype=out.dtype, device=out.device)
@@ -205,14 +205,17 @@ def combine(out: torch.Tensor, lse: torch.Tensor, n_rows: int) -> torch.Tensor:
             lse,
             dest,
             n_rows,
-            out.shape[0] // n_rows,
+            copies,
             out.stride(0),
             out.stride(1),
             lse.stride(0),
             dest.stride(0),
             dest.stride(1),
             HEAD_DIM=head_dim,
-            BLOCK_C=COMBINE_BLOCK,
-            num_warps=1,
+            # every piece in one iteration where they fit (a program per row and head: few programs,
+            # so a serial loop over blocks was the kernel's time); a power of two from 16, so at
+            # most four variants compile
+            BLOCK_C=min(COMBINE_MAX_BLOCK, max(16, 1 << (copies - 1).bit_length())),
+            num_warps=4,
         )
     return dest
