@@ -187,6 +187,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         profiler=_profiler(gpu),
         on_settled=rt.pool.settled,
     ).start()
+    metrics.watch_scheduler(scheduler)
     if rt.device.type == "cuda" and gpu.gpu_stuck_s:  # on a CPU a long step is only a slow one
         StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()
     rt.executor = scheduler

@@ -7,9 +7,11 @@ the stream as a label where one applies. `common/health.py` serves them with the
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -17,6 +19,9 @@ from prometheus_client.registry import Collector
 
 from common.threadcpu import ThreadCPU
 from common.version import VERSION
+
+if TYPE_CHECKING:  # the engine (and torch) load only where a model does
+    from common.engine.scheduler import DecodeTimes
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _R = {"registry": None}  # registered per process, by role (registry_for)
@@ -129,6 +134,11 @@ def watch_pool(pool) -> None:
         KV_RELAYOUTS.labels(how).set_function(lambda h=how: pool.relayouts[h])
 
 
+def watch_scheduler(scheduler) -> None:
+    """Read the GPU scheduler's decode times (common/engine/scheduler.py) at every scrape."""
+    DECODE_TIMES.times = scheduler.decode_times
+
+
 def compiled_frames(name: str) -> float:
     """dynamo's own count of the frames it was handed (total) and compiled (ok)."""
     utils = sys.modules.get("torch._dynamo.utils")  # read where something compiles; never imported for this
@@ -163,9 +173,38 @@ class _ThreadCPUCollector(Collector):
 
 THREAD_CPU = _ThreadCPUCollector()
 
+
+class _DecodeTimesCollector(Collector):
+    """svqa_gpu_decode_seconds_total{part}: the GPU scheduler's `DecodeTimes`, read at every scrape
+    (none until `watch_scheduler`)."""
+
+    NAME = "svqa_gpu_decode_seconds"
+    HELP = (
+        "Where the time of questions being answered went: decode steps from launch until their tokens were read"
+        " (steps), the same steps on the device (device: a GPU only), and no decode step in flight while questions"
+        " were being answered, inside an encode step (idle_encode) or outside (idle_between)"
+    )
+
+    def __init__(self) -> None:
+        self.times: DecodeTimes | None = None
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.NAME, self.HELP, labels=["part"])]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self.NAME, self.HELP, labels=["part"])
+        if self.times is not None:
+            for part, seconds in dataclasses.asdict(self.times).items():
+                family.add_metric([part], seconds)
+        yield family
+
+
+DECODE_TIMES = _DecodeTimesCollector()
+
 _GPU = (
     GPU_STEP_SECONDS,
     GPU_STEP_UNITS,
+    DECODE_TIMES,
     GPU_GRAPH_CAPTURES,
     GPU_ALLOC_RETRIES,
     GPU_COMPILES,

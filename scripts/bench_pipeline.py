@@ -277,15 +277,18 @@ def wait_while(services: Services, seconds: float, status: Callable[[], str], do
 # --------------------------------------------------------------------------- measurements
 
 
+LABELS = ("stream", "kind", "state", "how", "role", "outcome", "part")  # the one a sample has, besides these two
+
+
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
-    """(sample name, stream or step kind or pool state, reason or histogram bucket) -> value, from
-    a service's Prometheus endpoint."""
+    """(sample name, its one label that is not a reason or a bucket, reason or histogram bucket)
+    -> value, from a service's Prometheus endpoint."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
         text = resp.read().decode()
     return {
         (
             s.name,
-            next((s.labels[k] for k in ("stream", "kind", "state", "how", "role") if k in s.labels), ""),
+            next((s.labels[k] for k in LABELS if k in s.labels), ""),
             s.labels.get("reason", s.labels.get("le", "")),
         ): s.value
         for family in text_string_to_metric_families(text)
@@ -323,7 +326,7 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     for (name, label, _), value in worker.items():
-        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts", "svqa_gpu_compiles"):
+        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts", "svqa_gpu_compiles", "svqa_gpu_decode_seconds_total"):
             counts["gpu"][f"{name}:{label}"] = value
     counts["threads"] = {
         role: value for (name, role, _), value in worker.items() if name == "svqa_process_thread_cpu_seconds_total"
@@ -678,7 +681,24 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
             "units_per_step": round(units / steps, 2) if steps else None,
             "steps_over_1s": int(delta(f"over_1s:{kind}")),
         }
+    out["decode"]["answering"] = answering_time(delta, seconds)
     return out
+
+
+def answering_time(delta: Callable[[str], float], seconds: float) -> dict[str, Any]:
+    """Where the time of the questions being answered went (`svqa_gpu_decode_seconds_total`), as
+    shares of the window summed over workers: in decode steps (launch until their tokens were
+    read; `on_device`, the same steps on the device, a GPU only: the rest of a step is the time
+    its tokens waited for the loop to look) or idle with no decode step in flight, inside an
+    encode step or outside. With questions always waiting, an answer's time a token is a step's
+    time stretched by the idle shares."""
+    parts = {p: delta(f"svqa_gpu_decode_seconds_total:{p}") for p in ("steps", "device", "idle_encode", "idle_between")}
+    return {
+        "in_steps": round(parts["steps"] / seconds, 3),
+        "on_device": round(parts["device"] / seconds, 3) if parts["device"] else None,
+        "idle_in_encode_steps": round(parts["idle_encode"] / seconds, 3),
+        "idle_between_steps": round(parts["idle_between"] / seconds, 3),
+    }
 
 
 def summarize(

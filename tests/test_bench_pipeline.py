@@ -49,6 +49,27 @@ def check_spread(spread: dict[str, int], per_camera: list[int]) -> None:
     assert spread == {"min": min(per_camera), "max": max(per_camera), "total": sum(per_camera)}
 
 
+def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
+    """What the benchmark reads of a worker's /metrics: each labelled GPU sample under its own
+    label (read without theirs, `svqa_gpu_compiles`' two outcomes were one key, and the report
+    said 0 compiles whatever happened), and the scheduler's decode times."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_pipeline
+
+    from common import health, metrics
+    from common.engine.scheduler import DecodeTimes
+    from tests.conftest import free_port
+
+    times = DecodeTimes(steps=2.5, device=2.0, idle_encode=0.25, idle_between=0.125)
+    monkeypatch.setattr(metrics.DECODE_TIMES, "times", times)
+    port = free_port()
+    health.serve(port, metrics.registry_for(["worker"]), health.Readiness())
+    got = bench_pipeline.scrape(port)
+    decode = {part: got[("svqa_gpu_decode_seconds_total", part, "")] for part in vars(times)}
+    assert decode == {"steps": 2.5, "device": 2.0, "idle_encode": 0.25, "idle_between": 0.125}
+    assert {("svqa_gpu_compiles", "compiled", ""), ("svqa_gpu_compiles", "not_compiled", "")} <= set(got)
+
+
 @pytest.mark.timeout(300)
 def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     out = tmp_path / "result.json"
@@ -113,6 +134,12 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     chunks = gpu["encode"]["units_per_step"] * gpu["encode"]["steps"]
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
     assert all(0 <= gpu[k]["steps_over_1s"] <= gpu[k]["steps"] for k in ("encode", "decode", "task"))
+    answering = gpu["decode"]["answering"]  # shares of the window, summed over the two workers
+    assert answering["on_device"] is None  # no device times the steps on a CPU
+    # the steps' launch-to-read time is within each decode step's reported time (which adds a sync)
+    assert 0 < answering["in_steps"] <= gpu["decode"]["share"] + 0.002
+    idle = answering["idle_in_encode_steps"] + answering["idle_between_steps"]
+    assert idle >= 0 and answering["in_steps"] + idle <= 2.05
     assert gpu["graph_captures"] == {"count": 0, "seconds": 0.0}  # no CUDA graphs on a CPU
     assert gpu["alloc_retries"] == 0
     assert gpu["compiles"] == {"compiled": 0, "not_compiled": 0}  # nothing compiles on a CPU

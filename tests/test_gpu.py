@@ -122,6 +122,8 @@ def test_batched_graphed_decode_equals_one_at_a_time_eager(rt, monkeypatch):
     for t in threads:
         t.join(timeout=120)
     scheduler.stop()
+    times = scheduler.decode_times  # the steps timed on the device (CUDA events), within launch-to-read
+    assert 0 < times.device <= times.steps
     rt.executor = InlineExecutor()
     monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
     for (e, q), got in zip(asks, batched, strict=True):

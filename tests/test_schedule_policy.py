@@ -263,3 +263,59 @@ def test_questions_arriving_during_an_encode_step_start_beside_it_once_what_they
         assert Publishing.seen == [(2, 1, 0), (3, 2, 0), (4, 3, 1), (5, 4, 2)]
     else:
         assert [(r, u) for _, r, u in Publishing.seen] == [(0, 0)] * 4
+
+
+class Timed(StepJob):
+    """A question of `steps` steps that notes when its first step began and its last one ended."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.taken, self.steps = 0, steps
+        self.first_began = self.last_ended = 0.0
+
+    @classmethod
+    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+        for job in jobs:
+            assert isinstance(job, Timed)
+            if not job.taken:
+                job.first_began = time.perf_counter()
+            time.sleep(DECODE_S)
+            job.taken += 1
+            job.last_ended = time.perf_counter()
+            if job.taken == job.steps:
+                job.future.set_result(job.taken)
+
+
+class SlowToFirstLayer(BatchJob):
+    """An encode step whose host work before its first layer (inputs, a plan) takes 30 ms."""
+
+    lane = "cam"
+
+    @classmethod
+    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+        time.sleep(0.03)
+        for _ in range(3):
+            between_layers()
+            time.sleep(0.002)
+        for job in jobs:
+            job.future.set_result("encoded")
+
+
+def test_a_questions_time_is_its_decode_steps_and_the_idle_time_between_them_inside_and_outside_encode_steps():
+    """The scheduler's decode times part an answer's time exactly: from its first step's launch to
+    its last step's end it was in a step or idle, and the 30 ms an encode step spent before its
+    first layer (where the first decode step beside it is launched) is idle inside that step."""
+    scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand
+    question = Timed(steps=5)  # one before the encode step, one at each of its 3 layers, one after
+    scheduler.submit(question)
+    chunk = scheduler.submit(SlowToFirstLayer())
+    scheduler.step()  # the question's step, then the encode step with 3 more beside it
+    time.sleep(0.02)  # between steps: the question waits with nothing in flight
+    scheduler.step()  # its last step
+    assert chunk.result(timeout=0) == "encoded" and question.future.result(timeout=0) == 5
+    times = scheduler.decode_times
+    assert times.device == 0.0  # no device times the steps here
+    assert times.idle_encode >= 0.03 and times.idle_between >= 0.02
+    span = question.last_ended - question.first_began
+    parts = times.steps + times.idle_encode + times.idle_between
+    assert span <= parts < span + 0.005, (span, times)

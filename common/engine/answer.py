@@ -160,6 +160,7 @@ class _Step:
         self.gens = gens
         self.error: Exception | None = None
         self.stream = _decode_stream(gens[0].rt.device) if gens else None
+        self.started: torch.cuda.Event | None = None
         self.done: torch.cuda.Event | None = None
         if not gens:
             return
@@ -167,16 +168,24 @@ class _Step:
             with phase("decode launch"), _outside_inference(), _on(self.stream):
                 if self.stream is not None and not alongside:  # what the caller queued comes first
                     self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
+                if self.stream is not None:
+                    self.started = torch.cuda.Event(enable_timing=True)
+                    self.started.record(self.stream)
                 self.logits, greedy = _forward(gens)
                 self.greedy = greedy.to("cpu", non_blocking=True)
                 if self.stream is not None:
-                    self.done = torch.cuda.Event()
+                    self.done = torch.cuda.Event(enable_timing=True)
                     self.done.record(self.stream)
         except Exception as e:
             self.error = e
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
+
+    def device_s(self) -> float | None:
+        if self.started is None or self.done is None or self.error is not None or not self.done.query():
+            return None
+        return self.started.elapsed_time(self.done) / 1000
 
     def complete(self) -> None:
         if self.error is not None:

@@ -53,6 +53,25 @@ T = TypeVar("T")
 StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
 
 
+@dataclass
+class DecodeTimes:
+    """Where the time of the questions being answered goes, in seconds since the loop started:
+    what separates an answer's time a token from the time of a decode step (metrics read it from
+    another thread; each field is a float written by the loop alone).
+
+    - `steps`: decode steps from launch until the loop read their tokens;
+    - `device`: the same steps on the device, from launch to their end, where the device times
+      them (a GPU). `steps - device` is how long finished steps waited for the loop to look:
+      beside an encode step it looks only at the step's hooks (interleave.py);
+    - `idle_encode`, `idle_between`: questions were being answered and no decode step was in
+      flight, inside an encode step (before one of its hooks launched one) or outside them."""
+
+    steps: float = 0.0
+    device: float = 0.0
+    idle_encode: float = 0.0
+    idle_between: float = 0.0
+
+
 @dataclass(frozen=True)
 class SchedulePolicy:
     max_batch: int = 64  # generations advanced together
@@ -122,6 +141,9 @@ class Scheduler:
             self._fewer_sms = _stream_without_sms(self.policy.decode_sms)
         self.steps = 0
         self.step_began: float | None = None  # time.monotonic() when the step running now began
+        self.decode_times = DecodeTimes()
+        self._idle_since: float | None = None  # questions active, no decode step in flight, since
+        self._encoding = False  # inside an encode step (where idle time is counted)
 
     # -- the callers' side (any thread) ----------------------------------------------------
     def submit(self, job: BatchJob | StepJob) -> Future[Any]:
@@ -247,12 +269,14 @@ class Scheduler:
         return n
 
     def _launch(self, alongside: bool = False) -> None:
+        self._end_idle()
+        launched_at = time.perf_counter()  # before: the host's launch is part of the step
         # One class of step job today (Generation); grouped by class should another appear.
         by_class: dict[type, list[StepJob]] = {}
         for job in self._active:
             by_class.setdefault(type(job), []).append(job)
         steps = [(cls.launch_batch(jobs, alongside), jobs) for cls, jobs in by_class.items()]
-        self._in_flight = (time.perf_counter(), steps)
+        self._in_flight = (launched_at, steps)
 
     def _complete_in_flight(self, report: bool = True) -> None:
         if self._in_flight is None:
@@ -263,8 +287,31 @@ class Scheduler:
             launched.complete()
         n = sum(len(jobs) for _, jobs in steps)
         self._active = [j for j in self._active if not j.done]
+        now = time.perf_counter()
+        self.decode_times.steps += now - launched_at
+        self.decode_times.device += sum(launched.device_s() or 0.0 for launched, _ in steps)
+        if self._active:
+            self._idle_since = now
         if report and self.on_step is not None:
-            self.on_step("decode", time.perf_counter() - launched_at, n)
+            self.on_step("decode", now - launched_at, n)
+
+    def _end_idle(self) -> None:
+        if self._idle_since is None:
+            return
+        idle = time.perf_counter() - self._idle_since
+        if self._encoding:
+            self.decode_times.idle_encode += idle
+        else:
+            self.decode_times.idle_between += idle
+        self._idle_since = None
+
+    def _count_idle_as(self, encoding: bool) -> None:
+        """Idle time so far is where the loop was; from now on it is inside an encode step or not."""
+        idle = self._idle_since is not None
+        self._end_idle()
+        if idle:
+            self._idle_since = time.perf_counter()
+        self._encoding = encoding
 
     def _decode_alongside(self, wait: bool = False) -> None:
         """Inside an encode step: the next decode step, once the device has finished the last (or
@@ -289,6 +336,13 @@ class Scheduler:
             self._launch(alongside=True)
 
     def _encode(self) -> int:
+        self._count_idle_as(encoding=True)
+        try:
+            return self._encode_batch()
+        finally:
+            self._count_idle_as(encoding=False)
+
+    def _encode_batch(self) -> int:
         with self._lock:
             batch: list[BatchJob] = []
             for lane in list(self._lanes)[: self.policy.max_chunks]:

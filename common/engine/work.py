@@ -62,6 +62,11 @@ class Launched(Protocol):
         """Wait for it if need be, then advance its jobs; a finished job resolves its future."""
         ...
 
+    def device_s(self) -> float | None:
+        """Once complete: its time on the device, from its launch to its end (None where the
+        device does not time it)."""
+        ...
+
 
 class StepJob(Job):
     """A job class implements `launch_batch`, or only `step_batch` when its steps cannot be
@@ -94,6 +99,9 @@ class _Finished:
 
     def complete(self) -> None:
         pass
+
+    def device_s(self) -> float | None:
+        return None
 
 
 class Executor(Protocol):
