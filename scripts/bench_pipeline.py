@@ -95,6 +95,8 @@ QUESTIONS = ("What is happening?", "What is written on the screen?", "What colou
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
 CPU_SAMPLE_S = 0.05  # the machine's busy cores are sampled this often in the window
+GPU_SAMPLE_S = 1.0  # the GPU's clocks, power and temperature (nvidia-smi): leases of one kind differ
+GPU_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu")
 PROFILE_WAIT_S = 240.0  # for the workers' traces after the window (writing one takes seconds to minutes)
 STOP_TIMEOUT_S = 30.0
 CHUNK_FRAMES = EncoderConfig.chunk_frames  # the worker's, which the runs leave as it is
@@ -401,7 +403,9 @@ class Load:
         ]
         self.threads.append(threading.Thread(target=self._sample, name="lag-sampler", daemon=True))
         self.threads.append(threading.Thread(target=self._sample_cpu, name="cpu-sampler", daemon=True))
+        self.threads.append(threading.Thread(target=self._sample_gpu, name="gpu-sampler", daemon=True))
         self.busy_cores: list[float] = []  # the machine's, each CPU_SAMPLE_S in the window
+        self.gpu_samples: list[dict[str, float]] = []  # GPU 0's, each GPU_SAMPLE_S in the window
 
     def start(self) -> None:
         for t in self.threads:
@@ -454,6 +458,13 @@ class Load:
                 self.busy_cores.append((os.cpu_count() or 1) * (busy1 - busy0) / (total1 - total0))
             last = now
 
+    def _sample_gpu(self) -> None:
+        while not self.stop.wait(GPU_SAMPLE_S) and time.monotonic() <= self.window_end:
+            sample = gpu_sample()
+            if sample is None:
+                return  # no nvidia-smi (a CPU run), or one that cannot say
+            self.gpu_samples.append(sample)
+
 
 # --------------------------------------------------------------------------- one run
 
@@ -482,6 +493,54 @@ def machine_cpu(busy_cores: list[float]) -> dict[str, Any]:
         "samples": len(busy_cores),
         "interval_s": CPU_SAMPLE_S,
     }
+
+
+def gpu_sample() -> dict[str, float] | None:
+    """GPU 0's `GPU_QUERY` now, from nvidia-smi (None without one, or a field it lacks)."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return parse_gpu_sample(out.stdout) if out.returncode == 0 else None
+
+
+def parse_gpu_sample(line: str) -> dict[str, float] | None:
+    """One line of `nvidia-smi --query-gpu=<GPU_QUERY> --format=csv,noheader,nounits`."""
+    try:
+        return dict(zip(GPU_QUERY, (float(v) for v in line.strip().split(",")), strict=True))
+    except ValueError:  # "[N/A]" for a field this GPU does not report, or a short line
+        return None
+
+
+def machine_gpu(samples: list[dict[str, float]]) -> dict[str, Any] | None:
+    """GPU 0 over the window: SM clock against its maximum (a lower one is a throttled GPU:
+    power, heat), memory clock, power and temperature. Two leases of one machine kind ran the same
+    code 25 % apart (2026-11-27); this says whether the GPU is one reason."""
+    if not samples:
+        return None
+    column = lambda name: [s[name] for s in samples]  # noqa: E731
+    return {
+        "sm_mhz": {**percentiles(column("clocks.sm"), 50), "min": min(column("clocks.sm"))},
+        "max_sm_mhz": max(column("clocks.max.sm")),
+        "mem_mhz_p50": percentiles(column("clocks.mem"), 50)["p50"],
+        "power_w": {**percentiles(column("power.draw"), 50), "max": max(column("power.draw"))},
+        "temperature_c_max": max(column("temperature.gpu")),
+        "samples": len(samples),
+    }
+
+
+def cpu_model() -> str | None:
+    """The host CPU's model name (from /proc/cpuinfo), None where it says none."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
 
 
 def write_cameras(path: Path, cameras: list[str], video: str, fps: float) -> Path:
@@ -724,7 +783,8 @@ def summarize(
         "frames": frames_summary(cameras, before, after),
         "gpu_steps": gpu_summary(before, after, t_end - t0),
         "worker_cpu_cores": thread_cores(before, after, t_end - t0),
-        "machine_cpu": machine_cpu(load.busy_cores),
+        "machine_cpu": {**machine_cpu(load.busy_cores), "model": cpu_model()},
+        "machine_gpu": machine_gpu(load.gpu_samples),
         "encoder_lag_s": {
             **percentiles(lags, 50, 95),
             "max": round(max(lags), 4) if lags else None,

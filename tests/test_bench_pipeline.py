@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -68,6 +69,33 @@ def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     decode = {part: got[("svqa_gpu_decode_seconds_total", part, "")] for part in vars(times)}
     assert decode == {"steps": 2.5, "device": 2.0, "idle_encode": 0.25, "idle_between": 0.125}
     assert {("svqa_gpu_compiles", "compiled", ""), ("svqa_gpu_compiles", "not_compiled", "")} <= set(got)
+
+
+def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():
+    """Lines as nvidia-smi writes them for `GPU_QUERY` (an H200's, recorded; there is no GPU
+    here), and the summary of a window of them; a field it cannot report is no sample."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_pipeline
+
+    lines = ["1980, 1980, 3201, 312.45, 41\n", "1755, 1980, 3201, 655.10, 47\n", "1980, 1980, 3201, 598.70, 46\n"]
+    samples = [bench_pipeline.parse_gpu_sample(line) for line in lines]
+    assert samples[1] == {
+        "clocks.sm": 1755.0,
+        "clocks.max.sm": 1980.0,
+        "clocks.mem": 3201.0,
+        "power.draw": 655.1,
+        "temperature.gpu": 47.0,
+    }
+    assert bench_pipeline.machine_gpu(samples) == {
+        "sm_mhz": {"p50": 1980.0, "min": 1755.0},
+        "max_sm_mhz": 1980.0,
+        "mem_mhz_p50": 3201.0,
+        "power_w": {"p50": 598.7, "max": 655.1},
+        "temperature_c_max": 47.0,
+        "samples": 3,
+    }
+    assert bench_pipeline.parse_gpu_sample("1980, 1980, 3201, [N/A], 41") is None
+    assert bench_pipeline.machine_gpu([]) is None
 
 
 @pytest.mark.timeout(300)
@@ -153,6 +181,9 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     machine = run["machine_cpu"]  # sampled every 50 ms in the window: at least the workers' own use
     assert machine["cores"] == os.cpu_count() and machine["samples"] >= 10 * run["duration_s"]
     assert 0 < machine["busy_mean"] <= machine["cores"] and 0 <= machine["saturated_share"] <= 1
+    assert machine["model"] is None or machine["model"].strip()
+    gpu_seen = run["machine_gpu"]  # None where there is no nvidia-smi
+    assert gpu_seen is None if shutil.which("nvidia-smi") is None else gpu_seen["samples"] >= 1
 
     memory = run["worker_memory_gib"]
     assert set(memory) == {"worker-0", "worker-1"}
