@@ -12,7 +12,9 @@
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count) with full caches, 8
-#                askers, measured for 150 s (6.5 min): a 30 s window called a 64-camera run kept up
+#                askers, measured for 150 s (6.5 min; its JSON says where answers' time went,
+#                gpu_steps.decode.answering, and what the lease's GPU clocked, machine_gpu: leases
+#                differed by 12-33 % a chunk on 2026-11-27): a 30 s window called a 64-camera run kept up
 #                whose backlog then grew to 13 s and dropped frames (2026-11-27); 64 cameras' 32K
 #                caches need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
 #                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the

@@ -31,6 +31,7 @@ def test_services_ride_out_an_outage_longer_than_the_retry_budget(aof_redis_serv
         procs = [services.start("encoder", "--consumer", "enc-a"), services.start("qa")]
         procs.append(services.start("ingest", *live))
         wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq >= 5, 90, "frames before the outage", services)
+        wait_for(lambda: reading_questions(r), 90, "qa running", services)  # not still starting (a start fails)
         before = head(r, CAM)
         asked = Client(r).submit(CAM, "What now?", max_tokens=4)  # queued as Redis goes away
         aof_redis_server.stop()
