@@ -318,4 +318,4 @@ def test_a_questions_time_is_its_decode_steps_and_the_idle_time_between_them_ins
     assert times.idle_encode >= 0.03 and times.idle_between >= 0.02
     span = question.last_ended - question.first_began
     parts = times.steps + times.idle_encode + times.idle_between
-    assert span <= parts < span + 0.005, (span, times)
+    assert span <= parts < span + 0.015, (span, times)  # less than the 20 ms idle it could count twice
