@@ -183,7 +183,7 @@ class _Step:
         return self.done is None or self.done.query()
 
     def device_s(self) -> float | None:
-        if self.started is None or self.done is None or self.error is not None or not self.done.query():
+        if self.started is None or self.done is None or self.error is not None:
             return None
         return self.started.elapsed_time(self.done) / 1000
 

@@ -248,19 +248,12 @@ class Scheduler:
         """Waiting jobs become active, in order, up to `max_batch`; `beside` an encode step in
         flight, only those that may start there (the others keep their place)."""
         with self._lock:
-            room = self.policy.max_batch - len(self._active)
-            if not beside:
-                while self._waiting and room > 0:
-                    self._active.append(self._waiting.popleft())
-                    room -= 1
-                return
             for job in list(self._waiting):
-                if room <= 0:
+                if len(self._active) >= self.policy.max_batch:
                     return
-                if job.may_start_beside():
+                if not beside or job.may_start_beside():
                     self._waiting.remove(job)
                     self._active.append(job)
-                    room -= 1
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
