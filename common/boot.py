@@ -27,7 +27,7 @@ from common.config import ConfigError, GPUSettings, check_redis_url, check_setti
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
-from common.stalls import StallWatch, StuckWatch, freeze_heap
+from common.stalls import StallWatch, StepSampler, StuckWatch, freeze_heap
 from common.version import VERSION
 
 if TYPE_CHECKING:  # torch only where a model is loaded
@@ -180,16 +180,19 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     policy = gpu.schedule_policy()
     if policy.join_during_encode:  # questions start beside encode steps: see pool.py
         rt.pool.defer_frees()
+    stall_watch = StallWatch()
     scheduler = Scheduler(
         policy,
-        on_step=StallWatch().on_step,
+        on_step=stall_watch.on_step,
         on_fatal=_gpu_failed,
         profiler=_profiler(gpu),
         on_settled=rt.pool.settled,
     ).start()
     metrics.watch_scheduler(scheduler)
-    if rt.device.type == "cuda" and gpu.gpu_stuck_s:  # on a CPU a long step is only a slow one
-        StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()
+    if rt.device.type == "cuda":  # on a CPU a long step is only a slow one
+        stall_watch.sampler = StepSampler(scheduler).start()
+        if gpu.gpu_stuck_s:
+            StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()
     rt.executor = scheduler
     health.READINESS.model_loaded = True
     log.info(

@@ -1,12 +1,16 @@
 """Why the GPU loop stood still: one log line for every step that took over `slow_s`, one for
-every garbage collection that paused the process over `LONG_GC_S`, and a watch for a step that
-never ends.
+every garbage collection that paused the process over `LONG_GC_S`, a watch for a step that never
+ends, and a sampler of where every thread is while a step runs long.
 
 Everything waits on the one GPU loop, so a step of seconds is frames dropped and answers late for
 every camera. The pipeline has shown such stalls (4.7 s during 64 cameras' first evictions, H200,
 2026-11-25) that neither the step metrics nor the log explained. Each slow-step line says what
 happened meanwhile that is known to stall the loop: torch.compile work (dynamo frames) and time
 spent collecting garbage; and how often the CUDA allocator has run out and retried since start.
+With a `StepSampler`, it also says where the loop's thread and the process's other busy threads
+were while the step ran long, and how late the sampler woke (a late wake is the GIL or a CPU
+held elsewhere): the 1-chunk encode steps of 1.5-1.9 s that 64-camera pipelines showed every
+~11 s (H200, 2026-11-27) stopped the questions' decoding too, and nothing logged said why.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +35,10 @@ log = structlog.get_logger()
 
 SLOW_STEP_S = 1.0  # a step of 8 chunks over full 32K caches takes 0.2-0.3 s on an H200
 LONG_GC_S = 0.2
+SAMPLE_EVERY_S = 0.05  # how often the sampler looks while a step runs long
+TOP_PLACES = 4  # places named in a slow step's line, per kind
+# files whose innermost frame means a thread waiting, not working (locks, queues, pools)
+_WAITING = ("threading.py", "queue.py", "concurrent/futures/thread.py", "concurrent/futures/_base.py")
 
 
 def freeze_heap() -> int:
@@ -49,6 +58,7 @@ class StallWatch:
 
     def __init__(self, slow_s: float = SLOW_STEP_S):
         self.slow_s = slow_s
+        self.sampler: StepSampler | None = None  # set once the scheduler it samples exists
         self.gc_s = 0.0  # spent collecting garbage since start
         self._gc_started = 0.0
         self._last = self._totals()
@@ -60,6 +70,7 @@ class StallWatch:
     def on_step(self, kind: str, seconds: float, units: int) -> None:
         metrics.record_gpu_step(kind, seconds, units)
         totals = self._totals()
+        samples = self.sampler.take() if self.sampler is not None else {}
         if seconds > self.slow_s:
             during = {name: round(totals[name] - self._last[name], 3) for name in totals}
             log.warning(
@@ -70,6 +81,7 @@ class StallWatch:
                 **during,
                 # since start: the allocator's stats are a dict built per read, too dear for every step
                 alloc_retries_total=metrics.alloc_retries(),
+                **samples,
             )
         self._last = totals
 
@@ -114,6 +126,67 @@ class StuckWatch:
             if began is not None and time.monotonic() - began > self.stuck_s:
                 self.on_stuck(time.monotonic() - began, thread_stack(self.scheduler.thread))
                 return
+
+
+class StepSampler:
+    """Where the threads are while a GPU step runs long. Every `SAMPLE_EVERY_S`, once the running
+    step has passed `after_s`, it counts the loop thread's two innermost frames and those of every
+    other thread not waiting on a lock or a queue, and keeps how late it woke. `take()` hands what
+    was counted since the last take to the step's observer (StallWatch) and starts afresh."""
+
+    def __init__(self, scheduler: Scheduler, after_s: float = SLOW_STEP_S / 2):
+        self.scheduler, self.after_s = scheduler, after_s
+        self._lock = threading.Lock()
+        self._loop: Counter[str] = Counter()
+        self._busy: Counter[str] = Counter()
+        self._late_s = 0.0
+        self._thread = threading.Thread(target=self._run, name="gpu-step-sampler", daemon=True)
+
+    def start(self) -> StepSampler:
+        self._thread.start()
+        return self
+
+    def take(self) -> dict[str, object]:
+        """`loop_at` and `busy_at`: the most sampled places ("thread file:line function < caller",
+        with counts), `sampler_late_max_s`; empty when nothing was sampled."""
+        with self._lock:
+            loop, busy, late = self._loop, self._busy, self._late_s
+            self._loop, self._busy, self._late_s = Counter(), Counter(), 0.0
+        if not loop and not busy:
+            return {}
+        top = dict(loop.most_common(TOP_PLACES)), dict(busy.most_common(TOP_PLACES))
+        return {"loop_at": top[0], "busy_at": top[1], "sampler_late_max_s": round(late, 3)}
+
+    def _run(self) -> None:
+        while True:
+            t0 = time.perf_counter()
+            time.sleep(SAMPLE_EVERY_S)
+            late = time.perf_counter() - t0 - SAMPLE_EVERY_S
+            began = self.scheduler.step_began
+            if began is not None and time.monotonic() - began > self.after_s:
+                self._sample(late)
+
+    def _sample(self, late: float) -> None:
+        loop = self.scheduler.thread
+        names = {t.ident: t.name for t in threading.enumerate()}
+        places = []
+        for ident, frame in sys._current_frames().items():
+            if ident == threading.get_ident():
+                continue
+            if loop is not None and ident == loop.ident:
+                places.append((True, _place(frame)))
+            elif not frame.f_code.co_filename.endswith(_WAITING):
+                places.append((False, f"{names.get(ident, '?').rstrip('_0123456789')} {_place(frame)}"))
+        with self._lock:
+            self._late_s = max(self._late_s, late)
+            for on_loop, place in places:
+                (self._loop if on_loop else self._busy)[place] += 1
+
+
+def _place(frame: Any) -> str:
+    """ "file:line function < caller's file:line function", the file's last two path parts."""
+    inner = traceback.extract_stack(frame, limit=2)[::-1]
+    return " < ".join(f"{'/'.join(f.filename.split('/')[-2:])}:{f.lineno} {f.name}" for f in inner)
 
 
 def thread_stack(thread: threading.Thread | None, frames: int = 16) -> list[str]:

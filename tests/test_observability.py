@@ -226,6 +226,48 @@ def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys,
     assert watch._on_gc not in gc.callbacks
 
 
+def _spin_in_the_loop(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
+
+
+def _spin_beside(stop: threading.Event) -> None:
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def test_a_slow_steps_line_says_where_the_loop_and_the_busy_threads_were(capsys):
+    """The sampler names the loop's place and a busy thread's (by its name), not threads waiting
+    on a lock, and nothing for a quick step."""
+    from common import stalls
+    from common.engine.scheduler import Scheduler
+    from common.logs import configure_logging
+
+    configure_logging("INFO")
+    watch, stop = stalls.StallWatch(slow_s=0.3), threading.Event()
+    scheduler = Scheduler(on_step=watch.on_step).start()
+    watch.sampler = stalls.StepSampler(scheduler, after_s=0.1).start()
+    busy = threading.Thread(target=_spin_beside, args=(stop,), name="stream_7", daemon=True)
+    waiting = threading.Thread(target=stop.wait, name="idle_3", daemon=True)
+    busy.start(), waiting.start()
+    try:
+        scheduler.call(lambda: time.sleep(0.2))  # over after_s, under slow_s: sampled, not logged
+        scheduler.call(lambda: _spin_in_the_loop(0.6))
+    finally:
+        stop.set()
+        scheduler.stop()
+        watch.close()
+    slow = [json.loads(line) for line in capsys.readouterr().err.splitlines()]
+    slow = [r for r in slow if r["event"] == "gpu step slow"]
+    assert len(slow) == 1, slow
+    loop_at, busy_at = slow[0]["loop_at"], slow[0]["busy_at"]
+    assert sum(loop_at.values()) >= 5 and all(" _spin_in_the_loop < " in p for p in loop_at), loop_at
+    assert any(p.startswith("stream ") and "_spin_beside" in p for p in busy_at), busy_at
+    assert not any("idle" in p or "time.sleep" in p for p in busy_at), busy_at
+    assert slow[0]["sampler_late_max_s"] >= 0
+
+
 def test_the_stuck_watch_reports_a_step_past_its_limit_once_and_a_long_one_within_it_never():
     from common.engine.scheduler import Scheduler
     from common.stalls import StuckWatch
