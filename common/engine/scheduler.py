@@ -347,6 +347,12 @@ class Scheduler:
         waited = time.monotonic() - min(job.waiting_since for job in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
+            # A decode step now, beside the step's first kernels: the first hook comes only after
+            # the vision graph, the chunks' inputs and the plan, host work during which questions
+            # had no step in flight (33 ms an encode step at 64 cameras, H200, 2026-11-27). On a
+            # CPU nothing runs beside anything: the hooks alone interleave there.
+            if alongside and _cuda_in_use():
+                self._decode_alongside()
             with _on_stream(self._fewer_sms[1] if leave else None):
                 self._run_batches(batch)
             if alongside:
