@@ -34,7 +34,7 @@ from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
-from common.wire.schemas import decode_frame
+from common.wire.schemas import decode_frame, frame_capture_time
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
 
@@ -74,7 +74,7 @@ class EncoderService:
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and
         # share its batches; entries of one stream stay in order, in one task.
         self.streams_pool = ThreadPoolExecutor(max_workers=max(1, len(self.names)), thread_name_prefix="stream")
-        self._decoding = threading.BoundedSemaphore(cfg.frame_decoders())  # cores left to the GPU loop
+        self._decoding = threading.BoundedSemaphore(cfg.decode_threads)  # the GIL left to the GPU loop
         self._last_lease_check = 0.0
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._last_prune = time.monotonic()
@@ -283,6 +283,8 @@ class EncoderService:
             return  # lease lost between read and handle: the new owner gets it redelivered
         if not self._renew_if_due(owned):
             return
+        if owned.skip_late(entry_id, frame_capture_time(fields)):
+            return  # a worker behind reads mostly such frames: decoding them would slow it more
         with self._decoding:
             msg = decode_frame(fields)  # SchemaError: rejected by the boundary
         try:

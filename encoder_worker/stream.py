@@ -113,11 +113,21 @@ class OwnedStream:
         if problem is not None:
             self.reject(entry_id, {"seq": str(msg.seq), "ts": repr(msg.ts)}, problem)
             return None
-        if self.live and time.time() - msg.ts > self.cfg.max_lag_s:
-            self._drop_late(entry_id)  # behind real time: skip rather than fall further behind
+        if self.skip_late(entry_id, msg.ts):
             return None
         self.pending.append((entry_id, msg))
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
+
+    def skip_late(self, entry_id: str, ts: float | None) -> bool:
+        """Drop a live frame captured over `max_lag_s` ago (behind real time: skip rather than fall
+        further behind); the service asks before it decodes the frame's pixels. False for a
+        frame already waiting for its chunk (read again after an outage)."""
+        if not self.live or ts is None or time.time() - ts <= self.cfg.max_lag_s:
+            return False
+        if any(eid == entry_id for eid, _ in self.pending):
+            return False
+        self._drop_late(entry_id)
+        return True
 
     def _end(self, entry_id: str, msg: EndOfStream) -> Version | None:
         """Obey an end-of-stream marker only if it names the last frame seen (see module doc)."""

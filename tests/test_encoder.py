@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import redis
@@ -13,7 +14,7 @@ from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
 from common.wire import keys
-from common.wire.schemas import FrameMsg, decode_frame, encode_frame, manifest_from_bytes
+from common.wire.schemas import FIELD, FrameMsg, decode_frame, encode_frame, frame_capture_time, manifest_from_bytes
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, open_stream
 
@@ -79,3 +80,50 @@ def test_frames_of_all_streams_are_decoded_at_most_decode_threads_at_once(rt, re
         svc.step()
     assert all(manifest_from_bytes(r.get(keys.head(cam))).last_frame_seq == 1 for cam in cams), "every frame encoded"
     assert most[0] == decoders if decoders == 1 else 2 <= most[0] <= decoders
+
+
+def _undecodable_webp(seq: int, ts: float) -> dict[str, bytes]:
+    """A frames entry whose header is sound and whose pixels are not a WebP image."""
+    frame = FrameMsg.from_rgb(seq, ts, ts, np.full((56, 56, 3), 7, np.uint8))
+    m = msgpack.unpackb(encode_frame(frame, codec="webp")[FIELD])
+    return {FIELD: msgpack.packb(m | {"data": b"RIFF\x00\x00garbage"})}
+
+
+def test_a_late_live_frame_is_dropped_before_its_pixels_are_decoded(rt, redis_url):
+    """Behind real time, most frames a read brings are dropped as late: their pixels are never
+    decoded (decoding slows the GPU loop through the GIL). The oracle: pixels that cannot be
+    decoded are dead-lettered when the frame is fresh, and only dropped, as late, when it is not."""
+    from encoder_worker import service
+
+    r = redis.Redis.from_url(redis_url)
+    cam, now = "latecam", time.time()
+    r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 1})
+    fresh = [encode_frame(FrameMsg.from_rgb(s, now + s / 2, s / 2, np.zeros((56, 56, 3), np.uint8))) for s in (2, 3)]
+    late_id, fresh_id = (
+        r.xadd(keys.frames(cam), f) for f in (_undecodable_webp(0, now - 60), _undecodable_webp(1, now))
+    )
+    for fields in fresh:
+        r.xadd(keys.frames(cam), fields)
+    cfg = EncoderConfig(redis_url=redis_url, streams=(cam,), consumer="me", chunk_frames=2, block_ms=50, max_lag_s=30)
+    svc = service.EncoderService(cfg, rt, r, MemoryStore())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+        (raw := r.get(keys.head(cam))) and manifest_from_bytes(raw).last_frame_seq == 3
+    ):
+        svc.step()
+    assert manifest_from_bytes(r.get(keys.head(cam))).last_frame_seq == 3, "the fresh frames were encoded"
+    dead = [f[b"entry_id"] for _, f in r.xrange(keys.DEAD_LETTER) if f[b"source"] == keys.frames(cam).encode()]
+    assert dead == [fresh_id], (dead, late_id)  # the fresh undecodable one only
+    events = [f for _, f in r.xrange(keys.events(cam))]
+    assert any(f[b"type"] == b"dropped" and f[b"reason"] == b"late" for f in events), events
+    assert r.xinfo_groups(keys.frames(cam))[0]["pending"] == 0, "every entry acked"
+
+
+def test_a_frames_capture_time_is_read_without_its_pixels():
+    frame = FrameMsg.from_rgb(4, 12.5, 2.0, np.zeros((56, 56, 3), np.uint8))
+    assert frame_capture_time(encode_frame(frame, codec="webp")) == 12.5
+    assert frame_capture_time(_undecodable_webp(0, 3.0)) == 3.0
+    assert frame_capture_time({FIELD: msgpack.packb({"eos": True, "seq": 4})}) is None
+    assert frame_capture_time({FIELD: b"\xc1 not msgpack"}) is None
+    assert frame_capture_time({}) is None
+    assert decode_frame(encode_frame(frame, codec="webp")).ts == 12.5

@@ -266,6 +266,16 @@ def _decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
         raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
 
+def frame_capture_time(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> float | None:
+    """A frames entry's capture time, read without decoding its pixels (msgpack only); None for
+    an end-of-stream marker or an entry without a valid one (decode_frame then says why)."""
+    try:
+        m = _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
+        return None if m.get("eos", False) else _float("ts", _require(m, "ts"))
+    except SchemaError:
+        return None
+
+
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
     """Validate and decode one frames-stream entry; raises SchemaError naming the field."""
     m = _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
