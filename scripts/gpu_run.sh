@@ -22,6 +22,9 @@
 #     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     copies     docs/bench/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
+#     launches   docs/bench/decode_beside_launches.py: a kernel launch alone and beside threads
+#                decoding WebP frames (the GIL; why decode_threads is 2), at the worker's 0.5 ms
+#                GIL switch interval (10 s)
 #     beside     docs/bench/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
 #                with 12/20/28 SMs left to questions (`decode_sms`) and without (3.5 min)
 # A/B against an older commit REV on the same machine (timings of two machines do not compare):
@@ -92,8 +95,9 @@ for what in "$@"; do
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
     storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
     copies) step copies copies.json python3 docs/bench/host_copies.py ;;
+    launches) step launches launches.json python3 docs/bench/decode_beside_launches.py ;;
     beside) step beside beside.jsonl python3 docs/bench/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, copies, beside)" >&2; exit 2 ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, copies, beside, launches)" >&2; exit 2 ;;
   esac
 done
 exit $status
