@@ -140,6 +140,7 @@ class StepSampler:
         self._loop: Counter[str] = Counter()
         self._busy: Counter[str] = Counter()
         self._late_s = 0.0
+        self._takes = 0  # a sample begun before a take belongs to the step taken: it is dropped
         self._thread = threading.Thread(target=self._run, name="gpu-step-sampler", daemon=True)
 
     def start(self) -> StepSampler:
@@ -152,6 +153,7 @@ class StepSampler:
         with self._lock:
             loop, busy, late = self._loop, self._busy, self._late_s
             self._loop, self._busy, self._late_s = Counter(), Counter(), 0.0
+            self._takes += 1
         if not loop and not busy:
             return {}
         top = dict(loop.most_common(TOP_PLACES)), dict(busy.most_common(TOP_PLACES))
@@ -167,6 +169,8 @@ class StepSampler:
                 self._sample(late)
 
     def _sample(self, late: float) -> None:
+        with self._lock:
+            takes = self._takes
         loop = self.scheduler.thread
         names = {t.ident: t.name for t in threading.enumerate()}
         places = []
@@ -178,6 +182,8 @@ class StepSampler:
             elif not frame.f_code.co_filename.endswith(_WAITING):
                 places.append((False, f"{names.get(ident, '?').rstrip('_0123456789')} {_place(frame)}"))
         with self._lock:
+            if self._takes != takes:
+                return
             self._late_s = max(self._late_s, late)
             for on_loop, place in places:
                 (self._loop if on_loop else self._busy)[place] += 1

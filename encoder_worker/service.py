@@ -40,7 +40,7 @@ from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_l
 
 log = structlog.get_logger()
 
-READ_PER_STREAM = 16  # frames entries read per owned stream and step
+READ_PER_STREAM = 16  # frames entries read per owned stream and step (XREADGROUP's COUNT is per stream)
 PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames groups
 LEASE_CHECK_MAX_S = 1.0  # leases renewed and free streams tried at least this often
 HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
@@ -68,7 +68,7 @@ class EncoderService:
             [],
             keys.ENCODER_GROUP,
             cfg.consumer,
-            count=READ_PER_STREAM * len(self.names),
+            count=READ_PER_STREAM,  # was x streams: 64 cameras' whole backlogs (up to 2,000 frames each) in one reply
             block_ms=cfg.block_ms,
         )
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and

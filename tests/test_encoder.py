@@ -127,3 +127,26 @@ def test_a_frames_capture_time_is_read_without_its_pixels():
     assert frame_capture_time({FIELD: b"\xc1 not msgpack"}) is None
     assert frame_capture_time({}) is None
     assert decode_frame(encode_frame(frame, codec="webp")).ts == 12.5
+
+
+def test_a_read_takes_at_most_read_per_stream_entries_of_each_stream(rt, redis_url):
+    """XREADGROUP's COUNT bounds each stream, not the reply: a worker far behind (its frames
+    streams hold up to 2,000 entries each) must not pull every stream's whole backlog at once."""
+    from encoder_worker import service
+
+    r = redis.Redis.from_url(redis_url)
+    cams = ["deep0", "deep1"]
+    for cam in cams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = EncoderConfig(redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50)
+    svc = service.EncoderService(cfg, rt, r, MemoryStore())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and set(svc.reader.cursors.values()) != {">"}:
+        svc.step()  # takes the streams' leases and reads their (empty) history
+    frame = np.zeros((56, 56, 3), np.uint8)
+    for cam in cams:
+        for seq in range(3 * service.READ_PER_STREAM):
+            r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, frame)))
+    got = svc.reader.read()
+    per_stream = {s: sum(1 for e in got if e[0] == s) for s in map(keys.frames, cams)}
+    assert per_stream == dict.fromkeys(map(keys.frames, cams), service.READ_PER_STREAM), per_stream

@@ -262,7 +262,8 @@ def test_a_slow_steps_line_says_where_the_loop_and_the_busy_threads_were(capsys)
     slow = [r for r in slow if r["event"] == "gpu step slow"]
     assert len(slow) == 1, slow
     loop_at, busy_at = slow[0]["loop_at"], slow[0]["busy_at"]
-    assert sum(loop_at.values()) >= 5 and all(" _spin_in_the_loop < " in p for p in loop_at), loop_at
+    top = max(loop_at, key=loop_at.get)  # a sample may straddle the steps' edge: most are inside
+    assert " _spin_in_the_loop < " in top and loop_at[top] >= 5 and sum(loop_at.values()) - loop_at[top] <= 1, loop_at
     assert any(p.startswith("stream ") and "_spin_beside" in p for p in busy_at), busy_at
     assert not any("idle" in p or "time.sleep" in p for p in busy_at), busy_at
     assert slow[0]["sampler_late_max_s"] >= 0
