@@ -68,7 +68,7 @@ class EncoderService:
             [],
             keys.ENCODER_GROUP,
             cfg.consumer,
-            count=READ_PER_STREAM,  # was x streams: 64 cameras' whole backlogs (up to 2,000 frames each) in one reply
+            count=READ_PER_STREAM,  # not x streams: that took 64 cameras' whole backlogs in one reply
             block_ms=cfg.block_ms,
         )
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and
