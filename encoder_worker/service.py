@@ -34,7 +34,7 @@ from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
-from common.wire.schemas import decode_frame, frame_capture_time
+from common.wire.schemas import capture_time, frame_from_map, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
 
@@ -283,10 +283,11 @@ class EncoderService:
             return  # lease lost between read and handle: the new owner gets it redelivered
         if not self._renew_if_due(owned):
             return
-        if owned.skip_late(entry_id, frame_capture_time(fields)):
+        m = unpack_frame(fields)  # SchemaError: rejected by the boundary
+        if owned.skip_late(entry_id, capture_time(m)):
             return  # a worker behind reads mostly such frames: decoding them would slow it more
         with self._decoding:
-            msg = decode_frame(fields)  # SchemaError: rejected by the boundary
+            msg = frame_from_map(m)
         try:
             owned.add(entry_id, msg)
         except LeaseLost:

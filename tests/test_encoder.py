@@ -14,7 +14,17 @@ from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
 from common.wire import keys
-from common.wire.schemas import FIELD, FrameMsg, decode_frame, encode_frame, frame_capture_time, manifest_from_bytes
+from common.wire.schemas import (
+    FIELD,
+    EndOfStream,
+    FrameMsg,
+    SchemaError,
+    capture_time,
+    encode_frame,
+    frame_from_map,
+    manifest_from_bytes,
+    unpack_frame,
+)
 from encoder_worker.config import EncoderConfig
 from encoder_worker.stream import LeaseLost, open_stream
 
@@ -59,18 +69,18 @@ def test_frames_of_all_streams_are_decoded_at_most_decode_threads_at_once(rt, re
     at_once, most = [0], [0]
     lock = threading.Lock()
 
-    def decode(fields):  # the real decode, held long enough for the streams' threads to overlap
+    def decode(m):  # the real decode, held long enough for the streams' threads to overlap
         with lock:
             at_once[0] += 1
             most[0] = max(most[0], at_once[0])
         try:
             time.sleep(0.02)
-            return decode_frame(fields)
+            return frame_from_map(m)
         finally:
             with lock:
                 at_once[0] -= 1
 
-    monkeypatch.setattr(service, "decode_frame", decode)
+    monkeypatch.setattr(service, "frame_from_map", decode)
     cfg = EncoderConfig(
         redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50, decode_threads=decoders
     )
@@ -121,12 +131,17 @@ def test_a_late_live_frame_is_dropped_before_its_pixels_are_decoded(rt, redis_ur
 
 def test_a_frames_capture_time_is_read_without_its_pixels():
     frame = FrameMsg.from_rgb(4, 12.5, 2.0, np.zeros((56, 56, 3), np.uint8))
-    assert frame_capture_time(encode_frame(frame, codec="webp")) == 12.5
-    assert frame_capture_time(_undecodable_webp(0, 3.0)) == 3.0
-    assert frame_capture_time({FIELD: msgpack.packb({"eos": True, "seq": 4})}) is None
-    assert frame_capture_time({FIELD: b"\xc1 not msgpack"}) is None
-    assert frame_capture_time({}) is None
-    assert decode_frame(encode_frame(frame, codec="webp")).ts == 12.5
+    assert capture_time(unpack_frame(encode_frame(frame, codec="webp"))) == 12.5
+    undecodable = unpack_frame(_undecodable_webp(0, 3.0))
+    assert capture_time(undecodable) == 3.0
+    with pytest.raises(SchemaError, match="undecodable"):
+        frame_from_map(undecodable)
+    assert capture_time(unpack_frame(encode_frame(EndOfStream(4)))) is None
+    assert capture_time({"v": 1, "ts": "noon"}) is None
+    for bad in ({FIELD: b"\xc1 not msgpack"}, {}):
+        with pytest.raises(SchemaError):
+            unpack_frame(bad)
+    assert frame_from_map(unpack_frame(encode_frame(frame, codec="webp"))).ts == 12.5
 
 
 def test_a_read_takes_at_most_read_per_stream_entries_of_each_stream(rt, redis_url):

@@ -266,19 +266,29 @@ def _decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
         raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
 
-def frame_capture_time(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> float | None:
-    """A frames entry's capture time, read without decoding its pixels (msgpack only); None for
-    an end-of-stream marker or an entry without a valid one (decode_frame then says why)."""
+def unpack_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
+    """A frames-stream entry's map, its pixels still encoded (msgpack only); raises SchemaError."""
+    return _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
+
+
+def capture_time(m: Mapping[str, Any]) -> float | None:
+    """An unpacked entry's capture time, its pixels not decoded; None for an end-of-stream marker
+    or an entry without a valid one (frame_from_map then says why)."""
+    if m.get("eos", False):
+        return None
     try:
-        m = _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
-        return None if m.get("eos", False) else _float("ts", _require(m, "ts"))
+        return _float("ts", _require(m, "ts"))
     except SchemaError:
         return None
 
 
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
     """Validate and decode one frames-stream entry; raises SchemaError naming the field."""
-    m = _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
+    return frame_from_map(unpack_frame(fields, limits), limits)
+
+
+def frame_from_map(m: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
+    """Validate an unpacked entry and decode its pixels; raises SchemaError naming the field."""
     eos = m.get("eos", False)
     if not isinstance(eos, bool):
         raise SchemaError("eos", f"expected bool, got {type(eos).__name__}")
