@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -340,13 +340,17 @@ class GroupReader:
         self.cursors = dict.fromkeys(self.cursors, "0")
         self.quiet = set(self.cursors)
 
-    def read(self) -> list[Entry]:
-        if not self.cursors:
-            time.sleep(self.block_ms / 1000)  # nothing to read; behave like an empty blocking read
+    def read(self, streams: Collection[str] | None = None, block_ms: int | None = None) -> list[Entry]:
+        """Entries of the streams followed (of ``streams`` only, if given), waiting up to
+        ``block_ms`` (default: the reader's) for new ones."""
+        block_ms = self.block_ms if block_ms is None else block_ms
+        cursors = self.cursors if streams is None else {s: c for s, c in self.cursors.items() if s in streams}
+        if not cursors:
+            time.sleep(block_ms / 1000)  # nothing to read; behave like an empty blocking read
             return []
         self.ensure_groups()
         try:
-            return self._read()
+            return self._read(cursors.keys(), block_ms)
         except ResponseError as e:
             if "NOGROUP" not in str(e):
                 raise
@@ -354,11 +358,11 @@ class GroupReader:
             for s in self.cursors:
                 ensure_group(self.r, s, self.group, self.start_id)
             self.reset()
-            return self._read()
+            return self._read(cursors.keys(), block_ms)
 
-    def _read(self) -> list[Entry]:
+    def _read(self, streams: Collection[str], block_ms: int) -> list[Entry]:
         who = {"group": self.group, "consumer": self.consumer}
-        history = {s: c for s, c in self.cursors.items() if c != ">"}
+        history = {s: c for s, c in self.cursors.items() if c != ">" and s in streams}
         if history:
             counted = {s: c for s, c in history.items() if s not in self.quiet}
             got = read_streams(self.r, counted, self.count, **who) if counted else []
@@ -372,7 +376,7 @@ class GroupReader:
             got = _drop_trimmed(self.r, self.group, got)
             if got:
                 return got
-        return read_streams(self.r, dict.fromkeys(self.cursors, ">"), self.count, block_ms=self.block_ms, **who)
+        return read_streams(self.r, dict.fromkeys(streams, ">"), self.count, block_ms=block_ms, **who)
 
     def _pending(self, stream: str, cursor: str) -> list[Entry]:
         """This consumer's pending entries after ``cursor``, delivery counts untouched."""

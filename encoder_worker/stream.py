@@ -78,6 +78,7 @@ class OwnedStream:
         self.dropped_late = 0
         self._last_drop_event = -DROP_EVENT_EVERY_S
         self.ended = False
+        self.lost = False  # its task found the lease gone; the main loop drops the stream
         self.renewed_at = time.monotonic()  # when its lease was last renewed
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
 

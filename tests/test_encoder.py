@@ -85,10 +85,14 @@ def test_frames_of_all_streams_are_decoded_at_most_decode_threads_at_once(rt, re
         redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50, decode_threads=decoders
     )
     svc = service.EncoderService(cfg, rt, r, MemoryStore())
+
+    def encoded() -> bool:
+        return all((raw := r.get(keys.head(cam))) and manifest_from_bytes(raw).last_frame_seq == 1 for cam in cams)
+
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not all(r.exists(keys.head(cam)) for cam in cams):
+    while time.monotonic() < deadline and not encoded():
         svc.step()
-    assert all(manifest_from_bytes(r.get(keys.head(cam))).last_frame_seq == 1 for cam in cams), "every frame encoded"
+    assert encoded(), "every frame encoded"
     assert most[0] == decoders if decoders == 1 else 2 <= most[0] <= decoders
 
 
@@ -165,3 +169,59 @@ def test_a_read_takes_at_most_read_per_stream_entries_of_each_stream(rt, redis_u
     got = svc.reader.read()
     per_stream = {s: sum(1 for e in got if e[0] == s) for s in map(keys.frames, cams)}
     assert per_stream == dict.fromkeys(map(keys.frames, cams), service.READ_PER_STREAM), per_stream
+
+
+def test_a_stream_waiting_for_the_gpu_holds_back_only_its_own_reads(rt, redis_url, monkeypatch):
+    """Streams are not read in rounds: while one stream's chunk waits (behind many GPU steps, say),
+    the other streams' new frames are read, encoded and published."""
+    from encoder_worker import service, stream
+
+    r = redis.Redis.from_url(redis_url)
+    cams = ["held", "flowing"]
+    for cam in cams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    frame = np.zeros((56, 56, 3), np.uint8)
+
+    def send(cam: str, seqs: range) -> None:
+        for seq in seqs:
+            r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, frame)))
+
+    def head_seq(cam: str) -> int | None:
+        raw = r.get(keys.head(cam))
+        return manifest_from_bytes(raw).last_frame_seq if raw else None
+
+    def wait_for(cam: str, seq: int) -> None:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and head_seq(cam) != seq:
+            time.sleep(0.01)
+        assert head_seq(cam) == seq, f"{cam}: frame {seq} not encoded while the other stream's chunk waited"
+
+    release = threading.Event()
+    flush = stream.OwnedStream.flush
+
+    def held_flush(self: stream.OwnedStream):
+        if self.name == "held":
+            release.wait(30)
+        return flush(self)
+
+    monkeypatch.setattr(stream.OwnedStream, "flush", held_flush)
+    send("held", range(2))
+    send("flowing", range(2))
+    cfg = EncoderConfig(redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50)
+    svc = service.EncoderService(cfg, rt, r, MemoryStore())
+    stop = threading.Event()
+    runner = threading.Thread(target=svc.run, args=(stop,))
+    runner.start()
+    try:
+        for seq in range(2, 8, 2):  # each chunk sent once the one before it is published
+            wait_for("flowing", seq - 1)
+            send("flowing", range(seq, seq + 2))
+        wait_for("flowing", 7)
+        assert head_seq("held") != 1, "the held chunk was published"
+        release.set()
+        wait_for("held", 1)
+    finally:
+        release.set()
+        stop.set()
+        runner.join(30)
+    assert not runner.is_alive()
