@@ -273,8 +273,11 @@ class Source:
         )
 
     def recent_fps(self) -> float:
+        """Called by a scrape, on the HTTP server's thread, while this source appends: iterating
+        the deque itself raised "deque mutated during iteration" (a 64-camera run, 2026-11-27);
+        `copy()` is one C call, which no append can interleave."""
         now = time.monotonic()
-        return sum(1 for t in self._recent if now - t <= FPS_WINDOW_S) / FPS_WINDOW_S
+        return sum(1 for t in self._recent.copy() if now - t <= FPS_WINDOW_S) / FPS_WINDOW_S
 
     def _latest_frame(self, pipe: redis.client.Pipeline, msg: FrameMsg | EndOfStream) -> None:
         """Queue the newest frame as a JPEG: at most once a second, and a file's last frame at its end."""

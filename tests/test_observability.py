@@ -172,6 +172,29 @@ def test_ingest_fps_falls_to_zero_when_frames_stop(monkeypatch):
     assert fake.recent_fps() == 0.0
 
 
+def test_ingest_fps_is_read_while_frames_are_appended():
+    """A scrape runs on the metrics server's thread while the source appends publish times."""
+    from ingest import source
+
+    fake = source.Source.__new__(source.Source)
+    fake._recent = source.deque(maxlen=source.FPS_WINDOW_FRAMES)
+    stop = threading.Event()
+
+    def publish() -> None:
+        while not stop.is_set():
+            fake._recent.append(time.monotonic())
+
+    publisher = threading.Thread(target=publish)
+    publisher.start()
+    try:
+        deadline = time.monotonic() + 2
+        while time.monotonic() < deadline:
+            assert fake.recent_fps() >= 0
+    finally:
+        stop.set()
+        publisher.join()
+
+
 def test_thread_exceptions_are_json_log_lines(capsys):
     from common.logs import configure_logging
 
