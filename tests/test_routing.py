@@ -195,6 +195,57 @@ def test_workers_take_streams_up_to_capacity_and_hand_off_to_a_newcomer(r, rt, r
     assert loads == {"b": (1, None), "c": (1, None)}
 
 
+def test_a_stream_handed_off_is_released_while_its_frames_keep_coming(r, rt, redis_url):
+    """Streams are read as their tasks end: the stream being handed off must still get a moment
+    between its tasks to be released, though every read finds new frames of it."""
+    import numpy as np
+
+    from common.wire.schemas import FrameMsg, encode_frame
+
+    cams = ("f1", "f2")
+    for cam in cams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    store = MemoryStore()
+
+    def worker(name: str) -> EncoderService:
+        cfg = EncoderConfig(
+            redis_url=redis_url, streams=cams, consumer=name, chunk_frames=2, block_ms=20, lease_ms=1000
+        )
+        return EncoderService(cfg, rt, r, store)
+
+    stop = threading.Event()
+
+    def send() -> None:  # a chunk's two frames at a time, so a task's read ends on a chunk boundary
+        frame, seq = np.zeros((56, 56, 3), np.uint8), 0
+        while not stop.is_set():
+            pipe = r.pipeline(transaction=True)
+            for cam in cams:
+                for s in (seq, seq + 1):
+                    pipe.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(s, s / 2, s / 2, frame)))
+            pipe.execute()
+            seq += 2
+            time.sleep(0.01)
+
+    a, b = worker("a"), worker("b")
+    sender = threading.Thread(target=send)
+    sender.start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(a.owned) < 2:
+            assert time.monotonic() < deadline
+            a.step()
+        deadline = time.monotonic() + 8  # under HAND_OFF_WAIT_S: released at a chunk boundary, not by the timeout
+        while (len(a.owned), len(b.owned)) != (1, 1):
+            assert time.monotonic() < deadline, (sorted(a.owned), sorted(b.owned), a.leaving)
+            a.step()
+            b.step()
+    finally:
+        stop.set()
+        sender.join()
+    released = [f for cam in cams for _, f in r.xrange(keys.events(cam)) if f[b"type"] == b"encoder_released"]
+    assert [(f[b"consumer"], f[b"unencoded"]) for f in released] == [(b"a", b"0")]
+
+
 def test_a_worker_busy_longer_than_a_lease_keeps_its_streams(r, rt, redis_url):
     """A chunk waiting its turn on a busy GPU can hold the main loop for longer than a lease; the
     lease and the heartbeat are renewed by their own thread, so no other worker takes the stream."""

@@ -15,6 +15,7 @@ The logs are in `pipeline-logs.tgz`, as `scripts/gpu_run.sh pipeline` leaves it:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from datetime import datetime
@@ -44,7 +45,7 @@ def steps(times: list[float]) -> list[list[float]]:
 def summary(path: str, window_s: float, max_chunks: int) -> dict:
     times = publish_times(path)
     window = [s for s in steps(times) if s[0] > times[-1] - window_s]
-    timed = [(b[0] - a[-1], len(b)) for a, b in zip(window, window[1:], strict=False)]
+    timed = [(b[0] - a[-1], len(b)) for a, b in itertools.pairwise(window)]
 
     def kind(sel: list[tuple[float, int]]) -> dict:
         seconds, chunks = sum(t for t, _ in sel), sum(n for _, n in sel)
