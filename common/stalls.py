@@ -151,11 +151,11 @@ class StepSampler:
         """`loop_at` and `busy_at`: the most sampled places ("thread file:line function < caller",
         with counts), `sampler_late_max_s`; empty when nothing was sampled."""
         with self._lock:
+            self._takes += 1
+            if not self._loop and not self._busy:  # nearly every step: nothing new made on the GPU loop
+                return {}
             loop, busy, late = self._loop, self._busy, self._late_s
             self._loop, self._busy, self._late_s = Counter(), Counter(), 0.0
-            self._takes += 1
-        if not loop and not busy:
-            return {}
         top = dict(loop.most_common(TOP_PLACES)), dict(busy.most_common(TOP_PLACES))
         return {"loop_at": top[0], "busy_at": top[1], "sampler_late_max_s": round(late, 3)}
 
