@@ -286,6 +286,7 @@ class GPUSettings:
     gpu_chunk_deadline_s: float = 1.0  # a chunk waiting longer gets encoding up to...
     gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
+    gpu_decode_before_encode: bool = True  # questions take a step alone before each encode step (off: beside it)
     gpu_join_during_encode: bool = False  # questions arriving during it start beside it, once their version is written
     gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
     gpu_vision_graphs: bool = True  # vision batches replayed from CUDA graphs
@@ -308,6 +309,7 @@ class GPUSettings:
             chunk_deadline_s=self.gpu_chunk_deadline_s,
             max_encode_share=self.gpu_max_encode_share,
             decode_during_encode=self.gpu_decode_during_encode,
+            decode_before_encode=self.gpu_decode_before_encode,
             join_during_encode=self.gpu_join_during_encode,
             decode_sms=self.gpu_decode_sms,
         )

@@ -96,7 +96,7 @@ PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
 CPU_SAMPLE_S = 0.05  # the machine's busy cores are sampled this often in the window
 GPU_SAMPLE_S = 1.0  # the GPU's clocks, power and temperature (nvidia-smi): leases of one kind differ
-GPU_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu")
+GPU_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu")
 PROFILE_WAIT_S = 240.0  # for the workers' traces after the window (writing one takes seconds to minutes)
 STOP_TIMEOUT_S = 30.0
 CHUNK_FRAMES = EncoderConfig.chunk_frames  # the worker's, which the runs leave as it is
@@ -520,7 +520,9 @@ def parse_gpu_sample(line: str) -> dict[str, float] | None:
 def machine_gpu(samples: list[dict[str, float]]) -> dict[str, Any] | None:
     """GPU 0 over the window: SM clock against its maximum (a lower one is a throttled GPU:
     power, heat), memory clock, power and temperature. Two leases of one machine kind ran the same
-    code 25 % apart (2026-11-27); this says whether the GPU is one reason."""
+    code 25 % apart (2026-11-27); this says whether the GPU is one reason. `busy_mean`: the share
+    of time some kernel ran (NVML's utilization, averaged), so 1 - busy_mean is the device idle,
+    waiting for the host; a busy device may still have idle SMs."""
     if not samples:
         return None
     column = lambda name: [s[name] for s in samples]  # noqa: E731
@@ -530,6 +532,7 @@ def machine_gpu(samples: list[dict[str, float]]) -> dict[str, Any] | None:
         "mem_mhz_p50": percentiles(column("clocks.mem"), 50)["p50"],
         "power_w": {**percentiles(column("power.draw"), 50), "max": max(column("power.draw"))},
         "temperature_c_max": max(column("temperature.gpu")),
+        "busy_mean": round(sum(column("utilization.gpu")) / len(samples) / 100, 3),
         "samples": len(samples),
     }
 

@@ -77,7 +77,11 @@ def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_pipeline
 
-    lines = ["1980, 1980, 3201, 312.45, 41\n", "1755, 1980, 3201, 655.10, 47\n", "1980, 1980, 3201, 598.70, 46\n"]
+    lines = [
+        "1980, 1980, 3201, 312.45, 41, 88\n",
+        "1755, 1980, 3201, 655.10, 47, 100\n",
+        "1980, 1980, 3201, 598.70, 46, 97\n",
+    ]
     samples = [bench_pipeline.parse_gpu_sample(line) for line in lines]
     assert samples[1] == {
         "clocks.sm": 1755.0,
@@ -85,6 +89,7 @@ def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():
         "clocks.mem": 3201.0,
         "power.draw": 655.1,
         "temperature.gpu": 47.0,
+        "utilization.gpu": 100.0,
     }
     assert bench_pipeline.machine_gpu(samples) == {
         "sm_mhz": {"p50": 1980.0, "min": 1755.0},
@@ -92,9 +97,10 @@ def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():
         "mem_mhz_p50": 3201.0,
         "power_w": {"p50": 598.7, "max": 655.1},
         "temperature_c_max": 47.0,
+        "busy_mean": 0.95,
         "samples": 3,
     }
-    assert bench_pipeline.parse_gpu_sample("1980, 1980, 3201, [N/A], 41") is None
+    assert bench_pipeline.parse_gpu_sample("1980, 1980, 3201, [N/A], 41, 97") is None
     assert bench_pipeline.machine_gpu([]) is None
 
 

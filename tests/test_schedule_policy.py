@@ -265,6 +265,32 @@ def test_questions_arriving_during_an_encode_step_start_beside_it_once_what_they
         assert [(r, u) for _, r, u in Publishing.seen] == [(0, 0)] * 4
 
 
+@pytest.mark.parametrize("before", [True, False])
+def test_questions_take_a_step_alone_before_an_encode_step_only_if_asked_to(before: bool):
+    """With `decode_before_encode` (the default) an encode step that is due waits for a decode step
+    of its own; without, the encode step starts at once and the questions decode at its points only
+    (on a GPU also beside its first kernels), so the device has no half-idle step between encode
+    steps. Either way the questions keep going, and without decoding beside encode steps they
+    still get their step first."""
+    kinds: list[str] = []
+    policy = SchedulePolicy(encode_share=1.0, decode_before_encode=before)
+    scheduler = Scheduler(policy, on_step=lambda kind, _s, _n: kinds.append(kind))  # driven by hand
+    question = Counted()
+    scheduler.submit(question)
+    chunk = scheduler.submit(Layered())
+    scheduler.step()
+    assert chunk.result(timeout=0) == "encoded"
+    assert kinds.count("encode") == 1 and kinds.count("decode") == (5 if before else 4)
+    assert question.taken == (5 if before else 4)  # the 4 layers' points, and the step alone
+
+    serial = Scheduler(SchedulePolicy(encode_share=1.0, decode_before_encode=before, decode_during_encode=False))
+    question = Counted()
+    serial.submit(question)
+    serial.submit(Layered())
+    serial.step()
+    assert question.taken == 1, "nothing decodes beside the encode step: the questions' step comes first"
+
+
 class Timed(StepJob):
     """A question of `steps` steps that notes when its first step began and its last one ended."""
 

@@ -81,6 +81,8 @@ class SchedulePolicy:
     max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
+    # active questions take a step alone before each encode step (off: beside its first kernels)
+    decode_before_encode: bool = True
     # questions arriving during an encode step start beside it, each once what it reads is written
     join_during_encode: bool = False
     # SMs an encode step leaves to the questions decoding beside it, while encoding keeps up (its
@@ -222,10 +224,22 @@ class Scheduler:
         self._run_tasks()
         self._admit()
         questions = bool(self._active)
-        if questions:  # first, so a question that just arrived is prefilled before any encoding
+        if questions and not self._encodes_first():  # so a question that just arrived is prefilled before any encoding
             self._timed("decode", self._decode)
         if self._lanes and (not questions or self._encode_is_due()):
             self._timed("encode", self._encode)
+
+    def _encodes_first(self) -> bool:
+        """Without `decode_before_encode`, an encode step that is due starts at once, and the
+        questions' step goes beside its first kernels (_encode_batch) instead of alone before it,
+        the device half idle (a decode step alone leaves the GPU's compute unused)."""
+        policy = self.policy
+        return (
+            not policy.decode_before_encode
+            and policy.decode_during_encode
+            and bool(self._lanes)
+            and self._encode_is_due()
+        )
 
     def _run_tasks(self) -> None:
         if self._tasks:
