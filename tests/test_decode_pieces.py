@@ -1,8 +1,9 @@
-"""How lm.py uses the GPU's decode-row kernels (decode_attention.piece_attention: one query row a
-piece, its first slot and key count; out and lse per piece, lse -inf for a piece with no keys;
-decode_attention.combine: pieces stacked as copies of the rows merged per row), checked on the
-CPU with exact implementations of those contracts in the kernels' place. The kernels themselves
-are held to the exact ones on a GPU (tests/test_gpu.py)."""
+"""How lm.py uses the GPU's attention kernels, checked on the CPU with exact implementations of
+their contracts in the kernels' place: the decode-row kernels (decode_attention.piece_attention:
+one query row a piece, its first slot and key count; out and lse per piece, lse -inf for a piece
+with no keys; decode_attention.combine: pieces stacked as copies of the rows merged per row) and
+cuDNN's attention that chunks read their caches' bodies with (lm.cudnn_body_attention). The
+kernels themselves are held to the exact ones on a GPU (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -74,3 +75,35 @@ def test_decode_rows_split_into_pieces_equal_the_cpu_path(rt, split):
     through_kernel = lm.forward(embeds, positions, plan)
     with exact_attention(lm):
         assert torch.allclose(through_kernel, lm.forward(embeds, positions, plan), atol=1e-5)
+
+
+def exact_cudnn_attention(q, k, v, scale):
+    """cuDNN's contract in fp32: q (B, H, S, hd), k and v (B, H, L, hd) -> out, lse (B, H, S)."""
+    scores = q @ k.transpose(-1, -2) * scale
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+def test_chunks_read_their_bodies_in_pieces_as_exact_attention_item_by_item(monkeypatch):
+    """Items of different row counts (chunks of different grids) and body lengths in one call, each
+    body cut into pieces read in place from one pool layer: merged by log-sum-exp, every row equals
+    exact attention over its own item's body."""
+    from common.engine import lm as lm_module
+
+    monkeypatch.setattr(lm_module, "_cudnn_attention", exact_cudnn_attention)
+    torch.manual_seed(0)
+    heads, kv_heads, hd, splits = 4, 2, 16, 4
+    bodies = ((500, 256, 8), (1200, 512, 8), (3000, 256, 4), (100, 128, 8), (2000, 256, 8))  # (slot, tokens, rows)
+    q = torch.randn(sum(n for _, _, n in bodies), heads, hd)
+    layer = torch.randn(2, kv_heads, 4000, hd)
+    out, lse = lm_module.cudnn_body_attention(q, layer, bodies, splits, hd**-0.5)
+    assert out.shape == (splits * q.shape[0], heads, hd) and lse.shape == (splits * q.shape[0], heads)
+    merged = lm_module._merge_stacked(q.shape[0], [(out, lse, None)])
+    total_lse = torch.logsumexp(lse.view(splits, -1, heads), 0)
+    r0 = 0
+    for start, length, n in bodies:
+        qi = q[r0 : r0 + n].transpose(0, 1)  # (H, n, hd)
+        k, v = (t[:, start : start + length].repeat_interleave(heads // kv_heads, 0) for t in layer)
+        want, want_lse = exact_cudnn_attention(qi, k, v, hd**-0.5)
+        torch.testing.assert_close(merged[r0 : r0 + n], want.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(total_lse[r0 : r0 + n], want_lse.transpose(0, 1), atol=1e-5, rtol=1e-5)
+        r0 += n

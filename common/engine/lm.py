@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from itertools import accumulate
+from itertools import accumulate, groupby
 
 import torch
 import torch.nn.functional as F
@@ -492,17 +492,39 @@ def cudnn_body_attention(
     kv_heads = layer.shape[1]
     group = heads // kv_heads
     outs, lses, r0 = [], [], 0
-    for start, length, n in bodies:
-        packed = q[r0 : r0 + n].view(n, kv_heads, group, hd).transpose(0, 1).reshape(1, kv_heads, n * group, hd)
-        k, v = layer[:, :, start : start + length].unflatten(2, (splits, length // splits)).transpose(1, 2)
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            packed.expand(splits, -1, -1, -1).contiguous(), k, v, None, True, 0.0, False, False, scale=scale
-        )[:2]
-        outs.append(out.view(splits, kv_heads, n, group, hd).transpose(1, 2).reshape(splits, n, heads, hd))
-        lses.append(lse.reshape(splits, kv_heads, n, group).transpose(1, 2).reshape(splits, n, heads))
-        r0 += n
+    # Items of one row count (a run of chunks of one grid) share one copy for their queries and
+    # two for their outputs: per item these were five small copies a layer, launched from Python
+    # one by one, most of a chunk prefill's host time between kernels (64 cameras, H200)
+    for n, run in groupby(bodies, key=lambda body: body[2]):
+        run = list(run)
+        m = len(run)
+        packed = (  # (m, splits, kv_heads, n * group, hd): each item's query heads of a KV head as rows, per piece
+            q[r0 : r0 + m * n]
+            .view(m, 1, n, kv_heads, group, hd)
+            .permute(0, 1, 3, 2, 4, 5)
+            .expand(m, splits, kv_heads, n, group, hd)
+            .reshape(m, splits, kv_heads, n * group, hd)
+        )
+        item_outs, item_lses = [], []
+        for j, (start, length, _) in enumerate(run):
+            k, v = layer[:, :, start : start + length].unflatten(2, (splits, length // splits)).transpose(1, 2)
+            out, lse = _cudnn_attention(packed[j], k, v, scale)
+            item_outs.append(out)
+            item_lses.append(lse)
+        out = torch.stack(item_outs).view(m, splits, kv_heads, n, group, hd)
+        lse = torch.stack(item_lses).view(m, splits, kv_heads, n, group)
+        outs.append(out.permute(1, 0, 3, 2, 4, 5).reshape(splits, m * n, heads, hd))
+        lses.append(lse.permute(1, 0, 3, 2, 4).reshape(splits, m * n, heads))
+        r0 += m * n
     rows = q.shape[0]
-    return torch.cat(outs, dim=1).view(splits * rows, heads, hd), torch.cat(lses, dim=1).view(splits * rows, heads)
+    out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=1), torch.cat(lses, dim=1))
+    return out.view(splits * rows, heads, hd), lse.view(splits * rows, heads)
+
+
+def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, ...]:
+    """cuDNN's non-causal attention with its log-sum-exp: q (B, H, S, hd), k and v (B, H, L, hd)
+    -> out (B, H, S, hd), lse (B, H, S) in fp32."""
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)[:2]
 
 
 def _body_splits(device: torch.device, rows: int, heads: int, kv_heads: int) -> int:
