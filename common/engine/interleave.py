@@ -10,6 +10,10 @@ of after it. The chunk loop that publishes the step's versions calls `between_ou
 each one: 64 cameras evicting within seconds made steps of 8 re-layouts, 200 ms of host work
 during which no decode step was launched. Without a hook (everywhere but inside an encode step)
 both do nothing.
+
+One more point, `step_queued()`, comes once an encode step has queued all its device work and
+only its chunks' publishing (host work) is left: there the loop may queue the next encode step's
+vision (`when_queued`), so that the device has work while the host publishes.
 """
 
 from __future__ import annotations
@@ -48,3 +52,22 @@ def interleaved(hook: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _local.hook = previous
+
+
+def step_queued() -> None:
+    """The point where an encode step's device work is all queued: the hook of `when_queued`, if any,
+    runs."""
+    hook: Callable[[], None] | None = getattr(_local, "queued", None)
+    if hook is not None:
+        hook()
+
+
+@contextmanager
+def when_queued(hook: Callable[[], None]) -> Iterator[None]:
+    """Call `hook()` at `step_queued()` of this thread until the block ends."""
+    previous = getattr(_local, "queued", None)
+    _local.queued = hook
+    try:
+        yield
+    finally:
+        _local.queued = previous
