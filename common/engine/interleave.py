@@ -18,9 +18,9 @@ vision (`when_queued`), so that the device has work while the host publishes.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 _local = threading.local()
 
@@ -42,16 +42,10 @@ def between_layers() -> None:
 between_outputs = between_layers
 
 
-@contextmanager
-def interleaved(hook: Callable[[], None]) -> Iterator[None]:
+def interleaved(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
     """Call `hook()` at every `between_layers()` and `between_outputs()` of this thread until the
     block ends."""
-    previous = getattr(_local, "hook", None)
-    _local.hook = hook
-    try:
-        yield
-    finally:
-        _local.hook = previous
+    return _installed("hook", hook)
 
 
 def step_queued() -> None:
@@ -62,12 +56,16 @@ def step_queued() -> None:
         hook()
 
 
-@contextmanager
-def when_queued(hook: Callable[[], None]) -> Iterator[None]:
+def when_queued(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
     """Call `hook()` at `step_queued()` of this thread until the block ends."""
-    previous = getattr(_local, "queued", None)
-    _local.queued = hook
+    return _installed("queued", hook)
+
+
+@contextlib.contextmanager
+def _installed(point: str, hook: Callable[[], None]) -> Iterator[None]:
+    previous = getattr(_local, point, None)
+    setattr(_local, point, hook)
     try:
         yield
     finally:
-        _local.queued = previous
+        setattr(_local, point, previous)

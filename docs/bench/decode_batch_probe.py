@@ -18,10 +18,15 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import sys
+from pathlib import Path
 
 import torch
 
 from common.engine import decode_attention
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_attention_probe import replay_us
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 2, 128
 LAYERS = 8
@@ -67,26 +72,6 @@ def exact(q: torch.Tensor, layer: torch.Tensor, rows: int, tokens: int) -> torch
         scores = (q[r].float().unsqueeze(1) @ k.transpose(-1, -2)) * HEAD_DIM**-0.5  # (H, 1, L)
         outs.append((torch.softmax(scores, -1) @ v).squeeze(1))
     return torch.stack(outs)
-
-
-def replay_us(fn, n: int = 100) -> float:
-    """Device microseconds of one call, from a CUDA graph replayed `n` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    start.record()
-    for _ in range(n):
-        graph.replay()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / n * 1000
 
 
 def layers_in_turn(q, layers, pieces) -> None:
