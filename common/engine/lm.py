@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import functools
 import math
+from array import array
 from dataclasses import dataclass
-from itertools import accumulate, groupby
+from itertools import accumulate, groupby, repeat
+from operator import itemgetter
 
 import torch
 import torch.nn.functional as F
@@ -310,8 +312,8 @@ class LanguageModel:
                 tuple((it.dest.start, b, it.n) for it, b in zip(items, bodies, strict=True)),
             )
         plan = Plan(
-            torch.tensor(pack.longs, dtype=torch.long),
-            torch.tensor(pack.ints, dtype=torch.int32),
+            _tensor(pack.longs, "q", torch.long),
+            _tensor(pack.ints, "i", torch.int32),
             write_spans,
             piece_spans,
             row,
@@ -340,16 +342,18 @@ class LanguageModel:
         return bodies if min(bodies) >= BODY_MIN_TOKENS else None
 
     def _piece_spans(self, pack: _Packer, host: list[tuple[int, int, int, int]], n_rows: int) -> PieceSpans:
-        cu_q = [0, *accumulate(n for _, n, _, _ in host)]
+        # column by column (a decode step of 8 questions plans 520 pieces, in Python, every step)
+        first_rows, counts, starts, lengths = zip(*host, strict=True)
+        cu_q = [0, *accumulate(counts)]
         group = self.n_heads // self.n_kv_heads
-        rows = [r for r0, n, _, _ in host for r in range(r0, r0 + n)]
+        rows = list(first_rows) if max(counts) == 1 else [r for r0, n, _, _ in host for r in range(r0, r0 + n)]
         copies = len(rows) // n_rows
         return (
             pack.long(rows),
             pack.int(cu_q),
             pack.int([c * group for c in cu_q]),
-            pack.int([s for _, _, s, _ in host] + [0]),
-            pack.int([k for _, _, _, k in host]),
+            pack.int([*starts, 0]),
+            pack.int(list(lengths)),
             host,
             copies if rows == list(range(n_rows)) * copies else 0,
         )
@@ -571,7 +575,10 @@ def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[
     if split == 1:
         return [(row, n, start, length)]
     step = max(math.ceil(length / split), 1)
-    return [(row, n, start + s * step, max(0, min(step, length - s * step))) for s in range(split)]
+    full, rest = divmod(length, step)  # pieces of `step` keys, then one of the rest, then empty ones
+    lengths = [step] * min(full, split) + ([rest] if rest and full < split else [])
+    lengths += [0] * (split - len(lengths))
+    return list(zip(repeat(row), repeat(n), range(start, start + split * step, step), lengths))
 
 
 MAX_SPLIT = 64
@@ -653,10 +660,15 @@ def _merge_stacks(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.T
     return (out / total[..., None]).to(outs[0].dtype)
 
 
+def _tensor(values: list[int], typecode: str, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor of `values` through a C array: a tenth of torch.tensor's time on a list."""
+    return torch.frombuffer(array(typecode, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
+
+
 def _max_k(host: list[tuple[int, int, int, int]], floor: int = 0) -> int:
     """The longest key range (or `floor`, if more), rounded up to a power of two: flash sizes its
     work by it, and its split-KV path reads no key past it."""
-    return 1 << max(8, (max(floor, *(length for _, _, _, length in host)) - 1).bit_length())
+    return 1 << max(8, (max(floor, max(map(itemgetter(3), host))) - 1).bit_length())
 
 
 def tokens_vary(*tensors: torch.Tensor) -> None:
