@@ -107,3 +107,20 @@ def test_chunks_read_their_bodies_in_pieces_as_exact_attention_item_by_item(monk
         torch.testing.assert_close(merged[r0 : r0 + n], want.transpose(0, 1), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(total_lse[r0 : r0 + n], want_lse.transpose(0, 1), atol=1e-5, rtol=1e-5)
         r0 += n
+
+
+def test_a_base_is_cut_into_equal_pieces_that_cover_it_in_order():
+    """Split-KV: exactly `split` pieces of the same query rows, of ceil(length / split) keys each
+    but the last non-empty one, back to back over the base, then empty ones (a batch's structure
+    does not depend on its lengths)."""
+    from common.engine.lm import _split
+
+    for length in (0, 1, 63, 64, 65, 1000, 32557):
+        for split in (1, 2, 3, 8, 64):
+            pieces = _split(5, 2, 100, length, split)
+            assert len(pieces) == split and {(row, n) for row, n, _, _ in pieces} == {(5, 2)}
+            sizes = [k for _, _, _, k in pieces]
+            filled = [k for k in sizes if k]
+            assert sizes == filled + [0] * (split - len(filled)) and sum(sizes) == length
+            assert all(k == -(-length // split) for k in filled[:-1])
+            assert [start for _, _, start, k in pieces if k] == [100 + sum(filled[:i]) for i in range(len(filled))]
