@@ -6,7 +6,9 @@ forwards, so there is no lock that threads take turns on. Each step:
 1. tasks (a mirror applying a version, a stream restoring from the store) run first: they are
    short, and questions may be waiting on them;
 2. questions: every active generation advances by one token in one batched forward; questions
-   waiting to start join it (their prefill rides in the same forward), up to `max_batch`;
+   waiting to start join it (their prefill rides in the same forward), up to `max_batch`.
+   Without `decode_before_encode`, this step is skipped when an encode step is due: it runs
+   beside that step's first kernels instead of alone before it;
 3. chunks, after the questions' step (a new question never waits behind an encode step), when
    nothing else waits, or encoding has had less than `encode_share` of recent GPU time, or a
    chunk has waited past `chunk_deadline_s` and encoding has had less than `max_encode_share`:
@@ -19,7 +21,9 @@ forwards, so there is no lock that threads take turns on. Each step:
    too, each once all it reads is on the device (`StepJob.may_start_beside`: a version the step
    published may not be written yet, while one of another stream is); with `decode_sms`, while
    encoding keeps up, the encode step runs on fewer SMs (a green context), leaving the rest free
-   for the decode kernels.
+   for the decode kernels; with `vision_ahead`, once an encode step has queued its device work,
+   the next batch is taken and its vision queued on a stream of its own, to run while the host
+   publishes this step.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
    `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
    streams' chunks, until its rebuilt version is published: questions keep their turn between
