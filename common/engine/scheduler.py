@@ -234,9 +234,10 @@ class Scheduler:
         self._run_tasks()
         self._admit()
         questions = bool(self._active)
-        if questions and not self._encodes_first():  # so a question that just arrived is prefilled before any encoding
+        encode_first = questions and self._encodes_first()
+        if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
             self._timed("decode", self._decode)
-        if self._chunks() and (not questions or self._encode_is_due()):
+        if encode_first or (self._chunks() and (not questions or self._encode_is_due())):  # due after the decode step
             self._timed("encode", self._encode)
 
     def _has_work(self) -> bool:

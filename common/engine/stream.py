@@ -360,7 +360,7 @@ def _vision(jobs: Sequence[ChunkJob], ahead: bool = False) -> None:
         return
     rt = jobs[0].engine.rt
     if not ahead:
-        rt.vision_tower.join([j.chunk.embeds for j in jobs if j.chunk.embeds is not None])
+        rt.vision_tower.join(j.chunk.embeds for j in jobs if j.chunk.embeds is not None)
     todo = [j.chunk for j in jobs if j.chunk.embeds is None]
     if not todo:
         return

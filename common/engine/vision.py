@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -276,7 +276,7 @@ class VisionTower:
         with torch.cuda.stream(self._ahead_stream):
             yield
 
-    def join(self, embeds: Sequence[torch.Tensor]) -> None:
+    def join(self, embeds: Iterable[torch.Tensor]) -> None:
         """The current stream waits for the forwards run `ahead` and owns `embeds` with their stream
         (made there, read here: their memory is not reused before this stream is done with them)."""
         if self._ahead_stream is None:
