@@ -11,7 +11,7 @@ import dataclasses
 import platform
 import sys
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -21,6 +21,7 @@ from common.threadcpu import ThreadCPU
 from common.version import VERSION
 
 if TYPE_CHECKING:  # the engine (and torch) load only where a model does
+    from common.engine.phases import PhaseClock
     from common.engine.scheduler import DecodeTimes
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -135,8 +136,10 @@ def watch_pool(pool) -> None:
 
 
 def watch_scheduler(scheduler) -> None:
-    """Read the GPU scheduler's decode times (common/engine/scheduler.py) at every scrape."""
+    """Read the GPU scheduler's decode times (common/engine/scheduler.py) and its loop's host time
+    by phase (common/engine/phases.py) at every scrape."""
     DECODE_TIMES.times = scheduler.decode_times
+    LOOP_PHASES.clock = scheduler.phase_clock
 
 
 def compiled_frames(name: str) -> float:
@@ -201,10 +204,38 @@ class _DecodeTimesCollector(Collector):
 
 DECODE_TIMES = _DecodeTimesCollector()
 
+
+class _PhaseClockCollector(Collector):
+    """svqa_gpu_loop_{wall,cpu}_seconds_total{phase}: the GPU loop's `PhaseClock`, read at every
+    scrape (none until `watch_scheduler`)."""
+
+    FAMILIES: ClassVar[dict[str, tuple[str, str]]] = {
+        "wall": ("svqa_gpu_loop_wall_seconds", "Wall seconds of the GPU loop's thread by phase, nested phases apart"),
+        "cpu": ("svqa_gpu_loop_cpu_seconds", "CPU seconds of the GPU loop's thread by phase, nested phases apart"),
+    }
+
+    def __init__(self) -> None:
+        self.clock: PhaseClock | None = None
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(name, doc, labels=["phase"]) for name, doc in self.FAMILIES.values()]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        for clock, (name, doc) in self.FAMILIES.items():
+            family = CounterMetricFamily(name, doc, labels=["phase"])
+            if self.clock is not None:
+                for phase, seconds in dict(getattr(self.clock, clock)).items():
+                    family.add_metric([phase], seconds)
+            yield family
+
+
+LOOP_PHASES = _PhaseClockCollector()
+
 _GPU = (
     GPU_STEP_SECONDS,
     GPU_STEP_UNITS,
     DECODE_TIMES,
+    LOOP_PHASES,
     GPU_GRAPH_CAPTURES,
     GPU_ALLOC_RETRIES,
     GPU_COMPILES,

@@ -279,7 +279,8 @@ def wait_while(services: Services, seconds: float, status: Callable[[], str], do
 # --------------------------------------------------------------------------- measurements
 
 
-LABELS = ("stream", "kind", "state", "how", "role", "outcome", "part")  # the one a sample has, besides these two
+# the one label a sample has, besides these two
+LABELS = ("stream", "kind", "state", "how", "role", "outcome", "part", "phase")
 
 
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
@@ -328,7 +329,14 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     for (name, label, _), value in worker.items():
-        if name in ("svqa_kv_pool_tokens", "svqa_kv_relayouts", "svqa_gpu_compiles", "svqa_gpu_decode_seconds_total"):
+        if name in (
+            "svqa_kv_pool_tokens",
+            "svqa_kv_relayouts",
+            "svqa_gpu_compiles",
+            "svqa_gpu_decode_seconds_total",
+            "svqa_gpu_loop_wall_seconds_total",
+            "svqa_gpu_loop_cpu_seconds_total",
+        ):
             counts["gpu"][f"{name}:{label}"] = value
     counts["threads"] = {
         role: value for (name, role, _), value in worker.items() if name == "svqa_process_thread_cpu_seconds_total"
@@ -744,6 +752,21 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
             "steps_over_1s": int(delta(f"over_1s:{kind}")),
         }
     out["decode"]["answering"] = answering_time(delta, seconds)
+    out["loop"] = loop_phases(delta, after.get("gpu", {}), seconds)
+    return out
+
+
+def loop_phases(delta: Callable[[str], float], gpu: dict[str, float], seconds: float) -> dict[str, Any]:
+    """The GPU loop's host time by phase (`svqa_gpu_loop_*_seconds_total`, common/engine/phases.py),
+    summed over workers: each phase's share of the window (its own time, nested phases apart) and
+    the share of that the thread was on a CPU. The waits (`device wait`, `decode wait`) are the
+    loop waiting for the device; elsewhere, wall time off the CPU is the thread waiting for the
+    GIL."""
+    prefix = "svqa_gpu_loop_wall_seconds_total:"
+    out = {}
+    for name in sorted(key.removeprefix(prefix) for key in gpu if key.startswith(prefix)):
+        wall, cpu = delta(prefix + name), delta(f"svqa_gpu_loop_cpu_seconds_total:{name}")
+        out[name] = {"share": round(wall / seconds, 3), "on_cpu": round(cpu / wall, 3) if wall else None}
     return out
 
 

@@ -58,17 +58,26 @@ def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     import bench_pipeline
 
     from common import health, metrics
+    from common.engine.phases import PhaseClock
     from common.engine.scheduler import DecodeTimes
     from tests.conftest import free_port
 
     times = DecodeTimes(steps=2.5, device=2.0, idle_encode=0.25, idle_between=0.125)
     monkeypatch.setattr(metrics.DECODE_TIMES, "times", times)
+    clock = PhaseClock()
+    clock.wall, clock.cpu = {"prefill": 2.0, "device wait": 1.5}, {"prefill": 1.5, "device wait": 0.25}
+    monkeypatch.setattr(metrics.LOOP_PHASES, "clock", clock)
     port = free_port()
     health.serve(port, metrics.registry_for(["worker"]), health.Readiness())
     got = bench_pipeline.scrape(port)
     decode = {part: got[("svqa_gpu_decode_seconds_total", part, "")] for part in vars(times)}
     assert decode == {"steps": 2.5, "device": 2.0, "idle_encode": 0.25, "idle_between": 0.125}
     assert {("svqa_gpu_compiles", "compiled", ""), ("svqa_gpu_compiles", "not_compiled", "")} <= set(got)
+    gpu = {f"{name}:{label}": value for (name, label, _), value in got.items() if name.startswith("svqa_gpu_loop_")}
+    assert bench_pipeline.loop_phases(gpu.get, gpu, seconds=4.0) == {
+        "device wait": {"share": 0.375, "on_cpu": 0.167},
+        "prefill": {"share": 0.5, "on_cpu": 0.75},
+    }
 
 
 def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():

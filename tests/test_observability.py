@@ -386,7 +386,8 @@ def test_thread_cpu_is_counted_by_role_and_only_grows():
 
 
 def test_a_step_trace_that_cannot_be_written_is_a_warning_and_the_loop_goes_on(tmp_path, monkeypatch):
-    from common.engine.profiling import StepProfiler, phase
+    from common.engine.phases import phase
+    from common.engine.profiling import StepProfiler
 
     def run_steps(profiler: StepProfiler, n: int) -> None:
         profiler.request()
@@ -408,3 +409,28 @@ def test_a_step_trace_that_cannot_be_written_is_a_warning_and_the_loop_goes_on(t
     failed = StepProfiler(tmp_path / "broken", steps=2)
     run_steps(failed, 3)  # the third step runs unprofiled, after the failed write
     assert failed.written == [] and not list((tmp_path / "broken").glob("gpu-steps-*"))
+
+
+def test_a_phase_clock_times_each_phase_apart_from_those_nested_in_it():
+    """Wall and CPU by phase, exclusive: a phase's nested one is not counted twice, a sleep is wall
+    without CPU, and a thread without a clock times nothing."""
+    from common.engine.phases import PhaseClock, clock_this_thread, phase
+
+    clock = PhaseClock()
+    clock_this_thread(clock)
+    try:
+        t0 = time.perf_counter()
+        with phase("encode"):
+            busy_until = time.perf_counter() + 0.05
+            while time.perf_counter() < busy_until:
+                pass
+            with phase("device wait"):
+                time.sleep(0.1)
+        elapsed = time.perf_counter() - t0
+    finally:
+        clock_this_thread(None)
+    assert isinstance(phase("vision"), contextlib.nullcontext)  # no clock, no trace: nothing
+    assert set(clock.wall) == {"encode", "device wait"}
+    assert 0.1 <= clock.wall["device wait"] < 0.1 + 0.05
+    assert clock.wall["encode"] >= 0.05 and sum(clock.wall.values()) <= elapsed
+    assert clock.cpu["device wait"] < 0.02 and clock.cpu["encode"] <= clock.wall["encode"] + 0.01

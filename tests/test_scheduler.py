@@ -9,6 +9,7 @@ every cache must equal what the inline executor gives doing one thing at a time.
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -421,3 +422,17 @@ def test_warm_up_leaves_nothing_behind(rt: Runtime):
     assert rt.pool.used_tokens == used
     after = ask(rt, engine.head, QUESTIONS[0], params, keep_logits=True)
     assert after.token_ids == before.token_ids and torch.equal(after.first_logits, before.first_logits)
+
+
+def test_the_loops_host_time_is_clocked_by_phase(rt: Runtime, scheduled: Scheduler):
+    """The loop's phase clock (phases.py) sees an encode step's parts and a decode step's, each
+    counted once: together no more than the time the loop ran them."""
+    spec = SPECS[0]
+    t0 = time.perf_counter()
+    engine = encode(rt, spec, frames_for(spec, 8))
+    ask(rt, engine.head, QUESTIONS[0], GenerationParams(max_tokens=4))
+    elapsed = time.perf_counter() - t0
+    wall, cpu = dict(scheduled.phase_clock.wall), dict(scheduled.phase_clock.cpu)
+    assert {"encode", "vision", "inputs", "plan", "prefill", "publish", "decode", "device wait"} <= set(wall)
+    assert sum(wall.values()) <= elapsed
+    assert all(0 <= cpu[name] <= wall[name] + 0.01 for name in wall)

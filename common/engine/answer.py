@@ -22,8 +22,8 @@ import torch
 from common.engine.kvcache import Version
 from common.engine.lm import Item
 from common.engine.params import MAX_QUESTION_TOKENS, GenerationParams, QuestionError
+from common.engine.phases import phase
 from common.engine.positions import text_positions
-from common.engine.profiling import phase
 from common.engine.runtime import Runtime
 from common.engine.step_graphs import StepGraphs
 from common.engine.work import StepJob, fail_all
@@ -195,7 +195,8 @@ class _Step:
         try:
             with phase("decode complete"), _outside_inference(), _on(self.stream):
                 if self.done is not None:
-                    self.done.synchronize()
+                    with phase("decode wait"):
+                        self.done.synchronize()
                 greedy = self.greedy.tolist()
                 for i, g in enumerate(self.gens):
                     try:

@@ -21,14 +21,9 @@ from typing import Any
 import structlog
 import torch
 
+from common.engine.phases import set_tracing
+
 log = structlog.get_logger()
-_tracing = False  # a StepProfiler is recording (set and read in the GPU loop's thread)
-
-
-def phase(name: str) -> contextlib.AbstractContextManager[Any]:
-    """A labelled range inside a step (vision, plan, prefill, publish, a decode step beside it)
-    while a trace is being taken, so that idle device time can be placed in one; nothing otherwise."""
-    return torch.profiler.record_function(name) if _tracing else contextlib.nullcontext()
 
 
 class StepProfiler:
@@ -76,13 +71,13 @@ class StepProfiler:
             log.warning("gpu profile not taken", error=str(e))
             return
         self._profile, self._left = profile, self.steps
-        _set_tracing(True)
+        set_tracing(True)
         log.info("gpu profile started", steps=self.steps)
 
     def _finish(self) -> None:
         profile, self._profile = self._profile, None
         assert profile is not None
-        _set_tracing(False)
+        set_tracing(False)
         stamp = time.strftime("%Y%m%d-%H%M%S")
         trace = self.out_dir / f"gpu-steps-{stamp}.json.gz"
         table = self.out_dir / f"gpu-steps-{stamp}.txt"
@@ -98,8 +93,3 @@ class StepProfiler:
             return
         self.written += [trace, table]
         log.info("gpu profile written", trace=str(trace), table=str(table), steps=self.steps)
-
-
-def _set_tracing(on: bool) -> None:
-    global _tracing
-    _tracing = on

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from common.engine.interleave import interleaved, when_queued
+from common.engine.phases import PhaseClock, clock_this_thread, phase
 from common.engine.work import BatchJob, Launched, StepJob, fail_all
 
 if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy without torch
@@ -154,6 +155,7 @@ class Scheduler:
         self.steps = 0
         self.step_began: float | None = None  # time.monotonic() when the step running now began
         self.decode_times = DecodeTimes()
+        self.phase_clock = PhaseClock()  # the loop's host time by phase (phases.py)
         self._idle_since: float | None = None  # questions active, no decode step in flight, since
         self._encoding = False  # inside an encode step (where idle time is counted)
 
@@ -201,6 +203,7 @@ class Scheduler:
             max_chunks=policy.max_chunks,
             decode_sms=policy.decode_sms,
         )
+        clock_this_thread(self.phase_clock)
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -466,9 +469,10 @@ class Scheduler:
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:
         t0 = time.perf_counter()
-        with self.profiler.region(kind) if self.profiler is not None else contextlib.nullcontext():
+        with self.profiler.region(kind) if self.profiler is not None else contextlib.nullcontext(), phase(kind):
             units = fn()
-            _settle(self._own_work)
+            with phase("device wait"):
+                _settle(self._own_work)
             self._own_work = None
         if self.on_settled is not None:
             self.on_settled()

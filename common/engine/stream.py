@@ -26,9 +26,9 @@ from common.engine.grid import FrameError, StreamSpec
 from common.engine.interleave import between_outputs, step_queued
 from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item, KVView
+from common.engine.phases import phase
 from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
-from common.engine.profiling import phase
 from common.engine.runtime import Runtime
 from common.engine.work import BatchJob, fail_all
 
