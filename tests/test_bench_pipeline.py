@@ -309,3 +309,32 @@ def test_profile_summary_places_idle_and_busy_device_time_by_the_op_the_loop_was
         "by_phase": {"prefill": 0.04, "(no phase)": 0.02, "(unknown)": 0.01},
         "by_phase_op": {"prefill / aten::linear": 0.04, "(no phase) / (python)": 0.02, "(unknown) / (unknown)": 0.01},
     }
+
+
+def test_gil_holders_are_summarised_by_thread_and_by_the_call_of_ours_that_holds_it():
+    """py-spy's raw lines (the format 0.4.3 writes with --threads --full-filenames, recorded): a
+    thread's role from its name, the call from the innermost frame of the repository's code."""
+    from scripts.gil_holders import summarize
+
+    py = "/usr/lib/python3.12/threading.py"
+    raw = "\n".join(
+        [
+            f"thread (101): stream_3;Thread.run ({py}:982);_process ({REPO}/encoder_worker/service.py:310);"
+            f"flush ({REPO}/encoder_worker/stream.py:172);rgb ({REPO}/common/wire/schemas.py:90);"
+            f"open (/x/.venv/lib/PIL/Image.py:3400) 30",
+            f"thread (102): gpu-scheduler;_run ({REPO}/common/engine/scheduler.py:210);"
+            f"_layers ({REPO}/common/engine/lm.py:380) 60",
+            f"thread (103): stream_12;Thread.run ({py}:982) 10",
+            "garbage line",
+        ]
+    )
+    assert summarize(raw, REPO) == {
+        "samples": 100,
+        "seconds": 1.0,
+        "by_thread": {"gpu-scheduler": 0.6, "stream": 0.4},
+        "by_call": [
+            {"thread": "gpu-scheduler", "call": "_layers (common/engine/lm.py:380)", "share": 0.6},
+            {"thread": "stream", "call": "rgb (common/wire/schemas.py:90)", "share": 0.3},
+            {"thread": "stream", "call": "(outside the repository)", "share": 0.1},
+        ],
+    }
