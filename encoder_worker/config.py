@@ -29,11 +29,11 @@ class EncoderConfig(GPUSettings):
     rebase: bool = True  # kept for old configs: false is eviction=absolute
     salient_chunks: int = 0  # chunks kept for a scene change, inside max_cache_tokens
     max_lag_s: float = 10.0  # live streams: frames older than this are dropped, not encoded
-    # Frames decoded at once, over all streams. A decode holds the GIL in short bursts, and the GPU
-    # loop takes the GIL back after every kernel launch: with 8 decoding at once a launch took 403
-    # us instead of 11, with 2 it took 14 us, decoding 320 frames/s, 2.5x what 64 cameras at 2 fps
-    # send (H200 machine, 16 cores, Pillow 12.3, 448x448 WebP; docs/BENCHMARKS.md, 2026-11-27).
-    decode_threads: int = 2
+    # Processes decoding frames' pixels for all streams (decoding.py): out of the worker's GIL,
+    # which the GPU loop takes back after every kernel launch. Decoded in the stream threads they
+    # held it 12 % of the time at 64 cameras (H200, 2026-11-27); two decode 320 frames/s, 2.5x what
+    # 64 cameras at 2 fps send (16 cores, Pillow 12.3, 448x448 WebP; docs/BENCHMARKS.md).
+    decode_processes: int = 2
     lease_ms: int = 5000  # a dead worker's streams are taken over within about lease_ms + 2 s
     max_streams: int | None = None  # capacity: streams this worker holds at most (None: no bound)
     block_ms: int = 1000
@@ -51,8 +51,8 @@ class EncoderConfig(GPUSettings):
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
-        if self.decode_threads < 1:
-            raise ValueError(f"decode_threads must be 1 or more, got {self.decode_threads}")
+        if self.decode_processes < 1:
+            raise ValueError(f"decode_processes must be 1 or more, got {self.decode_processes}")
         if self.max_streams is not None and self.max_streams < 0:
             raise ValueError(f"max_streams must be 0 or more, got {self.max_streams}")
         for name in self.streams:

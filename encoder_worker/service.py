@@ -37,8 +37,9 @@ from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
-from common.wire.schemas import capture_time, frame_from_map, unpack_frame
+from common.wire.schemas import capture_time, unpack_frame
 from encoder_worker.config import EncoderConfig
+from encoder_worker.decoding import FrameDecoder
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
 
 log = structlog.get_logger()
@@ -79,7 +80,7 @@ class EncoderService:
         # share its batches; entries of one stream stay in order, in one task at a time.
         self.streams_pool = futures.ThreadPoolExecutor(max(1, len(self.names)), thread_name_prefix="stream")
         self.tasks: dict[str, futures.Future[None]] = {}  # stream -> the task handling its last read
-        self._decoding = threading.BoundedSemaphore(cfg.decode_threads)  # the GIL left to the GPU loop
+        self.decoder = FrameDecoder(cfg.decode_processes)  # pixels decoded out of this process's GIL
         self._last_lease_check = 0.0
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._last_prune = time.monotonic()
@@ -112,6 +113,7 @@ class EncoderService:
             redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
         finally:
             self._settle(STOP_WAIT_S)
+            self.decoder.close()
             done.set()
             keeper.join()
         # Streams are released only once the questions taken here are answered: the next owner
@@ -323,8 +325,7 @@ class EncoderService:
         m = unpack_frame(fields)  # SchemaError: rejected by the boundary
         if owned.skip_late(entry_id, capture_time(m)):
             return  # a worker behind reads mostly such frames: decoding them would slow it more
-        with self._decoding:
-            msg = frame_from_map(m)
+        msg = self.decoder.decode(m)
         try:
             owned.add(entry_id, msg)
         except LeaseLost:

@@ -24,7 +24,7 @@
 #     copies     docs/bench/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
 #     launches   docs/bench/decode_beside_launches.py: a kernel launch alone and beside threads
-#                decoding WebP frames (the GIL; why decode_threads is 2), at the worker's 0.5 ms
+#                decoding WebP frames (the GIL; why frames are decoded in processes), at the worker's 0.5 ms
 #                GIL switch interval (10 s)
 #     beside     docs/bench/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
 #                with 12/20/28 SMs left to questions (`decode_sms`) and without (3.5 min)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -26,6 +28,7 @@ from common.wire.schemas import (
     unpack_frame,
 )
 from encoder_worker.config import EncoderConfig
+from encoder_worker.decoding import FrameDecoder
 from encoder_worker.stream import LeaseLost, open_stream
 
 
@@ -51,49 +54,33 @@ def test_publish_is_fenced_by_the_lease(rt, redis_url):
     assert manifest_from_bytes(r.get(keys.head("cam"))).last_frame_seq == 1, "a fenced-off write landed"
 
 
-@pytest.mark.parametrize("decoders", [1, 4])
-def test_frames_of_all_streams_are_decoded_at_most_decode_threads_at_once(rt, redis_url, monkeypatch, decoders):
-    """Each stream's thread decodes its own frames; cameras in step deliver theirs together, and
-    the decodes of all streams share `decode_threads` (the GPU loop keeps a core)."""
-    from encoder_worker import service
-
-    r = redis.Redis.from_url(redis_url)
-    cams = [f"cam{i}" for i in range(6)]
-    for cam in cams:
-        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
-        for seq in range(2):
-            r.xadd(
-                keys.frames(cam),
-                encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, np.zeros((56, 56, 3), np.uint8))),
-            )
-    at_once, most = [0], [0]
-    lock = threading.Lock()
-
-    def decode(m):  # the real decode, held long enough for the streams' threads to overlap
-        with lock:
-            at_once[0] += 1
-            most[0] = max(most[0], at_once[0])
-        try:
-            time.sleep(0.02)
-            return frame_from_map(m)
-        finally:
-            with lock:
-                at_once[0] -= 1
-
-    monkeypatch.setattr(service, "frame_from_map", decode)
-    cfg = EncoderConfig(
-        redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50, decode_threads=decoders
-    )
-    svc = service.EncoderService(cfg, rt, r, MemoryStore())
-
-    def encoded() -> bool:
-        return all((raw := r.get(keys.head(cam))) and manifest_from_bytes(raw).last_frame_seq == 1 for cam in cams)
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not encoded():
-        svc.step()
-    assert encoded(), "every frame encoded"
-    assert most[0] == decoders if decoders == 1 else 2 <= most[0] <= decoders
+def test_frames_pixels_decoded_in_processes_equal_decoding_in_the_thread_and_a_dead_process_loses_nothing():
+    """The encoder's FrameDecoder: every codec's pixels as `frame_from_map` gives them here (and
+    lossless: the frame sent), an undecodable image rejected with the thread's error, and a
+    decoder process killed between frames replaced without a frame lost."""
+    rows, cols = np.mgrid[0:56, 0:84]
+    pictures = [np.stack([rows * 4 + s, cols * 3, (rows + cols + 40 * s) % 256], -1).astype(np.uint8) for s in range(3)]
+    frames = [FrameMsg.from_rgb(s, s / 2, s / 2, p) for s, p in enumerate(pictures)]  # smooth: they compress
+    decoder = FrameDecoder(2)
+    try:
+        for codec in ("webp", "png"):
+            for frame in frames:
+                m = unpack_frame(encode_frame(frame, codec=codec))
+                assert m["fmt"] == codec
+                got = decoder.decode(m)
+                assert got == frame_from_map(m) and got.data == frame.data, codec
+        with pytest.raises(SchemaError, match="undecodable webp image"):
+            decoder.decode(unpack_frame(_undecodable_webp(0, 3.0)))
+        pool = decoder._pool
+        assert pool is not None and 1 <= len(pool._processes) <= 2
+        for pid in list(pool._processes):
+            os.kill(pid, signal.SIGKILL)
+        time.sleep(0.5)  # the pool has seen them die: it is broken
+        for frame in frames:
+            assert decoder.decode(unpack_frame(encode_frame(frame, codec="webp"))).data == frame.data
+        assert decoder._pool is not pool
+    finally:
+        decoder.close()
 
 
 def _undecodable_webp(seq: int, ts: float) -> dict[str, bytes]:

@@ -17,7 +17,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
 from typing import Any
@@ -57,6 +57,9 @@ class SchemaError(ValueError):
         super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
+
+    def __reduce__(self) -> tuple[type[SchemaError], tuple[str, str]]:  # raised in a decoder process, re-raised here
+        return SchemaError, (self.field, self.problem)
 
 
 @dataclass(frozen=True)
@@ -255,13 +258,17 @@ def encode_frame(
     return {FIELD: _pack({**payload, "data": data})}
 
 
-def _decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
+ImageDecoder = Callable[[str, bytes, int, int], bytes]
+
+
+def decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
     """Compressed pixels -> raw RGB bytes; the header is checked before any pixel is decoded."""
     try:
         with Image.open(io.BytesIO(data), formats=[_SAVE_OPTIONS[fmt]["format"]]) as im:
             if im.size != (w, h):
                 raise SchemaError("data", f"{fmt} image is {im.size[0]}x{im.size[1]}, header says {w}x{h}")
-            return np.asarray(im.convert("RGB")).tobytes()
+            # straight to bytes: through convert() and numpy the pixels were copied twice more
+            return (im if im.mode == "RGB" else im.convert("RGB")).tobytes()
     except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
@@ -287,8 +294,11 @@ def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> 
     return frame_from_map(unpack_frame(fields, limits), limits)
 
 
-def frame_from_map(m: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
-    """Validate an unpacked entry and decode its pixels; raises SchemaError naming the field."""
+def frame_from_map(
+    m: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS, decode: ImageDecoder = decode_image
+) -> FrameMsg | EndOfStream:
+    """Validate an unpacked entry and decode its pixels (with `decode`, `decode_image` elsewhere
+    than in this thread); raises SchemaError naming the field."""
     eos = m.get("eos", False)
     if not isinstance(eos, bool):
         raise SchemaError("eos", f"expected bool, got {type(eos).__name__}")
@@ -302,7 +312,7 @@ def frame_from_map(m: Mapping[str, Any], limits: Limits = DEFAULT_LIMITS) -> Fra
     if not isinstance(data, bytes):
         raise SchemaError("data", f"expected bytes, got {type(data).__name__}")
     if fmt in _SAVE_OPTIONS:  # compressed on the wire, raw in memory
-        data, fmt = _decode_image(fmt, data, h, w), "rgb24"
+        data, fmt = decode(fmt, data, h, w), "rgb24"
     return FrameMsg(
         seq=_int("seq", _require(m, "seq"), 0),
         ts=_float("ts", _require(m, "ts")),

@@ -1,0 +1,66 @@
+"""Frames' pixels decoded in worker processes, out of the encoder's GIL.
+
+A GPU worker's loop hands the GIL over at every torch call and waits to get it back; whatever
+Python the other threads run meanwhile delays the next kernel launch while the device may sit
+idle. Decoding 64 cameras' WebP frames in the stream threads held the GIL 12 % of the time
+(py-spy, H200, 2026-11-27; docs/BENCHMARKS.md), most of it inside Pillow. Here each frame's
+pixels go to one of `processes` spawned processes (spawned: the worker holds CUDA, which a
+fork must not copy) and come back as raw RGB; the header is still checked in the caller's
+thread before any pixel is decoded, so a bad entry never reaches a process.
+
+A process that dies (a decoder crash on a hostile image) breaks the pool: the pool is replaced
+and the frame tried once more; if that breaks it too, the frame is the one to blame and is
+rejected like any undecodable one. Nothing else is lost: frames in flight are retried.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import Any
+
+from common.wire.schemas import DEFAULT_LIMITS, EndOfStream, FrameMsg, Limits, SchemaError, decode_image, frame_from_map
+
+
+class FrameDecoder:
+    def __init__(self, processes: int, limits: Limits = DEFAULT_LIMITS):
+        if processes < 1:
+            raise ValueError(f"a frame decoder needs at least one process, got {processes}")
+        self.processes, self.limits = processes, limits
+        self._pool: ProcessPoolExecutor | None = None  # started with the first compressed frame
+        self._lock = threading.Lock()
+
+    def decode(self, m: Mapping[str, Any]) -> FrameMsg | EndOfStream:
+        """`schemas.frame_from_map`, its pixels decoded in a process; raises SchemaError."""
+        return frame_from_map(m, self.limits, decode=self._in_a_process)
+
+    def close(self) -> None:
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _in_a_process(self, fmt: str, data: bytes, h: int, w: int) -> bytes:
+        for _ in range(2):
+            pool = self._running()
+            try:
+                return pool.submit(decode_image, fmt, data, h, w).result()
+            except BrokenProcessPool:
+                self._replace(pool)
+        raise SchemaError("data", f"undecodable {fmt} image: its decoder process died twice")
+
+    def _running(self) -> ProcessPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                context = multiprocessing.get_context("spawn")
+                self._pool = ProcessPoolExecutor(self.processes, mp_context=context)
+            return self._pool
+
+    def _replace(self, broken: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is broken:  # not replaced yet by another thread that saw it break
+                self._pool = None
+        broken.shutdown(wait=False, cancel_futures=True)
