@@ -173,19 +173,21 @@ class MemoryStore:
     arena it points into alive (and every arena an eviction leaves behind)."""
 
     def __init__(self) -> None:
-        self._data: dict[tuple[str, str], torch.Tensor] = {}
+        # by stream: gc looks at its stream's segments only (at every publish of every stream)
+        self._data: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # encoder and qa threads share one instance
 
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
         _check_ids(stream, segment_id)
         _check_kv(segment_id, kv)
+        kv = kv.clone()
         with self._lock:
-            self._data[stream, segment_id] = kv.clone()
+            self._data.setdefault(stream, {})[segment_id] = kv
 
     def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
         _check_ids(stream, segment_id)
         with self._lock:
-            kv = self._data.get((stream, segment_id))
+            kv = self._data.get(stream, {}).get(segment_id)
         if kv is None:
             raise SegmentStoreError(f"missing segment memory:{stream}/{segment_id}")
         return kv.to(device)  # the same object when it already lives there
@@ -193,9 +195,10 @@ class MemoryStore:
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
         with self._lock:
-            drop = _unkept((sid for s, sid in self._data if s == stream), keep)
+            held = self._data.get(stream, {})
+            drop = _unkept(list(held), keep)
             for segment_id in drop:
-                del self._data[stream, segment_id]
+                del held[segment_id]
         return len(drop)
 
 

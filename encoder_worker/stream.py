@@ -237,9 +237,10 @@ return 1
 def publish_fenced(r: redis.Redis, name: str, owner: str, manifest: Manifest, versions_maxlen: int) -> bool:
     """Append ``manifest`` to the stream's versions and make it its head, if ``owner`` holds the
     lease; False (nothing written) if it does not."""
-    flat = [x for kv in encode_manifest(manifest).items() for x in kv]
+    payload = manifest_to_bytes(manifest)  # once: the versions entry and the head hold the same bytes
+    flat = [x for kv in encode_manifest(manifest, payload).items() for x in kv]
     lease, versions, head = keys.lease(name), keys.versions(name), keys.head(name)
-    return bool(r.eval(_PUBLISH, 3, lease, versions, head, owner, versions_maxlen, manifest_to_bytes(manifest), *flat))
+    return bool(r.eval(_PUBLISH, 3, lease, versions, head, owner, versions_maxlen, payload, *flat))
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:

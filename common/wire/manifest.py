@@ -8,12 +8,15 @@ mirror a version, or for a restarted encoder to continue where it stopped.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
 from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import CacheState, CacheStats, Placement, Segment, Version
 from common.wire.schemas import Manifest, SegmentRecord
+
+RECORDS_CACHED = 16384  # a worker's streams' placements in their heads, with room (64 streams x ~130)
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,8 @@ def from_manifest(m: Manifest) -> ManifestState:
     return ManifestState(spec, CacheState(placements, m.version, m.video_start, m.next_patch, stats))
 
 
-def _record(p: Placement) -> SegmentRecord:
+@functools.lru_cache(maxsize=RECORDS_CACHED)
+def _record(p: Placement) -> SegmentRecord:  # a version repeats its head's placements but the last few
     s = p.segment
     return SegmentRecord(
         id=s.id,

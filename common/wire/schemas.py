@@ -402,7 +402,10 @@ class SegmentRecord:
             raise SchemaError(f"segments[{i}]", str(e)) from None
 
     def to_wire(self) -> dict[str, Any]:
-        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v for f in dataclass_fields(self)}
+        return {name: list(v) if isinstance(v := getattr(self, name), tuple) else v for name in _SEGMENT_FIELDS}
+
+
+_SEGMENT_FIELDS = tuple(f.name for f in dataclass_fields(SegmentRecord))
 
 
 def _seq(name: str, v: Any) -> list[Any] | tuple[Any, ...]:
@@ -502,9 +505,9 @@ def manifest_from_bytes(raw: Any) -> Manifest:
     return Manifest(**{k: m[k] for k in names if k in m})  # absent optional ones take the defaults
 
 
-def encode_manifest(m: Manifest) -> dict[str, bytes]:
-    """Stream fields for XADD to ``keys.versions(cam)``."""
-    return {FIELD: manifest_to_bytes(m)}
+def encode_manifest(m: Manifest, payload: bytes | None = None) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.versions(cam)`` (`payload`: `manifest_to_bytes(m)`, made already)."""
+    return {FIELD: manifest_to_bytes(m) if payload is None else payload}
 
 
 def decode_manifest(fields: Mapping[Any, Any]) -> Manifest:
