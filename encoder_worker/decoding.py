@@ -30,8 +30,10 @@ class FrameDecoder:
         if processes < 1:
             raise ValueError(f"a frame decoder needs at least one process, got {processes}")
         self.processes, self.limits = processes, limits
-        self._pool: ProcessPoolExecutor | None = None  # started with the first compressed frame
         self._lock = threading.Lock()
+        # made now, so that a host without what a pool needs (/dev/shm for its locks) fails at
+        # start; its processes start with the first compressed frame
+        self._pool: ProcessPoolExecutor | None = self._new_pool()
 
     def decode(self, m: Mapping[str, Any]) -> FrameMsg | EndOfStream:
         """`schemas.frame_from_map`, its pixels decoded in a process; raises SchemaError."""
@@ -55,9 +57,11 @@ class FrameDecoder:
     def _running(self) -> ProcessPoolExecutor:
         with self._lock:
             if self._pool is None:
-                context = multiprocessing.get_context("spawn")
-                self._pool = ProcessPoolExecutor(self.processes, mp_context=context)
+                self._pool = self._new_pool()
             return self._pool
+
+    def _new_pool(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
