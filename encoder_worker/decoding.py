@@ -10,13 +10,16 @@ thread before any pixel is decoded, so a bad entry never reaches a process.
 
 A process that dies (a decoder crash on a hostile image) breaks the pool: the pool is replaced
 and the frame tried once more; if that breaks it too, the frame is the one to blame and is
-rejected like any undecodable one. Nothing else is lost: frames in flight are retried.
+rejected like any undecodable one. Nothing else is lost: frames in flight are retried. A worker
+that dies (SIGKILL, no shutdown) takes its decoder processes with it: each watches its parent.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -61,10 +64,26 @@ class FrameDecoder:
             return self._pool
 
     def _new_pool(self) -> ProcessPoolExecutor:
-        return ProcessPoolExecutor(self.processes, mp_context=multiprocessing.get_context("spawn"))
+        context = multiprocessing.get_context("spawn")
+        return ProcessPoolExecutor(self.processes, context, initializer=_watch_parent, initargs=(os.getpid(),))
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
             if self._pool is broken:  # not replaced yet by another thread that saw it break
                 self._pool = None
         broken.shutdown(wait=False, cancel_futures=True)
+
+
+PARENT_CHECK_S = 1.0
+
+
+def _watch_parent(parent: int) -> None:
+    """In a decoder process: exit once the worker that started it is gone (reparented), so that a
+    killed worker leaves no decoder behind (the pool's own shutdown never ran)."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()

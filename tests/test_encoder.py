@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -212,3 +215,41 @@ def test_a_stream_waiting_for_the_gpu_holds_back_only_its_own_reads(rt, redis_ur
         stop.set()
         runner.join(30)
     assert not runner.is_alive()
+
+
+def test_a_killed_workers_frame_decoders_do_not_outlive_it(tmp_path):
+    """SIGKILL leaves the pool no chance to stop its processes: they must see it and go."""
+    script = tmp_path / "decoding_worker.py"
+    script.write_text(
+        "import sys, time\n"
+        "import numpy as np\n"
+        "from common.wire.schemas import FrameMsg, encode_frame, unpack_frame\n"
+        "from encoder_worker.decoding import FrameDecoder\n"
+        "if __name__ == '__main__':\n"
+        "    rows, cols = np.mgrid[0:56, 0:56]\n"
+        "    picture = np.stack([rows, cols, rows + cols], -1).astype(np.uint8)\n"
+        "    decoder = FrameDecoder(2)\n"
+        "    decoder.decode(unpack_frame(encode_frame(FrameMsg.from_rgb(0, 0.0, 0.0, picture), codec='webp')))\n"
+        "    print(*decoder._pool._processes, flush=True)\n"
+        "    time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    worker = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        decoders = [int(pid) for pid in worker.stdout.readline().split()]
+        assert decoders and all(_alive(pid) for pid in decoders)
+    finally:
+        worker.kill()
+        worker.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(pid) for pid in decoders):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in decoders), "a decoder process outlived its killed worker"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "State:\tZ" not in status  # a zombie has exited; only its parent's wait is missing
