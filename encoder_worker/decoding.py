@@ -25,7 +25,11 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
+import structlog
+
 from common.wire.schemas import DEFAULT_LIMITS, EndOfStream, FrameMsg, Limits, SchemaError, decode_image, frame_from_map
+
+log = structlog.get_logger()
 
 
 class FrameDecoder:
@@ -69,8 +73,11 @@ class FrameDecoder:
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
-            if self._pool is broken:  # not replaced yet by another thread that saw it break
+            replacing = self._pool is broken  # not replaced yet by another thread that saw it break
+            if replacing:
                 self._pool = None
+        if replacing:
+            log.warning("a frame decoder process died; its pool is replaced", processes=self.processes)
         broken.shutdown(wait=False, cancel_futures=True)
 
 

@@ -14,6 +14,7 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+import structlog.testing
 
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
@@ -79,9 +80,11 @@ def test_frames_pixels_decoded_in_processes_equal_decoding_in_the_thread_and_a_d
         for pid in list(pool._processes):
             os.kill(pid, signal.SIGKILL)
         time.sleep(0.5)  # the pool has seen them die: it is broken
-        for frame in frames:
-            assert decoder.decode(unpack_frame(encode_frame(frame, codec="webp"))).data == frame.data
+        with structlog.testing.capture_logs() as said:
+            for frame in frames:
+                assert decoder.decode(unpack_frame(encode_frame(frame, codec="webp"))).data == frame.data
         assert decoder._pool is not pool
+        assert [e["event"] for e in said] == ["a frame decoder process died; its pool is replaced"]
     finally:
         decoder.close()
 
