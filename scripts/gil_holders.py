@@ -32,13 +32,13 @@ class GilSampler:
     """py-spy recording `pid` for `seconds` into `raw`, from now; `summary()` waits for it."""
 
     def __init__(self, pid: int, seconds: float, raw: Path):
-        self.raw = raw
+        self.raw, self.seconds = raw, max(1, round(seconds))
         spy = shutil.which("py-spy")
         self.error: str | None = None if spy else "py-spy is not on PATH"
         self.proc: subprocess.Popen[bytes] | None = None
         if spy:
             args = ["record", "--gil", "--nonblocking", "--threads", "--full-filenames", "-r", str(RATE_HZ)]
-            args += ["-d", str(max(1, round(seconds))), "-f", "raw", "-o", str(raw), "-p", str(pid)]
+            args += ["-d", str(self.seconds), "-f", "raw", "-o", str(raw), "-p", str(pid)]
             self.proc = subprocess.Popen([spy, *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
     def summary(self, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -52,13 +52,14 @@ class GilSampler:
                 self.error = err.decode(errors="replace").strip()[-300:] or f"exit {self.proc.returncode}"
         if self.error is not None:
             return {"error": self.error}
-        return summarize(self.raw.read_text())
+        return summarize(self.raw.read_text(), window_s=self.seconds)
 
 
-def summarize(raw: str, repo: Path = REPO) -> dict[str, Any]:
+def summarize(raw: str, repo: Path = REPO, window_s: float | None = None) -> dict[str, Any]:
     """py-spy's raw stacks (`thread (TID): NAME;frame (file:line);... COUNT`, outermost first) as
     shares of the samples: by thread role, and by the innermost frame of this repository's code
-    in the stack (the call that holds it, where the time is spent beneath it) with its role."""
+    in the stack (the call that holds it, where the time is spent beneath it) with its role.
+    `seconds`: how long the GIL was seen held; `held_share`: of the `window_s` sampled."""
     by_role: Counter[str] = Counter()
     by_call: Counter[tuple[str, str]] = Counter()
     total = 0
@@ -78,6 +79,7 @@ def summarize(raw: str, repo: Path = REPO) -> dict[str, Any]:
     return {
         "samples": total,
         "seconds": round(total / RATE_HZ, 2),
+        **({"held_share": round(total / RATE_HZ / window_s, 3)} if window_s else {}),
         "by_thread": {k: round(v / total, 3) for k, v in by_role.most_common()},
         "by_call": [
             {"thread": who, "call": call, "share": round(n / total, 3)} for (who, call), n in by_call.most_common(TOP)

@@ -328,9 +328,10 @@ def test_gil_holders_are_summarised_by_thread_and_by_the_call_of_ours_that_holds
             "garbage line",
         ]
     )
-    assert summarize(raw, REPO) == {
+    assert summarize(raw, REPO, window_s=4.0) == {
         "samples": 100,
         "seconds": 1.0,
+        "held_share": 0.25,
         "by_thread": {"gpu-scheduler": 0.6, "stream": 0.4},
         "by_call": [
             {"thread": "gpu-scheduler", "call": "_layers (common/engine/lm.py:380)", "share": 0.6},
