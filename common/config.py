@@ -287,7 +287,6 @@ class GPUSettings:
     gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
     gpu_decode_before_encode: bool = True  # questions take a step alone before each encode step (off: beside it)
-    gpu_vision_ahead: bool = False  # the next encode step's vision runs while this one publishes
     gpu_join_during_encode: bool = False  # questions arriving during it start beside it, once their version is written
     gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
     gpu_vision_graphs: bool = True  # vision batches replayed from CUDA graphs
@@ -311,7 +310,6 @@ class GPUSettings:
             max_encode_share=self.gpu_max_encode_share,
             decode_during_encode=self.gpu_decode_during_encode,
             decode_before_encode=self.gpu_decode_before_encode,
-            vision_ahead=self.gpu_vision_ahead,
             join_during_encode=self.gpu_join_during_encode,
             decode_sms=self.gpu_decode_sms,
         )

@@ -310,17 +310,6 @@ def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     answer_beside_encoding(rt, monkeypatch, atol=0.0)
 
 
-def test_chunks_whose_vision_ran_ahead_on_its_own_stream_equal_encoding_alone(rt, monkeypatch):
-    """On the GPU the vision run ahead of its step goes on the tower's own stream, beside the step
-    before's publishing, from CUDA graphs captured and replayed there: the caches equal encoding
-    alone, bit for bit."""
-    from tests.test_scheduler import encode_with_vision_ahead
-
-    monkeypatch.setattr(rt.vision_tower, "graphs", True)
-    monkeypatch.setattr(rt.vision_tower, "compile_min_tokens", 0)
-    encode_with_vision_ahead(rt, monkeypatch)
-
-
 def test_questions_decoded_beside_an_encode_step_that_leaves_them_sms_equal_alone(rt, monkeypatch):
     """`decode_sms` on the GPU: the encode step runs in a green context of fewer SMs (its kernels
     may split their work otherwise, so its caches are equal to encoding alone within bf16

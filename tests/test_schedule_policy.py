@@ -10,11 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import ClassVar
 
 import pytest
 
-from common.engine.interleave import between_layers, between_outputs, step_queued
+from common.engine.interleave import between_layers, between_outputs
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.work import BatchJob, StepJob
 
@@ -290,78 +289,6 @@ def test_questions_take_a_step_alone_before_an_encode_step_only_if_asked_to(befo
     serial.submit(Layered())
     serial.step()
     assert question.taken == 1, "nothing decodes beside the encode step: the questions' step comes first"
-
-
-class Ahead(BatchJob):
-    """A batch job with a first part that may run ahead of its step (`prepare_batch`); a step marks
-    where its device work is all queued, then publishes. Jobs of the lanes in `bad` fail ahead."""
-
-    log: ClassVar[list[str]] = []
-    bad: ClassVar[set[str]] = set()
-
-    def __init__(self, lane: str, name: str = "", runs: int = 1):
-        super().__init__()
-        self.lane, self.name, self.runs = lane, name or lane, runs  # `runs`: batches it takes to finish
-
-    @classmethod
-    def prepare_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        for job in jobs:
-            cls.log.append(f"ahead {job.lane}")
-            if job.lane in cls.bad:
-                job.future.set_exception(ValueError(f"bad frames in {job.lane}"))
-
-    @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        names = ",".join(job.name for job in jobs if isinstance(job, Ahead))
-        cls.log.append(f"run {names}")
-        step_queued()
-        cls.log.append(f"publish {names}")
-        for job in jobs:
-            assert isinstance(job, Ahead)
-            job.runs -= 1
-            if not job.runs:
-                job.future.set_result(job.name)
-
-
-def test_with_vision_ahead_the_next_batch_is_taken_and_prepared_while_a_step_publishes():
-    """Round-robin as ever, one step's batch taken early: once the step before has queued its
-    device work. A job that fails ahead fails alone and leaves its batch; one taken ahead fails
-    with everything when the loop stops."""
-    Ahead.log, Ahead.bad = [], {"c"}
-    scheduler = Scheduler(SchedulePolicy(max_chunks=2, vision_ahead=True))  # driven by hand
-    jobs = [scheduler.submit(Ahead(lane)) for lane in ("a", "b", "c", "d", "e")]
-    while not all(job.done() for job in jobs):
-        scheduler.step()
-    assert Ahead.log == [
-        *("run a,b", "ahead c", "ahead d", "publish a,b"),
-        *("run d", "ahead e", "publish d"),
-        *("run e", "publish e"),
-    ]
-    assert [job.result() for job in jobs if job is not jobs[2]] == ["a", "b", "d", "e"]
-    with pytest.raises(ValueError, match="bad frames in c"):
-        jobs[2].result()
-
-    Ahead.log, Ahead.bad = [], set()
-    scheduler = Scheduler(SchedulePolicy(max_chunks=1, vision_ahead=True))
-    first, second = scheduler.submit(Ahead("a")), scheduler.submit(Ahead("b"))
-    scheduler.step()
-    assert first.result(timeout=0) == "a" and Ahead.log[-2:] == ["ahead b", "publish a"]
-    scheduler.stop()
-    scheduler.start()  # a loop told to stop fails what is left, and leaves
-    with pytest.raises(RuntimeError, match="stopped"):
-        second.result(timeout=10)
-    assert Ahead.log[-1] == "publish a", "the batch taken ahead did not run"
-
-
-def test_a_job_that_takes_more_batches_is_not_overtaken_by_its_lanes_next_one_taken_ahead():
-    """A chunk whose exact eviction rebuilds over several batches stays first in its lane: the
-    lane's next chunk is not taken ahead while it runs."""
-    Ahead.log, Ahead.bad = [], set()
-    scheduler = Scheduler(SchedulePolicy(max_chunks=2, vision_ahead=True))  # driven by hand
-    jobs = [scheduler.submit(job) for job in (Ahead("a", "a1", runs=2), Ahead("a", "a2"), Ahead("b", "b1"))]
-    while not all(job.done() for job in jobs):
-        scheduler.step()
-    assert [line for line in Ahead.log if line.startswith("run")] == ["run a1,b1", "run a1", "run a2"]
 
 
 class Timed(StepJob):

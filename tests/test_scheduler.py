@@ -338,68 +338,6 @@ def answer_beside_encoding(
         assert fewer <= encode_streams <= fewer | {torch.cuda.default_stream()}
 
 
-def test_chunks_whose_vision_ran_ahead_of_their_step_equal_encoding_alone(rt: Runtime, monkeypatch):
-    """With `vision_ahead` every encode step takes the next batch once its own prefill is queued
-    and runs that batch's vision before publishing (tests/test_gpu.py: on the vision tower's own
-    stream): the caches equal encoding alone."""
-    encode_with_vision_ahead(rt, monkeypatch)
-
-
-def encode_with_vision_ahead(rt: Runtime, monkeypatch, cache_atol: float | None = None) -> None:
-    """Two streams' chunks, three each, queued at once and encoded one a step: every step's vision
-    but the first ran ahead, in the step before, and each stream's cache equals encoding alone
-    (`cache_atol`: how far it may be; None: bit for bit)."""
-    from common.engine import stream as stream_module
-
-    specs = SPECS[:2]
-    frames = {s.name: frames_for(s, 3 * s.chunk_frames) for s in specs}
-    alone = {s.name: encode(rt, s, frames[s.name]) for s in specs}
-    aheads: list[bool] = []
-    vision = stream_module._vision
-
-    def vision_spy(jobs, ahead=False):
-        if any(j.chunk.embeds is None for j in jobs):
-            aheads.append(ahead)
-        return vision(jobs, ahead)
-
-    monkeypatch.setattr(stream_module, "_vision", vision_spy)
-    scheduler = Scheduler(SchedulePolicy(max_chunks=1, vision_ahead=True))  # driven by hand
-    engines = {s.name: StreamEngine(rt, s) for s in specs}
-    rt.executor = scheduler
-    try:
-        chunks = []
-        for i in range(3):
-            for s in specs:
-                n, engine = s.chunk_frames, engines[s.name]
-                seqs = range(i * n, (i + 1) * n)
-                chunks.append(
-                    (
-                        engine,
-                        engine.submit(
-                            engine.prepare(frames[s.name][i * n : (i + 1) * n], [k / s.fps for k in seqs], seqs)
-                        ),
-                    )
-                )
-        for _ in range(20):
-            if all(c.done() for _, c in chunks):
-                break
-            scheduler.step()
-        for engine, c in chunks:
-            engine.finish(c.result())
-    finally:
-        rt.executor = InlineExecutor()
-    assert aheads == [False] + [True] * 5
-    for s in specs:
-        got, want = engines[s.name].head, alone[s.name].head
-        n = want.tokens
-        assert got.tokens == n
-        got_kv, want_kv = got.view.kv[:, :, :, :n], want.view.kv[:, :, :, :n]
-        if cache_atol is None:
-            assert torch.equal(got_kv, want_kv)
-        else:
-            assert torch.allclose(got_kv.float(), want_kv.float(), atol=cache_atol, rtol=0)
-
-
 def test_regions_return_to_the_pool(rt: Runtime):
     used = rt.pool.used_tokens
     region = rt.pool.alloc(100)

@@ -10,17 +10,13 @@ of after it. The chunk loop that publishes the step's versions calls `between_ou
 each one: 64 cameras evicting within seconds made steps of 8 re-layouts, 200 ms of host work
 during which no decode step was launched. Without a hook (everywhere but inside an encode step)
 both do nothing.
-
-One more point, `step_queued()`, comes once an encode step has queued all its device work and
-only its chunks' publishing (host work) is left: there the loop may queue the next encode step's
-vision (`when_queued`), so that the device has work while the host publishes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 _local = threading.local()
 
@@ -42,30 +38,13 @@ def between_layers() -> None:
 between_outputs = between_layers
 
 
-def interleaved(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
+@contextmanager
+def interleaved(hook: Callable[[], None]) -> Iterator[None]:
     """Call `hook()` at every `between_layers()` and `between_outputs()` of this thread until the
     block ends."""
-    return _installed("hook", hook)
-
-
-def step_queued() -> None:
-    """The point where an encode step's device work is all queued: the hook of `when_queued`, if any,
-    runs."""
-    hook: Callable[[], None] | None = getattr(_local, "queued", None)
-    if hook is not None:
-        hook()
-
-
-def when_queued(hook: Callable[[], None]) -> contextlib.AbstractContextManager[None]:
-    """Call `hook()` at `step_queued()` of this thread until the block ends."""
-    return _installed("queued", hook)
-
-
-@contextlib.contextmanager
-def _installed(point: str, hook: Callable[[], None]) -> Iterator[None]:
-    previous = getattr(_local, point, None)
-    setattr(_local, point, hook)
+    previous = getattr(_local, "hook", None)
+    _local.hook = hook
     try:
         yield
     finally:
-        setattr(_local, point, previous)
+        _local.hook = previous

@@ -21,9 +21,7 @@ forwards, so there is no lock that threads take turns on. Each step:
    too, each once all it reads is on the device (`StepJob.may_start_beside`: a version the step
    published may not be written yet, while one of another stream is); with `decode_sms`, while
    encoding keeps up, the encode step runs on fewer SMs (a green context), leaving the rest free
-   for the decode kernels; with `vision_ahead`, once an encode step has queued its device work,
-   the next batch is taken and its vision queued on a stream of its own, to run while the host
-   publishes this step.
+   for the decode kernels.
    A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
    `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
    streams' chunks, until its rebuilt version is published: questions keep their turn between
@@ -44,7 +42,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
-from common.engine.interleave import interleaved, when_queued
+from common.engine.interleave import interleaved
 from common.engine.phases import PhaseClock, clock_this_thread, phase
 from common.engine.work import BatchJob, Launched, StepJob, fail_all
 
@@ -88,9 +86,6 @@ class SchedulePolicy:
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
     # active questions take a step alone before each encode step (off: beside its first kernels)
     decode_before_encode: bool = True
-    # the next encode step's batch is taken, and its vision queued, once this one's device work is
-    # all queued: the device runs it while the host publishes this step's chunks
-    vision_ahead: bool = False
     # questions arriving during an encode step start beside it, each once what it reads is written
     join_during_encode: bool = False
     # SMs an encode step leaves to the questions decoding beside it, while encoding keeps up (its
@@ -137,9 +132,6 @@ class Scheduler:
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
         self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
-        self._prepared: list[BatchJob] = []  # the next encode step's batch, its vision queued (vision_ahead)
-        self._own_work: Any = None  # an event after the step's own device work, where more is queued after it
-        self._running: frozenset[str] = frozenset()  # the lanes of the encode step running
         self._waiting: deque[StepJob] = deque()
         self._active: list[StepJob] = []
         self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
@@ -207,7 +199,7 @@ class Scheduler:
         try:
             while not self._stop.is_set():
                 with self._lock:
-                    while not self._stop.is_set() and not self._has_work():
+                    while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
                         self._lock.wait(timeout=1.0)
                 self.step()
         except BaseException as e:  # jobs fail on their own; this is the device or the loop broken
@@ -240,15 +232,8 @@ class Scheduler:
         encode_first = questions and self._encodes_first()
         if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
             self._timed("decode", self._decode)
-        if encode_first or (self._chunks() and (not questions or self._encode_is_due())):  # due after the decode step
+        if encode_first or (self._lanes and (not questions or self._encode_is_due())):  # due after the decode step
             self._timed("encode", self._encode)
-
-    def _has_work(self) -> bool:
-        return bool(self._tasks or self._chunks() or self._waiting or self._active)
-
-    def _chunks(self) -> bool:
-        """Whether batch jobs wait: in their lanes, or taken for the next encode step already."""
-        return bool(self._lanes or self._prepared)
 
     def _encodes_first(self) -> bool:
         """Without `decode_before_encode`, an encode step that is due starts at once, and the
@@ -256,7 +241,10 @@ class Scheduler:
         the device half idle (a decode step alone leaves the GPU's compute unused)."""
         policy = self.policy
         return (
-            not policy.decode_before_encode and policy.decode_during_encode and self._chunks() and self._encode_is_due()
+            not policy.decode_before_encode
+            and policy.decode_during_encode
+            and bool(self._lanes)
+            and self._encode_is_due()
         )
 
     def _run_tasks(self) -> None:
@@ -367,42 +355,18 @@ class Scheduler:
         finally:
             self._count_idle_as(encoding=False)
 
-    def _take_batch(self, skip: frozenset[str] = frozenset()) -> list[BatchJob]:
-        """Up to `max_chunks` jobs, one from each lane but those in `skip`, the lanes taken
-        round-robin."""
+    def _encode_batch(self) -> int:
         with self._lock:
             batch: list[BatchJob] = []
-            for lane in [lane for lane in self._lanes if lane not in skip][: self.policy.max_chunks]:
+            for lane in list(self._lanes)[: self.policy.max_chunks]:
                 queue = self._lanes.pop(lane)
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
-        return batch
-
-    def _queue_ahead(self) -> None:
-        """Inside an encode step whose device work is all queued (`step_queued`): the next batch,
-        taken now, has its first part queued (`BatchJob.prepare_batch`, on a stream of its own),
-        so the device runs it while the host publishes this step, and on into the next step's
-        host work: the step is settled on its own work only. The lanes of this step are left
-        out: a job of theirs may not finish in it (an exact eviction's rebuild), and the lane's
-        next job must wait for it."""
-        if self._prepared or not self._lanes:
-            return
-        self._prepared = self._take_batch(skip=self._running)
-        for cls, jobs in _by_class(self._prepared).items():
-            cls.prepare_batch(jobs)
-
-    def _encode_batch(self) -> int:
-        batch = [job for job in self._prepared if not job.done] or self._take_batch()
-        self._prepared = []
-        if not batch:  # all it had taken failed ahead
-            return 0
-        self._running = frozenset(job.lane for job in batch)
         alongside = self.policy.decode_during_encode and (self.policy.join_during_encode or bool(self._active))
         waited = time.monotonic() - min(job.waiting_since for job in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
-        ahead = when_queued(self._queue_ahead) if self.policy.vision_ahead else contextlib.nullcontext()
-        with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext(), ahead:
+        with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             # A decode step now, beside the step's first kernels: the first hook comes only after
             # the vision graph, the chunks' inputs and the plan, host work during which questions
             # had no step in flight (33 ms an encode step at 64 cameras, H200, 2026-11-27). On a
@@ -417,13 +381,14 @@ class Scheduler:
             broken, self._broken = self._broken, None
             raise broken
         self._complete_in_flight()
-        if self._prepared:  # their vision runs on
-            self._own_work = _device_event()
         self._requeue([job for job in batch if not job.done])
         return len(batch)
 
     def _run_batches(self, batch: list[BatchJob]) -> None:
-        for cls, jobs in _by_class(batch).items():
+        by_class: dict[type, list[BatchJob]] = {}
+        for job in batch:
+            by_class.setdefault(type(job), []).append(job)
+        for cls, jobs in by_class.items():
             try:
                 cls.run_batch(jobs)
             except Exception as e:
@@ -463,8 +428,7 @@ class Scheduler:
 
     def _oldest_wait(self) -> float:
         with self._lock:
-            waiting = [lane[0].waiting_since for lane in self._lanes.values() if lane]
-            oldest = min(waiting + [job.waiting_since for job in self._prepared], default=None)
+            oldest = min((lane[0].waiting_since for lane in self._lanes.values() if lane), default=None)
         return 0.0 if oldest is None else time.monotonic() - oldest
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:
@@ -472,8 +436,7 @@ class Scheduler:
         with self.profiler.region(kind) if self.profiler is not None else contextlib.nullcontext(), phase(kind):
             units = fn()
             with phase("device wait"):
-                _settle(self._own_work)
-            self._own_work = None
+                _settle()
         if self.on_settled is not None:
             self.on_settled()
         spent = time.perf_counter() - t0
@@ -486,36 +449,23 @@ class Scheduler:
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
             jobs: list[BatchJob | StepJob] = [*self._waiting, *self._active]
-            jobs += [j for lane in self._lanes.values() for j in lane] + self._prepared
+            jobs += [j for lane in self._lanes.values() for j in lane]
             tasks = list(self._tasks)
             self._waiting.clear(), self._lanes.clear(), self._tasks.clear()
-            self._active, self._prepared = [], []
+            self._active = []
         fail_all(jobs, error)
         for _, future in tasks:
             future.set_exception(error)
 
 
-def _by_class(jobs: list[BatchJob]) -> dict[type, list[BatchJob]]:
-    by_class: dict[type, list[BatchJob]] = {}
-    for job in jobs:
-        by_class.setdefault(type(job), []).append(job)
-    return by_class
-
-
-def _device_event() -> Any:
-    """A CUDA event after what was queued on this thread's stream so far (None where no GPU is in use)."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return None
-    event = torch.cuda.Event()
-    event.record()
-    return event
-
-
 def _device_done() -> Callable[[], bool]:
     """Whether the device has finished what was queued on this thread's stream so far."""
-    event = _device_event()
-    return (lambda: True) if event is None else event.query
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 def _cuda_in_use() -> bool:
@@ -558,14 +508,9 @@ def _on_stream(stream: Any) -> Iterator[None]:
         before.wait_stream(stream)
 
 
-def _settle(own_work: Any = None) -> None:
+def _settle() -> None:
     """Wait for the GPU to finish the step: the shares must count each step's GPU time, not the
-    launch (a step that never syncs would pass its GPU time to the next one that does). With the
-    next step's vision queued ahead (`own_work`: an event after the step's own work), only for the
-    step's own work."""
-    if own_work is not None:
-        own_work.synchronize()
-        return
+    launch (a step that never syncs would pass its GPU time to the next one that does)."""
     torch = sys.modules.get("torch")  # not imported here: settings load SchedulePolicy without torch
     if torch is not None and torch.cuda.is_initialized():
         torch.cuda.synchronize()

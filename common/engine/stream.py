@@ -11,7 +11,6 @@ A question appends `<|vision_end|>{question}<|im_end|>\\n<|im_start|>assistant\\
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ import torch
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import pad_to_temporal, patchify, stack_frames, video_grid_thw
 from common.engine.grid import FrameError, StreamSpec
-from common.engine.interleave import between_outputs, step_queued
+from common.engine.interleave import between_outputs
 from common.engine.kvcache import CacheState, Rebuild, Segment, Version
 from common.engine.lm import Item, KVView
 from common.engine.phases import phase
@@ -261,16 +260,6 @@ class ChunkJob(BatchJob):
         self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled
 
     @classmethod
-    def prepare_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        """The chunks' vision, ahead of their step (see `_vision`)."""
-        chunk_jobs = [j for j in jobs if isinstance(j, ChunkJob)]
-        try:
-            with phase("vision ahead"):
-                _vision(chunk_jobs, ahead=True)
-        except Exception as e:
-            fail_all(chunk_jobs, e)
-
-    @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
         chunk_jobs = [j for j in jobs if isinstance(j, ChunkJob)]
         if len({id(j.engine) for j in chunk_jobs}) != len(chunk_jobs):
@@ -300,7 +289,6 @@ class ChunkJob(BatchJob):
             fail_all(list(started), e)
             return
         del inputs, started  # their bases hold the heads' pages, which an eviction may now turn in place
-        step_queued()  # the device has the step's work; its publishing is the host's
         with phase("publish"):
             outputs = _each(chunk_jobs, ChunkJob._output, between=between_outputs)
         for job, result in outputs.items():
@@ -353,19 +341,13 @@ def _each(
     return out
 
 
-def _vision(jobs: Sequence[ChunkJob], ahead: bool = False) -> None:
-    """The vision tower for every chunk still in frames, as one batch. `ahead` of the batch's step
-    (ChunkJob.prepare_batch): on the tower's own stream, which the step joins before it reads them."""
-    if not jobs:
-        return
-    rt = jobs[0].engine.rt
-    if not ahead:
-        rt.vision_tower.join(j.chunk.embeds for j in jobs if j.chunk.embeds is not None)
+def _vision(jobs: Sequence[ChunkJob]) -> None:
+    """The vision tower for every chunk still in frames, as one batch."""
     todo = [j.chunk for j in jobs if j.chunk.embeds is None]
     if not todo:
         return
+    rt = jobs[0].engine.rt
     tp = rt.loaded.temporal_patch_size
-    with rt.vision_tower.ahead() if ahead else contextlib.nullcontext():
-        pixels = [patchify(c.video.to(rt.device, non_blocking=True), temporal_patch_size=tp) for c in todo]
-        for chunk, embeds in zip(todo, rt.vision_batch(pixels), strict=True):
-            chunk.embeds = embeds
+    pixels = [patchify(c.video.to(rt.device, non_blocking=True), temporal_patch_size=tp) for c in todo]
+    for chunk, embeds in zip(todo, rt.vision_batch(pixels), strict=True):
+        chunk.embeds = embeds

@@ -34,8 +34,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import structlog
@@ -194,7 +193,6 @@ class VisionTower:
         self._graphs: dict[tuple[GridTHW, ...], _TowerGraph] = {}
         self._capture_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
         self._mempool = None  # both made with the first
-        self._ahead_stream: torch.cuda.Stream | None = None  # forwards run ahead of their step (`ahead`)
         self.on_capture: Callable[[float], None] | None = None  # seconds of each capture (metrics)
         self.compile_min_tokens = compile_min_tokens
         self._compiled = None
@@ -256,35 +254,9 @@ class VisionTower:
         return merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
 
     def _graphable(self) -> bool:
-        """On the device's own stream or the tower's `ahead` one only: an encode step that leaves SMs
-        to questions runs on a green context's stream (scheduler.py), where replaying a graph has
-        not been tried."""
-        return self.graphs and torch.cuda.current_stream() in (torch.cuda.default_stream(), self._ahead_stream)
-
-    @contextmanager
-    def ahead(self) -> Iterator[None]:
-        """Forwards of the block run on the tower's own stream, after all the current stream has
-        queued so far (a graph's last outputs are read there), so that what the current stream
-        queues next does not wait for them; `join()` before their embeddings are read elsewhere.
-        On a CPU the block runs as it is."""
-        if self.device.type != "cuda":
-            yield
-            return
-        if self._ahead_stream is None:
-            self._ahead_stream = _own_stream(self.device)
-        self._ahead_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._ahead_stream):
-            yield
-
-    def join(self, embeds: Iterable[torch.Tensor]) -> None:
-        """The current stream waits for the forwards run `ahead` and owns `embeds` with their stream
-        (made there, read here: their memory is not reused before this stream is done with them)."""
-        if self._ahead_stream is None:
-            return
-        current = torch.cuda.current_stream()
-        current.wait_stream(self._ahead_stream)
-        for e in embeds:
-            e.record_stream(current)
+        """On the device's own stream only: an encode step that leaves SMs to questions runs on a
+        green context's stream (scheduler.py), where replaying a graph has not been tried."""
+        return self.graphs and torch.cuda.current_stream() == torch.cuda.default_stream()
 
     def _graph(self, key: tuple[GridTHW, ...], plan: BatchPlan, seen: bool) -> _TowerGraph | None:
         """The composition's graph, captured the second time it comes (a one-off batch is not worth

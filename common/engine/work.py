@@ -50,12 +50,6 @@ class BatchJob(Job):
         exception). A job left unresolved runs again, before anything else of its lane."""
         raise NotImplementedError
 
-    @classmethod
-    def prepare_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        """Queue what of the batch's work depends on no batch before it (a chunk's vision), ahead
-        of its step, while the step before publishes; fail the jobs it cannot prepare. `run_batch`
-        then does the rest. Nothing, unless a job class knows."""
-
 
 class Launched(Protocol):
     """A step queued on the device."""
