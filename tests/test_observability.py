@@ -392,7 +392,7 @@ def test_a_step_trace_that_cannot_be_written_is_a_warning_and_the_loop_goes_on(t
     def run_steps(profiler: StepProfiler, n: int) -> None:
         profiler.request()
         for _ in range(n):
-            with profiler.step(), profiler.region("encode"), phase("vision"):
+            with profiler.step(), phase("encode"), phase("vision"):
                 torch.ones(4).sum()
 
     written = StepProfiler(tmp_path / "ok", steps=2)

@@ -16,7 +16,6 @@ import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import structlog
 import torch
@@ -52,12 +51,6 @@ class StepProfiler:
                 self._left -= 1
                 if self._left <= 0:
                     self._finish()
-
-    def region(self, name: str) -> contextlib.AbstractContextManager[Any]:
-        """A labelled range in the trace while profiling (a step's kind); nothing otherwise."""
-        if self._profile is None:
-            return contextlib.nullcontext()
-        return torch.profiler.record_function(name)
 
     def _start(self) -> None:
         self._requested = False
