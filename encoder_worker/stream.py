@@ -32,6 +32,7 @@ from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (
+    FIELD,
     EndOfStream,
     FrameMsg,
     Manifest,
@@ -39,7 +40,6 @@ from common.wire.schemas import (
     encode_manifest,
     frame_follow_problem,
     manifest_from_bytes,
-    manifest_to_bytes,
 )
 from encoder_worker.config import EncoderConfig
 
@@ -237,10 +237,10 @@ return 1
 def publish_fenced(r: redis.Redis, name: str, owner: str, manifest: Manifest, versions_maxlen: int) -> bool:
     """Append ``manifest`` to the stream's versions and make it its head, if ``owner`` holds the
     lease; False (nothing written) if it does not."""
-    payload = manifest_to_bytes(manifest)  # once: the versions entry and the head hold the same bytes
-    flat = [x for kv in encode_manifest(manifest, payload).items() for x in kv]
+    fields = encode_manifest(manifest)  # packed once: the head holds the versions entry's bytes
+    flat = [x for kv in fields.items() for x in kv]
     lease, versions, head = keys.lease(name), keys.versions(name), keys.head(name)
-    return bool(r.eval(_PUBLISH, 3, lease, versions, head, owner, versions_maxlen, payload, *flat))
+    return bool(r.eval(_PUBLISH, 3, lease, versions, head, owner, versions_maxlen, fields[FIELD], *flat))
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:

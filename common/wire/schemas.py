@@ -505,9 +505,9 @@ def manifest_from_bytes(raw: Any) -> Manifest:
     return Manifest(**{k: m[k] for k in names if k in m})  # absent optional ones take the defaults
 
 
-def encode_manifest(m: Manifest, payload: bytes | None = None) -> dict[str, bytes]:
-    """Stream fields for XADD to ``keys.versions(cam)`` (`payload`: `manifest_to_bytes(m)`, made already)."""
-    return {FIELD: manifest_to_bytes(m) if payload is None else payload}
+def encode_manifest(m: Manifest) -> dict[str, bytes]:
+    """Stream fields for XADD to ``keys.versions(cam)``."""
+    return {FIELD: manifest_to_bytes(m)}
 
 
 def decode_manifest(fields: Mapping[Any, Any]) -> Manifest:
