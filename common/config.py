@@ -287,7 +287,7 @@ class GPUSettings:
     gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
     gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
     gpu_decode_before_encode: bool = True  # questions take a step alone before each encode step (off: beside it)
-    gpu_join_during_encode: bool = False  # questions arriving during it start beside it, once their version is written
+    gpu_join_during_encode: bool = True  # questions arriving during it start beside it, once their version is written
     gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
     gpu_vision_graphs: bool = True  # vision batches replayed from CUDA graphs
     gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)

@@ -86,7 +86,8 @@ class SchedulePolicy:
     decode_during_encode: bool = True  # active questions keep decoding beside an encode step
     # active questions take a step alone before each encode step (off: beside its first kernels)
     decode_before_encode: bool = True
-    # questions arriving during an encode step start beside it, each once what it reads is written
+    # questions arriving during an encode step start beside it, each once what it reads is written;
+    # off here because it needs the pool to defer frees (boot.py turns both on for the services)
     join_during_encode: bool = False
     # SMs an encode step leaves to the questions decoding beside it, while encoding keeps up (its
     # chunks waited at most chunk_deadline_s): the step runs in a green context of the others, so
