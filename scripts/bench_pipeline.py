@@ -99,6 +99,7 @@ PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
 CPU_SAMPLE_S = 0.05  # the machine's busy cores are sampled this often in the window
 GPU_SAMPLE_S = 1.0  # the GPU's clocks, power and temperature (nvidia-smi): leases of one kind differ
+LATENCY_BIN_S = 10.0  # client latency is also reported by when questions were asked, in bins this long
 GPU_QUERY = ("clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw", "temperature.gpu", "utilization.gpu")
 PROFILE_WAIT_S = 240.0  # for the workers' traces after the window (writing one takes seconds to minutes)
 STOP_TIMEOUT_S = 30.0
@@ -706,6 +707,18 @@ def percentiles(values: list[float], *qs: int) -> dict[str, float | None]:
     return {f"p{q}": round(float(np.percentile(values, q)), 4) if values else None for q in qs}
 
 
+def latency_bins(answered: list[Asked], t0: float, bin_s: float) -> list[dict[str, Any]]:
+    """Client latency by when questions were asked, in bins of `bin_s` from `t0`: where a window's
+    p95 comes from (64 cameras' caches evict together every half minute or so; the worker's log
+    says when, "cache re-laid out")."""
+    bins: dict[int, list[float]] = {}
+    for a in answered:
+        bins.setdefault(int((a.sent - t0) // bin_s), []).append(a.latency_s)
+    return [
+        {"from_s": round(i * bin_s, 3), "answers": len(v), **percentiles(v, 50, 95)} for i, v in sorted(bins.items())
+    ]
+
+
 def frames_summary(cameras: list[str], before: Counts, after: Counts) -> dict[str, Any]:
     def delta(kind: str) -> list[int]:
         return [after[kind][c] - before.get(kind, {}).get(c, 0) for c in cameras]
@@ -835,6 +848,7 @@ def summarize(
         "server_first_token_s": percentiles([a.first_token_s for a in answered if a.first_token_s is not None], 50, 95),
         "server_total_s": percentiles([a.total_s for a in answered if a.total_s is not None], 50, 95),
         "outside_server_s": percentiles([a.latency_s - a.total_s for a in answered if a.total_s is not None], 50, 95),
+        "client_latency_by_bin": latency_bins(answered, t0, LATENCY_BIN_S),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
     }

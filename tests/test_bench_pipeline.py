@@ -113,6 +113,20 @@ def test_the_gpus_clocks_are_read_from_nvidia_smi_lines():
     assert bench_pipeline.machine_gpu([]) is None
 
 
+def test_client_latency_is_binned_by_when_questions_were_asked():
+    """Answers asked at 100 + 0.5 .. 24.5 s land in the 10 s bins they were asked in, each with its
+    own count and percentiles (numpy's, as for the whole window); empty bins are left out."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import bench_pipeline
+
+    asked = [bench_pipeline.Asked(100.0 + t, lat, 0.1, lat, None) for t, lat in ((0.5, 1.0), (9.9, 3.0), (24.5, 2.0))]
+    assert bench_pipeline.latency_bins(asked, 100.0, 10.0) == [
+        {"from_s": 0.0, "answers": 2, "p50": 2.0, "p95": 2.9},
+        {"from_s": 20.0, "answers": 1, "p50": 2.0, "p95": 2.0},
+    ]
+    assert bench_pipeline.latency_bins([], 100.0, 10.0) == []
+
+
 @pytest.mark.timeout(300)
 def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     out = tmp_path / "result.json"
@@ -168,6 +182,10 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert client["p50"] >= server["p50"]  # each question's wait includes its first token
     total, outside = run["server_total_s"], run["outside_server_s"]
     assert server["p50"] <= total["p50"] <= client["p50"] and 0 <= outside["p50"] <= outside["p95"]
+    bins = run["client_latency_by_bin"]  # every answer in the bin it was asked in, bins in order
+    assert sum(b["answers"] for b in bins) == run["answers"]
+    assert [b["from_s"] for b in bins] == sorted({b["from_s"] for b in bins}) and bins[0]["from_s"] >= 0
+    assert min(b["p50"] for b in bins) <= client["p50"] <= max(b["p95"] for b in bins)
 
     gpu = run["gpu_steps"]  # two workers: their GPU-seconds add up, to at most 2 a second
     assert gpu["encode"]["share"] > 0 and gpu["decode"]["share"] > 0

@@ -249,9 +249,12 @@ def test_a_slow_gpu_step_and_a_long_garbage_collection_each_log_one_line(capsys,
     assert watch._on_gc not in gc.callbacks
 
 
-def _spin_in_the_loop(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+def _spin_in_the_loop(sampler: object, seconds: float, samples: int, limit_s: float = 30.0) -> None:
+    """At least `seconds`, and until `sampler` has counted the loop `samples` times: on a loaded
+    machine (two cores, a whole suite beside) its thread may get the GIL only a few times a second.
+    The count is read in C (no frame of this function's own is ever the loop's innermost)."""
+    start, counted = time.monotonic(), sampler._loop.values  # one line below: one place sampled
+    while (t := time.monotonic() - start) < limit_s and (t < seconds or sum(counted()) < samples):
         pass
 
 
@@ -276,7 +279,7 @@ def test_a_slow_steps_line_says_where_the_loop_and_the_busy_threads_were(capsys)
     busy.start(), waiting.start()
     try:
         scheduler.call(lambda: time.sleep(0.2))  # over after_s, under slow_s: sampled, not logged
-        scheduler.call(lambda: _spin_in_the_loop(0.6))
+        scheduler.call(lambda: _spin_in_the_loop(watch.sampler, 0.6, samples=8))
     finally:
         stop.set()
         scheduler.stop()
