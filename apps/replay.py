@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 from tqdm import tqdm
 
+from common import boot
 from common.engine.answer import Answer, ask
 from common.engine.eviction import MODES, EvictionPolicy
 from common.engine.grid import Grid, StreamSpec, choose_grid, resize_to_grid
 from common.engine.kvcache import Version
-from common.engine.model import load_model
 from common.engine.names import DEFAULT_MODEL
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
@@ -72,7 +72,7 @@ def run(ns: argparse.Namespace) -> int:
     if args.fps <= 0:
         raise SystemExit(f"--fps must be positive, got {args.fps}")
     configure_logging("WARNING")  # answers are the JSON lines on stdout; the engine only warns, on stderr
-    rt = Runtime(load_model(ns.model, device=ns.device))
+    rt = boot.load_model_or_exit(ns.model, ns.device)  # no weights to be had: exit 4, one line
     try:
         matches = [m for m in Replay(rt, args).run() if m is not None]
     except SourceError as e:

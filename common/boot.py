@@ -147,18 +147,11 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
 def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None):
     """The model on its device, its GPU scheduler running as `gpu` says, or exit: 2 for a device
     this machine lacks, 4 for the model."""
-    tried = check_model_source(model)
-    from common.engine.model import load_model
-    from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
     from common.engine.warmup import warm_up
 
-    check_device(device)
     gpu = gpu or GPUSettings()
     t0 = time.monotonic()
-    try:
-        rt = Runtime(load_model(model, device=device), vision_graphs=gpu.gpu_vision_graphs)
-    except (OSError, ValueError, RuntimeError) as e:
-        fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
+    rt = load_model_or_exit(model, device, vision_graphs=gpu.gpu_vision_graphs)
     load_s = time.monotonic() - t0
     warm_up_s = 0.0
     rt.on_graph_capture = rt.vision_tower.on_capture = metrics.record_graph_capture
@@ -204,6 +197,20 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         frozen_objects=frozen,
     )
     return rt
+
+
+def load_model_or_exit(model: str, device: str | None, **runtime: Any) -> Runtime:
+    """The model on its device, with no scheduler yet, or exit: 2 for a device this machine lacks,
+    4 for the model (the hub probed once, not retried for a minute)."""
+    tried = check_model_source(model)
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
+
+    check_device(device)
+    try:
+        return Runtime(load_model(model, device=device), **runtime)
+    except (OSError, ValueError, RuntimeError) as e:
+        fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
 
 
 def _one_cpu_thread_per_op() -> None:

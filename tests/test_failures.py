@@ -39,6 +39,8 @@ CASES = [
     ("device-cuda-on-cpu", ["worker", "--streams", "cam1", "--model", "tiny-random", "--device", "cuda"], 2, "cuda"),
     ("model-path-missing", ["encoder", "--streams", "cam1", "--model", "/nonexistent/model"], 4, "local directory"),
     ("model-hub-unreachable", ["qa", "--streams", "cam1", "--model", "Org/not-cached"], 4, "unreachable"),
+    ("replay-hub-unreachable", ["replay", "{tmp}/clip.mp4", "--model", "Org/not-cached"], 4, "unreachable"),
+    ("replay-model-path-missing", ["replay", "{tmp}/clip.mp4", "--model", "/nonexistent/model"], 4, "local directory"),
 ]
 
 
