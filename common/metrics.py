@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,6 +23,34 @@ from common.version import VERSION
 if TYPE_CHECKING:  # the engine (and torch) load only where a model does
     from common.engine.phases import PhaseClock
     from common.engine.scheduler import DecodeTimes
+
+
+class _ReadCounter(Collector):
+    """A counter family read at every scrape: totals something else keeps anyway (the KV pool's
+    re-layouts, dynamo's frames, a version's evictions) are exported as counters, so that rate()
+    and increase() apply, and not set as gauges. ``read`` gives label values -> total; by default
+    ``values``, which the code sets."""
+
+    def __init__(
+        self,
+        name: str,
+        doc: str,
+        labels: Sequence[str] = (),
+        read: Callable[[], dict[tuple[str, ...], float]] | None = None,
+    ) -> None:
+        self.name, self.doc, self.labels = name, doc, list(labels)
+        self.values: dict[tuple[str, ...], float] = {}
+        self.read = read or (lambda: self.values)
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(self.name, self.doc, labels=self.labels)]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labels)
+        for labels, value in sorted(self.read().items()):
+            family.add_metric(list(labels), value)
+        yield family
+
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _R = {"registry": None}  # registered per process, by role (registry_for)
@@ -53,11 +81,11 @@ CHUNK_SECONDS = Histogram(
 ENCODER_LAG = Gauge(
     "svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication", ["stream"], **_R
 )
-# cache gauges: the encoder publishes versions, a separate qa mirrors them
+# cache gauges and totals: the encoder publishes versions, a separate qa mirrors them
 CACHE_TOKENS = Gauge("svqa_cache_tokens", "Tokens in the stream's head version", ["stream"], **_R)
 CACHE_BYTES = Gauge("svqa_cache_bytes", "KV bytes of the stream's head version", ["stream"], **_R)
-EVICTIONS = Gauge("svqa_cache_evictions", "Evictions since the stream started", ["stream"], **_R)
-TOKENS_EVICTED = Gauge("svqa_cache_tokens_evicted", "Tokens evicted since the stream started", ["stream"], **_R)
+EVICTIONS = _ReadCounter("svqa_cache_evictions", "Evictions since the stream started", ["stream"])
+TOKENS_EVICTED = _ReadCounter("svqa_cache_tokens_evicted", "Tokens evicted since the stream started", ["stream"])
 VERSION_ID = Gauge("svqa_cache_version", "Head version id", ["stream"], **_R)
 
 # qa
@@ -74,6 +102,14 @@ FIRST_TOKEN_SECONDS = Histogram(
 )
 ANSWER_SECONDS = Histogram("svqa_qa_answer_seconds", "Question start to final answer", buckets=_LATENCY_BUCKETS, **_R)
 JOB_RUNS = Counter("svqa_qa_job_runs_total", "Periodic job runs", ["job", "stream", "outcome"], **_R)
+ALERTS = Counter("svqa_alerts_total", "Alerts fired by alert jobs", ["stream", "job"], **_R)
+ALERT_DELIVERIES = Counter(
+    "svqa_alert_deliveries_total",
+    "Alerts handed to a target (webhook, mqtt) by outcome: delivered, failed (every attempt failed) or dropped"
+    " (the delivery queue was full)",
+    ["stream", "target", "outcome"],
+    **_R,
+)
 
 # the GPU scheduler (encoder, qa and worker: whoever loads a model)
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -94,22 +130,22 @@ GPU_GRAPH_CAPTURES = Histogram(
     buckets=_STEP_BUCKETS,
     **_R,
 )
-GPU_ALLOC_RETRIES = Gauge(
+GPU_ALLOC_RETRIES = _ReadCounter(
     "svqa_gpu_alloc_retries",
     "Times torch's CUDA allocator ran out, freed its cache and retried (each one synchronizes the device)",
-    **_R,
+    read=lambda: {(): alloc_retries()},
 )
-GPU_ALLOC_RETRIES.set_function(lambda: alloc_retries())
-GPU_COMPILES = Gauge(
+GPU_COMPILES = _ReadCounter(
     "svqa_gpu_compiles",
     "torch.compile since start: compiled (graphs made; one made while serving stalls the GPU loop for seconds, "
     "the warm-up should have made them all) and not_compiled (code it declined, a recompile limit reached, "
     "say: that code runs eager from then on, silently slower)",
     ["outcome"],
-    **_R,
+    read=lambda: {
+        ("compiled",): compiled_frames("ok"),
+        ("not_compiled",): compiled_frames("total") - compiled_frames("ok"),
+    },
 )
-GPU_COMPILES.labels("compiled").set_function(lambda: compiled_frames("ok"))
-GPU_COMPILES.labels("not_compiled").set_function(lambda: compiled_frames("total") - compiled_frames("ok"))
 
 
 KV_POOL_TOKENS = Gauge(
@@ -118,12 +154,11 @@ KV_POOL_TOKENS = Gauge(
     ["state"],
     **_R,
 )
-KV_RELAYOUTS = Gauge(
+KV_RELAYOUTS = _ReadCounter(
     "svqa_kv_relayouts",
     "Caches laid out anew by evictions since start: in_place, or copied to fresh pages because a question "
     "or mirror still held the old ones (a second copy of that cache until it lets go) or the run had no room",
     ["how"],
-    **_R,
 )
 
 
@@ -131,8 +166,7 @@ def watch_pool(pool) -> None:
     """Read the KV pool's accounting (common/engine/pool.py) at every scrape."""
     for state in ("capacity", "used", "peak"):
         KV_POOL_TOKENS.labels(state).set_function(lambda s=state: getattr(pool, f"{s}_tokens"))
-    for how in pool.relayouts:
-        KV_RELAYOUTS.labels(how).set_function(lambda h=how: pool.relayouts[h])
+    KV_RELAYOUTS.read = lambda: {(how,): float(n) for how, n in pool.relayouts.items()}
 
 
 def watch_scheduler(scheduler) -> None:
@@ -156,25 +190,13 @@ def alloc_retries() -> float:
     return float(torch.cuda.memory_stats_as_nested_dict().get("num_alloc_retries", 0))
 
 
-class _ThreadCPUCollector(Collector):
-    """svqa_process_thread_cpu_seconds_total{role}, read from /proc at every scrape (threadcpu.py)."""
-
-    NAME, HELP = "svqa_process_thread_cpu_seconds", "CPU seconds of this process's threads, by role"
-
-    def __init__(self) -> None:
-        self.threads = ThreadCPU()
-
-    def describe(self) -> list[CounterMetricFamily]:
-        return [CounterMetricFamily(self.NAME, self.HELP, labels=["role"])]
-
-    def collect(self) -> Iterable[CounterMetricFamily]:
-        family = CounterMetricFamily(self.NAME, self.HELP, labels=["role"])
-        for role, seconds in sorted(self.threads.totals().items()):
-            family.add_metric([role], seconds)
-        yield family
-
-
-THREAD_CPU = _ThreadCPUCollector()
+_THREADS = ThreadCPU()
+THREAD_CPU = _ReadCounter(  # read from /proc at every scrape (threadcpu.py)
+    "svqa_process_thread_cpu_seconds",
+    "CPU seconds of this process's threads, by role",
+    ["role"],
+    read=lambda: {(role,): seconds for role, seconds in _THREADS.totals().items()},
+)
 
 
 class _DecodeTimesCollector(Collector):
@@ -265,6 +287,8 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         FIRST_TOKEN_SECONDS,
         ANSWER_SECONDS,
         JOB_RUNS,
+        ALERTS,
+        ALERT_DELIVERIES,
         *_CACHE,
         *_GPU,
     ),
@@ -294,8 +318,8 @@ def record_version(stream: str, version) -> None:
     """Cache gauges for a newly published or mirrored version."""
     CACHE_TOKENS.labels(stream).set(version.tokens)
     CACHE_BYTES.labels(stream).set(version.kv_bytes())
-    EVICTIONS.labels(stream).set(version.stats.evictions)
-    TOKENS_EVICTED.labels(stream).set(version.stats.tokens_evicted)
+    EVICTIONS.values[(stream,)] = version.stats.evictions
+    TOKENS_EVICTED.values[(stream,)] = version.stats.tokens_evicted
     VERSION_ID.labels(stream).set(version.id)
 
 

@@ -27,6 +27,8 @@ from urllib.parse import unquote, urlsplit
 import paho.mqtt.client as mqtt
 import structlog
 
+from common import metrics
+
 log = structlog.get_logger()
 
 YES_NO = ("yes", "no")
@@ -159,6 +161,7 @@ class Delivery:
                 self.queue.put_nowait((alert, kind, url))
             except queue.Full:  # receivers down for long: the alert stays in Redis, delivery is dropped
                 log.error("alert delivery queue full; dropped", alert=alert.id, target=kind)
+                metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "dropped").inc()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what is queued for up to ``timeout_s``, then give up on the rest."""
@@ -178,6 +181,7 @@ class Delivery:
             try:
                 SENDERS[kind](url, alert, self.retry.timeout_s)
                 bound.info("alert delivered", attempt=attempt)
+                metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "delivered").inc()
                 return True
             except (OSError, urllib.error.URLError, ValueError) as e:
                 bound.warning("alert delivery failed", attempt=attempt, error=str(e)[:300])
@@ -185,4 +189,5 @@ class Delivery:
                 break
             delay = min(delay * 2, self.retry.backoff_max_s)
         bound.error("alert not delivered", attempts=attempt)
+        metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "failed").inc()
         return False

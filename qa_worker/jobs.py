@@ -185,6 +185,7 @@ class JobRunner:
             frame=frame if copied else None,
         )
         redisio.xadd_capped(self.r, keys.alerts(sched.stream), alert.fields(), ALERTS_MAXLEN)
+        metrics.ALERTS.labels(sched.stream, job.name).inc()
         self.delivery.submit(alert, {"webhook": job.webhook, "mqtt": job.mqtt})
         bound.info("alert", alert=alert_id, score=round(score, 4))
 

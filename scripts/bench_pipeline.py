@@ -334,14 +334,14 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
     for sample in (
         "svqa_gpu_graph_capture_seconds_sum",
         "svqa_gpu_graph_capture_seconds_count",
-        "svqa_gpu_alloc_retries",
+        "svqa_gpu_alloc_retries_total",
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     for (name, label, _), value in worker.items():
         if name in (
             "svqa_kv_pool_tokens",
-            "svqa_kv_relayouts",
-            "svqa_gpu_compiles",
+            "svqa_kv_relayouts_total",
+            "svqa_gpu_compiles_total",
             "svqa_gpu_decode_seconds_total",
             "svqa_gpu_loop_wall_seconds_total",
             "svqa_gpu_loop_cpu_seconds_total",
@@ -759,14 +759,14 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         "count": int(delta("svqa_gpu_graph_capture_seconds_count")),
         "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
     }
-    out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries"))
-    out["compiles"] = {how: int(delta(f"svqa_gpu_compiles:{how}")) for how in ("compiled", "not_compiled")}
+    out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries_total"))
+    out["compiles"] = {how: int(delta(f"svqa_gpu_compiles_total:{how}")) for how in ("compiled", "not_compiled")}
     out["kv_pool"] = {
         **{
             f"{state}_tokens": int(after.get("gpu", {}).get(f"svqa_kv_pool_tokens:{state}", 0))
             for state in ("capacity", "used", "peak")
         },
-        **{f"relayouts_{how}": int(delta(f"svqa_kv_relayouts:{how}")) for how in ("in_place", "copied")},
+        **{f"relayouts_{how}": int(delta(f"svqa_kv_relayouts_total:{how}")) for how in ("in_place", "copied")},
     }
     for kind in ("encode", "decode", "task"):
         spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import redis
 
+from common import metrics
 from common.config import ConfigError, Job
 from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
@@ -27,6 +28,11 @@ FAST = Retry(attempts=4, backoff_s=0.05, backoff_max_s=0.2, timeout_s=2.0)
 
 def alert(n: int = 0) -> Alert:
     return Alert(Alert.new_id(), "cam1", "door", "Is the door open?", 0.9, 0.5, n, 0.0, 2.0, time.time(), None)
+
+
+def deliveries(target: str, outcome: str) -> float:
+    """svqa_alert_deliveries_total of cam1 as /metrics would show it now."""
+    return metrics.ALERT_DELIVERIES.labels("cam1", target, outcome)._value.get()
 
 
 def test_p_yes_is_a_two_way_softmax_of_the_option_scores():
@@ -68,8 +74,11 @@ def test_webhook_that_fails_twice_gets_the_same_alert_three_times(tmp_path):
     with webhook(fail_first=2) as hook:
         delivery = Delivery(FAST)
         a = alert()
+        before = deliveries("webhook", "delivered"), deliveries("webhook", "failed")
         delivery.submit(a, {"webhook": hook.url, "mqtt": None})
         delivery.close(timeout_s=10)
+    # the retries are one delivery: counted once, delivered
+    assert (deliveries("webhook", "delivered"), deliveries("webhook", "failed")) == (before[0] + 1, before[1])
     assert [body["id"] for _, body in hook.requests] == [a.id] * 3
     assert [h["Idempotency-Key"] for h, _ in hook.requests] == [a.id] * 3
     assert hook.accepted == [json.loads(a.payload())]
@@ -78,12 +87,14 @@ def test_webhook_that_fails_twice_gets_the_same_alert_three_times(tmp_path):
 def test_a_dead_receiver_gives_up_after_the_attempts_and_never_blocks_submit(tmp_path):
     with webhook(fail_first=100) as hook:
         delivery = Delivery(FAST)
+        failed = deliveries("webhook", "failed")
         t0 = time.monotonic()
         for n in range(3):
             delivery.submit(alert(n), {"webhook": hook.url, "mqtt": None})
         assert time.monotonic() - t0 < 0.05, "submit only queues"
         delivery.close(timeout_s=10)
     assert len(hook.requests) == 3 * FAST.attempts and not hook.accepted
+    assert deliveries("webhook", "failed") == failed + 3
 
 
 def test_mqtt_delivery_through_mosquitto(tmp_path):

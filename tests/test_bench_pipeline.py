@@ -72,7 +72,9 @@ def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     got = bench_pipeline.scrape(port)
     decode = {part: got[("svqa_gpu_decode_seconds_total", part, "")] for part in vars(times)}
     assert decode == {"steps": 2.5, "device": 2.0, "idle_encode": 0.25, "idle_between": 0.125}
-    assert {("svqa_gpu_compiles", "compiled", ""), ("svqa_gpu_compiles", "not_compiled", "")} <= set(got)
+    compiles = {("svqa_gpu_compiles_total", "compiled", ""), ("svqa_gpu_compiles_total", "not_compiled", "")}
+    assert compiles <= set(got)
+    assert ("svqa_gpu_alloc_retries_total", "", "") in got
     gpu = {f"{name}:{label}": value for (name, label, _), value in got.items() if name.startswith("svqa_gpu_loop_")}
     assert bench_pipeline.loop_phases(gpu.get, gpu, seconds=4.0) == {
         "device wait": {"share": 0.375, "on_cpu": 0.167},

@@ -79,11 +79,31 @@ def test_the_kv_pool_is_read_at_every_scrape():
         ("svqa_kv_pool_tokens", "capacity"): 1024,
         ("svqa_kv_pool_tokens", "used"): 128,  # two pages
         ("svqa_kv_pool_tokens", "peak"): 128,
-        ("svqa_kv_relayouts", "in_place"): 0,
-        ("svqa_kv_relayouts", "copied"): 1,
+        ("svqa_kv_relayouts_total", "in_place"): 0,
+        ("svqa_kv_relayouts_total", "copied"): 1,
     }
     del region
     assert scraped()[("svqa_kv_pool_tokens", "used")] == 0
+
+
+def test_totals_are_counters_with_their_total_suffix():
+    """What only grows (evictions, re-layouts, compiles, allocator retries, alerts) is a counter, so
+    rate() and increase() apply; as gauges they read as levels and a restart looked like a fall."""
+    from types import SimpleNamespace
+
+    stats = SimpleNamespace(evictions=3, tokens_evicted=96)
+    metrics.record_version("cam-totals", SimpleNamespace(tokens=10, kv_bytes=lambda: 40, stats=stats, id=7))
+    body = get(serve(["worker"], health.Readiness()), "/metrics")[1].decode()
+    found = {f.name: f for f in text_string_to_metric_families(body)}
+    for name in ("svqa_cache_evictions", "svqa_cache_tokens_evicted", "svqa_kv_relayouts", "svqa_gpu_compiles"):
+        assert found[name].type == "counter", name
+    for name in ("svqa_gpu_alloc_retries", "svqa_alerts", "svqa_alert_deliveries"):
+        assert found[name].type == "counter", name
+    samples = {(s.name, s.labels.get("stream")): s.value for f in found.values() for s in f.samples}
+    assert samples[("svqa_cache_evictions_total", "cam-totals")] == 3
+    assert samples[("svqa_cache_tokens_evicted_total", "cam-totals")] == 96
+    assert samples[("svqa_gpu_alloc_retries_total", None)] == 0  # no CUDA here
+    assert samples[("svqa_cache_version", "cam-totals")] == 7
 
 
 def test_readiness_follows_redis_model_and_leases(redis_url):
