@@ -9,10 +9,12 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION="${TORCH_VERSION:-2.13.0}"  # the Dockerfile's TORCH_VERSION must match (tests/test_compose.py)
 VENV="${VENV:-.venv}"
 # redis-server (tests and the demo), GStreamer's RTSP server (system python3 + gi), ffmpeg, mosquitto
-# (the MQTT broker alerts go to), chromium (the web page, driven headless by playwright).
+# (the MQTT broker alerts go to), chromium (the web page, driven headless by playwright), prometheus
+# (for its promtool, which checks deploy/prometheus's alert rules).
 DEB_PACKAGES="python3-venv redis-server redis-tools ffmpeg python3-gi python3-gst-1.0 \
 gir1.2-gst-rtsp-server-1.0 gstreamer1.0-rtsp gstreamer1.0-plugins-base gstreamer1.0-plugins-good \
-gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav gstreamer1.0-tools mosquitto chromium"
+gstreamer1.0-plugins-bad gstreamer1.0-plugins-ugly gstreamer1.0-libav gstreamer1.0-tools mosquitto chromium \
+prometheus"
 
 install_debian_packages() {
   local missing

@@ -404,6 +404,8 @@ def test_each_profile_runs_one_whole_pipeline_and_never_both(compose, env_exampl
     for name, svc in services.items():
         for profile in svc.get("profiles") or []:
             by_profile.setdefault(profile, set()).add(commands.get(name))
+    monitoring = by_profile.pop("monitoring")
+    assert monitoring == {None}, "--profile monitoring adds Prometheus and Grafana, none of our services"
     assert by_profile == {"one-gpu": {"worker"}, "two-gpu": {"worker"}, "split": {"encoder", "qa"}}
     assert [n for n, s in services.items() if "two-gpu" in (s.get("profiles") or [])] == ["worker", "worker-2"]
     assert env_example["COMPOSE_PROFILES"] == "one-gpu"
@@ -421,7 +423,7 @@ def test_depends_on_targets_exist_and_are_healthchecked(compose):
             assert target in services, f"{name}: depends on unknown service {target}"
             if spec.get("condition") == "service_healthy":
                 assert "healthcheck" in services[target], f"{name}: waits for {target}, which has no healthcheck"
-        if name not in REDIS_SERVICES:
+        if name in python_services(compose):
             for redis in REDIS_SERVICES:
                 assert deps.get(redis, {}).get("condition") == "service_healthy", f"{name}: depends_on {redis} healthy"
 
@@ -678,3 +680,43 @@ def test_image_is_tagged_with_the_package_version(compose):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     for name, (_, svc) in python_services(compose).items():
         assert svc["image"] == f"streamvqa:{version}", f"{name}: image tag"
+
+
+# ----------------------------------------------------------------------------- monitoring profile
+
+
+def test_monitoring_profile_scrapes_every_service_and_loads_the_rules_and_dashboard(tmp_path, compose):
+    """--profile monitoring beside a pipeline profile: Prometheus finds each of our services on its
+    metrics port under the job names the alert rules match, and Grafana loads the dashboard."""
+    out = run_compose(
+        tmp_path, "--profile", "split", "--profile", "monitoring", "config", "--format", "json", env=TEST_PASSWORDS
+    )
+    assert out.returncode == 0, out.stderr
+    assert {"prometheus", "grafana", "encoder", "qa"} <= set(json.loads(out.stdout)["services"])
+    services = compose["services"]
+    prom, grafana = services["prometheus"], services["grafana"]
+    (conf,) = [m for m in mounts(prom) if m["type"] == "bind"]
+    assert conf["target"] == "/etc/prometheus" and conf.get("read_only")
+    config_dir = REPO / conf["source"]
+    assert f"--config.file={conf['target']}/prometheus.yml" in _command(prom)
+    config = yaml.safe_load((config_dir / "prometheus.yml").read_text())
+    assert all((config_dir / f).is_file() for f in config["rule_files"])
+    scraped = {
+        (job["job_name"], name, sd["port"])
+        for job in config["scrape_configs"]
+        for sd in job["dns_sd_configs"]
+        for name in sd["names"]
+    }
+    for name, (sub, _) in python_services(compose).items():
+        if sub in METRICS_PORTS:
+            assert (f"streamvqa-{sub}", name, METRICS_PORTS[sub]) in scraped, f"{name} is not scraped"
+    provider = yaml.safe_load((REPO / "deploy/grafana/provisioning/dashboards/streamvqa.yml").read_text())
+    dashboards = {m["target"]: m["source"] for m in mounts(grafana) if m["type"] == "bind"}
+    (path,) = [p["options"]["path"] for p in provider["providers"]]
+    assert dashboards[f"{path}/streamvqa.json"] == "./deploy/grafana-dashboard.json"
+    assert dashboards["/etc/grafana/provisioning"] == "./deploy/grafana/provisioning"
+    source = yaml.safe_load((REPO / "deploy/grafana/provisioning/datasources/prometheus.yml").read_text())
+    (url,) = [d["url"] for d in source["datasources"]]
+    assert urlsplit(url).hostname == "prometheus" and urlsplit(url).port == 9090
+    for svc in (prom, grafana):
+        assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), "publish on loopback only"
