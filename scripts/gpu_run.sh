@@ -20,13 +20,13 @@
 #                caches need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
 #                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the
 #                window or just before it changes the numbers: the worker's logs say which
-#     storm      docs/bench/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
-#     copies     docs/bench/host_copies.py: whether a small host-to-device copy waits for the work
+#     storm      scripts/probes/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
+#     copies     scripts/probes/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
-#     launches   docs/bench/decode_beside_launches.py: a kernel launch alone and beside threads
+#     launches   scripts/probes/decode_beside_launches.py: a kernel launch alone and beside threads
 #                decoding WebP frames (the GIL; why frames are decoded in processes), at the worker's 0.5 ms
 #                GIL switch interval (10 s)
-#     beside     docs/bench/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
+#     beside     scripts/probes/beside_encode.py: 8 askers beside 8 streams' encode steps, engine alone,
 #                with 12/20/28 SMs left to questions (`decode_sms`) and without (3.5 min)
 # A/B against an older commit REV on the same machine (timings of two machines do not compare):
 # here `git archive REV | tar -x -C .base` (with /.base/ in .git/info/exclude), `carry` .base too,
@@ -95,10 +95,10 @@ for what in "$@"; do
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
       --gil "${GIL:-0}" --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
-    storm) step storm storm.txt python3 docs/bench/eviction_storm.py warm ;;
-    copies) step copies copies.json python3 docs/bench/host_copies.py ;;
-    launches) step launches launches.json python3 docs/bench/decode_beside_launches.py ;;
-    beside) step beside beside.jsonl python3 docs/bench/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
+    storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
+    copies) step copies copies.json python3 scripts/probes/host_copies.py ;;
+    launches) step launches launches.json python3 scripts/probes/decode_beside_launches.py ;;
+    beside) step beside beside.jsonl python3 scripts/probes/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
     *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, copies, beside, launches)" >&2; exit 2 ;;
   esac
 done

@@ -10,7 +10,7 @@ are read (warm-up and other lines are skipped).
 
 Needs matplotlib, a tool for the docs and not a dependency of the project:
 
-    python docs/bench/plot_lag.py [--title TITLE] OUT.png [LABEL=]LOG [[LABEL=]LOG ...]
+    python scripts/probes/plot_lag.py [--title TITLE] OUT.png [LABEL=]LOG [[LABEL=]LOG ...]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     if args[:1] == ["--title"] and len(args) > 1:
         args, title = args[2:], args[1]
     if len(args) < 2:
-        raise SystemExit("usage: python docs/bench/plot_lag.py [--title TITLE] OUT.png [LABEL=]LOG [[LABEL=]LOG ...]")
+        raise SystemExit("usage: python scripts/probes/plot_lag.py [--title TITLE] OUT.png [LABEL=]LOG ...")
     draw(args[0], args[1:], title)
 
 

@@ -9,7 +9,7 @@ chunk that makes. A run whose encoder waits for chunks shows it as small steps t
 
 The logs are in `pipeline-logs.tgz`, as `scripts/gpu_run.sh pipeline` leaves it:
 
-    tar xzf pipeline-logs.tgz && python docs/bench/encode_steps.py [--window 150] pipeline-logs/*/worker-0.log
+    tar xzf pipeline-logs.tgz && python scripts/probes/encode_steps.py [--window 150] pipeline-logs/*/worker-0.log
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ widths; prints JSON (ms per call) and the generated silu(gate) * up kernel of ea
 (2026-11-26, H200: the kernel took 2.0-2.5x as long with symbolic widths) is why lm.py marks only
 the token count dynamic (`tokens_vary`).
 
-    PYTHONPATH=. python3 docs/bench/mlp_compile_probe.py
+    PYTHONPATH=. python3 scripts/probes/mlp_compile_probe.py
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The plot of pipeline-h200-2026-11-25-64-eviction-timelines.txt: versions published and caches
 re-laid out per second around 64 cameras' first evictions, one panel per run.
 
-    python docs/bench/plot_eviction_timelines.py docs/bench/pipeline-h200-2026-11-25-64-eviction-timelines.txt \
+    python scripts/probes/plot_eviction_timelines.py docs/bench/pipeline-h200-2026-11-25-64-eviction-timelines.txt \
         docs/bench/pipeline-h200-2026-11-25-64-eviction-storms.png
 
 Needs matplotlib (a tool for the docs, not a dependency of the services).
@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
 
 LIVE = 32  # versions a second that 64 cameras at 2 fps need (4 frames a chunk)
 
@@ -34,6 +29,11 @@ def runs(text: str) -> list[tuple[str, list[tuple[int, int, int]]]]:
 
 
 def main() -> None:
+    import matplotlib  # here, not at the top: the runs' parsing is importable without it
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # after choosing the headless backend
+
     source, png = Path(sys.argv[1]), Path(sys.argv[2])
     panels = runs(source.read_text())
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels)), sharex=True)

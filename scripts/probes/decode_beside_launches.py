@@ -7,7 +7,7 @@ frames back to back (K = 2, 4, 8), while 8 threads only `load()` them, and while
 the decodes to 8 processes; prints one JSON line (launch mean and p99 in us, frames decoded a
 second). Run on the GPU machine:
 
-    python3 docs/bench/decode_beside_launches.py [GIL switch interval s, default 0.0005 as the worker]
+    python3 scripts/probes/decode_beside_launches.py [GIL switch interval s, default 0.0005 as the worker]
 """
 
 from __future__ import annotations

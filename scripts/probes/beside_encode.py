@@ -11,7 +11,7 @@ p50/p95. Modes:
   sms:N     `decode_sms` N: while it keeps up, an encode step beside questions runs in a green
             context of all but N SMs (at fb17637 this script had `green:N` for that, without the
             keeping-up rule, and `sms:N` for the cuBLAS carveout `decode_sms` was then)
-Run from the root of the code: `PYTHONPATH=. python3 docs/bench/beside_encode.py [MODE ...]`;
+Run from the root of the code: `PYTHONPATH=. python3 scripts/probes/beside_encode.py [MODE ...]`;
 `tiny-random cpu` as the first arguments: a smoke run of `share` on the CPU.
 """
 

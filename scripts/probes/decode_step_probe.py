@@ -5,7 +5,7 @@ planning and a graph replay and the token read back), the graph replayed alone b
 device's time for a step, no host work between), the host's share (padding, plan, copies), and
 the kernels of one replay by time. A step slower than its replay alone is waiting on the host.
 
-    PYTHONPATH=. python3 docs/bench/decode_step_probe.py --sizes 32768,100000 --splits 0,8,16,32,64
+    PYTHONPATH=. python3 scripts/probes/decode_step_probe.py --sizes 32768,100000 --splits 0,8,16,32,64
 (split 0: the engine's own choice). `--eager-ops`: also one step launched eagerly, its GPU work by
 the op that launched it (which op each of the graph's kernels comes from).
 """
@@ -17,6 +17,7 @@ import json
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
@@ -27,7 +28,7 @@ from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.logs import configure_logging
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, wherever it is run from
 from bench_engine import QUESTION, filled_engine, free_gpu
 
 

@@ -4,7 +4,7 @@
 chunks, then encode steps of 8 real 448x448 chunks (4 frames each) until every cache has evicted
 a quarter, then a few more. Prints, as JSON lines, each step's wall time (synchronised), how many
 caches it re-laid out and the host time spent in `_relayout`. Run from the root of the code to
-measure: `PYTHONPATH=. python3 docs/bench/eviction_storm.py [warm] [profile]`. `warm`: the
+measure: `PYTHONPATH=. python3 scripts/probes/eviction_storm.py [warm] [profile]`. `warm`: the
 worker's warm-up first; `profile`: a table of where the evicting step's time went (its wall time
 then counts the profiler's too); `tiny-random cpu 2048` as the first arguments: a smoke run.
 """

@@ -1,7 +1,7 @@
 """A chunk batch's prefill with every layer whole (`forward`) against the last layer stopping once
 its K/V are written (`write_kv`, what encoding runs): prints JSON, per batch size, ms per chunk.
 
-    PYTHONPATH=. python3 docs/bench/write_kv_probe.py --streams 16 --tokens 32768
+    PYTHONPATH=. python3 scripts/probes/write_kv_probe.py --streams 16 --tokens 32768
 
 Each stream's next 512 tokens (a 448² chunk) are reserved and written again and again (the same
 slots, nothing published), over caches filled with random embeddings.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -19,7 +20,7 @@ from common.engine.model import load_model
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/, wherever it is run from
 from bench_engine import filled_engines, timed
 
 CHUNK_TOKENS = 512

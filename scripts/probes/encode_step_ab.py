@@ -3,7 +3,7 @@ as it was run (the same steps; its first two runs printed the first two fields o
 
 One encode step of 8 streams' chunks (vision + prefill, 4 frames of 448x448 each) over caches of
 25-31K tokens made from zeros, timed over 8 steps after 3, then one step profiled. Run from the
-root of the code to measure (`PYTHONPATH=. python3 docs/bench/encode_step_ab.py [warm]`; `warm`:
+root of the code to measure (`PYTHONPATH=. python3 scripts/probes/encode_step_ab.py [warm]`; `warm`:
 after the worker's warm-up); `MODEL DEVICE` as the first two arguments (default random-3b cuda).
 """
 

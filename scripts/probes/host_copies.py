@@ -8,7 +8,7 @@ indices into a device buffer, as a step's inputs are copied: from pageable memor
 for each, the queued work's milliseconds, and the device. A copy that waits takes about as long
 as the queued work. Measured on an H200 (torch 2.11): neither waits (0.27 and 0.37 ms against
 51.7 ms queued), so the engine's small copies stay pageable. Run from the root of the code on a
-GPU: `PYTHONPATH=. python3 docs/bench/host_copies.py`.
+GPU: `PYTHONPATH=. python3 scripts/probes/host_copies.py`.
 """
 
 import json
