@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ import redis.asyncio as aredis
 from pydantic import BeforeValidator
 
 from api import errors
+from common import status
 from common.wire import keys
 from common.wire.schemas import (
     AnswerDelta,
@@ -25,9 +25,9 @@ from common.wire.schemas import (
     Question,
     SchemaError,
     check_stream_name,
+    checked_question,
     decode_answer,
     encode_question,
-    parse_question,
 )
 
 
@@ -42,8 +42,7 @@ def stream_name(name: str, field: str = "stream") -> str:
 async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False) -> str:
     """404 unless ingest or an encoder has ever written the stream; with ``failing``, its events
     alone will do: a camera that never connected is listed (by them) and they say why it fails."""
-    found = (keys.meta(stream_name(name)), keys.head(name), *((keys.events(name),) if failing else ()))
-    if not await r.exists(*found):
+    if not await r.exists(*status.presence_keys(stream_name(name), failing=failing)):
         raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
     return name
 
@@ -64,8 +63,7 @@ def question(stream: str, text: str, **options: Any) -> Question:
     if "choices" in options:
         options["choices"] = tuple(options["choices"])
     try:
-        q = Question(id=uuid.uuid4().hex, stream=stream, question=text, **options)
-        return parse_question(encode_question(q))
+        return checked_question(stream, text, **options)
     except SchemaError as e:
         raise errors.schema_error(e) from None
 

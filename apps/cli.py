@@ -1,28 +1,33 @@
 """`streamvqa` command line: one subcommand per service or tool.
 
-Services (ingest, encoder, qa) parse their own flags through their config dataclass, so the
-same settings come from flags, SVQA_* variables or a YAML file; tools parse with argparse.
+Services (ingest, encoder, qa, worker, api) parse their own flags through their config dataclass,
+so the same settings come from flags, SVQA_* variables or a YAML file; tools parse with argparse.
+A command's module is imported only when it runs: `streamvqa --help` and the tools that run no
+model never import torch.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from common.version import VERSION
 
-# subcommand -> module with `main(argv: list[str]) -> int`
+# subcommand -> (module with `main(argv: list[str]) -> int`, what it does in one line)
 SERVICES = {
-    "ingest": "ingest.service",
-    "encoder": "encoder_worker.service",
-    "qa": "qa_worker.service",
-    "worker": "apps.worker",
-    "ask": "qa_worker.client",
-    "transcript": "qa_worker.client",
-    "status": "apps.status",
-    "demo": "apps.demo",
-    "api": "api.service",
+    "demo": ("apps.demo", "the whole pipeline here: a private Redis, a generated camera, answers"),
+    "replay": ("apps.replay", "run a video file through the engine here and ask (JSON lines)"),
+    "ingest": ("ingest.service", "read cameras and files into Redis frame streams"),
+    "encoder": ("encoder_worker.service", "encode each stream's frames into the model's KV cache (GPU)"),
+    "qa": ("qa_worker.service", "answer questions and run jobs on the cache versions (GPU)"),
+    "worker": ("apps.worker", "encoder and qa in one process, one copy of the weights (GPU)"),
+    "api": ("api.service", "the HTTP API, OpenAI-compatible chat and the web page"),
+    "ask": ("qa_worker.client", "ask about a stream; prints the answer as it is decoded"),
+    "transcript": ("qa_worker.client", "a stream's transcript as WebVTT, SRT or JSON"),
+    "status": ("apps.status", "streams, versions, queues and workers, from Redis"),
 }
 
 
@@ -34,30 +39,48 @@ CONFIGS = {
     "worker": ("apps.worker_config", "WorkerConfig"),
     "api": ("api.config", "ApiConfig"),
 }
+EXIT_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool whose reader went away
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        code = _run(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe is an "Exception ignored" message
+        return code
+    except BrokenPipeError:
+        # The reader went away (`streamvqa status | head -1`): stop quietly, as a tool killed by
+        # SIGPIPE does. Python ignores SIGPIPE, so writes fail instead; stdout goes to /dev/null so
+        # that nothing more fails on the way out.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+
+
+def _run(argv: list[str]) -> int:
     if argv in (["--version"], ["-V"]):
         print(f"streamvqa {VERSION}")
         return 0
-    if argv and argv[0] in CONFIGS:
+    if not argv or argv[0] not in SERVICES:
+        parser = _parser()
+        parser.parse_args(argv)  # --help, or an unknown command: exits
+        parser.error("the command comes first")
+    if argv[0] in CONFIGS:
         from common import boot
 
         module, cls = CONFIGS[argv[0]]
         boot.configure(getattr(importlib.import_module(module), cls), argv, f"streamvqa {argv[0]}")
-    if argv and argv[0] in SERVICES:
-        module = importlib.import_module(SERVICES[argv[0]])
-        return module.main(argv)
-    from apps import replay  # imports torch: only for the command that runs a model here
+    return importlib.import_module(SERVICES[argv[0]][0]).main(argv)
 
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="streamvqa", description="Ask questions about live video.", epilog="streamvqa --version: the version"
+        prog="streamvqa",
+        description="Ask questions about live video.",
+        epilog="streamvqa COMMAND --help: its flags and their SVQA_* variables; streamvqa --version: the version",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{replay," + ",".join(SERVICES) + "}")
-    replay.add_arguments(sub.add_parser("replay", help="stream a video file through the engine and ask"))
-    ns = parser.parse_args(argv)
-    return replay.run(ns)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (_, line) in SERVICES.items():
+        sub.add_parser(name, help=line, add_help=False)
+    return parser
 
 
 if __name__ == "__main__":

@@ -56,8 +56,8 @@ def pick_model(name: str, device: str | None):
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamvqa demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--device", default=None)
+    p.add_argument("--model", default=DEFAULT_MODEL, help="hub id or local path; tiny-random when it cannot load")
+    p.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda when available)")
     p.add_argument("--seconds", type=float, default=12.0, help="length of the generated video")
     p.add_argument("--max-tokens", type=int, default=24)
     ns = p.parse_args(argv[1:])

@@ -48,6 +48,12 @@ class ReplayArgs:
     salient_chunks: int
 
 
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamvqa replay", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv[1:]))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("video", help="a video file (anything FFmpeg reads)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="hub id, local path, tiny-random or random-3b")
@@ -56,10 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ask", action="append", default=[], dest="questions", help="a question (repeatable)")
     p.add_argument("--ask-every", type=float, default=None, help="also ask every N seconds of video")
     p.add_argument("--compare-offline", action="store_true", help="check each answer against one-shot inference")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--chunk-frames", type=int, default=4)
-    p.add_argument("--min-pixels", type=int, default=128 * 28 * 28)
-    p.add_argument("--max-pixels", type=int, default=256 * 28 * 28)
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens an answer has at most (default 64)")
+    p.add_argument("--chunk-frames", type=int, default=4, help="frames per chunk, even (default 4)")
+    p.add_argument("--min-pixels", type=int, default=128 * 28 * 28, help="model grid bounds per frame")
+    p.add_argument("--max-pixels", type=int, default=256 * 28 * 28, help="(28x28 pixels per token)")
     p.add_argument("--max-cache-tokens", type=int, default=None, help="evict above this many cached tokens")
     p.add_argument("--eviction", choices=MODES, default="rebase", help="what retained chunks become (README)")
     p.add_argument("--salient-chunks", type=int, default=0, help="chunks kept for a scene change")

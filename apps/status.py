@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 
 import redis
 
 from common import boot, placement, status
-from common.logs import configure_logging
+from common.config import RedisSettings, add_tool_flags
+from common.logs import configure_logging, redact_url
 from common.wire import keys
 
 
@@ -41,20 +41,36 @@ def workers(r: redis.Redis) -> list[dict]:
     return status.workers_from(ids, pipe.execute(raise_on_error=False))
 
 
-def _ranges(ranges: list[list[float]]) -> str:
+def _clock(t: float, now: float) -> str:
+    """A wall-clock capture time in local time; with its date when that is not today's."""
+    local = time.localtime(t)
+    same_day = local[:3] == time.localtime(now)[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", local)
+
+
+def _ranges(ranges: list[list[float]], live: bool, now: float) -> str:
+    """Capture-time ranges: local time for a live stream (its capture times are epoch seconds), else
+    seconds into the file."""
+    if live:
+        return ",".join(f"{_clock(s, now)}-{_clock(e, now)}" for s, e in ranges) or "-"
     return ",".join(f"{s:.1f}-{e:.1f}s" for s, e in ranges) or "-"
 
 
+def _newest(head: dict) -> str:
+    """How old the newest frame a live stream's head holds is; a file's has no age."""
+    return f" (newest {head['lag_s']}s ago)" if head.get("lag_s") is not None else ""
+
+
 def render(found: dict) -> str:
-    lines = []
+    lines = [f"redis {found['redis']}" + (f", frames on {found['frames_redis']}" if found.get("frames_redis") else "")]
     for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
         frames, questions = s["frames"], s["questions"]
+        video = _ranges(head.get("ranges") or [], s["live"], found["at"]) + _newest(head)
         lines.append(
             f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
-            f"seq {head.get('last_frame_seq', '-'):<6} video {_ranges(head.get('ranges') or [])}  "
-            f"age {head.get('age_s', '-')}s lag {head.get('lag_s') or '-'}s  "
+            f"seq {head.get('last_frame_seq', '-'):<6} video {video}  version age {head.get('age_s', '-')}s  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} "
             f"questions {questions.get('lag', 0) + questions.get('pending', 0):<4} worker {lease}  {s['source'] or ''}"
         )
@@ -74,13 +90,14 @@ def render(found: dict) -> str:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamvqa status", description=__doc__.splitlines()[0])
-    p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
-    p.add_argument("--frames-redis-url", default=os.environ.get("SVQA_FRAMES_REDIS_URL"), help="if not --redis-url")
-    p.add_argument("--json", action="store_true")
+    add_tool_flags(p, RedisSettings, ["redis_url", "frames_redis_url"])
+    p.add_argument("--json", action="store_true", help="everything, as JSON")
     ns = p.parse_args(argv[1:])
     configure_logging("WARNING")
     r = boot.connect_tool(ns.redis_url, "streamvqa status")
     frames = boot.connect_tool(ns.frames_redis_url, "streamvqa status") if ns.frames_redis_url else None
-    found = collect(r, frames)
+    # which Redis was asked comes first: a wrong one (a default) reads as "no streams"
+    asked = {"redis": redact_url(ns.redis_url)} | ({"frames_redis": redact_url(ns.frames_redis_url)} if frames else {})
+    found = asked | collect(r, frames)
     print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

@@ -152,18 +152,67 @@ def env_names(cls: type, name: str) -> tuple[str, ...]:
 
 
 def _parse_cli(cls: type, argv: Sequence[str], prog: str | None) -> dict[str, Any]:
-    doc = (cls.__doc__ or "").strip()
-    p = _Parser(prog=prog, description=doc.splitlines()[0] if doc else None, allow_abbrev=False)
+    p = _Parser(prog=prog, description=description(cls), allow_abbrev=False)
     p.add_argument("--config", metavar="PATH", help=f"YAML config file (or {env_name(CONFIG_FLAG)})")
     for f, tp in _fields(cls):
-        default = "required" if f.default is dataclasses.MISSING else f"default {_default(f)!r}"
-        help_ = f"{f.metadata.get('help', '')} [{env_names(cls, f.name)[0]}; {default}]".strip()
-        if tp is bool:
-            p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, help=help_)
-        else:
-            p.add_argument(_flag(f.name), dest=f.name, metavar="VALUE", help=help_)
+        _add_flag(p, cls, f, tp, default=None)
     ns = p.parse_args(list(argv))
     return {k: v for k, v in vars(ns).items() if v is not None}
+
+
+def description(cls: type) -> str | None:
+    """The first line of a config class's own docstring (a dataclass without one gets its repr)."""
+    doc = (cls.__dict__.get("__doc__") or "").strip()
+    return None if not doc or doc.startswith(f"{cls.__name__}(") else doc.splitlines()[0]
+
+
+def _add_flag(p: argparse.ArgumentParser, cls: type, f: dataclasses.Field[Any], tp: Any, default: Any) -> None:
+    """The flag of one setting: its name, metavar and help derived from the declaration."""
+    help_ = f"{f.metadata.get('help', '')} [{env_names(cls, f.name)[0]}; {default_text(f)}]".strip()
+    if tp is bool:
+        p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
+    else:
+        metavar = "URL" if f.name.endswith("_url") else _metavar(tp)
+        p.add_argument(_flag(f.name), dest=f.name, metavar=metavar, default=default, help=help_)
+
+
+def add_tool_flags(p: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
+    """Flags of a command-line tool for settings a service declares (``--redis-url`` of `streamvqa
+    ask`): the same names, help and variables, the variable read now, else the declared default."""
+    env = os.environ
+    for f, tp in _fields(cls):
+        if f.name in names:
+            var = next((v for v in env_names(cls, f.name) if v in env), None)
+            _add_flag(p, cls, f, tp, default=_convert(tp, env[var], var) if var else _default(f))
+
+
+def _metavar(tp: Any) -> str:
+    """What a flag takes, from the setting's type: N, X, TEXT, PATH, A|B, A,B,..."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        return _metavar(next(a for a in args if a is not type(None)))
+    if origin is Literal:
+        return "{" + ",".join(map(str, args)) + "}"
+    if origin in (tuple, list):
+        return f"{_metavar(args[0])},..."
+    return {int: "N", float: "X", Path: "PATH"}.get(tp, "TEXT")
+
+
+def default_text(f: dataclasses.Field[Any]) -> str:
+    """A setting's default as people read it: what metadata ``shown`` says where the value is
+    computed (a host name), "required", "none" or the value."""
+    if "shown" in f.metadata:
+        return f.metadata["shown"]
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        return "required"
+    value = _default(f)
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return ",".join(map(str, value)) or "none"
+    return str(value)
 
 
 def _default(f: dataclasses.Field[Any]) -> Any:
@@ -265,6 +314,39 @@ def load_config(
         return cls(**values)
     except (ValueError, TypeError) as e:  # the dataclass's own __post_init__ checks
         raise ConfigError(f"{cls.__name__}: {e}") from None
+
+
+# --------------------------------------------------------------------------- declarations
+
+
+def setting(
+    default: Any = dataclasses.MISSING, doc: str = "", *, shown: str | None = None, secret: bool = False
+) -> Any:
+    """One setting's declaration: its default and what it means, from which its flag's help, its
+    variable and the README's configuration table are derived (scripts/settings_table.py).
+    ``shown``: the default as the table and --help give it, where the value is computed at import
+    (a host name); ``secret``: never logged nor shown."""
+    meta = {"help": doc} | ({"shown": shown} if shown else {}) | ({"secret": True} if secret else {})
+    return dataclasses.field(default=default, metadata=meta, repr=not secret)
+
+
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Settings of every service, the API included."""
+
+    redis_url: str = setting(
+        DEFAULT_REDIS_URL,
+        "the Redis every service talks to; `redis+cluster://h:p,h:p` for a Redis Cluster (README)",
+    )
+    frames_redis_url: str | None = setting(
+        None,
+        'the Redis for frames and frame pictures, best one without persistence (README "Redis sizing")',
+        shown="none (= redis_url)",
+    )
+    log_level: str = setting("INFO", "structlog JSON logs on stderr: DEBUG, INFO, WARNING, ERROR")
 
 
 # --------------------------------------------------------------------------- cameras file

@@ -26,6 +26,13 @@ _DOWN = {"error", "stalled", "reconnecting", "gave_up", "eof"}
 _LAST_EVENT_FIELDS = ("type", "at", "error", "reconnects", "attempt")  # why a camera is not delivering
 
 
+def presence_keys(name: str, *, failing: bool = False) -> tuple[str, ...]:
+    """Keys of which any one means the stream exists (one EXISTS, one hash slot): ingest described
+    it or an encoder published a version; with ``failing``, its events alone will do (a camera that
+    never connected, whose events say why)."""
+    return (keys.meta(name), keys.head(name), *((keys.events(name),) if failing else ()))
+
+
 def stream_names(found_keys: Iterable[bytes | str]) -> list[str]:
     """Stream names from keys matched by ``STREAM_PATTERNS``."""
     return sorted({keys.stream_of(k) for k in found_keys})

@@ -14,23 +14,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-import uuid
 from collections.abc import Callable, Iterator
 
 import redis
 
-from common import boot, redisio
-from common.logs import configure_logging
+from common import boot, redisio, status
+from common.config import RedisSettings, add_tool_flags
+from common.engine.params import MAX_NEW_TOKENS
+from common.logs import configure_logging, redact_url
 from common.wire import keys
 from common.wire.schemas import (
     AnswerDelta,
     FinalAnswer,
-    Question,
     SchemaError,
     check_stream_name,
+    checked_question,
     decode_answer,
     encode_question,
 )
@@ -41,9 +41,14 @@ class Client:
         self.r = r
 
     def submit(self, stream: str, question: str, **options) -> str:
-        q = Question(id=options.pop("id", None) or uuid.uuid4().hex, stream=stream, question=question, **options)
+        """Queue a question; SchemaError, with nothing sent, for one a worker would refuse."""
+        q = checked_question(stream, question, **options)
         self.r.xadd(keys.QUESTIONS, encode_question(q))
         return q.id
+
+    def known(self, stream: str) -> bool:
+        """Whether the stream exists (the API's check: its 404)."""
+        return bool(self.r.exists(*status.presence_keys(stream)))
 
     def replies(self, qid: str, timeout_s: float = 120.0) -> Iterator[AnswerDelta | FinalAnswer]:
         """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
@@ -91,14 +96,15 @@ class Client:
 
 def main(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
-    p = argparse.ArgumentParser(prog=f"streamvqa {command}")
-    p.add_argument("--redis-url", default=os.environ.get("SVQA_REDIS_URL", "redis://localhost:6379/0"))
-    p.add_argument("--stream", required=True)
+    what = "Ask about a stream: the answer as it is decoded" if command == "ask" else "A stream's transcript"
+    p = argparse.ArgumentParser(prog=f"streamvqa {command}", description=what)
+    add_tool_flags(p, RedisSettings, ["redis_url"])
+    p.add_argument("--stream", required=True, help="the camera's stream name")
     if command == "ask":
         p.add_argument("question")
-        p.add_argument("--max-tokens", type=int, default=128)
+        p.add_argument("--max-tokens", type=int, default=128, help=f"1..{MAX_NEW_TOKENS} (default 128)")
         p.add_argument("--choices", nargs="+", default=None, help="multiple choice options")
-        p.add_argument("--timeout", type=float, default=120.0)
+        p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the final answer")
     else:
         p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
     ns = p.parse_args(rest)
@@ -106,10 +112,15 @@ def main(argv: list[str]) -> int:
     prog = f"streamvqa {command}"
     try:
         check_stream_name("stream", ns.stream)
+        if command == "ask":  # refused here, before a round trip, as a worker would refuse it
+            checked_question(ns.stream, ns.question, **_options(ns))
     except SchemaError as e:
         boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     client = Client(boot.connect_tool(ns.redis_url, prog))
     try:
+        if not client.known(ns.stream):  # at once, not after a worker's error reply
+            where = {"stream": ns.stream, "redis": redact_url(ns.redis_url)}
+            boot.fail(boot.EXIT_CONFIG, "unknown stream", service=prog, **where)
         return _ask(client, ns) if command == "ask" else _transcript(client, ns)
     except SchemaError as e:
         boot.fail(boot.EXIT_CONFIG, "bad question", service=prog, error=str(e))
@@ -119,15 +130,18 @@ def main(argv: list[str]) -> int:
         boot.fail(1, "no answer", service=prog, error=str(e))
 
 
+def _options(ns: argparse.Namespace) -> dict:
+    return {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
+
+
 def _ask(client: Client, ns: argparse.Namespace) -> int:
-    options = {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
     final = client.ask(
         ns.stream,
         ns.question,
         on_delta=lambda t: print(t, end="", flush=True),
         timeout_s=ns.timeout,
         on_restart=_restarted,
-        **options,
+        **_options(ns),
     )
     if final.error:
         print(f"error: {final.error}", file=sys.stderr)

@@ -4,13 +4,18 @@ spend 7 s importing it for a 0.5 s answer)."""
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
+import redis
 
+from apps import cli, status
 from common.version import VERSION
+from common.wire import keys
 
 # Runs a command in-process, then reports which heavy modules it pulled in.
 PROBE = """
@@ -22,6 +27,7 @@ except SystemExit as e:
     rc = e.code
 print(json.dumps({"rc": rc, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules)}))
 """
+WIDE = {**os.environ, "COLUMNS": "200"}  # argparse wraps help at the terminal's width
 
 
 @pytest.mark.parametrize(
@@ -35,6 +41,8 @@ print(json.dumps({"rc": rc, "heavy": sorted(m for m in ("torch", "transformers")
     ids=lambda a: " ".join(a[:2]),
 )
 def test_tools_do_not_import_torch(argv, redis_url):
+    with redis.Redis.from_url(redis_url) as r:  # the stream exists (ingest described it): no one answers
+        r.hset(keys.meta("cam1"), "fps", "2")
     t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-c", PROBE, *argv, "--redis-url", redis_url], capture_output=True, text=True, timeout=60
@@ -69,3 +77,81 @@ def test_a_password_with_url_delimiters_is_never_shown(command, password, redis_
     assert out.returncode in (0, 1, 2, 3), out.stderr
     for piece in ("Pw", "s3cret"):
         assert piece not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_top_level_help_imports_no_torch_and_describes_every_command():
+    out = subprocess.run([sys.executable, "-c", PROBE, "--help"], capture_output=True, text=True, timeout=60, env=WIDE)
+    *help_lines, last = out.stdout.strip().splitlines()
+    report = json.loads(last)
+    assert report == {"rc": 0, "heavy": []}, out.stderr
+    text = "\n".join(help_lines)
+    for name, (_, line) in cli.SERVICES.items():
+        assert re.search(rf"^\s+{name}\s+{re.escape(line)}$", text, re.M), f"{name}: {line!r} not in\n{text}"
+
+
+def test_ask_help_names_the_redis_variable():
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "ask", "--help"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert "SVQA_REDIS_URL" in out.stdout and "--redis-url URL" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["ask", "--help"], ["status"], ["transcript", "--stream", "cam1", "--format", "json"]],
+    ids=" ".join,
+)
+def test_a_reader_that_goes_away_ends_the_command_quietly(argv, redis_url):
+    """`streamvqa status | head -1`: the reader closed the pipe before the output was written."""
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("cam1"), "fps", "2")
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "apps.cli", *argv],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            env={**os.environ, "SVQA_REDIS_URL": redis_url},
+        )
+    finally:
+        os.close(write)
+    quiet = 0 if "--help" in argv else cli.EXIT_PIPE  # argparse drops its help's write errors itself
+    assert out.stderr == "" and out.returncode == quiet, out.stderr
+
+
+def test_status_names_its_redis_and_gives_live_capture_times_as_local_time_and_age():
+    now = time.time()
+    head = {"version": 3, "tokens": 100, "last_frame_seq": 9, "ranges": [[now - 65, now - 5]], "age_s": 0.5}
+    found = {
+        "redis": "redis://:***@h:6379/0",
+        "at": now,
+        "streams": [
+            {
+                "stream": "cam1",
+                "live": True,
+                "head": head | {"lag_s": 5.0},
+                **{"lease": None, "frames": {}, "questions": {}, "source": "rtsp://cam", "grid": "448x448"},
+            }
+        ],
+        **{"workers": [], "questions": {}, "dead_letters": 0},
+    }
+    lines = status.render(found).splitlines()
+    assert lines[0] == "redis redis://:***@h:6379/0"
+    first, last = (time.strftime("%H:%M:%S", time.localtime(t)) for t in (now - 65, now - 5))
+    assert f"video {first}-{last} (newest 5.0s ago)" in lines[1], lines[1]
+    assert str(int(now - 5)) not in lines[1]  # no epoch seconds
+
+
+def test_status_first_line_says_which_redis_it_asked(redis_url):
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "SVQA_REDIS_URL": redis_url},
+        check=True,
+    )
+    assert out.stdout.splitlines()[0] == f"redis {redis_url}"

@@ -35,6 +35,15 @@ CASES = [
     ("bad-streams", ["encoder", "--streams", "ok,bad name!"], 2, "bad name!"),
     ("ask-bad-stream", ["ask", "--stream", "bad name!", "hi"], 2, "bad name!"),
     ("ask-redis-down", ["ask", "--redis-url", "redis://127.0.0.1:{closed}/0", "--stream", "cam1", "hi"], 3, "Redis"),
+    ("ask-unknown-stream", ["ask", "--stream", "nope", "hi"], 2, "unknown stream"),
+    ("transcript-unknown-stream", ["transcript", "--stream", "nope"], 2, "unknown stream"),
+    # refused before Redis is asked: the closed port is never tried
+    (
+        "ask-max-tokens-0",
+        ["ask", "--redis-url", "redis://127.0.0.1:{closed}/0", "--stream", "c", "--max-tokens", "0", "hi"],
+        2,
+        "max_tokens",
+    ),
     ("status-redis-down", ["status", "--redis-url", "redis://127.0.0.1:{closed}/0"], 3, "Redis"),
     ("device-cuda-on-cpu", ["worker", "--streams", "cam1", "--model", "tiny-random", "--device", "cuda"], 2, "cuda"),
     ("model-path-missing", ["encoder", "--streams", "cam1", "--model", "/nonexistent/model"], 4, "local directory"),

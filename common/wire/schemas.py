@@ -659,6 +659,13 @@ def parse_question(
     return Question(**kw)
 
 
+def checked_question(stream: str, question: str, **options: Any) -> Question:
+    """A new question (a random id unless ``id`` is given) as a worker will read it: what a worker
+    would refuse raises SchemaError here, before anything is sent (the CLI and the API ask so)."""
+    q = Question(id=options.pop("id", None) or uuid.uuid4().hex, stream=stream, question=question, **options)
+    return parse_question(encode_question(q))
+
+
 def encode_question(q: Question) -> dict[str, str]:
     """Fields for XADD to ``keys.QUESTIONS`` (python clients; redis-cli users write them by hand)."""
     out = {"id": q.id, "stream": q.stream, "question": q.question, "max_tokens": str(q.max_tokens)}
