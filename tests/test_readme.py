@@ -4,10 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import time
 from pathlib import Path
+
+import redis
 
 from api.config import ApiConfig
 from apps import cli
+from common.wire import keys
+from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
@@ -41,3 +47,36 @@ def test_every_metric_named_in_the_readme_is_exported():
     exported = {re.sub(r"_total$", "", n) for n in metrics.all_names()}
     named = {re.sub(r"_total$", "", n) for n in re.findall(r"`(svqa_[a-z_]+)", README)}
     assert named <= exported, named - exported
+
+
+def test_the_redis_cli_example_reads_every_answer_entry_until_the_final(redis_url, redis_cli):
+    """The README's redis-cli loop against a real Redis and a stand-in worker that writes each entry
+    once the script waits for the next: one XREAD alone returned after the first delta."""
+    section = README[README.index("## Asking questions") :]
+    script = re.search(r"```bash\n(.+?)\n```", section, re.S).group(1)
+    shim = f'redis-cli() {{ "{redis_cli}" -u "{redis_url}" "$@"; }}\n'  # the README's redis-cli, at this server
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    shell = subprocess.Popen(["bash", "-c", shim + script], stdout=subprocess.PIPE, text=True)
+    try:
+        reader = _next_reader(r, 0)
+        qid = r.xrange(keys.QUESTIONS)[0][0]
+        final = encode_final(FinalAnswer(id=qid, stream="cam1", text="Hello\nthere"))
+        for i, entry in enumerate((encode_delta("Hel"), encode_delta("lo\nthere"), final)):
+            reader = _next_reader(r, reader) if i else reader
+            r.xadd(keys.answer(qid), entry)
+        out, _ = shell.communicate(timeout=30)
+    finally:
+        shell.kill()
+    assert shell.returncode == 0
+    assert out.count("delta") == 2 and "final" in out and "lo\nthere" in out, out
+
+
+def _next_reader(r: redis.Redis, after: int, timeout_s: float = 30.0) -> int:
+    """The id of a connection blocked in XREAD newer than ``after`` (each redis-cli connects anew)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        ids = [int(c["id"]) for c in r.client_list() if c["cmd"] == "xread" and "b" in c["flags"]]
+        if newer := [i for i in ids if i > after]:
+            return max(newer)
+        assert time.monotonic() < deadline, "no redis-cli waits for the next answer entry"
+        time.sleep(0.02)
