@@ -2,31 +2,34 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
+
+from common.config import ReaderSettings, RedisSettings, setting
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True)
-class ApiConfig:
+class ApiConfig(ReaderSettings, RedisSettings):
     """`streamvqa api`: the HTTP API and web page over the Redis protocol."""
 
     ENV_PREFIX: ClassVar[str] = "SVQA_API_"  # SVQA_API_PORT; shared settings (SVQA_REDIS_URL) still apply
 
-    redis_url: str = "redis://localhost:6379/0"
-    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
-    host: str = "127.0.0.1"
-    port: int = 8080
-    # when set, every /api and /v1 request needs `Authorization: Bearer <token>`; never logged
-    token: str | None = field(default=None, repr=False, metadata={"secret": True})
-    max_body_bytes: int = 64 * 1024  # larger request bodies get 413
-    answer_timeout_s: float = 120.0  # longest wait for a final answer
-    block_ms: int = 1000  # longest blocking Redis read per call
-    # a streamed answer sends an SSE comment after this long without an event: a question queued
-    # behind others sends nothing until its first token, and proxies cut idle connections (nginx: 60 s)
-    keep_alive_s: float = 15.0
-    log_level: str = "INFO"
+    host: str = setting("127.0.0.1", "the address the HTTP API listens on (not loopback: set a `token`)")
+    port: int = setting(8080, "the port the HTTP API listens on")
+    token: str | None = setting(
+        None,
+        "when set, every /api and /v1 request needs `Authorization: Bearer <token>` (`SVQA_API_TOKEN`); never logged",
+        secret=True,
+    )
+    max_body_bytes: int = setting(64 * 1024, "larger request bodies get 413")
+    answer_timeout_s: float = setting(120.0, "longest wait for a final answer")
+    keep_alive_s: float = setting(
+        15.0,
+        "a streamed answer sends an SSE comment after this long without an event: a question queued behind "
+        "others sends nothing until its first token, and proxies cut idle connections (nginx: 60 s)",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

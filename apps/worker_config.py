@@ -10,7 +10,7 @@ from qa_worker.config import QAConfig
 
 @dataclass(frozen=True)
 class WorkerConfig(QAConfig, EncoderConfig):
-    """Every setting of both roles (SVQA_* names are shared where they mean the same)."""
+    """`streamvqa worker`: encoder and qa in one process, one copy of the weights (settings of both)."""
 
     def __post_init__(self) -> None:
         EncoderConfig.__post_init__(self)

@@ -24,6 +24,7 @@ import difflib
 import math
 import os
 import re
+import socket
 import sys
 import types
 import typing
@@ -35,6 +36,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from common.engine.names import DEFAULT_MODEL
 from common.engine.scheduler import SchedulePolicy
 from common.logs import redact_url
 from common.redisio import cluster_nodes
@@ -168,7 +170,7 @@ def description(cls: type) -> str | None:
 
 def _add_flag(p: argparse.ArgumentParser, cls: type, f: dataclasses.Field[Any], tp: Any, default: Any) -> None:
     """The flag of one setting: its name, metavar and help derived from the declaration."""
-    help_ = f"{f.metadata.get('help', '')} [{env_names(cls, f.name)[0]}; {default_text(f)}]".strip()
+    help_ = f"{f.metadata.get('help', '')} [{env_names(cls, f.name)[0]}; {default_text(f)}]".replace("%", "%%")
     if tp is bool:
         p.add_argument(_flag(f.name), dest=f.name, action=argparse.BooleanOptionalAction, default=default, help=help_)
     else:
@@ -357,24 +359,56 @@ MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
 MAX_FPS = 240.0
 
 
+GPU_PREFIX = "gpu_"
+# The scheduler's settings, declared once in SchedulePolicy (every field with help), as `gpu_<name>`.
+# Services start questions beside encode steps by default: boot.py makes the KV pool defer frees,
+# what the engine's default (off) leaves to whoever builds a Scheduler.
+_SERVICE_POLICY = {"join_during_encode": True}
+POLICY_SETTINGS = tuple(f.name for f in dataclasses.fields(SchedulePolicy) if "help" in f.metadata)
+_POLICY_TYPES = typing.get_type_hints(SchedulePolicy)
+
+SchedulerSettings = dataclasses.make_dataclass(
+    "SchedulerSettings",
+    [
+        (
+            GPU_PREFIX + f.name,
+            _POLICY_TYPES[f.name],
+            setting(_SERVICE_POLICY.get(f.name, f.default), f.metadata["help"]),
+        )
+        for f in dataclasses.fields(SchedulePolicy)
+        if f.name in POLICY_SETTINGS
+    ],
+    frozen=True,
+    namespace={"__module__": __name__, "__doc__": "SchedulePolicy's fields with help, as service settings."},
+)
+
+
 @dataclass(frozen=True)
-class GPUSettings:
+class GPUSettings(SchedulerSettings):  # type: ignore[misc,valid-type]
     """How the GPU scheduler shares the device (common/engine/scheduler.py): the settings of every
     service that loads a model."""
 
-    gpu_max_batch: int = 64  # questions decoded together
-    gpu_max_chunks: int = 8  # chunks (one per stream) encoded together
-    gpu_encode_share: float = 0.8  # of GPU time, always encoding's when it has work
-    gpu_chunk_deadline_s: float = 1.0  # a chunk waiting longer gets encoding up to...
-    gpu_max_encode_share: float = 0.9  # ...this share (questions keep the rest)
-    gpu_decode_during_encode: bool = True  # questions being answered keep decoding beside encode steps
-    gpu_decode_before_encode: bool = True  # questions take a step alone before each encode step (off: beside it)
-    gpu_join_during_encode: bool = True  # questions arriving during it start beside it, once their version is written
-    gpu_decode_sms: int = 0  # SMs an encode step leaves to questions decoding beside it, while encoding keeps up
-    gpu_vision_graphs: bool = True  # vision batches replayed from CUDA graphs
-    gpu_profile_dir: Path | None = None  # set: SIGUSR2 writes a trace of the next steps here (profiling.py)
-    gpu_profile_steps: int = 20  # steps one trace covers
-    gpu_stuck_s: float = 120.0  # a GPU step running longer: one line with where the loop is, exit 5 (0: never)
+    gpu_vision_graphs: bool = setting(
+        True,
+        "the vision tower replays a batch of chunks from a CUDA graph (one launch instead of ~500 from "
+        "Python; the warm-up captures every batch size up to `gpu_max_chunks`, a new composition is captured "
+        "the second time it comes, at most 16). Measured at 64 cameras (H200): encode steps of 7.4-7.8 "
+        "chunks took 210-219 ms against 226-231 without. Its graphs keep a cuBLAS workspace of their own "
+        "(docs/DESIGN.md): captured on the question graphs' stream, a worker hung",
+    )
+    gpu_profile_dir: Path | None = setting(
+        None,
+        "set a directory and `kill -USR2 <pid>` writes a torch.profiler trace of the GPU scheduler's next "
+        "steps there (a Chrome trace for Perfetto and a table of the ops with the most device time); off "
+        "and free otherwise",
+    )
+    gpu_profile_steps: int = setting(20, "steps one trace covers (`gpu_profile_dir`)")
+    gpu_stuck_s: float = setting(
+        120.0,
+        "a GPU step still running after this long (a hung device, a deadlock: the loop cannot report it "
+        "itself) ends the process with exit 5 and one line, `gpu loop stuck`, giving the loop thread's "
+        "Python stack; 0 never. GPU only: on a CPU a long step is merely slow",
+    )
 
     def __post_init__(self) -> None:
         self.schedule_policy()  # its checks fail at start-up
@@ -384,17 +418,56 @@ class GPUSettings:
             raise ValueError("gpu_stuck_s must be >= 0 (0: never)")
 
     def schedule_policy(self) -> SchedulePolicy:
-        return SchedulePolicy(
-            max_batch=self.gpu_max_batch,
-            max_chunks=self.gpu_max_chunks,
-            encode_share=self.gpu_encode_share,
-            chunk_deadline_s=self.gpu_chunk_deadline_s,
-            max_encode_share=self.gpu_max_encode_share,
-            decode_during_encode=self.gpu_decode_during_encode,
-            decode_before_encode=self.gpu_decode_before_encode,
-            join_during_encode=self.gpu_join_during_encode,
-            decode_sms=self.gpu_decode_sms,
-        )
+        return SchedulePolicy(**{name: getattr(self, GPU_PREFIX + name) for name in POLICY_SETTINGS})
+
+
+@dataclass(frozen=True)
+class ServiceSettings(RedisSettings):
+    """Settings of the pipeline's services: ingest, encoder, qa, worker."""
+
+    redis_grace_s: float = setting(300.0, "ride out a Redis outage this long, then exit 3")
+    metrics_port: int | None = setting(
+        None, 'Prometheus metrics and `/health/live`, `/health/ready` on this port (README "Operating it")'
+    )
+    cameras_file: str | None = setting(
+        None,
+        "cameras and jobs (YAML, above): ingest reads its cameras, encoder and qa serve them as streams, qa "
+        "runs its jobs",
+    )
+
+
+@dataclass(frozen=True)
+class ReaderSettings:
+    """Settings of whoever blocks on Redis reads."""
+
+    block_ms: int = setting(1000, "longest blocking Redis read: how long a stop or a new question may wait for it")
+
+
+@dataclass(frozen=True)
+class ModelSettings(GPUSettings, ReaderSettings, ServiceSettings):
+    """Settings of the services that load a model: encoder, qa, worker."""
+
+    streams: tuple[str, ...] = setting(
+        (), "stream names to serve, comma-separated (or every camera of `cameras_file`); leases decide who does"
+    )
+    model: str = setting(DEFAULT_MODEL, "hub id, local path, `tiny-random`, `random-3b`")
+    device: str | None = setting(None, "cuda, cpu, ...", shown="cuda when available")
+    segment_store: str = setting(
+        "/var/lib/streamvqa/segments",
+        "where cache segments are kept: a directory, `dir://`, `redis://` (or `redis+cluster://`: the "
+        "service's own Redis), `memory://`",
+    )
+    consumer: str = setting(
+        f"{socket.gethostname()}-{os.getpid()}", "this worker's name in Redis consumer groups", shown="host-pid"
+    )
+    max_deliveries: int = setting(3, "an entry handed out more often is rejected unprocessed")
+
+    def __post_init__(self) -> None:
+        GPUSettings.__post_init__(self)
+        for name in self.streams:
+            check_stream_name("streams", name)
+        if not self.streams and not self.cameras_file:
+            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
 
 
 def _check_name(field: str, v: str) -> None:

@@ -8,32 +8,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from common.config import ServiceSettings, setting
 from common.wire.schemas import check_stream_name
 
 
 @dataclass(frozen=True)
-class IngestConfig:
-    redis_url: str = "redis://localhost:6379/0"
-    frames_redis_url: str | None = None  # frames and frame pictures, best a Redis without AOF; None: redis_url
-    url: str | None = None  # a file, rtsp://, http(s):// (HLS), /dev/videoN
-    stream: str | None = None  # the stream (camera) name
-    fps: float = 2.0
-    realtime: bool | None = None  # pace a file at media speed like a camera; None = live sources only
-    cameras_file: str | None = None
-    min_pixels: int = 128 * 28 * 28
-    max_pixels: int = 256 * 28 * 28
-    frames_maxlen: int = 2000  # files: MAXLEN ~ of the frames stream (backpressure keeps them short)
-    frames_max_age_s: float = 120.0  # live: frames older than this are trimmed (XADD MINID ~)
-    frame_codec: Literal["webp", "jpeg", "png", "rgb24"] = "webp"  # webp/png lossless, jpeg q95 4:4:4
-    max_backlog: int = 64  # files: wait while this many frames are not yet encoded
-    open_timeout_s: float = 10.0
-    read_timeout_s: float = 10.0
-    reconnect_min_s: float = 0.5
-    reconnect_max_s: float = 30.0
-    max_reconnects: int | None = None  # live sources: give up after this many; None = never
-    redis_grace_s: float = 300.0  # ride out a Redis outage this long, then exit 3
-    metrics_port: int | None = None
-    log_level: str = "INFO"
+class IngestConfig(ServiceSettings):
+    """`streamvqa ingest`: reads cameras and files into Redis frame streams."""
+
+    url: str | None = setting(
+        None, "one source instead of a cameras file: a file, rtsp://, http(s):// (HLS), /dev/videoN"
+    )
+    stream: str | None = setting(None, "the one source's stream (camera) name")
+    fps: float = setting(2.0, "the one source's frames a second, sampled by presentation time")
+    realtime: bool | None = setting(
+        None, "pace a file like a camera (live streams drop, files wait)", shown="by source: live sources only"
+    )
+    min_pixels: int = setting(
+        128 * 28 * 28, "the fewest pixels a frame is resized to for the model grid (28×28 pixels a token)"
+    )
+    max_pixels: int = setting(
+        256 * 28 * 28,
+        "the most pixels a frame is resized to; the grid follows the picture as shown (a phone clip's "
+        "rotation, anamorphic pixels)",
+    )
+    frames_maxlen: int = setting(2000, "files: the frames stream's cap (MAXLEN ~; backpressure keeps it short)")
+    frames_max_age_s: float = setting(120.0, "live: frames older than this leave the frames stream (XADD MINID ~)")
+    frame_codec: Literal["webp", "jpeg", "png", "rgb24"] = setting(
+        "webp", "frames on the wire: `webp`/`png` lossless, `jpeg` (q95, 4:4:4), `rgb24` raw"
+    )
+    max_backlog: int = setting(64, "files: how many frames a file may run ahead of the encoder")
+    open_timeout_s: float = setting(10.0, "source watchdog: seconds to open a source")
+    read_timeout_s: float = setting(
+        10.0, "source watchdog: a source stalls when nothing decodes for this long (or its clock stands still)"
+    )
+    reconnect_min_s: float = setting(0.5, "the first backoff between reconnects (with jitter, doubling)")
+    reconnect_max_s: float = setting(
+        30.0, "the longest backoff between reconnects; both start over once a session has delivered frames"
+    )
+    max_reconnects: int | None = setting(None, "live sources give up after this many reconnects; none: never")
 
     def __post_init__(self) -> None:
         if self.cameras_file is None and not (self.url and self.stream):

@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import pytest
 
-from common.config import Camera, CamerasFile, ConfigError, Job, load_cameras_file, load_config
+from api.config import ApiConfig
+from apps.worker_config import WorkerConfig
+from common.config import (
+    Camera,
+    CamerasFile,
+    ConfigError,
+    GPUSettings,
+    Job,
+    env_names,
+    load_cameras_file,
+    load_config,
+)
+from common.engine.scheduler import SchedulePolicy
+from encoder_worker.config import EncoderConfig
+from ingest.config import IngestConfig
+from qa_worker.config import QAConfig
 
 
 @dataclass(frozen=True)
@@ -121,6 +138,47 @@ def test_help_mentions_env(capsys):
     assert ei.value.code == 0
     out = capsys.readouterr().out
     assert "--block-ms" in out and "SVQA_BLOCK_MS" in out and "longest blocking read" in out
+
+
+SERVICES = {"ingest": IngestConfig, "encoder": EncoderConfig, "qa": QAConfig, "worker": WorkerConfig, "api": ApiConfig}
+
+
+@pytest.mark.parametrize("name", SERVICES)
+def test_a_services_help_describes_it_and_every_setting(name, capsys):
+    """One declaration per setting, with its help: no dataclass repr, no bare VALUE, no setting
+    without a word about it."""
+    cls = SERVICES[name]
+    with pytest.raises(SystemExit):
+        load_config(cls, ["--help"], env={}, prog=f"streamvqa {name}")
+    out = " ".join(capsys.readouterr().out.split())  # unwrapped
+    assert f"`streamvqa {name}`:" in out and f"{cls.__name__}(" not in out, out[:400]
+    assert "VALUE" not in out
+    for f in dataclasses.fields(cls):
+        assert f.metadata.get("help"), f"{cls.__name__}.{f.name} has no help"
+        assert f"{f.metadata['help'].split()[0]}" in out and env_names(cls, f.name)[0] in out
+
+
+def test_a_setting_shared_by_services_is_one_declaration():
+    by_name: dict[str, dataclasses.Field] = {}
+    for cls in SERVICES.values():
+        for f in dataclasses.fields(cls):
+            assert by_name.setdefault(f.name, f) is f, f"{f.name} is declared twice ({cls.__name__})"
+
+
+def test_the_gpu_settings_are_the_schedule_policys_fields():
+    """GPUSettings derives gpu_<name> from each SchedulePolicy field with help: same type and help,
+    and the same default but join_during_encode, which the services turn on (their pool defers frees)."""
+    policy = {f.name: f for f in dataclasses.fields(SchedulePolicy) if "help" in f.metadata}
+    gpu = {f.name: f for f in dataclasses.fields(GPUSettings)}
+    hints, policy_hints = typing.get_type_hints(GPUSettings), typing.get_type_hints(SchedulePolicy)
+    for name, f in policy.items():
+        mine = gpu[f"gpu_{name}"]
+        assert mine.metadata["help"] == f.metadata["help"] and hints[mine.name] == policy_hints[name]
+        assert mine.default == (True if name == "join_during_encode" else f.default), name
+    changed = {f"gpu_{n}": not f.default if isinstance(f.default, bool) else f.default + 1 for n, f in policy.items()}
+    changed["gpu_encode_share"] = changed["gpu_max_encode_share"] = 0.5
+    got = load_config(GPUSettings, [], env={f"SVQA_{k.upper()}": str(v) for k, v in changed.items()}).schedule_policy()
+    assert {f"gpu_{n}": getattr(got, n) for n in policy} == changed
 
 
 # --------------------------------------------------------------------------- cameras file

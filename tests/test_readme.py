@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -28,11 +29,16 @@ def test_ci_runs_the_readme_test_command():
     assert ci[-1].strip() == test_command
 
 
-def test_every_setting_is_in_the_configuration_table():
-    table = README[README.index("## Configuration") : README.index("## Operating it")]
-    for cls in (IngestConfig, EncoderConfig, QAConfig, ApiConfig):
+def test_the_configuration_table_is_the_one_derived_from_the_declarations():
+    """README's table equals `scripts/settings_table.py`'s output: run it and paste after a change."""
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "settings_table.py")], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    section = README[README.index("## Configuration") : README.index("## Operating it")]
+    assert table in section, "the README's configuration table is out of step: run scripts/settings_table.py"
+    for cls in (IngestConfig, EncoderConfig, QAConfig, ApiConfig):  # and the table holds them all
         for f in dataclasses.fields(cls):
-            assert f"`{f.name}`" in table, f"{cls.__name__}.{f.name} missing from the README's configuration table"
+            assert f"| `{f.name}` |" in table, f"{cls.__name__}.{f.name} missing from the table"
 
 
 def test_every_streamvqa_subcommand_in_the_readme_exists():

@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
@@ -75,24 +75,62 @@ class DecodeTimes:
     idle_between: float = 0.0
 
 
+def _setting(default: Any, doc: str) -> Any:
+    """A policy field that is also a service setting, `gpu_<name>` (common/config.py derives them
+    from here: this help text is their flag's and the README's)."""
+    return field(default=default, metadata={"help": doc})
+
+
 @dataclass(frozen=True)
 class SchedulePolicy:
-    max_batch: int = 64  # generations advanced together
-    max_chunks: int = 8  # chunks encoded together: bounds how long one encode step holds up questions
-    encode_share: float = 0.8  # of GPU time, guaranteed to encoding while questions also wait (they decode beside it)
-    chunk_deadline_s: float = 1.0  # a chunk waiting longer than this gets encoding up to...
-    max_encode_share: float = 0.9  # ...this share of GPU time (questions keep the rest)
+    """How the loop shares the device. A field with help is a setting of every service that loads a
+    model, `gpu_<name>` (common/config.py `GPUSettings`); the others are for tests."""
+
+    max_batch: int = _setting(64, "questions decoded together in one step")
+    max_chunks: int = _setting(
+        8, "chunks (one per stream) encoded together: bounds how long one encode step holds up questions"
+    )
+    encode_share: float = _setting(
+        0.8,
+        "questions go first, but encoding always gets this share of GPU time while questions also wait "
+        "(they decode beside it)",
+    )
+    chunk_deadline_s: float = _setting(
+        1.0, "a chunk waiting longer than this gets encoding up to `gpu_max_encode_share` (live cameras stay live)"
+    )
+    max_encode_share: float = _setting(
+        0.9, "encoding's share of GPU time while a chunk is late (questions keep the rest)"
+    )
     window_s: float = 2.0  # the shares are measured over about this long
-    decode_during_encode: bool = True  # active questions keep decoding beside an encode step
-    # active questions take a step alone before each encode step (off: beside its first kernels)
-    decode_before_encode: bool = True
-    # questions arriving during an encode step start beside it, each once what it reads is written;
-    # off here because it needs the pool to defer frees (boot.py turns both on for the services)
-    join_during_encode: bool = False
-    # SMs an encode step leaves to the questions decoding beside it, while encoding keeps up (its
-    # chunks waited at most chunk_deadline_s): the step runs in a green context of the others, so
-    # each small decode kernel finds a free SM instead of waiting for one of the encode step's
-    decode_sms: int = 0
+    decode_during_encode: bool = _setting(
+        True,
+        "questions already being answered keep decoding beside an encode step (on a high-priority CUDA "
+        "stream, launched between the encode step's layers) instead of waiting for it to end",
+    )
+    decode_before_encode: bool = _setting(
+        True,
+        "questions being answered take a decode step alone before each encode step that is due; off, the "
+        "encode step starts at once and that step goes beside its first kernels (a decode step alone leaves "
+        "the GPU's compute idle between encode steps). Measured at 64 cameras with `gpu_max_encode_share` "
+        "0.97 (docs/BENCHMARKS.md)",
+    )
+    # Off here: it needs the KV pool to defer frees (pool.py), which boot.py turns on with it; the
+    # services' setting is on by default (GPUSettings).
+    join_during_encode: bool = _setting(
+        False,
+        "questions that arrive during an encode step start beside it, each once its version is written on "
+        "the device, instead of after it; exact on the CPU and the GPU. Measured at 64 cameras (H200, 150 s): "
+        "first tokens halved (p50 0.14 → 0.07 s), encode steps 7-9 % longer, client p95 1.04-1.05 → "
+        "0.98-1.0 s (docs/BENCHMARKS.md). Off gives encoding a few percent more of the GPU",
+    )
+    decode_sms: int = _setting(
+        0,
+        "SMs an encode step leaves free while questions decode beside it, as long as encoding keeps up (its "
+        "chunks waited at most `gpu_chunk_deadline_s`): the step runs in a CUDA green context of the other "
+        "SMs, so each small decode kernel finds a free SM. Answers come faster, encoding slows (H200, 48 "
+        "cameras, 20 SMs: decode steps 23 → 19 ms, median answer 0.96 → 0.87 s, p95 not better; "
+        "docs/BENCHMARKS.md). Needs a torch built for CUDA 12.8 or later; on a CPU it does nothing",
+    )
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_chunks < 1:
