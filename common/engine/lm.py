@@ -44,12 +44,9 @@ from common.engine.pool import KVPool, Region
 from common.engine.positions import apply_rope, rope_cos_sin
 
 SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
-# Decode rows over long bases cut into pieces too (off: flash's own split-KV kernel for one-row
-# queries splits the keys alone, with no query rows to gather and no pieces to merge)
-DECODE_SPLIT_KV = True
-# Decode rows' attention through our Triton kernel (decode_attention.py) instead of flash, where
-# Triton is: a program per piece and KV head, no copies, no combine of flash's own
-TRITON_DECODE = True
+# Decode rows over long bases are cut into pieces too, and go through our Triton kernel
+# (decode_attention.py) where Triton is: a program per piece and KV head, no copies, no combine of
+# flash's own (A/B runs with either off, when both were switches: docs/BENCHMARKS-history.md)
 DECODE_BLOCKS_PER_SM = 8  # pieces x KV heads x rows per SM: several waves, so the last one is short
 # Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
 # through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
@@ -215,9 +212,7 @@ class LanguageModel:
         self.pool = pool
         self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
         self.cudnn = self.flash and CUDNN_BODIES and _cudnn_attention_works(self.device, self.dtype, self.head_dim)
-        self.decode_kernel, self.decode_combine = (
-            _decode_kernels(self.head_dim) if self.flash and TRITON_DECODE else (None, None)
-        )
+        self.decode_kernel, self.decode_combine = _decode_kernels(self.head_dim) if self.flash else (None, None)
         with torch.no_grad():
             self.weights = [_LayerWeights.of(layer) for layer in self.layers]
         self.eps = self.norm.variance_epsilon
@@ -253,7 +248,7 @@ class LanguageModel:
         items (and splits the keys further itself), and one per KV head and 128 packed rows for
         more (see _flash); a handful of questions over a long cache needs its bases cut into
         pieces to keep every SM busy (twice over), while many questions fill it with one each."""
-        if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS or (rows_per_item == 1 and not DECODE_SPLIT_KV):
+        if not self.flash or base_tokens < SPLIT_KV_MIN_TOKENS:
             return 1
         group = self.n_heads // self.n_kv_heads
         if rows_per_item == 1 and self.decode_kernel is not None:  # a program per piece and KV head

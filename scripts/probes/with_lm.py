@@ -1,6 +1,6 @@
 """Run a benchmark script with some of lm.py's constants set otherwise, for an A/B on one machine:
 
-    PYTHONPATH=. python3 scripts/probes/with_lm.py TRITON_DECODE=False -- scripts/bench_engine.py --questions-only ...
+    PYTHONPATH=. python3 scripts/probes/with_lm.py SPLIT_KV_MIN_TOKENS=4096 -- scripts/bench_engine.py --questions-only
     PYTHONPATH=. python3 scripts/probes/with_lm.py DECODE_BLOCKS_PER_SM=2 DECODE_MAX_SPLIT=128 -- scripts/probes/...
 
 (values are Python literals).
