@@ -44,12 +44,12 @@ FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 RUN groupadd --gid 10001 streamvqa \
     && useradd --uid 10001 --gid 10001 --create-home --home-dir /home/streamvqa \
         --shell /usr/sbin/nologin streamvqa \
-    && mkdir -p /var/lib/streamvqa/segments /var/lib/streamvqa/transcripts \
+    && mkdir -p /var/lib/streamvqa/segments /var/lib/streamvqa/transcripts /var/lib/streamvqa/frames \
         /home/streamvqa/.cache/huggingface /etc/streamvqa \
     && chown -R 10001:10001 /var/lib/streamvqa /home/streamvqa
 COPY --from=build /opt/venv /opt/venv
 # Named volumes mounted on these directories start with their owner (streamvqa), so the
-# non-root services can write the segment store, transcripts and the Hugging Face cache.
+# non-root services can write the segment store, transcripts, the frames log and the Hugging Face cache.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -57,8 +57,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
 USER 10001:10001
 WORKDIR /var/lib/streamvqa
-# Prometheus metrics (SVQA_METRICS_PORT) as compose.yaml sets them: ingest, encoder, qa, worker.
-EXPOSE 9101 9102 9103 9104
+# Prometheus metrics (SVQA_METRICS_PORT) as compose.yaml sets them: ingest, encoder, qa, worker, recorder.
+EXPOSE 9101 9102 9103 9104 9105
 # compose.yaml defines the healthchecks (each service's /health/ready on its metrics port).
 HEALTHCHECK NONE
 ENTRYPOINT ["streamvqa"]

@@ -28,6 +28,7 @@ SERVICES = {
     "ask": ("qa_worker.client", "ask about a stream; prints the answer as it is decoded"),
     "transcript": ("qa_worker.client", "a stream's transcript as WebVTT, SRT or JSON"),
     "status": ("apps.status", "streams, versions, queues and workers, from Redis"),
+    "recorder": ("recorder.service", "keep every camera's frames on disk (the frames log), with retention"),
 }
 
 
@@ -38,6 +39,7 @@ CONFIGS = {
     "qa": ("qa_worker.config", "QAConfig"),
     "worker": ("apps.worker_config", "WorkerConfig"),
     "api": ("api.config", "ApiConfig"),
+    "recorder": ("recorder.config", "RecorderConfig"),
 }
 EXIT_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool whose reader went away
 

@@ -389,7 +389,18 @@ class FrameLog:
         return idx
 
     def writer(self, cam: str, roll_s: float) -> CameraWriter:
-        return CameraWriter(self.root, cam, roll_s)
+        """The camera's one writer (LogLocked while another process has it); FrameLogError (LogFull)
+        when its directory or newest file cannot be made ready."""
+        try:
+            return CameraWriter(self.root, cam, roll_s)
+        except OSError as e:
+            raise log_error(cam, e) from e
+
+
+def log_error(cam: str, e: OSError) -> FrameLogError:
+    """An OSError of a write as the log's error: LogFull for a full disk or quota."""
+    kind = LogFull if e.errno in (errno.ENOSPC, errno.EDQUOT) else FrameLogError
+    return kind(cam, f"{errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror or e}")
 
 
 def _stat_or_none(p: Path) -> os.stat_result | None:
@@ -494,8 +505,7 @@ class CameraWriter:
             os.fdatasync(self._index_fd)
         except OSError as e:
             self._rollback()
-            kind = LogFull if e.errno in (errno.ENOSPC, errno.EDQUOT) else FrameLogError
-            raise kind(self.cam, f"{errno.errorcode.get(e.errno or 0, 'error')}: {e.strerror or e}") from e
+            raise log_error(self.cam, e) from e
         self._size += len(self._buf)
         self._isize += len(self._ibuf)
         self._buf, self._ibuf, self._pending = bytearray(), bytearray(), 0

@@ -1,7 +1,8 @@
 """The metrics port: Prometheus `/metrics`, plus `/health/live` and `/health/ready` for compose.
 
 Ready means the service can do its work now: Redis answers PING, the model is loaded (GPU
-roles), and the encoder's lease loop has run recently (it holds and renews its streams' leases).
+roles), the encoder's lease loop has run recently (it holds and renews its streams' leases), and
+no check a service marked failing (the recorder's frames log while its writes fail) is, with why.
 Both answer JSON; 200 when fine, 503 with the failing checks otherwise.
 """
 
@@ -32,6 +33,8 @@ class Readiness:
     lease_period_s: float | None = None  # encoder: the lease loop must run at least this often
     last_lease_check: float | None = None  # monotonic
     leases: list[str] = field(default_factory=list)
+    # a check that failed and why, set and cleared by the service (the recorder: "frames_log")
+    failing: dict[str, str] = field(default_factory=dict)
 
     def leases_checked(self, held: list[str], period_s: float) -> None:
         self.leases, self.lease_period_s, self.last_lease_check = sorted(held), period_s, time.monotonic()
@@ -45,8 +48,11 @@ class Readiness:
         if self.lease_period_s is not None:
             assert self.last_lease_check is not None
             checks["leases"] = time.monotonic() - self.last_lease_check < 2 * self.lease_period_s
+        failing = dict(self.failing)  # one copy: the service changes it from another thread
+        checks |= dict.fromkeys(failing, False)
         ok = all(checks.values())
-        return ok, {"ready": ok, "checks": checks, "leases": self.leases}
+        body = {"ready": ok, "checks": checks, "leases": self.leases}
+        return ok, body | ({"reasons": failing} if failing else {})
 
     @staticmethod
     def _answers(url: str | None) -> bool:

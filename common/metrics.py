@@ -111,6 +111,42 @@ ALERT_DELIVERIES = Counter(
     **_R,
 )
 
+# recorder (the frames log, common/framelog.py)
+RECORDER_FRAMES = Counter("svqa_recorder_frames_total", "Frames written to the frames log", ["stream"], **_R)
+RECORDER_BYTES = Counter(
+    "svqa_recorder_bytes_total", "Bytes written to the frames log (records and index), durable", ["stream"], **_R
+)
+RECORDER_SKIPPED = Counter(
+    "svqa_recorder_skipped_total",
+    "Frames entries acked without a write: already logged (duplicate), end-of-stream markers (eos), unreadable (bad)",
+    ["stream", "reason"],
+    **_R,
+)
+RECORDER_COMMIT_SECONDS = Histogram(
+    "svqa_recorder_commit_seconds",
+    "Group commit of one camera's batch: write and fdatasync of records and index",
+    buckets=_LATENCY_BUCKETS,
+    **_R,
+)
+RECORDER_BACKLOG = Gauge(
+    "svqa_recorder_backlog_frames",
+    "Frames entries not yet durable in the log: read and waiting for the commit, or not yet read",
+    ["stream"],
+    **_R,
+)
+RECORDER_LOG_BYTES = Gauge("svqa_recorder_log_bytes", "Bytes of the camera's frames log on disk", ["stream"], **_R)
+RECORDER_COLLECTED = Counter(
+    "svqa_recorder_collected_bytes_total",
+    "Bytes of frames log files deleted by retention: by age (retention_hours) or space (retention_gb)",
+    ["stream", "reason"],
+    **_R,
+)
+RECORDER_WRITE_FAILING = Gauge(
+    "svqa_recorder_write_failing",
+    "1 while writes to the frames log fail (disk full, an I/O error): nothing is acked, writes are retried",
+    **_R,
+)
+
 # the GPU scheduler (encoder, qa and worker: whoever loads a model)
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 GPU_STEP_SECONDS = Histogram(
@@ -293,6 +329,17 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         *_GPU,
     ),
 }
+ROLES["recorder"] = (
+    THREAD_CPU,
+    RECORDER_FRAMES,
+    RECORDER_BYTES,
+    RECORDER_SKIPPED,
+    RECORDER_COMMIT_SECONDS,
+    RECORDER_BACKLOG,
+    RECORDER_LOG_BYTES,
+    RECORDER_COLLECTED,
+    RECORDER_WRITE_FAILING,
+)
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
 
 

@@ -15,8 +15,16 @@ from common.config import default_text
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
+from recorder.config import RecorderConfig
 
-ROLES = {"ingest": IngestConfig, "encoder": EncoderConfig, "qa": QAConfig, "worker": WorkerConfig, "api": ApiConfig}
+ROLES = {
+    "ingest": IngestConfig,
+    "encoder": EncoderConfig,
+    "qa": QAConfig,
+    "worker": WorkerConfig,
+    "api": ApiConfig,
+    "recorder": RecorderConfig,
+}
 HEADER = "| setting | services | default | meaning |\n|---|---|---|---|"
 
 

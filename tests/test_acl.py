@@ -106,10 +106,25 @@ def qa_job(r: redis.Redis) -> None:
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
 
 
+def recorder_job(r: redis.Redis) -> None:
+    """What `streamvqa recorder` does (recorder/service.py): read, claim, ack, gauges, events."""
+    reader = redisio.GroupReader(r, [keys.frames(CAM)], keys.RECORDER_GROUP, "recorder", block_ms=50)
+    reader.ensure_groups()
+    redisio.claim_stale(r, keys.frames(CAM), keys.RECORDER_GROUP, "recorder", 0)
+    reader.reset()
+    entries = reader.read()
+    assert entries
+    r.xack(keys.frames(CAM), keys.RECORDER_GROUP, *(eid for _, eid, _ in entries))
+    assert r.xinfo_groups(keys.frames(CAM))
+    redisio.event(r, CAM, "recorder", "frames_log_collected", reason="space")
+
+
 def test_each_role_does_its_job_and_not_anothers(server):
     ingest, encoder, qa = (as_role(server, n) for n in ("ingest", "encoder", "qa"))
     client, api, worker = (as_role(server, n) for n in ("client", "api", "worker"))
+    recorder = as_role(server, "recorder")
     ingest_job(ingest)
+    recorder_job(recorder)
     encoder_job(encoder)
     Client(client).submit(CAM, "what is there?", id="q1")
     qa_job(qa)
@@ -156,6 +171,12 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: api.xreadgroup(keys.QA_GROUP, "api", {keys.QUESTIONS: ">"}))
     assert denied(lambda: api.xadd(keys.alerts(CAM), {"id": "forged"}))
     assert denied(lambda: qa.hset(keys.latest_frame(CAM), "jpeg", b"forged"))
+    assert denied(lambda: recorder.xtrim(keys.frames(CAM), maxlen=0))  # frames are the encoder's too
+    assert denied(lambda: recorder.delete(keys.frames(CAM)))
+    assert denied(lambda: recorder.get(keys.head(CAM)))
+    assert denied(lambda: recorder.xrange(keys.events(CAM)))  # it writes events, reads none
+    assert denied(lambda: recorder.xadd(keys.QUESTIONS, {"stream": CAM, "question": "x"}))
+    assert denied(lambda: recorder.hset(keys.meta(CAM), "height", 1))
     anonymous = redis.Redis(port=server.port)
     assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))
 
@@ -175,7 +196,7 @@ def test_redis_users_script_makes_working_passwords_kept_only_as_hashes(tmp_path
     server = RedisServer(tmp_path, args=("--aclfile", str(tmp_path / "deploy" / "users.acl")))
     server.start()
     try:
-        roles = ("ingest", "encoder", "qa", "worker", "client", "api")
+        roles = ("ingest", "encoder", "qa", "worker", "client", "api", "recorder")
         for role in roles:
             password = env[f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"]
             assert len(password) >= 32 and password not in acl

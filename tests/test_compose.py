@@ -31,6 +31,7 @@ from common.config import CONFIG_FLAG, ENV_PREFIX, env_name, env_names, load_cam
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
+from recorder.config import RecorderConfig
 
 REPO = Path(__file__).resolve().parent.parent
 COMPOSE = REPO / "compose.yaml"
@@ -46,9 +47,10 @@ CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses
     "qa": (QAConfig,),
     "api": (ApiConfig,),
     "worker": (EncoderConfig, QAConfig),  # encoder + qa in one process: the union (= apps.worker.WorkerConfig)
+    "recorder": (RecorderConfig,),
 }
 GPU_COMMANDS = {"encoder", "qa", "worker"}
-METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104}
+METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104, "recorder": 9105}
 HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own readiness probe, no metrics port
 # Compose defaults that differ from the dataclass default on purpose.
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
@@ -65,7 +67,14 @@ REDIS_SERVICES = {"redis": "SVQA_REDIS_URL", "redis-frames": "SVQA_FRAMES_REDIS_
 # Each service's Redis password: a variable compose requires (`${VAR:?...}`), set in .env by
 # scripts/redis-users.sh; empty in .env.example. ROLE_OF: which ACL user each subcommand connects as.
 PASSWORD_VAR = re.compile(r"STREAMVQA_REDIS_PASSWORD_(?P<role>[A-Z]+)")
-ROLE_OF = {"ingest": "ingest", "encoder": "encoder", "qa": "qa", "worker": "worker", "api": "api"}
+ROLE_OF = {
+    "ingest": "ingest",
+    "encoder": "encoder",
+    "qa": "qa",
+    "worker": "worker",
+    "api": "api",
+    "recorder": "recorder",
+}
 TEST_PASSWORDS = {f"STREAMVQA_REDIS_PASSWORD_{role.upper()}": f"pw-{role}" for role in ROLE_OF.values()}
 
 # ----------------------------------------------------------------------------- interpolation
@@ -271,9 +280,9 @@ def test_compose_v2_accepts_the_file_and_each_profile_starts_one_pipeline(tmp_pa
         ]
         for name, svc in services.items():  # Compose's own interpolation agrees with this file's resolve()
             assert environment(svc) == environment(compose["services"][name]), name
-    assert running["one-gpu"] == running["two-gpu"] == {"ingest", "api", "worker"}
+    assert running["one-gpu"] == running["two-gpu"] == {"ingest", "api", "recorder", "worker"}
     assert len(gpus["two-gpu"]) == len(set(gpus["two-gpu"])) == 2, f"two-gpu: one GPU per worker, {gpus}"
-    assert running["split"] == {"ingest", "api", "encoder", "qa"}, "split must not also start the combined worker"
+    assert running["split"] == {"ingest", "api", "recorder", "encoder", "qa"}, "split must not also start the worker"
     missing = run_compose(tmp_path, "config", "-q", env={})
     assert missing.returncode != 0 and "scripts/redis-users.sh" in missing.stderr, missing.stderr
 
@@ -399,7 +408,7 @@ def test_each_profile_runs_one_whole_pipeline_and_never_both(compose, env_exampl
     services = compose["services"]
     commands = {n: sub for n, (sub, _) in python_services(compose).items()}
     always = {n for n, s in services.items() if not s.get("profiles")}
-    assert {commands.get(n) for n in always} - {None} == {"ingest", "api"} and "redis" in always  # api: any profile
+    assert {commands.get(n) for n in always} - {None} == {"ingest", "api", "recorder"} and "redis" in always
     by_profile: dict[str, set[str]] = {}
     for name, svc in services.items():
         for profile in svc.get("profiles") or []:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SERVICES = ("ingest", "encoder_worker", "qa_worker", "api")
+SERVICES = ("ingest", "encoder_worker", "qa_worker", "api", "recorder")
 PACKAGES = ("common", *SERVICES, "apps")
 
 

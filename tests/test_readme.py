@@ -18,6 +18,7 @@ from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from encoder_worker.config import EncoderConfig
 from ingest.config import IngestConfig
 from qa_worker.config import QAConfig
+from recorder.config import RecorderConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -36,7 +37,7 @@ def test_the_configuration_table_is_the_one_derived_from_the_declarations():
     ).stdout.strip()
     section = README[README.index("## Configuration") : README.index("## Operating it")]
     assert table in section, "the README's configuration table is out of step: run scripts/settings_table.py"
-    for cls in (IngestConfig, EncoderConfig, QAConfig, ApiConfig):  # and the table holds them all
+    for cls in (IngestConfig, EncoderConfig, QAConfig, ApiConfig, RecorderConfig):  # and the table holds them all
         for f in dataclasses.fields(cls):
             assert f"| `{f.name}` |" in table, f"{cls.__name__}.{f.name} missing from the table"
 

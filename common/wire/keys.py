@@ -13,6 +13,7 @@ WORKERS = f"{PREFIX}:workers"  # set of stream-owning worker ids; a worker is li
 
 ENCODER_GROUP = "enc"
 QA_GROUP = "qa"
+RECORDER_GROUP = "rec"  # `streamvqa recorder`: every camera's frames into the frames log (common/framelog.py)
 
 
 def stream_of(key: str | bytes) -> str:

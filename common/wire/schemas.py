@@ -289,6 +289,11 @@ def capture_time(m: Mapping[str, Any]) -> float | None:
         return None
 
 
+def frame_header(m: Mapping[str, Any]) -> tuple[int, float, int]:
+    """An unpacked frame entry's (seq, ts, epoch), its pixels not decoded; SchemaError naming the field."""
+    return _int("seq", _require(m, "seq"), 0), _float("ts", _require(m, "ts")), _int("epoch", m.get("epoch", 0), 0)
+
+
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
     """Validate and decode one frames-stream entry; raises SchemaError naming the field."""
     return frame_from_map(unpack_frame(fields, limits), limits)

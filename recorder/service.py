@@ -1,0 +1,248 @@
+"""`streamvqa recorder`: every camera's frames into the frames log (common/framelog.py).
+
+One loop: read every camera's frames stream through the consumer group `rec` (its own pending
+entries first after a restart), append each frame's payload to its camera's log, and every
+`framelog_sync_s` commit each camera's batch (write + fdatasync) and only then ack its entries.
+An acked frame is on disk; one not acked is read again after a crash and, found in the log
+already (by its seq), acked without a second write. A failed commit (a full disk: `LogFull`) acks
+nothing of that camera: readiness fails naming the reason, an event says so on the camera, reading
+pauses and the writes are retried, with backoff, from the pending entries until they succeed.
+
+Retention runs every `collect_every_s`: whole files last written more than `retention_hours` ago,
+then the oldest while a camera's log exceeds `retention_gb` (then an event: space forced it).
+A Redis outage is waited out for `redis_grace_s` (exit 3 past it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import redis
+import structlog
+
+from common import boot, health, metrics, redisio
+from common.config import load_cameras_file
+from common.framelog import CameraWriter, FrameLog, FrameLogError, LogLocked, Removed
+from common.wire import keys
+from common.wire.schemas import FIELD, SchemaError, frame_header, unpack_frame
+from recorder.config import RecorderConfig
+
+log = structlog.get_logger()
+
+SOURCE = "recorder"  # the events' `source`
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 10.0  # backoff of writes after a failed commit
+STATS_EVERY_S = 5.0  # how often the backlog and log-size gauges are refreshed
+READINESS_CHECK = "frames_log"  # the readiness check that fails while writes do
+
+
+class Recorder:
+    def __init__(self, cfg: RecorderConfig, r: redis.Redis, frames: redis.Redis | None = None) -> None:
+        """``frames``: the Redis holding the frames streams (default ``r``, which gets the events)."""
+        self.cfg, self.r = cfg, r
+        self.frames = frames or r
+        self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
+        self.log = FrameLog(cfg.framelog_dir)
+        self.writers: dict[str, CameraWriter] = {}
+        self.reader = redisio.GroupReader(
+            self.frames,
+            [keys.frames(n) for n in self.names],
+            keys.RECORDER_GROUP,
+            cfg.consumer,
+            count=cfg.read_count,
+            block_ms=cfg.block_ms,
+        )
+        self.unacked: dict[str, list[str]] = {n: [] for n in self.names}  # durable at the next commit
+        self.failing: dict[str, str] = {}  # camera -> why its last write failed
+        self.retry_s = RETRY_MIN_S
+        self.retry_at = 0.0
+        self.last_commit = time.monotonic()
+        self.last_collect = self.last_stats = float("-inf")
+        self.started = False
+
+    def open_writers(self) -> None:
+        """Every camera's writer now, so that a second recorder on the same log is refused at start
+        (LogLocked); a log that cannot be opened yet (a full disk) is retried like a failed write."""
+        for name in self.names:
+            try:
+                self._writer(name)
+            except LogLocked:
+                raise
+            except FrameLogError as e:  # tried again with the camera's first frame
+                log.error("frames log not writable yet", stream=name, reason=e.reason)
+
+    def run(self, stop: threading.Event) -> None:
+        log.info("recorder started", streams=self.names, dir=self.cfg.framelog_dir, consumer=self.cfg.consumer)
+        both = [self.r] if self.frames is self.r else [self.r, self.frames]  # either may be the one away
+        try:
+            redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+            with contextlib.suppress(*redisio.OUTAGE_ERRORS):  # what is left un-acked is read again
+                self.commit()
+        finally:
+            for w in self.writers.values():
+                w.close()
+
+    def step(self) -> None:
+        if not self.started:
+            self._claim_orphans()
+            self.started = True
+        now = time.monotonic()
+        if self.failing and now < self.retry_at:  # the disk is the outage: nothing is read meanwhile
+            time.sleep(min(self.retry_at - now, self.cfg.block_ms / 1000))
+            return
+        wait_ms = int((self.last_commit + self.cfg.framelog_sync_s - now) * 1000)
+        broken: dict[str, str] = {}
+        for stream, entry_id, fields in self.reader.read(block_ms=max(1, min(self.cfg.block_ms, wait_ms))):
+            cam = keys.stream_of(stream)
+            if cam not in broken:
+                try:
+                    self._record(cam, entry_id, fields)
+                except FrameLogError as e:
+                    broken[cam] = e.reason
+        if broken or self.failing or time.monotonic() - self.last_commit >= self.cfg.framelog_sync_s:
+            self._settle(broken | self.commit())
+        self._collect_if_due()
+        self._stats_if_due()
+
+    def after_outage(self) -> None:
+        """Redis is back: acks may have been lost on the way, so what is pending is read again (found
+        in the log, it is acked without a second write)."""
+        for ids in self.unacked.values():
+            ids.clear()
+        self.reader.reset()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def _writer(self, cam: str) -> CameraWriter:
+        w = self.writers.get(cam)
+        if w is None:
+            w = self.writers[cam] = self.log.writer(cam, self.cfg.framelog_roll_s)
+        return w
+
+    def _record(self, cam: str, entry_id: str, fields: dict[bytes, bytes]) -> None:
+        """Append one frames entry to its camera's log; acked with the next commit either way."""
+        reason = None
+        try:
+            m = unpack_frame(fields)
+            if m.get("eos", False):
+                reason = "eos"
+            else:
+                seq, ts, epoch = frame_header(m)
+        except SchemaError as e:  # the encoder dead-letters it; here it is only not logged
+            log.warning("frames entry unreadable; not logged", stream=cam, entry_id=entry_id, error=str(e))
+            reason = "bad"
+        if reason is None and not self._writer(cam).append(seq, ts, fields[FIELD.encode()], epoch):
+            reason = "duplicate"
+        if reason is not None:
+            metrics.RECORDER_SKIPPED.labels(cam, reason).inc()
+        self.unacked[cam].append(entry_id)
+
+    def commit(self) -> dict[str, str]:
+        """Make every camera's appended frames durable, then ack them; the cameras whose commit
+        failed, and why (their entries stay pending: read again, written again)."""
+        self.last_commit = time.monotonic()
+        failed: dict[str, str] = {}
+        acks = self.frames.pipeline(transaction=False)
+        for cam in self.names:
+            w = self.writers.get(cam)
+            try:
+                if w is not None and w.pending:
+                    frames, t0 = w.pending, time.perf_counter()
+                    written = w.commit()
+                    metrics.RECORDER_COMMIT_SECONDS.observe(time.perf_counter() - t0)
+                    metrics.RECORDER_FRAMES.labels(cam).inc(frames)
+                    metrics.RECORDER_BYTES.labels(cam).inc(written)
+            except FrameLogError as e:
+                failed[cam] = e.reason
+                continue
+            if self.unacked[cam]:
+                acks.xack(keys.frames(cam), keys.RECORDER_GROUP, *self.unacked[cam])
+        acks.execute()
+        for cam in self.names:
+            if cam not in failed:
+                self.unacked[cam].clear()
+        return failed
+
+    def _settle(self, failed: dict[str, str]) -> None:
+        """After a commit: on failures, say so (once per camera and outage), drop what those cameras
+        read (it stays pending in Redis) and back off; once every write succeeds again, say that."""
+        if failed:
+            for cam, reason in failed.items():
+                if cam not in self.failing:
+                    log.error("frames log write failed; not acked, retried", stream=cam, reason=reason)
+                    redisio.event(self.r, cam, SOURCE, "frames_log_failing", reason=reason)
+                self.unacked[cam].clear()
+            self.failing |= failed
+            reasons = "; ".join(f"{cam}: {why}" for cam, why in sorted(self.failing.items()))
+            health.READINESS.failing[READINESS_CHECK] = reasons
+            metrics.RECORDER_WRITE_FAILING.set(1)
+            self.reader.reset()
+            self.retry_at = time.monotonic() + self.retry_s
+            self.retry_s = min(2 * self.retry_s, RETRY_MAX_S)
+        elif self.failing:
+            for cam in self.failing:
+                log.info("frames log writes resumed", stream=cam)
+                redisio.event(self.r, cam, SOURCE, "frames_log_resumed")
+            self.failing.clear()
+            health.READINESS.failing.pop(READINESS_CHECK, None)
+            metrics.RECORDER_WRITE_FAILING.set(0)
+            self.retry_s = RETRY_MIN_S
+
+    def _claim_orphans(self) -> None:
+        """Entries another consumer of the group left pending (the recorder ran under another
+        name) become ours: one recorder writes a frames log, so nobody else is working on them."""
+        self.reader.ensure_groups()
+        for name in self.names:
+            redisio.claim_stale(self.frames, keys.frames(name), keys.RECORDER_GROUP, self.cfg.consumer, 0, count=10_000)
+        self.reader.reset()
+
+    # -- retention and gauges ------------------------------------------------------------------
+
+    def _collect_if_due(self) -> None:
+        if time.monotonic() - self.last_collect < self.cfg.collect_every_s:
+            return
+        self.last_collect = time.monotonic()
+        for cam in self.names:
+            try:
+                removed = self.log.collect(cam, self.cfg.retention_hours, self.cfg.retention_bytes())
+            except OSError as e:
+                log.error("frames log retention failed", stream=cam, error=str(e))
+                continue
+            for reason in ("age", "space"):
+                gone = [x for x in removed if x.reason == reason]
+                if gone:
+                    self._collected(cam, reason, gone)
+
+    def _collected(self, cam: str, reason: str, gone: list[Removed]) -> None:
+        nbytes = sum(x.bytes for x in gone)
+        metrics.RECORDER_COLLECTED.labels(cam, reason).inc(nbytes)
+        first = min((x.first_ts for x in gone if x.first_ts is not None), default="")
+        last = max((x.last_ts for x in gone if x.last_ts is not None), default="")
+        fields = {"files": len(gone), "bytes": nbytes, "frames": sum(x.frames for x in gone), "from": first, "to": last}
+        if reason == "space":  # history shorter than retention_hours: the operator should know
+            log.warning("frames log over retention_gb; oldest files deleted", stream=cam, **fields)
+            redisio.event(self.r, cam, SOURCE, "frames_log_collected", reason=reason, **fields)
+        else:
+            log.info("frames log files past retention_hours deleted", stream=cam, **fields)
+
+    def _stats_if_due(self) -> None:
+        if time.monotonic() - self.last_stats < STATS_EVERY_S:
+            return
+        self.last_stats = time.monotonic()
+        for cam in self.names:
+            metrics.RECORDER_LOG_BYTES.labels(cam).set(self.log.size(cam))
+            groups = self.frames.xinfo_groups(keys.frames(cam))
+            g = next((g for g in groups if redisio.text(g["name"]) == keys.RECORDER_GROUP), None)
+            if g is not None:
+                metrics.RECORDER_BACKLOG.labels(cam).set(int(g.get("lag") or 0) + int(g["pending"]))
+
+
+def main(argv: list[str]) -> int:
+    cfg, r = boot.start(RecorderConfig, argv, "streamvqa recorder")
+    recorder = Recorder(cfg, r, boot.frames_redis(cfg, r))
+    try:
+        recorder.open_writers()
+    except LogLocked as e:
+        boot.fail(boot.EXIT_CONFIG, "frames log in use by another recorder", dir=cfg.framelog_dir, error=str(e))
+    return redisio.exit_code(lambda: recorder.run(boot.stop_on_signals()))
