@@ -115,18 +115,20 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
 def _from_events(events: list[tuple[Any, dict]]) -> dict:
     """`state`: the newest ingest event about the source (connected, reconnecting, eof...; None if it
     said nothing recently) and `connected` from it; `dropped`: the encoder's running count of frames
-    dropped for lateness, from its newest report; `last_event`: the newest event of any kind."""
-    state, dropped, last = None, 0, None
+    dropped (late, or behind the stream's seq), from its newest report of each reason; `last_event`:
+    the newest event of any kind."""
+    state, last = None, None
+    dropped: dict[str, int] = {}
     for _, raw in events:  # newest first
         fields = {_text(k): _text(v) for k, v in raw.items()}
         last = last or {k: fields[k] for k in _LAST_EVENT_FIELDS if k in fields}
         kind = fields.get("type", "")
         if state is None and kind in _UP | _DOWN:
             state = kind
-        if kind == "dropped" and not dropped:
-            dropped = int(fields.get("total", "0"))
+        if kind == "dropped":
+            dropped.setdefault(fields.get("reason", ""), int(fields.get("total", "0")))
     connected = None if state is None else state in _UP
-    return {"state": state, "connected": connected, "dropped": dropped, "last_event": last}
+    return {"state": state, "connected": connected, "dropped": sum(dropped.values()), "last_event": last}
 
 
 def queue_frames(pipe: Any, names: list[str]) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from common.config import ModelSettings, setting
 from common.engine.eviction import EvictionMode, EvictionPolicy
+from common.wire.schemas import MAX_CLOCK_SKEW_S
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,11 @@ class EncoderConfig(ModelSettings):
     salient_chunks: int = setting(0, "chunks kept for a scene change, inside `max_cache_tokens`")
     rebase: bool = setting(True, "kept for old configs: false is the old spelling of `eviction` `absolute`")
     max_lag_s: float = setting(10.0, "live frames older than this are dropped, not encoded")
+    max_clock_skew_s: float = setting(
+        MAX_CLOCK_SKEW_S,
+        "live frames stamped further ahead of this host's clock are dead-lettered (ingest and encoder hosts "
+        "must keep time, e.g. NTP)",
+    )
     decode_processes: int = setting(
         2,
         "processes decoding frames' pixels for all streams, out of the worker's GIL (the GPU loop waits for "
@@ -48,6 +54,8 @@ class EncoderConfig(ModelSettings):
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
+        if not self.max_clock_skew_s >= 0:
+            raise ValueError(f"max_clock_skew_s must be 0 or more, got {self.max_clock_skew_s}")
         if self.decode_processes < 1:
             raise ValueError(f"decode_processes must be 1 or more, got {self.decode_processes}")
         if self.max_streams is not None and self.max_streams < 0:

@@ -37,7 +37,7 @@ from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.wire import keys
-from common.wire.schemas import capture_time, unpack_frame
+from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decoding import FrameDecoder
 from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
@@ -322,7 +322,8 @@ class EncoderService:
             return  # lease lost between read and handle: the new owner gets it redelivered
         if not self._renew_if_due(owned):
             return
-        m = unpack_frame(fields)  # SchemaError: rejected by the boundary
+        check_frame_entry(fields, owned.entry_cap)  # SchemaError: rejected by the boundary, never unpacked
+        m = unpack_frame(fields)
         if owned.skip_late(entry_id, capture_time(m)):
             return  # a worker behind reads mostly such frames: decoding them would slow it more
         msg = self.decoder.decode(m)

@@ -5,9 +5,12 @@ only after the version containing them is published, and a redelivered frame at 
 that seq is acked and skipped.
 
 The stream's own history is the reference for what a frame may claim: its seq must follow the
-last one within a bound (``frame_follow_problem``), and an end-of-stream marker is obeyed only
-when it names the last frame seen (ingest writes EndOfStream(last seq it sent) after that frame).
-Anything else is dead-lettered with an event, so one forged entry cannot stop the stream.
+last one within a bound that grows with the time passed up to now (``frame_follow_problem``), and
+an end-of-stream marker is obeyed only when it names the last frame seen, nothing follows it on
+the frames stream (ingest writes EndOfStream(last seq it sent) after that frame, then nothing) and
+no other marker was obeyed in the last EOS_EVERY_S. Anything else is dead-lettered with an event,
+so one forged entry cannot stop the stream. A forgery inside the bound still turns the real frames
+up to its seq into duplicates: a run of them longer than a crash can redeliver is reported.
 
 Frames are read, acked and claimed on the ``frames`` Redis (it may be an instance without
 persistence); versions, head, lease, events and dead letters stay on the durable one, ``r``.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 
 import redis
 import structlog
@@ -38,6 +42,7 @@ from common.wire.schemas import (
     Manifest,
     SchemaError,
     encode_manifest,
+    frame_entry_cap,
     frame_follow_problem,
     manifest_from_bytes,
 )
@@ -45,7 +50,8 @@ from encoder_worker.config import EncoderConfig
 
 log = structlog.get_logger()
 
-DROP_EVENT_EVERY_S = 5.0
+DROP_EVENT_EVERY_S = 5.0  # per reason: a `dropped` event (and a log line) at most this often
+EOS_EVERY_S = 60.0  # end-of-stream markers obeyed at most this often per stream (each flushes a padded chunk)
 
 
 class StreamNotReady(RuntimeError):
@@ -75,9 +81,11 @@ class OwnedStream:
         self.live = live
         self.pending: list[tuple[str, FrameMsg]] = []
         self.recent_manifests: list[Manifest] = []
-        self.dropped_late = 0
-        self._last_drop_event = -DROP_EVENT_EVERY_S
-        self.ended = False
+        self.dropped: Counter[str] = Counter()  # frames dropped, by reason
+        self._drop_event_at: dict[str, float] = {}  # when each reason's last `dropped` event went out
+        self.duplicate_run = 0  # duplicates since the last frame taken
+        self.ended_seq: int | None = None  # the seq an obeyed end-of-stream marker named, until frames go on
+        self._eos_at = -EOS_EVERY_S  # when a marker was last obeyed (monotonic)
         self.lost = False  # its task found the lease gone; the main loop drops the stream
         self.renewed_at = time.monotonic()  # when its lease was last renewed
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
@@ -94,28 +102,34 @@ class OwnedStream:
         captured = self.engine.head.capture_range
         return captured[1] if captured else None
 
+    @property
+    def entry_cap(self) -> int:
+        """The most bytes a frames entry of this stream may hold (refused before unpacking)."""
+        grid = self.engine.spec.grid
+        return frame_entry_cap(grid.height, grid.width)
+
     def add(self, entry_id: str, msg: FrameMsg | EndOfStream) -> Version | None:
         """Take one frames-stream entry; returns the version published because of it, if any."""
-        frames_key = keys.frames(self.name)
         if any(eid == entry_id for eid, _ in self.pending):
             return None  # read again after an outage: already waiting for its chunk, not acked yet
         if isinstance(msg, EndOfStream):
             return self._end(entry_id, msg)
         if msg.seq <= self.last_seq:
-            metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
-            self.frames.xack(frames_key, keys.ENCODER_GROUP, entry_id)
+            self._duplicate(entry_id, msg)
             return None
         grid = self.engine.spec.grid
         if (msg.h, msg.w) != (grid.height, grid.width):
             reason = f"frame is {msg.h}x{msg.w}, the stream's grid is {grid.height}x{grid.width}"
             self.reject(entry_id, {"seq": str(msg.seq)}, reason)
             return None
-        problem = frame_follow_problem(self.last_seq, self.last_ts, msg, self.engine.spec.fps, self.live)
+        fps, skew = self.engine.spec.fps, self.cfg.max_clock_skew_s
+        problem = frame_follow_problem(self.last_seq, self.last_ts, msg, fps, self.live, max_skew_s=skew)
         if problem is not None:
             self.reject(entry_id, {"seq": str(msg.seq), "ts": repr(msg.ts)}, problem)
             return None
         if self.skip_late(entry_id, msg.ts):
             return None
+        self._taken(msg)
         self.pending.append((entry_id, msg))
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
 
@@ -127,20 +141,50 @@ class OwnedStream:
             return False
         if any(eid == entry_id for eid, _ in self.pending):
             return False
-        self._drop_late(entry_id)
+        self._drop(entry_id, "late", max_lag_s=self.cfg.max_lag_s)
         return True
 
+    def _duplicate(self, entry_id: str, msg: FrameMsg) -> None:
+        """A frame at or below the stream's last seq: acked, not encoded. A crash between a publish
+        and its ack redelivers at most one chunk of them; a longer run is real frames behind a seq
+        that ran ahead of them (a forged frame inside the bound): dropped as `seq_behind`, reported."""
+        self.duplicate_run += 1
+        if self.duplicate_run <= self.engine.spec.chunk_frames:
+            metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
+            self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
+            return
+        self._drop(entry_id, "seq_behind", seq=msg.seq, last_frame_seq=self.last_seq, run=self.duplicate_run)
+
+    def _taken(self, msg: FrameMsg) -> None:
+        """A frame goes into the next chunk: a run of duplicates is over, and an end-of-stream
+        marker obeyed before it was no end (forged, or its source came back)."""
+        self.duplicate_run = 0
+        if self.ended_seq is not None:
+            log.warning("frames go on after an end-of-stream marker", stream=self.name, eos_seq=self.ended_seq)
+            event(self.r, self.name, "frames_after_eos", eos_seq=self.ended_seq, seq=msg.seq)
+            self.ended_seq = None
+
     def _end(self, entry_id: str, msg: EndOfStream) -> Version | None:
-        """Obey an end-of-stream marker only if it names the last frame seen (see module doc)."""
-        if msg.seq != self.last_seq:
-            reason = f"end of stream at seq {msg.seq}, but the last frame is {self.last_seq}"
-            self.reject(entry_id, {"seq": str(msg.seq)}, reason)
+        """Obey an end-of-stream marker (flush the partial chunk) only when it is consistent with
+        the stream's history (see module doc); otherwise dead-letter it."""
+        problem = self._end_problem(entry_id, msg)
+        if problem is not None:
+            self.reject(entry_id, {"seq": str(msg.seq)}, problem)
             return None
         version = self.flush()
-        self.ended = True
+        self.ended_seq, self._eos_at = msg.seq, time.monotonic()
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
         event(self.r, self.name, "eos", last_frame_seq=self.engine.head.last_frame_seq)
         return version
+
+    def _end_problem(self, entry_id: str, msg: EndOfStream) -> str | None:
+        if msg.seq != self.last_seq:
+            return f"end of stream at seq {msg.seq}, but the last frame is {self.last_seq}"
+        if (ago := time.monotonic() - self._eos_at) < EOS_EVERY_S:
+            return f"end of stream {ago:.0f} s after the last one obeyed (at most one every {EOS_EVERY_S:g} s)"
+        if self.frames.xrange(keys.frames(self.name), min=f"({entry_id}", count=1):
+            return "end of stream with entries after it: the stream goes on"
+        return None
 
     def reject(self, entry_id: str, fields: dict, reason: str) -> None:
         """Dead-letter one frames entry (acked) and say so on the stream's events."""
@@ -149,13 +193,17 @@ class OwnedStream:
         dead_letter_frame(self.r, self.frames, keys.frames(self.name), entry_id, fields, reason)
         event(self.r, self.name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
-    def _drop_late(self, entry_id: str) -> None:
-        metrics.FRAMES_DROPPED.labels(self.name, "late").inc()
+    def _drop(self, entry_id: str, reason: str, **fields: object) -> None:
+        """Ack a frame that is not encoded and count it; tell operators (an event with the reason's
+        running total, and a log line) at most every DROP_EVENT_EVERY_S per reason, without flooding."""
+        metrics.FRAMES_DROPPED.labels(self.name, reason).inc()
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
-        self.dropped_late += 1
-        if time.monotonic() - self._last_drop_event > DROP_EVENT_EVERY_S:  # tell operators, without flooding
-            self._last_drop_event = time.monotonic()
-            event(self.r, self.name, "dropped", reason="late", total=self.dropped_late, max_lag_s=self.cfg.max_lag_s)
+        self.dropped[reason] += 1
+        now = time.monotonic()
+        if now - self._drop_event_at.get(reason, -math.inf) > DROP_EVENT_EVERY_S:
+            self._drop_event_at[reason] = now
+            log.warning("frames dropped", stream=self.name, reason=reason, total=self.dropped[reason], **fields)
+            event(self.r, self.name, "dropped", reason=reason, total=self.dropped[reason], **fields)
 
     def flush(self) -> Version | None:
         """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them.

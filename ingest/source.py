@@ -35,8 +35,10 @@ from common.wire.schemas import (
     EndOfStream,
     FrameMsg,
     SchemaError,
+    check_frame_entry,
     decode_frame,
     encode_frame,
+    frame_entry_cap,
     frame_follow_problem,
     manifest_from_bytes,
 )
@@ -99,6 +101,7 @@ class Source:
         self.last_at = self.resume_at
         self._recent: deque[float] = deque(maxlen=FPS_WINDOW_FRAMES)  # publish times (monotonic)
         self._meta: dict[str, str] = {}  # the stream's description (StreamMeta), once the source is open
+        self.entry_cap: int | None = None  # the most bytes a frames entry may hold: known with the grid
         self._last_jpeg = -LATEST_FRAME_EVERY_S
         self._unsaved: FrameMsg | None = None  # published, not yet saved as the latest JPEG
         self._alive_at = time.monotonic()  # the source's last sign of life: a frame decoded or taken
@@ -244,6 +247,11 @@ class Source:
             self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         pipe = self.frames.pipeline(transaction=False)
         fields = encode_frame(msg, codec=self.cfg.frame_codec)
+        if self.entry_cap is not None:
+            try:  # the encoder would refuse it unread: it is not written at all
+                check_frame_entry(fields, self.entry_cap)
+            except SchemaError as e:
+                raise SourceError(f"frame {msg.seq} not written: {e}") from None
         pipe.xadd(keys.frames(self.spec.stream), fields, **self._trim())
         self._latest_frame(pipe, msg)
         pipe.execute()
@@ -315,6 +323,7 @@ class Source:
                 raise SourceError(f"{redact_url(self.spec.url)}: {e}") from e
         live = self.live or self.spec.realtime
         self._meta = StreamMeta(self.spec.fps, grid, live, redact_url(self.spec.url)).to_hash()
+        self.entry_cap = frame_entry_cap(grid.height, grid.width)
         self.r.hset(keys.meta(self.spec.stream), mapping=self._meta)
         return grid
 
@@ -357,7 +366,7 @@ class Source:
             if isinstance(msg, EndOfStream):
                 end = end or msg
                 continue
-            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, live=False) is not None:
+            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, self.live or self.spec.realtime) is not None:
                 continue
             finished = end is not None and end.seq == msg.seq
             return max(msg.seq, head_seq) + 1, FINISHED if finished else (msg.epoch, msg.pts)

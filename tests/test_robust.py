@@ -6,23 +6,37 @@ subprocess versions (kill -9, outages, fuzz) are in test_outage.py and test_fuzz
 
 from __future__ import annotations
 
+import math
 import threading
+import time
 
+import msgpack
 import numpy as np
 import pytest
 import redis
+from structlog.testing import capture_logs
 
-from common import redisio
+from common import metrics, redisio, status
 from common.config import ConfigError, load_cameras_file, load_config
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
 from common.wire import keys
-from common.wire.schemas import EndOfStream, FinalAnswer, FrameMsg, decode_answer, encode_frame, manifest_from_bytes
+from common.wire.schemas import (
+    FIELD,
+    EndOfStream,
+    FinalAnswer,
+    FrameMsg,
+    decode_answer,
+    encode_frame,
+    frame_entry_cap,
+    manifest_from_bytes,
+)
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
 from ingest.config import IngestConfig
 from ingest.source import FINISHED, Source, SourceSpec
+from ingest.video import SourceError
 from qa_worker.answering import Answerer
 from tests.groupread import read_group
 
@@ -35,8 +49,8 @@ def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
 
 
-def encoder(rt: Runtime, r: redis.Redis, url: str, **kw) -> EncoderService:
-    r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+def encoder(rt: Runtime, r: redis.Redis, url: str, live: bool = False, **kw) -> EncoderService:
+    r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": int(live)})
     cfg = EncoderConfig(redis_url=url, streams=(CAM,), consumer="enc", chunk_frames=2, block_ms=50, **kw)
     return EncoderService(cfg, rt, r, MemoryStore())
 
@@ -82,6 +96,109 @@ def test_forged_seq_is_dead_lettered_and_real_frames_go_on(rt, redis_url):
     assert head_seq(r) == 43, "every later real frame encoded"
     assert any(b"jumps" in reason for reason in dead_reasons(r))
     assert events(r, b"dead_letter")
+
+
+def live_camera(rt: Runtime, r: redis.Redis, url: str) -> EncoderService:
+    """A live stream at 2 fps whose first chunks (seqs 0-3, stamped until 0.5 s ago) are encoded."""
+    svc = encoder(rt, r, url, live=True)
+    t0 = time.time()
+    for seq in range(4):
+        r.xadd(keys.frames(CAM), frame(seq, ts=t0 - 2 + seq / 2))
+    drain(svc, r)
+    assert head_seq(r) == 3
+    return svc
+
+
+def dropped(reason: str) -> float:
+    (family,) = metrics.FRAMES_DROPPED.collect()
+    return sum(s.value for s in family.samples if s.name.endswith("_total") and s.labels["reason"] == reason)
+
+
+def test_forged_frame_stamped_ahead_does_not_silence_a_live_camera(rt, redis_url):
+    """Issue 37.1, the forgery as found: a copy of the newest frame stamped 59 s ahead (the old
+    skew allowed 60) and numbered as far ahead as that stamp allowed was taken; every real frame
+    up to its seq was then acked as a duplicate, silently, for about 2 minutes."""
+    r = redis.Redis.from_url(redis_url)
+    svc = live_camera(rt, r, redis_url)
+    last_ts, ts = manifest_from_bytes(r.get(keys.head(CAM))).last_ts, time.time() + 59
+    r.xadd(keys.frames(CAM), frame(3 + 64 + math.ceil(3 * (ts - last_ts)) - 1, ts=ts))
+    for seq in range(4, 12):
+        r.xadd(keys.frames(CAM), frame(seq, ts=time.time()))
+    drain(svc, r)
+    assert head_seq(r) == 11, "the real frames after the forgery are encoded"
+    assert any(b"ahead of this host's clock" in x for x in dead_reasons(r)), dead_reasons(r)
+
+
+def test_real_frames_behind_a_forged_seq_are_reported(rt, redis_url):
+    """A forgery inside the bound (stamped now, 64 ahead) still makes the real frames up to its
+    seq duplicates: past what a crash can redeliver (a chunk) they count as `seq_behind`, with a
+    rate-limited event and log line."""
+    r = redis.Redis.from_url(redis_url)
+    svc = live_camera(rt, r, redis_url)
+    before = dropped("seq_behind"), dropped("duplicate")
+    r.xadd(keys.frames(CAM), frame(3 + 64, ts=time.time()))
+    for seq in range(4, 24):
+        r.xadd(keys.frames(CAM), frame(seq, ts=time.time()))
+    with capture_logs() as logs:
+        drain(svc, r)
+    assert (dropped("seq_behind") - before[0], dropped("duplicate") - before[1]) == (18, 2)
+    behind = [f for f in events(r, b"dropped") if f[b"reason"] == b"seq_behind"]
+    assert behind and behind[0][b"last_frame_seq"] == b"67" and len(behind) < 18, behind
+    assert any(e["event"] == "frames dropped" and e["reason"] == "seq_behind" for e in logs)
+    r.xadd(keys.frames(CAM), frame(68, ts=time.time() - 60))  # and one late: status adds up both reasons
+    drain(svc, r)
+    pipe = r.pipeline()
+    status.queue_stream(pipe, CAM)
+    assert status.stream_from(CAM, pipe.execute(raise_on_error=False), time.time())["dropped"] == 1 + int(
+        behind[-1][b"total"]
+    )
+
+
+def test_an_oversize_frames_entry_is_dead_lettered_unread(rt, redis_url):
+    """Issue 37.7: an entry over the stream's cap (its grid raw, plus 4 KB) is refused before it
+    is unpacked, even a well-formed frame padded with a field nobody reads."""
+    r = redis.Redis.from_url(redis_url)
+    svc = encoder(rt, r, redis_url)
+    padded = msgpack.unpackb(frame(0)[FIELD]) | {"pad": bytes(frame_entry_cap(56, 56))}
+    r.xadd(keys.frames(CAM), {FIELD: msgpack.packb(padded)})
+    r.xadd(keys.frames(CAM), {FIELD: frame(0)[FIELD], **{f"x{i}": bytes(1000) for i in range(14)}})
+    for seq in range(2):
+        r.xadd(keys.frames(CAM), frame(seq))
+    drain(svc, r)
+    assert head_seq(r) == 1
+    assert sum(b"exceeds the stream's cap" in x for x in dead_reasons(r)) == 2, dead_reasons(r)
+
+
+def test_ingest_never_writes_an_entry_over_the_cap(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    s = source(r, redis_url)
+    s.entry_cap = frame_entry_cap(28, 28)  # the grid the stream was opened with
+    with pytest.raises(SourceError, match="exceeds the stream's cap"):
+        s._publish(FrameMsg.from_rgb(0, 0.0, 0.0, np.random.default_rng(0).integers(0, 256, FRAME.shape, np.uint8)))
+    assert r.xlen(keys.frames(CAM)) == 0 and s.next_seq == 0
+
+
+def test_end_of_stream_is_obeyed_once_and_not_while_frames_follow(rt, redis_url):
+    """Issue 37.7: a marker naming the last frame seen was obeyed whatever came after it (each
+    one flushes a padded partial chunk): now not with entries after it (a live camera's frames
+    keep coming), and at most one a minute; frames after an obeyed one are reported."""
+    r = redis.Redis.from_url(redis_url)
+    svc = live_camera(rt, r, redis_url)
+    for fields in (frame(4, ts=time.time()), encode_frame(EndOfStream(4)), frame(5, ts=time.time())):
+        r.xadd(keys.frames(CAM), fields)
+    drain(svc, r)
+    assert head_seq(r) == 5 and not events(r, b"eos")
+    assert any(b"entries after it" in x for x in dead_reasons(r)), dead_reasons(r)
+    r.xadd(keys.frames(CAM), frame(6, ts=time.time()))
+    r.xadd(keys.frames(CAM), encode_frame(EndOfStream(6)))
+    drain(svc, r)
+    assert head_seq(r) == 6 and len(events(r, b"eos")) == 1, "the last one, with nothing after it: obeyed"
+    r.xadd(keys.frames(CAM), encode_frame(EndOfStream(6)))
+    drain(svc, r)
+    assert len(events(r, b"eos")) == 1 and any(b"at most one every 60 s" in x for x in dead_reasons(r))
+    r.xadd(keys.frames(CAM), frame(7, ts=time.time()))
+    drain(svc, r)
+    assert [f[b"eos_seq"] for f in events(r, b"frames_after_eos")] == [b"6"]
 
 
 def test_forged_end_of_stream_is_not_obeyed(rt, redis_url):

@@ -20,6 +20,7 @@ from common.wire.schemas import (
     Manifest,
     Question,
     SchemaError,
+    check_frame_entry,
     decode_answer,
     decode_final,
     decode_frame,
@@ -29,6 +30,8 @@ from common.wire.schemas import (
     encode_frame,
     encode_manifest,
     encode_question,
+    frame_entry_cap,
+    frame_follow_problem,
     manifest_from_bytes,
     manifest_to_bytes,
     parse_question,
@@ -149,6 +152,36 @@ def test_frame_constructor_validates():
 
 def test_unknown_frame_keys_are_ignored():
     assert decode_frame(_raw({**_good_frame_map(), "future": 1})).seq == 0
+
+
+def _follows(seq: int, ts: float, live: bool = True, **kw) -> str | None:
+    """Can a frame (seq, ts) follow seq 10 captured at 1000.0, at 1010.0 on this host's clock?"""
+    msg = FrameMsg(seq=seq, ts=ts, pts=0.0, h=1, w=1, data=bytes(3))
+    return frame_follow_problem(10, 1000.0, msg, 2.0, live, now=1010.0, **kw)
+
+
+def test_a_live_frames_seq_gap_is_bounded_by_the_time_passed_until_now():
+    """Issue 37.1: the gap a frame may claim grew with its own stamp, so a stamp in the future
+    bought a seq far ahead. 10 s have passed since the last frame at 2 fps: 64 + 30 seqs."""
+    assert _follows(104, 1010.0) is None
+    assert "jumps 95" in _follows(105, 1010.0)
+    assert "jumps 97" in _follows(107, 1011.0), "stamped 1 s ahead (inside the skew): no wider gap"
+    assert "ahead of this host's clock" in _follows(11, 1012.5)
+    assert _follows(11, 1012.5, max_skew_s=5.0) is None
+    assert _follows(107, 1011.0, live=False) is None, "a file's capture times are media time: no clock bounds them"
+
+
+def test_a_frames_entry_is_capped_by_its_grid():
+    """Whatever the codec and the picture, an entry of a grid fits its cap (a codec that would
+    make a frame larger sends it raw); one larger is refused, extra fields counted too."""
+    noise = np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8)
+    cap = frame_entry_cap(56, 84)
+    for codec in ("rgb24", "webp", "png", "jpeg"):
+        check_frame_entry(encode_frame(FrameMsg.from_rgb(2**40, 1e12, 1e12, noise, epoch=9), codec=codec), cap)
+    check_frame_entry(encode_frame(EndOfStream(2**40)), cap)
+    _raises("m", check_frame_entry, {b"m": bytes(cap)}, cap)
+    _raises("m", check_frame_entry, {b"m": b"1", **{b"x%d" % i: bytes(1000) for i in range(cap // 1000 + 1)}}, cap)
+    _raises("fields", check_frame_entry, [(b"m", b"1")], cap)
 
 
 # --------------------------------------------------------------------------- manifest

@@ -273,9 +273,35 @@ def decode_image(fmt: str, data: bytes, h: int, w: int) -> bytes:
         raise SchemaError("data", f"undecodable {fmt} image: {e}") from None
 
 
+# What a frames entry may cost: a codec that would make a frame larger sends it raw, so an entry
+# of an h x w grid holds at most h*w*3 pixel bytes and a small header. Ingest writes under this
+# cap and the encoder refuses a larger entry before unpacking it (README "Redis sizing").
+FRAME_ENTRY_HEADER_BYTES = 4096
+
+
+def frame_entry_cap(h: int, w: int) -> int:
+    """The most bytes (field names and values) a frames entry of an h x w grid may hold."""
+    return h * w * 3 + FRAME_ENTRY_HEADER_BYTES
+
+
+def check_frame_entry(fields: Mapping[Any, Any], cap: int) -> None:
+    """SchemaError when a frames entry, its fields still packed, holds more than ``cap`` bytes."""
+    if not isinstance(fields, Mapping):
+        raise SchemaError("fields", f"expected a field mapping, got {type(fields).__name__}")
+    size = sum(_nbytes(k) + _nbytes(v) for k, v in fields.items())
+    if size > cap:
+        raise SchemaError(FIELD, f"entry of {size} bytes exceeds the stream's cap of {cap} bytes")
+
+
+def _nbytes(v: Any) -> int:
+    if isinstance(v, bytes | bytearray | memoryview):
+        return len(v)
+    return len(str(v).encode("utf-8", "surrogatepass"))
+
+
 def unpack_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> dict[str, Any]:
     """A frames-stream entry's map, its pixels still encoded (msgpack only); raises SchemaError."""
-    return _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + 4096)
+    return _unpack(_get_field(fields, FIELD), limits.max_frame_pixels * 3 + FRAME_ENTRY_HEADER_BYTES)
 
 
 def capture_time(m: Mapping[str, Any]) -> float | None:
@@ -331,25 +357,43 @@ def frame_from_map(
 
 
 # How far a frame's seq may run ahead of the stream's last one with no capture time between them.
-# Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread,
-# and then capture time passed too: the allowed gap grows by 1.5 x fps per second.
+# Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread
+# (or dropped as late), and then capture time passed too: the allowed gap grows by 1.5 x fps per
+# second. On a live stream that second is counted up to now on this host's clock, never past it.
 MAX_SEQ_GAP = 64
-MAX_CLOCK_SKEW_S = 60.0  # a live frame dated further ahead of this host's clock is forged or wrong
+# Default of the encoder's `max_clock_skew_s`: a live frame stamped further ahead of this host's
+# clock is forged or its ingest host's clock is wrong (hosts kept by NTP differ by milliseconds).
+MAX_CLOCK_SKEW_S = 2.0
 
 
-def frame_follow_problem(prev_seq: int, prev_ts: float | None, msg: FrameMsg, fps: float, live: bool) -> str | None:
+def frame_follow_problem(
+    prev_seq: int,
+    prev_ts: float | None,
+    msg: FrameMsg,
+    fps: float,
+    live: bool,
+    *,
+    now: float | None = None,
+    max_skew_s: float = MAX_CLOCK_SKEW_S,
+) -> str | None:
     """Why ``msg`` cannot be the next frame after (prev_seq, prev_ts) on its stream, or None if it can.
 
-    Guards the stream's history against one forged entry: a frame numbered 10^12 accepted as
-    the newest would turn every later real frame into a "duplicate".
+    Guards the stream's history against one forged entry: a frame numbered far ahead accepted as
+    the newest would turn every later real frame into a "duplicate". A live frame's gap is bounded
+    by the time passed up to ``now`` (default: this host's clock), so a stamp in the future widens
+    nothing; a file's capture times are media time, with no clock to hold them to.
     """
-    if live and msg.ts > time.time() + MAX_CLOCK_SKEW_S:
-        return f"ts {msg.ts:.3f} is more than {MAX_CLOCK_SKEW_S:g} s in the future"
+    until = msg.ts
+    if live:
+        now = time.time() if now is None else now
+        if msg.ts > now + max_skew_s:
+            return f"ts {msg.ts:.3f} is {msg.ts - now:.1f} s ahead of this host's clock (more than {max_skew_s:g} s)"
+        until = min(until, now)
     if prev_seq < 0 or prev_ts is None or msg.seq <= prev_seq:
         return None  # nothing to compare with, or a duplicate (handled by the caller)
-    allowed = MAX_SEQ_GAP + math.ceil(1.5 * fps * max(0.0, msg.ts - prev_ts))
+    allowed = MAX_SEQ_GAP + math.ceil(1.5 * fps * max(0.0, until - prev_ts))
     if msg.seq - prev_seq > allowed:
-        return f"seq {msg.seq} jumps {msg.seq - prev_seq} past {prev_seq} (at most {allowed} for its capture time)"
+        return f"seq {msg.seq} jumps {msg.seq - prev_seq} past {prev_seq} (at most {allowed} for the time passed)"
     return None
 
 
