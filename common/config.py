@@ -6,7 +6,8 @@ variable names are derived from the dataclass, so a new setting is one new field
 field types: int, float, str, bool, Path, Literal[...], X | None, tuple[X, ...]. Strings from
 the environment and the CLI are converted; ``none``/``null``/empty set an optional field to
 None; tuples take comma-separated values. Any bad value raises ``ConfigError`` naming where it
-came from. Field metadata ``help`` becomes the flag's help text.
+came from. Each setting is declared once, with ``setting(default, help)``: its flag's help, its
+variable's name and the README's table (scripts/settings_table.py) come from that declaration.
 
 Also here: the cameras/jobs YAML file (``load_cameras_file``), shared by ingest and qa_worker,
 and ``check_settings``, what every service checks before it touches Redis or a model.
