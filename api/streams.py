@@ -13,6 +13,7 @@ from api import errors, replies
 from api.guard import require_token
 from common import placement, redisio, status
 from common.wire import keys
+from common.wire.alerts import alert_payload
 from common.wire.schemas import INT64_MAX
 from common.wire.transcript import cues_of, render_transcript
 
@@ -25,6 +26,11 @@ SUBTITLE_TYPES = {"vtt": "text/vtt; charset=utf-8", "srt": "application/x-subrip
 def entries(raw: list) -> list[dict[str, str]]:
     """XREVRANGE replies (newest first) -> dicts with their entry `id`, oldest first."""
     return [{"id": redisio.text(i)} | redisio.text_fields(f) for i, f in reversed(raw)]
+
+
+def alerts_of(raw: list) -> list[dict]:
+    """XREVRANGE replies of an alerts stream -> alerts as the webhook and MQTT send them, oldest first."""
+    return [alert_payload(redisio.text_fields(f)) for _, f in reversed(raw)]
 
 
 async def stream_names(r: aredis.Redis) -> list[str]:
@@ -116,14 +122,14 @@ async def job_outputs(name: str, job: str, request: Request, count: int = Count)
 @router.get("/streams/{name}/alerts", summary="The stream's recent alerts")
 async def stream_alerts(name: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    return {"alerts": entries(await r.xrevrange(keys.alerts(await replies.known_stream(r, name)), count=count))}
+    return {"alerts": alerts_of(await r.xrevrange(keys.alerts(await replies.known_stream(r, name)), count=count))}
 
 
 @router.get("/alerts", summary="Recent alerts of every stream, newest last")
 async def all_alerts(request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    found = [a for n in await stream_names(r) for a in entries(await r.xrevrange(keys.alerts(n), count=count))]
-    return {"alerts": sorted(found, key=lambda a: float(a["at"]))[-count:]}
+    found = [a for n in await stream_names(r) for a in alerts_of(await r.xrevrange(keys.alerts(n), count=count))]
+    return {"alerts": sorted(found, key=lambda a: a["at"])[-count:]}
 
 
 @router.get("/streams/{name}/alerts/{alert_id}/frame.jpg", summary="The frame an alert fired on")

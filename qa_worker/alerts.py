@@ -7,6 +7,11 @@ POSTs it to a webhook and/or publishes it to MQTT (QoS 1), retrying with backoff
 beside the answering loop, so a slow or dead receiver never delays a question. Delivery is at
 least once: a retry after a lost response sends the same alert again, with the same ``id``
 (JSON field and ``Idempotency-Key`` header), so receivers drop duplicates by it.
+
+MQTT as Frigate's users know it: beside the alert's JSON on the configured topic, each stream and
+job has a state topic ``<topic>/<stream>/<job>`` (``ON`` when it fired, ``OFF`` once the answer
+turned back to no; retained) with the last alert's JSON on ``.../attributes``, and a Home
+Assistant MQTT discovery config (retained), so each alert job appears there as a binary sensor.
 """
 
 from __future__ import annotations
@@ -14,20 +19,21 @@ from __future__ import annotations
 import json
 import math
 import queue
+import re
 import ssl
 import threading
 import time
 import urllib.error
 import urllib.request
-import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit
 
 import paho.mqtt.client as mqtt
 import structlog
 
 from common import metrics
+from common.version import VERSION
+from common.wire.alerts import Alert
 
 log = structlog.get_logger()
 
@@ -41,31 +47,23 @@ def p_yes(scores: list[float]) -> float:
 
 
 @dataclass(frozen=True)
-class Alert:
-    id: str
+class AlertSettings:
+    maxlen: int = 10_000  # alerts kept per stream
+    frame_ttl_s: int = 7 * 24 * 3600  # how long an alert's frame copy is kept
+    base_url: str = ""  # the HTTP API as receivers reach it: alert frames are URLs under it ("": a path)
+    discovery_prefix: str = "homeassistant"  # Home Assistant's MQTT discovery prefix ("": no discovery)
+
+
+@dataclass(frozen=True)
+class State:
+    """An alert job's state on a stream, told over MQTT: on when it fired, off once the answer is no."""
+
     stream: str
     job: str
-    question: str
-    score: float  # P(yes)
-    threshold: float
-    version: int
-    t_start: float  # capture-time range of the version that answered yes
-    t_end: float
-    at: float  # unix time it fired
-    frame: str | None  # Redis key of the frame copy (keys.alert_frame), None if no frame was there
+    on: bool
 
-    @staticmethod
-    def new_id() -> str:
-        return uuid.uuid4().hex
 
-    def fields(self) -> dict[str, str]:
-        """Stream fields for ``svqa:{cam}:alerts``."""
-        return {
-            k: ("" if v is None else f"{v:.4f}" if isinstance(v, float) else str(v)) for k, v in asdict(self).items()
-        }
-
-    def payload(self) -> bytes:
-        return json.dumps(asdict(self)).encode()
+Message = Alert | State
 
 
 @dataclass
@@ -102,7 +100,7 @@ def post_webhook(url: str, alert: Alert, timeout_s: float) -> None:
     """One POST; raises on a network error or a status other than 2xx."""
     req = urllib.request.Request(
         url,
-        data=alert.payload(),
+        data=json.dumps(alert.payload()).encode(),
         method="POST",
         headers={"Content-Type": "application/json", "Idempotency-Key": alert.id, "User-Agent": "streamvqa-alerts"},
     )
@@ -111,10 +109,51 @@ def post_webhook(url: str, alert: Alert, timeout_s: float) -> None:
             raise OSError(f"webhook answered {resp.status}")
 
 
-def publish_mqtt(url: str, alert: Alert, timeout_s: float) -> None:
-    """Connect, publish with QoS 1 (the broker acknowledges), disconnect; raises when not acknowledged."""
+def _topic_id(name: str) -> str:
+    """A stream or job name as Home Assistant takes it in discovery topics and ids ([A-Za-z0-9_-])."""
+    return re.sub(r"[^A-Za-z0-9_-]", "_", name)
+
+
+def discovery(topic: str, stream: str, job: str, prefix: str) -> tuple[str, dict]:
+    """Home Assistant's MQTT discovery topic and config of the binary sensor of one alert job on
+    one stream; the stream is the device (one per camera)."""
+    state = f"{topic}/{stream}/{job}"
+    object_id = f"{_topic_id(stream)}_{_topic_id(job)}"
+    config = {
+        "name": job,
+        "unique_id": f"streamvqa_{object_id}",
+        "state_topic": state,
+        "payload_on": "ON",
+        "payload_off": "OFF",
+        "json_attributes_topic": f"{state}/attributes",
+        "device": {"identifiers": [f"streamvqa_{_topic_id(stream)}"], "name": stream, "manufacturer": "streamvqa"},
+        "origin": {"name": "streamvqa", "sw_version": VERSION},
+    }
+    return f"{prefix}/binary_sensor/streamvqa/{object_id}/config", config
+
+
+def mqtt_messages(topic: str, message: Message, discovery_prefix: str) -> list[tuple[str, bytes, bool]]:
+    """(topic, payload, retain) to publish for an alert or a state change: the alert's JSON on
+    ``topic``, the last alert's on the state's attributes topic, the state, and the discovery config.
+    All but the first are retained, so that a subscriber that comes later reads the state now."""
+    state_topic = f"{topic}/{message.stream}/{message.job}"
+    out: list[tuple[str, bytes, bool]] = []
+    if discovery_prefix:
+        where, config = discovery(topic, message.stream, message.job, discovery_prefix)
+        out.append((where, json.dumps(config).encode(), True))
+    if isinstance(message, Alert):
+        body = json.dumps(message.payload()).encode()
+        out += [(topic, body, False), (f"{state_topic}/attributes", body, True)]
+    on = isinstance(message, Alert) or message.on
+    out.append((state_topic, b"ON" if on else b"OFF", True))
+    return out
+
+
+def publish_mqtt(url: str, messages: list[tuple[str, bytes, bool]], timeout_s: float) -> None:
+    """Connect, publish with QoS 1 (the broker acknowledges each), disconnect; raises when one is
+    not acknowledged."""
     parts = urlsplit(url)
-    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=f"streamvqa-{alert.id[:12]}")
+    client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)  # a random client id
     if parts.username:
         client.username_pw_set(unquote(parts.username), unquote(parts.password or ""))
     if parts.scheme == "mqtts":
@@ -122,15 +161,19 @@ def publish_mqtt(url: str, alert: Alert, timeout_s: float) -> None:
     client.connect(parts.hostname or "localhost", parts.port or (8883 if parts.scheme == "mqtts" else 1883))
     client.loop_start()
     try:
-        info = client.publish(unquote(parts.path.lstrip("/")), alert.payload(), qos=1)
+        sent = [client.publish(topic, payload, qos=1, retain=retain) for topic, payload, retain in messages]
         deadline = time.monotonic() + timeout_s
-        while not info.is_published() and time.monotonic() < deadline:
+        while not all(info.is_published() for info in sent) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if not info.is_published():
+        if not all(info.is_published() for info in sent):
             raise OSError(f"MQTT broker did not acknowledge within {timeout_s:g} s")
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+def mqtt_topic(url: str) -> str:
+    return unquote(urlsplit(url).path.lstrip("/"))
 
 
 def _where(url: str) -> str:
@@ -139,29 +182,25 @@ def _where(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
-Sender = Callable[[str, Alert, float], None]
-SENDERS: dict[str, Sender] = {"webhook": post_webhook, "mqtt": publish_mqtt}
-
-
 class Delivery:
-    """A queue and one thread: ``submit`` returns at once; the thread sends and retries."""
+    """A queue and one thread: ``submit`` and ``tell`` return at once; the thread sends and retries."""
 
-    def __init__(self, retry: Retry = Retry(), maxsize: int = 1000):
-        self.retry = retry
-        self.queue: queue.Queue[tuple[Alert, str, str] | None] = queue.Queue(maxsize)
+    def __init__(self, retry: Retry = Retry(), maxsize: int = 1000, discovery_prefix: str = "homeassistant"):
+        self.retry, self.discovery_prefix = retry, discovery_prefix
+        self.queue: queue.Queue[tuple[Message, str, str] | None] = queue.Queue(maxsize)
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="alert-delivery", daemon=True)
         self.thread.start()
 
     def submit(self, alert: Alert, targets: dict[str, str | None]) -> None:
         for kind, url in targets.items():
-            if url is None:
-                continue
-            try:
-                self.queue.put_nowait((alert, kind, url))
-            except queue.Full:  # receivers down for long: the alert stays in Redis, delivery is dropped
-                log.error("alert delivery queue full; dropped", alert=alert.id, target=kind)
-                metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "dropped").inc()
+            if url is not None:
+                self._put(alert, kind, url)
+
+    def tell(self, state: State, mqtt_url: str | None) -> None:
+        """An alert job's state (and its discovery config) to its MQTT broker, if it has one."""
+        if mqtt_url is not None:
+            self._put(state, "mqtt", mqtt_url)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what is queued for up to ``timeout_s``, then give up on the rest."""
@@ -170,18 +209,34 @@ class Delivery:
         self.stop.set()
         self.thread.join(self.retry.timeout_s + 1)
 
+    def _put(self, message: Message, kind: str, url: str) -> None:
+        try:
+            self.queue.put_nowait((message, kind, url))
+        except queue.Full:  # receivers down for long: an alert stays in Redis, its delivery is dropped
+            log.error("alert delivery queue full; dropped", stream=message.stream, job=message.job, target=kind)
+            if isinstance(message, Alert):
+                metrics.ALERT_DELIVERIES.labels(message.stream, kind, "dropped").inc()
+
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
             self._deliver(*item)
 
-    def _deliver(self, alert: Alert, kind: str, url: str) -> bool:
-        bound = log.bind(alert=alert.id, stream=alert.stream, job=alert.job, target=kind, to=_where(url))
+    def _send(self, message: Message, kind: str, url: str) -> None:
+        if kind == "webhook":
+            assert isinstance(message, Alert), "only alerts go to webhooks"
+            post_webhook(url, message, self.retry.timeout_s)
+        else:
+            publish_mqtt(url, mqtt_messages(mqtt_topic(url), message, self.discovery_prefix), self.retry.timeout_s)
+
+    def _deliver(self, message: Message, kind: str, url: str) -> bool:
+        what = {"alert": message.id} if isinstance(message, Alert) else {"state": "on" if message.on else "off"}
+        bound = log.bind(**what, stream=message.stream, job=message.job, target=kind, to=_where(url))
         delay = self.retry.backoff_s
         for attempt in range(1, self.retry.attempts + 1):
             try:
-                SENDERS[kind](url, alert, self.retry.timeout_s)
+                self._send(message, kind, url)
                 bound.info("alert delivered", attempt=attempt)
-                metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "delivered").inc()
+                self._count(message, kind, "delivered")
                 return True
             except (OSError, urllib.error.URLError, ValueError) as e:
                 bound.warning("alert delivery failed", attempt=attempt, error=str(e)[:300])
@@ -189,5 +244,10 @@ class Delivery:
                 break
             delay = min(delay * 2, self.retry.backoff_max_s)
         bound.error("alert not delivered", attempts=attempt)
-        metrics.ALERT_DELIVERIES.labels(alert.stream, kind, "failed").inc()
+        self._count(message, kind, "failed")
         return False
+
+    @staticmethod
+    def _count(message: Message, kind: str, outcome: str) -> None:
+        if isinstance(message, Alert):  # states are not alerts: their failures are logged only
+            metrics.ALERT_DELIVERIES.labels(message.stream, kind, outcome).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from common.config import ModelSettings, setting
 
@@ -17,6 +18,16 @@ class QAConfig(ModelSettings):
     transcript_dir: str | None = setting(None, "where subtitle jobs write `<stream>.vtt` / `.srt`")
     max_reply_ttl_s: int = setting(86_400, "cap on a question's own `reply_ttl`")
     max_in_flight: int = setting(32, "questions answered at once; their decode steps share the GPU scheduler's batches")
+    alerts_maxlen: int = setting(10_000, "alerts kept per stream (`svqa:{cam}:alerts`), the oldest trimmed")
+    alert_frame_ttl_s: int = setting(7 * 24 * 3600, "seconds the frame an alert fired on is kept (7 days)")
+    alert_base_url: str | None = setting(
+        None,
+        "the HTTP API as alert receivers reach it (`http://nvr.lan:8080`): an alert's `frame` is a URL under it;"
+        " none: a path on the API",
+    )
+    mqtt_discovery_prefix: str | None = setting(
+        "homeassistant", "Home Assistant MQTT discovery of alert jobs (binary sensors) under this prefix; none: off"
+    )
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -24,3 +35,7 @@ class QAConfig(ModelSettings):
             raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
         if self.claim_idle_ms < 5 * self.block_ms:
             raise ValueError("claim_idle_ms must be well above block_ms")
+        if self.alerts_maxlen < 1 or self.alert_frame_ttl_s < 1:
+            raise ValueError("alerts_maxlen and alert_frame_ttl_s must be at least 1")
+        if self.alert_base_url and urlsplit(self.alert_base_url).scheme not in ("http", "https"):
+            raise ValueError(f"alert_base_url must be an http(s) URL, got {self.alert_base_url!r}")

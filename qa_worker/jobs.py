@@ -27,16 +27,15 @@ from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
+from common.wire.alerts import Alert, frame_path
 from common.wire.transcript import Cue, cues_of, render_transcript
-from qa_worker.alerts import YES_NO, Alert, Delivery, Gate, p_yes
+from qa_worker.alerts import YES_NO, AlertSettings, Delivery, Gate, State, p_yes
 from qa_worker.subtitles import SUBTITLE_PROMPT, SubtitleTracker, parse_model_output
 
 log = structlog.get_logger()
 
 CAPTION_PROMPT = "Describe what is happening in the video right now in one or two sentences."
 TRANSCRIPT_MAXLEN = 100_000
-ALERTS_MAXLEN = 10_000
-ALERT_FRAME_TTL_S = 7 * 24 * 3600
 IDLE_FLUSH_S = 10.0  # subtitle cues still open close once a stream has had no new version this long
 
 
@@ -99,13 +98,20 @@ class JobRunner:
         transcript_dir: str | None = None,
         frames: redis.Redis | None = None,
         idle_flush_s: float = IDLE_FLUSH_S,
+        alerts: AlertSettings | None = None,
     ):
         self.r, self.lookup, self.answer = r, lookup, answer
+        self.alerts = alerts or AlertSettings()
         self.idle_flush_s = idle_flush_s
         self.frames = frames or r  # where ingest keeps the latest frame; an alert's copy goes beside it
         self.transcript_dir = Path(transcript_dir) if transcript_dir else None
         self.schedules = [Schedule(j, s) for j in jobs for s in streams if j.stream in ("*", s)]
-        self.delivery = Delivery() if any(j.kind == "alert" for j in jobs) else None
+        self.delivery = None
+        if any(j.kind == "alert" for j in jobs):
+            self.delivery = Delivery(discovery_prefix=self.alerts.discovery_prefix)
+            for sched in self.schedules:  # announce each alert job's sensor, off until it fires
+                if sched.job.kind == "alert":
+                    self.delivery.tell(State(sched.stream, sched.job.name, on=False), sched.job.mqtt)
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
             if sched.job.kind == "subtitles":
                 recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
@@ -163,13 +169,16 @@ class JobRunner:
         assert sched.gate is not None and self.delivery is not None and job.prompt
         score = p_yes(self.answer.choose(version, job.prompt, YES_NO))
         bound.debug("alert scored", score=round(score, 4))
+        was_on = not sched.gate.armed
         if not sched.gate.observe(score >= job.threshold, time.monotonic()):
+            if was_on and sched.gate.armed:  # the answer turned back to no: the sensor goes off
+                self.delivery.tell(State(sched.stream, job.name, on=False), job.mqtt)
             return
         alert_id = Alert.new_id()
         frame = keys.alert_frame(sched.stream, alert_id)
         pipe = self.frames.pipeline(transaction=False)  # a copy: the latest frame is overwritten every second
         pipe.copy(keys.latest_frame(sched.stream), frame)
-        pipe.expire(frame, ALERT_FRAME_TTL_S)
+        pipe.expire(frame, self.alerts.frame_ttl_s)
         copied = pipe.execute()[0]
         alert = Alert(
             id=alert_id,
@@ -182,9 +191,9 @@ class JobRunner:
             t_start=t0,
             t_end=t1,
             at=time.time(),
-            frame=frame if copied else None,
+            frame=self.alerts.base_url.rstrip("/") + frame_path(sched.stream, alert_id) if copied else None,
         )
-        redisio.xadd_capped(self.r, keys.alerts(sched.stream), alert.fields(), ALERTS_MAXLEN)
+        redisio.xadd_capped(self.r, keys.alerts(sched.stream), alert.fields(), self.alerts.maxlen)
         metrics.ALERTS.labels(sched.stream, job.name).inc()
         self.delivery.submit(alert, {"webhook": job.webhook, "mqtt": job.mqtt})
         bound.info("alert", alert=alert_id, score=round(score, 4))

@@ -23,6 +23,7 @@ from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.segment_store import open_store
 from common.wire import keys
+from qa_worker.alerts import AlertSettings
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
 from qa_worker.jobs import JobRunner, model_answer
@@ -70,8 +71,18 @@ class QAService:
             max_deliveries=cfg.max_deliveries,
         )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
+        alerts = AlertSettings(
+            cfg.alerts_maxlen, cfg.alert_frame_ttl_s, cfg.alert_base_url or "", cfg.mqtt_discovery_prefix or ""
+        )
         self.jobs = JobRunner(
-            r, versions.get, jobs, served_streams(cfg), model_answer(rt), cfg.transcript_dir, frames=frames
+            r,
+            versions.get,
+            jobs,
+            served_streams(cfg),
+            model_answer(rt),
+            cfg.transcript_dir,
+            frames=frames,
+            alerts=alerts,
         )
         self.router = Router(
             r,

@@ -53,24 +53,47 @@ class Webhook:
 
 
 class Broker:
-    """A mosquitto process on a free loopback port, and a subscriber collecting one topic."""
+    """A mosquitto process on a free loopback port, and a subscriber to every topic: ``messages``
+    are the JSON payloads on ``topic``, ``raw`` every (topic, payload, retain) in order."""
 
     def __init__(self, workdir: Path, topic: str):
         if not os.access(MOSQUITTO, os.X_OK):
             pytest.skip(f"mosquitto not found at {MOSQUITTO}")
         self.port, self.topic, self.messages = free_port(), topic, []
+        self.raw: list[tuple[str, bytes, bool]] = []
         self.conf = workdir / "mosquitto.conf"
         self.conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence false\n")
         self.start()
         self.url = f"mqtt://127.0.0.1:{self.port}/{topic}"
         self.subscriber = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id="test-subscriber")
         subscribed = threading.Event()
-        self.subscriber.on_connect = lambda c, *_: c.subscribe(topic, qos=1)
+        self.subscriber.on_connect = lambda c, *_: c.subscribe("#", qos=1)
         self.subscriber.on_subscribe = lambda *_: subscribed.set()
-        self.subscriber.on_message = lambda _c, _u, msg: self.messages.append(json.loads(msg.payload))
+        self.subscriber.on_message = lambda _c, _u, msg: self._received(msg)
         self._connect(timeout_s=10)
         self.subscriber.loop_start()
         assert subscribed.wait(10), "mosquitto subscription not acknowledged"
+
+    def _received(self, msg: mqtt.MQTTMessage) -> None:
+        self.raw.append((msg.topic, msg.payload, bool(msg.retain)))
+        if msg.topic == self.topic:
+            self.messages.append(json.loads(msg.payload))
+
+    def retained(self, pattern: str, count: int, timeout_s: float = 10.0) -> dict[str, bytes]:
+        """What a subscriber that comes now reads on ``pattern``: the retained messages (waits for
+        ``count`` of them, at most ``timeout_s``)."""
+        got: dict[str, bytes] = {}
+        client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2)
+        client.on_connect = lambda c, *_: c.subscribe(pattern, qos=1)
+        client.on_message = lambda _c, _u, msg: got.__setitem__(msg.topic, msg.payload) if msg.retain else None
+        client.connect("127.0.0.1", self.port)
+        client.loop_start()
+        deadline = time.monotonic() + timeout_s
+        while len(got) < count and time.monotonic() < deadline:
+            time.sleep(0.02)
+        client.loop_stop()
+        client.disconnect()
+        return dict(got)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(

@@ -19,7 +19,8 @@ from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.wire import keys
-from qa_worker.alerts import Alert, Delivery, Gate, Retry, p_yes
+from common.wire.alerts import Alert, alert_payload, frame_path
+from qa_worker.alerts import AlertSettings, Delivery, Gate, Retry, p_yes
 from qa_worker.jobs import JobRunner
 from tests.alerting import broker, webhook
 
@@ -81,7 +82,7 @@ def test_webhook_that_fails_twice_gets_the_same_alert_three_times(tmp_path):
     assert (deliveries("webhook", "delivered"), deliveries("webhook", "failed")) == (before[0] + 1, before[1])
     assert [body["id"] for _, body in hook.requests] == [a.id] * 3
     assert [h["Idempotency-Key"] for h, _ in hook.requests] == [a.id] * 3
-    assert hook.accepted == [json.loads(a.payload())]
+    assert hook.accepted == [a.payload()]
 
 
 def test_a_dead_receiver_gives_up_after_the_attempts_and_never_blocks_submit(tmp_path):
@@ -130,22 +131,42 @@ def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
 
 
-def test_alert_job_writes_entries_with_a_frame_copy_and_delivers(rt, redis_url):
+def test_the_api_webhook_and_mqtt_tell_an_alert_in_one_json_shape():
+    """Numbers as numbers (Redis keeps strings), the frame as a URL, the time also in ISO 8601:
+    what /api/alerts answers from a stored entry is what the webhook and MQTT were sent."""
+    a = Alert(
+        "a1", "cam1", "door", "Is the door open?", 0.93, 0.5, 7, 0.0, 2.0, 1764288000.25, frame_path("cam1", "a1")
+    )
+    told = alert_payload(a.fields())
+    assert told == json.loads(json.dumps(a.payload()))
+    assert told["score"] == 0.93 and told["version"] == 7 and isinstance(told["t_end"], float)
+    assert told["frame"] == "/api/streams/cam1/alerts/a1/frame.jpg"
+    assert told["at_iso"] == "2025-11-28T00:00:00.250+00:00"
+    # stored before frames were URLs: the Redis key of the copy becomes its URL; no frame: null
+    old = a.fields() | {"frame": keys.alert_frame("cam1", "a1")}
+    assert alert_payload(old)["frame"] == told["frame"]
+    assert alert_payload(a.fields() | {"frame": ""})["frame"] is None
+
+
+def test_alert_job_writes_entries_with_a_frame_copy_and_delivers(rt, redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
     grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
     engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
     r.hset(keys.latest_frame("cam1"), mapping={"jpeg": b"\xff\xd8jpeg", "seq": 7, "ts": 3.5})
-    with webhook() as hook:
+    settings = AlertSettings(frame_ttl_s=600, base_url="http://nvr.lan:8080/")
+    with webhook() as hook, broker(tmp_path, "site/alerts") as mq:
         job = Job(
             name="door", stream="cam1", kind="alert", prompt="Is the door open?", every_versions=1, cooldown_s=0.0,
-            webhook=hook.url,
+            webhook=hook.url, mqtt=mq.url,
         )  # fmt: skip
         scorer = Scorer(yes_on={2, 3, 5})
-        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], scorer)
+        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], scorer, alerts=settings)
         for i in range(5):
             engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5], [2 * i, 2 * i + 1])
             assert runner.run_due() == 1
         runner.flush()
+        retained = mq.retained("#", count=3)
+        states = [p for t, p, _ in mq.raw if t == "site/alerts/cam1/door"]
     assert [q for _, q, _ in scorer.asked] == ["Is the door open?"] * 5
     assert scorer.asked[0][2] == ("yes", "no")
     entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.alerts("cam1"))]
@@ -153,6 +174,18 @@ def test_alert_job_writes_entries_with_a_frame_copy_and_delivers(rt, redis_url):
     assert [int(e["version"]) for e in entries] == [2, 5]
     assert all(float(e["score"]) > 0.9 and e["job"] == "door" for e in entries)
     assert float(entries[0]["t_start"]) == 0.0 and float(entries[0]["t_end"]) == 1.5
-    for e in entries:
-        assert r.hget(e["frame"], "jpeg") == b"\xff\xd8jpeg" and r.ttl(e["frame"]) > 0
-    assert [a["id"] for a in hook.accepted] == [e["id"] for e in entries]
+    for e in entries:  # the frame: a URL under the API's address, served from the copy (alert_frame_ttl_s)
+        assert e["frame"] == f"http://nvr.lan:8080/api/streams/cam1/alerts/{e['id']}/frame.jpg"
+        copy = keys.alert_frame("cam1", e["id"])
+        assert r.hget(copy, "jpeg") == b"\xff\xd8jpeg" and 0 < r.ttl(copy) <= 600
+    assert [a["id"] for a in hook.accepted] == [m["id"] for m in mq.messages] == [e["id"] for e in entries]
+    assert hook.accepted == mq.messages == [alert_payload(e) for e in entries]
+    # the state topic: off at start, on at each alert, off when the answer turned back to no (v4)
+    assert states == [b"OFF", b"ON", b"OFF", b"ON"]
+    # a subscriber that comes later (Home Assistant restarting) reads the sensor, its state and the last alert
+    config = json.loads(retained["homeassistant/binary_sensor/streamvqa/cam1_door/config"])
+    assert config["state_topic"] == "site/alerts/cam1/door" and config["device"]["name"] == "cam1"
+    assert (config["payload_on"], config["payload_off"]) == ("ON", "OFF")
+    assert retained[config["state_topic"]] == b"ON"
+    assert json.loads(retained[config["json_attributes_topic"]]) == alert_payload(entries[-1])
+    assert "site/alerts" not in retained, "the alert events themselves are not retained"

@@ -317,7 +317,10 @@ def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):
     assert [body["id"] for _, body in live.hook.requests] == [alert["id"]] * 3
     assert {headers["Idempotency-Key"] for headers, _ in live.hook.requests} == {alert["id"]}
     assert [a["id"] for a in live.hook.accepted] == [m["id"] for m in live.mq.messages] == [alert["id"]]
-    frame = live.http.get(f"/api/streams/{CAM}/alerts/{alert['id']}/frame.jpg")
+    # one JSON shape for the API, the webhook and MQTT: numbers as numbers, the frame a URL
+    assert live.hook.accepted == live.mq.messages == [alert]
+    assert isinstance(alert["score"], float) and isinstance(alert["version"], int) and alert["at_iso"]
+    frame = live.http.get(alert["frame"])
     assert frame.status_code == 200 and frame.content[:2] == b"\xff\xd8"
     assert "s3cr3t" not in live.services.logs(), "webhook URLs can carry secrets: never logged"
 
