@@ -445,12 +445,26 @@ class ReaderSettings:
 
 
 @dataclass(frozen=True)
-class ModelSettings(GPUSettings, ReaderSettings, ServiceSettings):
-    """Settings of the services that load a model: encoder, qa, worker."""
+class StreamSettings(ServiceSettings):
+    """Settings of a service that serves a set of streams: encoder, qa, worker, recorder."""
 
     streams: tuple[str, ...] = setting(
-        (), "stream names to serve, comma-separated (or every camera of `cameras_file`); leases decide who does"
+        (),
+        "stream (camera) names to serve, comma-separated, or every camera of `cameras_file`; among encoders "
+        "and qa workers, leases decide which one does",
     )
+
+    def __post_init__(self) -> None:
+        for name in self.streams:
+            check_stream_name("streams", name)
+        if not self.streams and not self.cameras_file:
+            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
+
+
+@dataclass(frozen=True)
+class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
+    """Settings of the services that load a model: encoder, qa, worker."""
+
     model: str = setting(DEFAULT_MODEL, "hub id, local path, `tiny-random`, `random-3b`")
     device: str | None = setting(None, "cuda, cpu, ...", shown="cuda when available")
     segment_store: str = setting(
@@ -465,10 +479,7 @@ class ModelSettings(GPUSettings, ReaderSettings, ServiceSettings):
 
     def __post_init__(self) -> None:
         GPUSettings.__post_init__(self)
-        for name in self.streams:
-            check_stream_name("streams", name)
-        if not self.streams and not self.cameras_file:
-            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
+        StreamSettings.__post_init__(self)
 
 
 def _check_name(field: str, v: str) -> None:

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ReaderSettings, ServiceSettings, setting
-from common.wire.schemas import check_stream_name
+from common.config import ReaderSettings, StreamSettings, setting
 
 
 @dataclass(frozen=True)
-class RecorderConfig(ReaderSettings, ServiceSettings):
+class RecorderConfig(ReaderSettings, StreamSettings):
     """`streamvqa recorder`: keeps every camera's frames on disk (the frames log), with retention."""
 
-    streams: tuple[str, ...] = setting((), "cameras to record, comma-separated (or every camera of `cameras_file`)")
     framelog_dir: str = setting(
         "/var/lib/streamvqa/frames", 'the frames log: `<dir>/<cam>/<start_ms>.log` and `.idx` (README "Frames log")'
     )
@@ -35,10 +33,7 @@ class RecorderConfig(ReaderSettings, ServiceSettings):
     )
 
     def __post_init__(self) -> None:
-        for name in self.streams:
-            check_stream_name("streams", name)
-        if not self.streams and not self.cameras_file:
-            raise ValueError("no streams: set streams (SVQA_STREAMS=cam1,cam2) or cameras_file")
+        StreamSettings.__post_init__(self)
         for name in ("framelog_sync_s", "framelog_roll_s", "collect_every_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -8,23 +8,13 @@ default and its help. tests/test_readme.py keeps the README's copy equal to this
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
-from api.config import ApiConfig
-from apps.worker_config import WorkerConfig
+from apps.cli import CONFIGS
 from common.config import default_text
-from encoder_worker.config import EncoderConfig
-from ingest.config import IngestConfig
-from qa_worker.config import QAConfig
-from recorder.config import RecorderConfig
 
-ROLES = {
-    "ingest": IngestConfig,
-    "encoder": EncoderConfig,
-    "qa": QAConfig,
-    "worker": WorkerConfig,
-    "api": ApiConfig,
-    "recorder": RecorderConfig,
-}
+# every service's config class, as `streamvqa` loads it
+ROLES = {role: getattr(importlib.import_module(module), cls) for role, (module, cls) in CONFIGS.items()}
 HEADER = "| setting | services | default | meaning |\n|---|---|---|---|"
 
 
