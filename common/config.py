@@ -424,12 +424,18 @@ class GPUSettings(SchedulerSettings):  # type: ignore[misc,valid-type]
 
 @dataclass(frozen=True)
 class ServiceSettings(RedisSettings):
-    """Settings of the pipeline's services: ingest, encoder, qa, worker."""
+    """Settings of a service that runs until stopped, with metrics and health checks."""
 
     redis_grace_s: float = setting(300.0, "ride out a Redis outage this long, then exit 3")
     metrics_port: int | None = setting(
         None, 'Prometheus metrics and `/health/live`, `/health/ready` on this port (README "Operating it")'
     )
+
+
+@dataclass(frozen=True)
+class CamerasSettings(ServiceSettings):
+    """Settings of a service that reads the cameras file: ingest, encoder, qa, worker, recorder."""
+
     cameras_file: str | None = setting(
         None,
         "cameras and jobs (YAML, above): ingest reads its cameras, encoder and qa serve them as streams, qa "
@@ -445,7 +451,7 @@ class ReaderSettings:
 
 
 @dataclass(frozen=True)
-class StreamSettings(ServiceSettings):
+class StreamSettings(CamerasSettings):
     """Settings of a service that serves a set of streams: encoder, qa, worker, recorder."""
 
     streams: tuple[str, ...] = setting(

@@ -8,12 +8,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import ServiceSettings, setting
+from common.config import CamerasSettings, setting
 from common.wire.schemas import check_stream_name
 
 
 @dataclass(frozen=True)
-class IngestConfig(ServiceSettings):
+class IngestConfig(CamerasSettings):
     """`streamvqa ingest`: reads cameras and files into Redis frame streams."""
 
     url: str | None = setting(
