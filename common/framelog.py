@@ -472,6 +472,11 @@ class CameraWriter:
         """Records appended and not yet committed."""
         return self._pending
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes appended and not yet committed (held in memory until then)."""
+        return len(self._buf) + len(self._ibuf)
+
     def append(self, seq: int, ts: float, payload: bytes, epoch: int = 0) -> bool:
         """Buffer one frame; False (nothing buffered) when it is a frame already logged: a seq not
         after the last one, captured no later (an entry delivered again after a crash)."""

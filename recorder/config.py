@@ -27,7 +27,7 @@ class RecorderConfig(ReaderSettings, StreamSettings):
         'cameras = 1 TB: README "Frames log"); none: no limit',
     )
     collect_every_s: float = setting(60.0, "how often retention runs")
-    read_count: int = setting(64, "frames entries read per camera and step")
+    read_count: int = setting(16, "frames entries read per camera and step")
     consumer: str = setting(
         "recorder", "the recorder's name in the frames' consumer group `rec`: one recorder per frames log"
     )

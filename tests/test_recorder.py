@@ -18,6 +18,7 @@ import pytest
 import redis
 
 from apps.samplevideo import render_frame, write_sample_video
+from common import redisio
 from common.framelog import FrameLog
 from common.wire import keys
 from common.wire.schemas import FIELD, FrameMsg, encode_frame, unpack_frame
@@ -263,3 +264,24 @@ def test_a_second_recorder_on_the_same_log_exits_2_with_one_line(redis_url, serv
     assert second.wait(timeout=30) == 2
     assert "frames log in use by another recorder" in services.logs()
     assert services.start("recorder", "--framelog-dir", str(log_dir)).wait(timeout=30) == 2  # no streams
+
+
+def test_frames_held_for_a_commit_are_bounded_while_catching_up(redis_url, tmp_path, monkeypatch):
+    """A backlog (after an outage) is taken at the pace of commits: what waits for the next one in
+    memory stays under the bound plus one read, however much Redis holds."""
+    from recorder import service
+    from recorder.config import RecorderConfig
+
+    r = redis.Redis.from_url(redis_url)
+    push(r, range(40))
+    one = max(map(len, sent(r).values())) + 68  # the largest frame, with its header and index entry
+    monkeypatch.setattr(service, "MAX_UNCOMMITTED_BYTES", 3 * one)
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(tmp_path), framelog_sync_s=0.3, read_count=4, block_ms=100)
+    rec = service.Recorder(cfg, redisio.connect(redis_url, block_ms=100))
+    rec.open_writers()
+    held = []
+    while unrecorded(r):
+        rec.step()
+        held.append(rec.writers[CAM].pending_bytes)
+    assert max(held) <= 3 * one + 4 * one  # the bound, then at most one read of 4 frames
+    assert logged(tmp_path) == sorted(sent(r).items())
