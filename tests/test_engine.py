@@ -20,7 +20,7 @@ from common.engine.grid import FrameError, Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.offline import offline_answer, offline_prompt
 from common.engine.params import GenerationParams, QuestionError
-from common.engine.positions import next_text_position, text_positions, video_positions
+from common.engine.positions import TemporalStep, next_text_position, text_positions, video_positions
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from tests.engine_helpers import QUESTION, kept_frames, make_frames, stream
@@ -81,20 +81,52 @@ def test_vision_chunked_equals_whole(rt):
 
 
 # -- positions ------------------------------------------------------------------------------------------
+def _step(fps: float) -> TemporalStep:
+    return TemporalStep.for_fps(fps, temporal_patch=2, tokens_per_second=2)
+
+
 def test_positions_reference_values():
     # fps 4: tokens_per_second 2 * (2 frames / 4 fps) = 1 per patch
-    pos = video_positions(10, 0, 2, 1, 2, Fraction(1))
+    pos = video_positions(10, 0, 2, 1, 2, _step(4))
     assert pos.tolist() == [[10, 10, 11, 11], [10, 10, 10, 10], [10, 11, 10, 11]]
-    # fps 3: interval 4/3 -> floor(0, 4/3, 8/3, 4) = 0, 1, 2, 4 (fractional seconds-per-grid kept)
-    assert video_positions(0, 0, 4, 1, 1, Fraction(4, 3))[0].tolist() == [0, 1, 2, 4]
+    # fps 3: interval 4/3 -> 0, 1, 2, 4 (fractional seconds-per-grid kept)
+    assert video_positions(0, 0, 4, 1, 1, _step(3))[0].tolist() == [0, 1, 2, 4]
     # a chunk starting at logical patch 2 continues the same sequence
-    assert video_positions(0, 2, 2, 1, 1, Fraction(4, 3))[0].tolist() == [2, 4]
+    assert video_positions(0, 2, 2, 1, 1, _step(3))[0].tolist() == [2, 4]
     # fps 2.5: interval 8/5 -> 0, 1, 3, 4, 6
-    assert video_positions(0, 0, 5, 1, 1, Fraction(8, 5))[0].tolist() == [0, 1, 3, 4, 6]
+    assert video_positions(0, 0, 5, 1, 1, _step(2.5))[0].tolist() == [0, 1, 3, 4, 6]
     # text after video at max over all three axes + 1
-    assert next_text_position(10, 3, 2, 3, Fraction(4)) == 19  # t max 18
-    assert next_text_position(10, 3, 2, 3, Fraction(1, 2)) == 13  # w max 12 dominates
+    assert next_text_position(10, 3, 2, 3, _step(1)) == 19  # t max 18
+    assert next_text_position(10, 3, 2, 3, _step(8)) == 13  # w max 12 dominates
     assert text_positions(5, 3).tolist() == [[5, 6, 7]] * 3
+
+
+def _release_temporal_index(n_patches: int, fps: float, grid_hw: int) -> torch.Tensor:
+    """The Qwen2.5-VL release's get_rope_index for one video, written out as it is there: the
+    processor stores temporal_patch_size / fps in a float32 tensor, the range times that tensor
+    times tokens_per_second is float32, and .long() truncates it."""
+    second_per_grid_t = torch.tensor([2 / fps])[0]
+    range_tensor = torch.arange(n_patches).view(-1, 1)
+    expanded_range = range_tensor.expand(-1, grid_hw)
+    time_tensor = expanded_range * second_per_grid_t * 2
+    return time_tensor.long().flatten()
+
+
+@pytest.mark.parametrize("fps", [24000 / 1001, 30000 / 1001, 60000 / 1001, 3, 2.5, 25])
+def test_positions_follow_release_float32_over_long_streams(fps):
+    """40,000 patches, streamed in chunks of 3: every temporal position is the release's, where exact
+    fractions part from it by one at some patches past 6,000 at NTSC rates."""
+    n, chunk, start = 40_000, 3, 7
+    want = _release_temporal_index(n, fps, grid_hw=2) + start
+    got = torch.cat([video_positions(start, g, min(chunk, n - g), 1, 2, _step(fps))[0] for g in range(0, n, chunk)])
+    assert torch.equal(got, want)
+    assert next_text_position(start, n, 1, 2, _step(fps)) == int(want.max()) + 1
+
+
+def test_exact_fractions_would_drift_at_ntsc():
+    """The oracle above can fail: exact rational steps differ from the release at 24000/1001."""
+    exact = torch.tensor([math.floor(g * Fraction(4) / Fraction(24000, 1001)) for g in range(40_000)])
+    assert int((exact != _release_temporal_index(40_000, 24000 / 1001, 1)).sum()) > 0
 
 
 def test_engine_positions_match_offline_prompt(rt):

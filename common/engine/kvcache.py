@@ -42,7 +42,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields, replace
-from fractions import Fraction
 
 import numpy as np
 import structlog
@@ -51,7 +50,7 @@ import torch
 from common.engine.eviction import EvictionPolicy
 from common.engine.lm import Item, KVView, LanguageModel
 from common.engine.pool import PoolFull, Region
-from common.engine.positions import next_text_position, shift_temporal, temporal_offset, video_positions
+from common.engine.positions import TemporalStep, next_text_position, shift_temporal, video_positions
 from common.engine.salience import mean_embedding, salience
 from common.engine.spans import capture_ranges
 
@@ -132,7 +131,7 @@ class Version:
     view: KVView
     placements: tuple[Placement, ...]
     video_start: int  # position right after <|vision_start|>
-    interval: Fraction  # temporal position step per patch
+    interval: TemporalStep  # temporal position step per patch
     grid_hw: tuple[int, int]  # merged tokens per patch, (rows, cols)
     next_patch: int  # logical index the next chunk gets
     stats: CacheStats = field(default_factory=CacheStats)
@@ -224,7 +223,7 @@ class StreamCache:
         stream: str,
         policy: EvictionPolicy,
         *,
-        interval: Fraction,
+        interval: TemporalStep,
         grid_hw: tuple[int, int],
         initial_capacity: int = 4096,
     ):
@@ -646,10 +645,8 @@ class StreamCache:
         if p.segment.n_patches == 0:
             return replace(p, offset=offset)
         seg = p.segment
-        t_delta = tuple(
-            temporal_offset(first_patch + k, self.interval) - temporal_offset(seg.first_patch + k, self.interval)
-            for k in range(seg.n_patches)
-        )
+        moved_to = self.interval.offsets(first_patch, seg.n_patches)
+        t_delta = tuple(int(d) for d in moved_to - self.interval.offsets(seg.first_patch, seg.n_patches))
         return Placement(seg, offset, first_patch, t_delta)
 
     def _write_run(self, kv: torch.Tensor, run: _Run | None) -> None:

@@ -9,7 +9,6 @@ memory of the trained model, which is what benchmarks need.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -21,6 +20,7 @@ from transformers import (
 )
 
 from common.engine.names import DEFAULT_MODEL, RANDOM_MODELS
+from common.engine.positions import TemporalStep
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -81,10 +81,9 @@ class LoadedModel:
     def temporal_patch_size(self) -> int:
         return int(self.vision_config.temporal_patch_size)
 
-    def temporal_interval(self, fps: float) -> Fraction:
-        """Temporal M-RoPE step per temporal patch: tokens_per_second * seconds_per_grid, kept exact."""
-        seconds_per_grid = Fraction(self.temporal_patch_size) / Fraction(fps).limit_denominator(1000)
-        return Fraction(self.vision_config.tokens_per_second) * seconds_per_grid
+    def temporal_interval(self, fps: float) -> TemporalStep:
+        """Temporal M-RoPE step per temporal patch: tokens_per_second * seconds_per_grid, as the release rounds it."""
+        return TemporalStep.for_fps(fps, self.temporal_patch_size, int(self.vision_config.tokens_per_second))
 
 
 def build_byte_tokenizer(vocab_size: int, first_special_id: int) -> PreTrainedTokenizerFast:

@@ -3,11 +3,14 @@
 Reference semantics (the Qwen2.5-VL release; transformers <= 5.2). For video start `s` (the
 position right after <|vision_start|>), temporal patch `g` and merged grid cell `(i, j)`:
 
-    t = s + floor(g * tokens_per_second * seconds_per_grid)      h = s + i      w = s + j
+    t = s + trunc(f32(f32(g) * f32(temporal_patch / fps)) * tokens_per_second)      h = s + i      w = s + j
 
-and text after the video starts at (max over all three axes of the video) + 1. Newer
-transformers differ (text restarts at s + max(h, w); fractional intervals were truncated),
-which is why nothing here asks the library for positions.
+and text after the video starts at (max over all three axes of the video) + 1. The temporal
+product is float32 as the release computes it (seconds_per_grid_ts is a float32 tensor, the
+product is truncated by .long()), not exact: at NTSC rates (24000/1001 fps) exact fractions
+part from the release by one at some patches past 6,000. Newer transformers differ (text
+restarts at s + max(h, w); fractional intervals were truncated), which is why nothing here
+asks the library for positions.
 
 Keys are cached *after* rotation. The temporal axis owns its own frequency band (the first
 mrope_section[0] frequencies, mirrored in both halves of the head), so moving cached keys by
@@ -16,9 +19,9 @@ mrope_section[0] frequencies, mirrored in both halves of the head), so moving ca
 
 from __future__ import annotations
 
-import math
-from fractions import Fraction
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -27,31 +30,47 @@ def text_positions(start: int, n: int) -> torch.Tensor:
     return torch.arange(start, start + n, dtype=torch.long).expand(3, n).clone()
 
 
-def temporal_offset(g: int, interval: Fraction) -> int:
-    """floor(g * interval) with exact rational arithmetic (fps 3 gives interval 4/3)."""
-    return math.floor(g * interval)
+@dataclass(frozen=True)
+class TemporalStep:
+    """How far the temporal position moves per temporal patch, in the release's float32 arithmetic."""
+
+    seconds_per_grid: np.float32
+    tokens_per_second: np.float32
+
+    @classmethod
+    def for_fps(cls, fps: float, temporal_patch: int, tokens_per_second: int) -> TemporalStep:
+        # The release's processor divides in Python floats, then stores the quotient as float32.
+        return cls(np.float32(temporal_patch / fps), np.float32(tokens_per_second))
+
+    def offsets(self, first_patch: int, n_patches: int) -> np.ndarray:
+        """Temporal offsets of patches first_patch .. first_patch + n_patches - 1 from the video start."""
+        g = np.arange(first_patch, first_patch + n_patches, dtype=np.int64).astype(np.float32)
+        return (g * self.seconds_per_grid * self.tokens_per_second).astype(np.int64)
+
+    def offset(self, g: int) -> int:
+        return int(self.offsets(g, 1)[0])
 
 
 def video_positions(
-    start: int, first_patch: int, n_patches: int, grid_h: int, grid_w: int, interval: Fraction
+    start: int, first_patch: int, n_patches: int, grid_h: int, grid_w: int, interval: TemporalStep
 ) -> torch.Tensor:
     """(3, n_patches*grid_h*grid_w) positions of merged video tokens in (t, h, w) order.
 
     `grid_h`, `grid_w` count merged tokens (pixels / 28); `first_patch` is the logical index
     of the chunk's first temporal patch within the stream's video block.
     """
-    t = torch.tensor([start + temporal_offset(first_patch + k, interval) for k in range(n_patches)])
+    t = torch.from_numpy(interval.offsets(first_patch, n_patches)) + start
     h = torch.arange(grid_h) + start
     w = torch.arange(grid_w) + start
     tt, hh, ww = torch.meshgrid(t, h, w, indexing="ij")
     return torch.stack([tt, hh, ww]).reshape(3, -1).long()
 
 
-def next_text_position(video_start: int, n_patches: int, grid_h: int, grid_w: int, interval: Fraction) -> int:
+def next_text_position(video_start: int, n_patches: int, grid_h: int, grid_w: int, interval: TemporalStep) -> int:
     """First text position after a video of `n_patches` logical patches starting at `video_start`."""
     if n_patches == 0:
         return video_start
-    t_max = video_start + temporal_offset(n_patches - 1, interval)
+    t_max = video_start + interval.offset(n_patches - 1)
     return max(t_max, video_start + grid_h - 1, video_start + grid_w - 1) + 1
 
 
