@@ -52,4 +52,4 @@ install_debian_packages
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --upgrade pip
 install_torch
-"$VENV/bin/pip" install -q -e ".[test]"
+"$VENV/bin/pip" install -q -e ".[test,demo]"

