@@ -2,7 +2,8 @@
 # Everything `make demo` and `make test` need on a fresh Debian/Ubuntu machine with Python 3.11+:
 # the Debian packages the tests talk to (with sudo when not root), a virtual environment in .venv,
 # torch (the CPU build when there is no NVIDIA GPU), then the project with its test extras.
-# Idempotent: each step is skipped when already done, so `make test` twice costs nothing extra.
+# Idempotent: each step is skipped when already done, so `make test` twice costs nothing extra and
+# prints nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -50,6 +51,15 @@ install_torch() {
 
 install_debian_packages
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+# pip, torch and the project (installed editable: code changes need no reinstall) again only when
+# pyproject.toml, this script or the torch version changed, or the environment is new: a second
+# `make demo` or `make test` goes straight on, saying nothing.
+STAMP="$VENV/.streamvqa-setup"
+WANT="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) torch $TORCH_VERSION"
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
+  exit 0
+fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 install_torch
 "$VENV/bin/pip" install -q -e ".[test,demo]"
+echo "$WANT" > "$STAMP"
