@@ -6,37 +6,76 @@ behind a load balancer, and it needs neither a GPU nor torch.
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import redis.asyncio as aredis
 from fastapi import FastAPI, Query, Request
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from redis.asyncio.cluster import ClusterNode
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from api import ask, chat, errors, guard, replies, streams
+from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
 WEB = Path(__file__).resolve().parent / "web"
+POOL_WAIT_S = 2.0  # a request waits this long for a free pooled connection, then gets 503 busy
 
 
-def connect(cfg: ApiConfig, url: str | None = None) -> aredis.Redis:
+class _Pool(aredis.BlockingConnectionPool):
+    """At most ``max_connections``; a request that waits POOL_WAIT_S for one is refused as busy:
+    redis-py's own "No connection available" is a ConnectionError, which would read "redis unreachable"."""
+
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **kwargs)
+        except aredis.ConnectionError as e:
+            if not isinstance(e.__cause__, TimeoutError):
+                raise
+            raise Busy(
+                f"busy: all {self.max_connections} Redis connections of this API process are in use "
+                "(redis_max_connections)"
+            ) from None
+
+
+def connect(cfg: ApiConfig, url: str | None = None, *, pooled: bool = True) -> aredis.Redis:
     """A client (of ``cfg.redis_url`` unless ``url``) whose socket timeout sits above the longest
-    blocking read (XREAD BLOCK); a cluster client for a redis+cluster:// URL (common.redisio.cluster_nodes)."""
+    blocking read (XREAD BLOCK); a cluster client for a redis+cluster:// URL (common.redisio.cluster_nodes).
+    A command on a connection Redis closed (it restarted) is sent once more on a new one. ``pooled``
+    False: one connection (an answer reader's) instead of up to ``cfg.redis_max_connections``."""
     url = url or cfg.redis_url
-    options = dict(socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S, socket_connect_timeout=5.0)
+    options: dict[str, Any] = dict(
+        socket_timeout=cfg.block_ms / 1000 + SOCKET_MARGIN_S,
+        socket_connect_timeout=5.0,
+        health_check_interval=30,
+    )
+    size = cfg.redis_max_connections if pooled else 1
     cluster = cluster_nodes(url)
     if cluster is None:
-        return aredis.Redis.from_url(url, health_check_interval=30, **options)
+        stale = Retry(NoBackoff(), 1, supported_errors=(aredis.ConnectionError,))
+        pool = _Pool.from_url(url, max_connections=size, timeout=POOL_WAIT_S, retry=stale, **options)
+        return aredis.Redis.from_pool(pool)
     first, nodes = cluster
     startup = [ClusterNode(host, port) for host, port in nodes[1:]]
-    return aredis.RedisCluster.from_url(first, startup_nodes=startup, health_check_interval=30, **options)  # type: ignore[return-value]
+    return aredis.RedisCluster.from_url(  # type: ignore[return-value]
+        first, startup_nodes=startup, max_connections=size, **options
+    )
 
 
 def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await app.state.answers.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="streamvqa",
         version="0.1.0",
         summary="Ask questions about live video.",
@@ -47,6 +86,8 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     # frames and frame pictures (latest frame, alert frames): on their own Redis when one is set
     apart = cfg.frames_redis_url not in (None, cfg.redis_url)
     app.state.frames = connect(cfg, cfg.frames_redis_url) if apart else app.state.r
+    readers = (lambda: connect(cfg, pooled=False), app.state.r, cfg.answer_readers, cfg.block_ms, cfg.max_answers)
+    app.state.answers = AnswerHub(*readers)
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)
     for module in (streams, ask, chat):

@@ -16,9 +16,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import errors, replies
+from api.answers import Subscription
 from api.guard import require_token
 from common.redisio import OUTAGE_ERRORS
-from common.wire.schemas import AnswerDelta, FinalAnswer, Question
+from common.wire.schemas import AnswerDelta, FinalAnswer
 
 router = APIRouter(prefix="/api", tags=["ask"], dependencies=[Depends(require_token)])
 
@@ -48,22 +49,22 @@ async def ask(name: str, body: AskRequest, request: Request):
     at = None if body.at == "latest" else body.at
     options = body.model_dump(exclude={"question", "stream", "at"})
     q = replies.question(name, body.question, at=at, **options)
-    await replies.submit(r, q)
+    sub = await replies.ask(request, q)
     headers = {"X-Question-Id": q.id}
     if body.stream:
         return StreamingResponse(
-            replies.keep_alive(_events(request, q), cfg.keep_alive_s), media_type="text/event-stream", headers=headers
+            replies.keep_alive(_events(request, sub), cfg.keep_alive_s), media_type="text/event-stream", headers=headers
         )
-    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
+    final = await replies.final_of(request, sub)
     if final.error is not None:
         return errors.response(422, final.error, param="question", headers=headers)
     return JSONResponse(replies.final_json(final), headers=headers)
 
 
-async def _events(request: Request, q: Question) -> AsyncIterator[bytes]:
-    r, cfg = request.app.state.r, request.app.state.cfg
+async def _events(request: Request, sub: Subscription) -> AsyncIterator[bytes]:
+    cfg = request.app.state.cfg
     try:
-        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        stream = replies.replies(sub, cfg.answer_timeout_s, cfg.block_ms)
         async for reply, restarted in replies.newest_attempt(stream):
             if restarted:
                 yield replies.sse("restart", {"attempt": reply.attempt})

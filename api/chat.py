@@ -18,6 +18,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from api import errors, replies
+from api.answers import Subscription
 from api.guard import require_token
 from api.streams import stream_names
 from common.engine.params import MIN_TOP_P
@@ -82,12 +83,12 @@ async def chat(body: ChatRequest, request: Request):
     q = replies.question(
         body.model, question_text(body.messages), max_tokens=max_tokens, temperature=body.temperature, top_p=top_p
     )
-    await replies.submit(r, q)
+    sub = await replies.ask(request, q)
     if body.stream:
         return StreamingResponse(
-            replies.keep_alive(_chunks(request, q), cfg.keep_alive_s), media_type="text/event-stream"
+            replies.keep_alive(_chunks(request, q, sub), cfg.keep_alive_s), media_type="text/event-stream"
         )
-    final = await replies.final_of(r, q.id, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected)
+    final = await replies.final_of(request, sub)
     if final.error is not None:
         raise errors.ApiError(422, final.error, param="messages")
     message = {"role": "assistant", "content": final.text}
@@ -115,12 +116,12 @@ def _chunk(q: Question, delta: dict, finish: str | None = None) -> dict:
     return _envelope(q, "chat.completion.chunk") | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
-async def _chunks(request: Request, q: Question) -> AsyncIterator[bytes]:
-    r, cfg = request.app.state.r, request.app.state.cfg
+async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIterator[bytes]:
+    cfg = request.app.state.cfg
     yield replies.sse_data(_chunk(q, {"role": "assistant", "content": ""}))
     sent, current = "", ""  # what the client has; the text of the newest attempt
     try:
-        stream = replies.replies(r, q.id, cfg.answer_timeout_s, cfg.block_ms)
+        stream = replies.replies(sub, cfg.answer_timeout_s, cfg.block_ms)
         async for reply, restarted in replies.newest_attempt(stream):
             if isinstance(reply, AnswerDelta):
                 # OpenAI chunks cannot be taken back: after a restart, send only what goes past the text

@@ -30,6 +30,14 @@ class ApiConfig(ReaderSettings, RedisSettings):
         "a streamed answer sends an SSE comment after this long without an event: a question queued behind "
         "others sends nothing until its first token, and proxies cut idle connections (nginx: 60 s)",
     )
+    redis_max_connections: int = setting(
+        32, "Redis connections one API process's requests share; a request that waits 2 s for one gets 503 busy"
+    )
+    answer_readers: int = setting(
+        2,
+        "Redis connections that read every answer being waited for (api/answers.py): answers hold no pooled connection",
+    )
+    max_answers: int = setting(10_000, "answers one API process waits for at once; past it a question gets 503 busy")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -40,6 +48,9 @@ class ApiConfig(ReaderSettings, RedisSettings):
             raise ValueError(f"answer_timeout_s must be in (0, 3600], got {self.answer_timeout_s}")
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
+        for name in ("redis_max_connections", "answer_readers", "max_answers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.token is not None and len(self.token) < 16:
             raise ValueError("token must be at least 16 characters")
 

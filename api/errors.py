@@ -1,5 +1,10 @@
 """Errors as JSON, one shape everywhere (OpenAI's, so its clients read ours too):
-``{"error": {"message", "type", "param", "code"}}`` with a status code that says what went wrong."""
+``{"error": {"message", "type", "param", "code"}}`` with a status code that says what went wrong
+and ``code`` a string (OpenAI's where it has one: ``model_not_found``, ``invalid_api_key``).
+
+One rule for requests: whatever is wrong with what the client sent (not JSON, no JSON Content-Type,
+a field unknown, missing or of the wrong kind, a value out of range) is 400, naming the field in
+``param`` where there is one. 422 is kept for a question the worker refused."""
 
 from __future__ import annotations
 
@@ -7,13 +12,26 @@ import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import MaxConnectionsError
 from starlette.exceptions import HTTPException
 
+from api.answers import Busy
 from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import SchemaError
 
 log = structlog.get_logger()
 
+_CODES = {
+    400: "invalid_request",
+    401: "invalid_api_key",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    422: "question_refused",
+    499: "client_closed",
+    503: "redis_unreachable",
+    504: "timeout",
+}
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -27,18 +45,32 @@ _TYPES = {
 
 
 class ApiError(HTTPException):
-    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, headers: dict | None = None, code: str | None = None
+    ):
         super().__init__(status, message, headers)
-        self.param = param
+        self.param, self.code = param, code
 
 
-def body(status: int, message: str, param: str | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def body(status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None) -> dict:
+    kind = kind or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    code = code or _CODES.get(status, "server_error" if status >= 500 else "invalid_request")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def response(status: int, message: str, param: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(body(status, message, param), status_code=status, headers=headers)
+def response(
+    status: int, message: str, param: str | None = None, headers: dict | None = None, code: str | None = None
+) -> JSONResponse:
+    return JSONResponse(body(status, message, param, code), status_code=status, headers=headers)
+
+
+def busy(e: Busy | MaxConnectionsError) -> JSONResponse:
+    """503 with Retry-After: the API is well, Redis too; this process holds all it may right now."""
+    retry_after = getattr(e, "retry_after_s", 1)
+    message = str(e) if isinstance(e, Busy) else "busy: all Redis connections of this API process are in use"
+    log.warning("busy", reason=message)
+    content = body(503, message, code="busy", kind="busy")
+    return JSONResponse(content, status_code=503, headers={"Retry-After": str(retry_after)})
 
 
 def schema_error(e: SchemaError) -> ApiError:
@@ -49,26 +81,31 @@ def unavailable(e: Exception) -> dict:
     """The body for a Redis that cannot serve (down, timing out, a cluster without a slot's node):
     503, the same words as /health/ready; the exception's own text may name hosts, so only its kind."""
     log.warning("redis unreachable", error=f"{type(e).__name__}: {e}")
-    return body(503, f"redis unreachable: {type(e).__name__}")
+    return body(503, f"redis unreachable: {type(e).__name__}", code="redis_unreachable")
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return response(e.status_code, str(e.detail), getattr(e, "param", None), e.headers)
+        return response(e.status_code, str(e.detail), getattr(e, "param", None), e.headers, getattr(e, "code", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
         if first.get("type") == "json_invalid":  # loc is ("body", offset): an offset is no field name
             reason = first.get("ctx", {}).get("error", first["msg"])
-            return response(422, f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})")
+            return response(400, f"the body is not valid JSON: {reason} (at character {first['loc'][-1]})")
         if tuple(first["loc"]) == ("body",) and first.get("type") == "missing":  # "Field required", of no field
-            return response(422, "the body is missing: send a JSON object")
+            return response(400, "the body is missing: send a JSON object")
         if tuple(first["loc"]) == ("body",):  # not an object: often `curl -d` without the JSON content type
-            return response(422, "the body must be a JSON object, sent as Content-Type: application/json")
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return response(422, f"{param}: {first['msg']}" if param else first["msg"], param)
+            return response(400, "the body must be a JSON object, sent as Content-Type: application/json")
+        # the field's own name, as OpenAI gives it: "count", not "query.count"
+        param = ".".join(str(p) for p in first["loc"][1:]) or None
+        code = "unknown_parameter" if first.get("type") == "extra_forbidden" else None
+        return response(400, f"{param}: {first['msg']}" if param else first["msg"], param, code=code)
+
+    app.add_exception_handler(Busy, lambda _, e: busy(e))  # type: ignore[arg-type]
+    app.add_exception_handler(MaxConnectionsError, lambda _, e: busy(e))  # type: ignore[arg-type]
 
     async def outage(_: Request, e: Exception) -> JSONResponse:  # not a 500 with a traceback: the API is fine
         return JSONResponse(unavailable(e), status_code=503)

@@ -14,9 +14,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import redis.asyncio as aredis
+from fastapi import Request
 from pydantic import BeforeValidator
 
 from api import errors
+from api.answers import Subscription
 from common import status
 from common.wire import keys
 from common.wire.schemas import (
@@ -72,24 +74,42 @@ async def submit(r: aredis.Redis, q: Question) -> None:
     await r.xadd(keys.QUESTIONS, encode_question(q))
 
 
+async def ask(request: Request, q: Question) -> Subscription:
+    """Read the answer stream from before the question is asked (nothing missed); 503 busy, with
+    nothing queued, when this process holds all the answers it may."""
+    sub = request.app.state.answers.open(q.id, request.app.state.cfg.answer_timeout_s)
+    try:
+        await submit(request.app.state.r, q)
+    except BaseException:
+        sub.close()
+        raise
+    return sub
+
+
 async def replies(
-    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]] | None = None
+    sub: Subscription, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]] | None = None
 ) -> AsyncIterator[AnswerDelta | FinalAnswer]:
     """Deltas as they arrive, then the final answer; TimeoutError if none comes in time. ``gone``
-    (a request's ``is_disconnected``) is asked after each read: True ends the replies, final or not."""
-    deadline, last = time.monotonic() + timeout_s, "0"
-    while (left := deadline - time.monotonic()) > 0:
-        block = max(1, int(min(left * 1000, block_ms)))  # BLOCK 0 would mean forever
-        for _, entries in await r.xread({keys.answer(qid): last}, block=block) or []:
-            for entry_id, fields in entries:
-                last = entry_id
+    (a request's ``is_disconnected``) is asked at least every ``block_ms``: True ends the replies."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                batch = await asyncio.wait_for(sub.queue.get(), min(left, block_ms / 1000))
+            except TimeoutError:
+                batch = []
+            if isinstance(batch, Exception):  # the read failed (Redis went away)
+                raise batch
+            for fields in batch:
                 reply = decode_answer(fields)
                 yield reply
                 if isinstance(reply, FinalAnswer):
                     return
-        if gone is not None and await gone():
-            return
-    raise TimeoutError(f"no final answer for question {qid} within {timeout_s:g} s")
+            if gone is not None and await gone():
+                return
+        raise TimeoutError(f"no final answer for question {sub.qid} within {timeout_s:g} s")
+    finally:
+        sub.close()
 
 
 async def newest_attempt(
@@ -108,13 +128,12 @@ async def newest_attempt(
             yield reply, False
 
 
-async def final_of(
-    r: aredis.Redis, qid: str, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]]
-) -> FinalAnswer:
-    """The final answer. A client that hung up ends the wait (``gone``): nothing else would for a
-    non-streamed response, and each waiter holds a Redis connection for up to ``timeout_s``."""
+async def final_of(request: Request, sub: Subscription) -> FinalAnswer:
+    """The final answer. A client that hung up ends the wait: nothing else would for a
+    non-streamed response, and each waiter holds a subscription for up to ``answer_timeout_s``."""
+    cfg = request.app.state.cfg
     try:
-        async for reply in replies(r, qid, timeout_s, block_ms, gone):
+        async for reply in replies(sub, cfg.answer_timeout_s, cfg.block_ms, request.is_disconnected):
             if isinstance(reply, FinalAnswer):
                 return reply
     except TimeoutError as e:

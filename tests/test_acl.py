@@ -137,6 +137,7 @@ def test_each_role_does_its_job_and_not_anothers(server):
     Placement(encoder, "enc", None, 5000).beat([CAM])
     assert api.smembers(keys.WORKERS) == {b"enc"} and api.hgetall(keys.worker("enc"))
     assert api.xinfo_groups(keys.questions(CAM))
+    assert api.client_unblock(api.client_id()) == 0  # wakes its own answer readers (api/answers.py)
     ingest_job(ingest)
     Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
     encoder_job(worker)

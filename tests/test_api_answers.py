@@ -1,0 +1,126 @@
+"""The API's Redis connections: a restart of Redis, many streamed answers at once, and a busy API.
+
+Real redis-server; the worker is played by a thread that writes answer entries the way workers do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import httpx
+import redis
+
+from api.app import create_app
+from api.config import ApiConfig
+from common.wire import keys
+from common.wire.schemas import FinalAnswer, encode_delta, encode_final
+from tests.pipeline import wait_for
+from tests.test_api import _parse_sse, assert_error
+
+GHOST = {"fps": "2", "height": "56", "width": "56", "live": "0"}
+ME = "test-observer"  # this test's own connections, left out of the API's count
+
+
+def _api(cfg: ApiConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://api", timeout=30)
+
+
+def _answer_all(r: redis.Redis, count: int, seen: list[int]) -> None:
+    """Once ``count`` questions are queued, note the API's connections to Redis in ``seen``, then
+    answer each with two deltas and a final."""
+    wait_for(lambda: r.xlen(keys.QUESTIONS) >= count, 30, f"{count} questions")
+    seen.append(sum(1 for c in r.client_list() if c["name"] != ME))
+    for _, fields in r.xrange(keys.QUESTIONS):
+        qid = fields[b"id"].decode()
+        r.xadd(keys.answer(qid), encode_delta("It is "))
+        r.xadd(keys.answer(qid), encode_delta(qid[:6]))
+        r.xadd(keys.answer(qid), encode_final(FinalAnswer(id=qid, stream="ghost", text=f"It is {qid[:6]}", tokens=2)))
+
+
+def _observer(url: str) -> redis.Redis:
+    r = redis.Redis.from_url(url, client_name=ME)
+    r.hset(keys.meta("ghost"), mapping=GHOST)
+    return r
+
+
+def test_the_next_requests_after_a_redis_restart_succeed(redis_server):
+    """Redis restarts under a running API: its pooled connections and its answer reader's are
+    stale. The next status request and the next streamed answer succeed (were 503 "redis unreachable")."""
+    r = _observer(redis_server.url)
+
+    async def run() -> tuple[list[httpx.Response], list]:
+        async with _api(ApiConfig(redis_url=redis_server.url, answer_timeout_s=20, block_ms=200)) as client:
+            seen: list[int] = []
+            worker = threading.Thread(target=_answer_all, args=(r, 1, seen), daemon=True)
+            worker.start()
+            await client.post("/api/streams/ghost/ask", json={"question": "before"})  # the reader connects
+            worker.join(10)
+            redis_server.stop()
+            redis_server.start()
+            _observer(redis_server.url)
+            statuses = [await client.get(p) for p in ("/api/streams/ghost", "/api/streams", "/v1/models")]
+            worker = threading.Thread(target=_answer_all, args=(_observer(redis_server.url), 1, seen), daemon=True)
+            worker.start()
+            after = await client.post("/api/streams/ghost/ask", json={"question": "after"})
+            worker.join(10)
+            return statuses, _parse_sse(after.text)
+
+    statuses, events = asyncio.run(run())
+    assert [s.status_code for s in statuses] == [200, 200, 200], [s.text for s in statuses]
+    assert events[-1][0] == "final" and events[-1][1]["text"].startswith("It is "), events
+
+
+def test_many_streamed_answers_share_a_few_redis_connections(redis_url):
+    """40 streamed answers at once from an API allowed 4 pooled connections and 2 answer readers:
+    every one gets its own deltas and final, while the API holds at most 6 connections to Redis
+    (each answer held a pooled connection in XREAD BLOCK: past the pool's size, 503s)."""
+    n, cfg = 40, ApiConfig(redis_url=redis_url, redis_max_connections=4, answer_readers=2, answer_timeout_s=30)
+    r = _observer(redis_url)
+    seen: list[int] = []
+
+    async def run() -> list[tuple[str, list]]:
+        async with _api(cfg) as client:
+
+            async def ask(i: int) -> tuple[str, list]:
+                response = await client.post("/api/streams/ghost/ask", json={"question": f"q{i}"})
+                return response.headers["x-question-id"], _parse_sse(response.text)
+
+            return await asyncio.gather(*(ask(i) for i in range(n)))
+
+    worker = threading.Thread(target=_answer_all, args=(r, n, seen), daemon=True)
+    worker.start()
+    answers = asyncio.run(run())
+    worker.join(10)
+    for qid, events in answers:
+        assert [k for k, _ in events] == ["delta", "delta", "final"], events
+        assert "".join(d["text"] for _, d in events[:2]) == events[-1][1]["text"] == f"It is {qid[:6]}"
+    assert seen and seen[0] <= cfg.redis_max_connections + cfg.answer_readers, seen
+
+
+def test_a_busy_api_says_so_with_retry_after_and_queues_nothing(redis_url):
+    """Past max_answers, or with every pooled connection taken for 2 s: 503, code "busy", a
+    Retry-After, and the reason in words (was "redis unreachable: MaxConnectionsError")."""
+    r = _observer(redis_url)
+    cfg = ApiConfig(redis_url=redis_url, max_answers=2, redis_max_connections=1, answer_timeout_s=5, block_ms=200)
+
+    async def run() -> tuple[httpx.Response, httpx.Response]:
+        app = create_app(cfg)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            waiting = [asyncio.create_task(client.post("/api/streams/ghost/ask", json={"question": "x"})) for _ in "ab"]
+            await asyncio.to_thread(wait_for, lambda: r.xlen(keys.QUESTIONS) == 2, 10, "two questions")
+            third = await client.post("/api/streams/ghost/ask", json={"question": "x", "stream": False})
+            for task in waiting:
+                task.cancel()
+            held = await app.state.r.connection_pool.get_connection()  # the only pooled connection
+            try:
+                pooled = await client.get("/api/streams")
+            finally:
+                await app.state.r.connection_pool.release(held)
+            return third, pooled
+
+    third, pooled = asyncio.run(run())
+    for response, why in ((third, "max_answers"), (pooled, "redis_max_connections")):
+        error = assert_error(response, 503, code="busy")
+        assert response.headers["retry-after"] == "1" and why in error["message"], error
+    assert r.xlen(keys.QUESTIONS) == 2, "the refused question was not queued"
