@@ -505,10 +505,9 @@ def test_cudnn_bodies_read_in_place_equal_attention_without_bodies(rt, monkeypat
         return (torch.softmax(scores, -1) @ v.float()).to(q.dtype), torch.logsumexp(scores, -1)
 
     monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", attention)
-    monkeypatch.setattr(lm_module, "BODY_MIN_TOKENS", 256)
-    monkeypatch.setattr(lm_module, "BODY_BUCKET", 128)
     monkeypatch.setattr(lm_module, "_body_splits", lambda *_: splits)
     lm = rt.lm
+    monkeypatch.setattr(lm, "bodies", lm_module.BodyPolicy(min_tokens=256, bucket=128))
     torch.manual_seed(3)
     n, ats = 64, [300, 420, 260, 520]
     regions = [rt.pool.alloc(at + n) for at in ats]

@@ -416,7 +416,7 @@ def test_cudnn_body_attention_equals_exact_attention():
     bodies = ((5000, 4096, n), (100, 8192, n), (20000, 4096, n), (12000, 8192, n))  # (first slot, tokens, rows)
     q = torch.randn(len(bodies) * n, heads, hd, device="cuda", dtype=torch.bfloat16)
     layer = torch.randn(2, kv_heads, 30000, hd, device="cuda", dtype=torch.bfloat16)
-    splits = lm_module._body_splits(torch.device("cuda"), n, heads, kv_heads)
+    splits = lm_module._body_splits(torch.device("cuda"), n, heads, kv_heads, lm_module.BodyPolicy())
     assert splits > 1  # a few rows over long bodies: cut into pieces to fill the GPU
     out, lse = lm_module.cudnn_body_attention(q, layer, bodies, splits, hd**-0.5)
     assert out.shape[0] == lse.shape[0] == splits * q.shape[0]
@@ -441,8 +441,7 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
     lm = rt.lm
     if not lm.cudnn:
         pytest.skip(f"cuDNN attention does not run at head_dim {lm.head_dim} here")
-    monkeypatch.setattr(lm_module, "BODY_MIN_TOKENS", 1024)
-    monkeypatch.setattr(lm_module, "BODY_BUCKET", 512)
+    monkeypatch.setattr(lm, "bodies", lm_module.BodyPolicy(min_tokens=1024, bucket=512))
     torch.manual_seed(1)
     n, ats = 64, [1300, 1500, 1100, 1900]
     regions = [rt.pool.alloc(at + n) for at in ats]

@@ -182,7 +182,7 @@ def test_warm_up_caches_lie_in_one_extent_as_serving_caches_do(rt, monkeypatch):
     assert warmup.warm_up(rt, long_tokens=long_tokens) > 0
     first = [e for e in made if not e.spec.name.startswith("warm-up-evict")]
     evicting = [e for e in made if e.spec.name.startswith("warm-up-evict")]
-    assert len(first) == len(evicting) == warmup.BODY_MIN_ITEMS
+    assert len(first) == len(evicting) == rt.lm.bodies.min_items
     for e in first:
         assert e.head.stats.evictions == 0 and e.head.tokens > long_tokens and len(e.head.chunks) == 2
         assert len(e.head.view.extents) == 1, "one extent, like a serving cache"

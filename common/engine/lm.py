@@ -48,17 +48,25 @@ SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
 # (decode_attention.py) where Triton is: a program per piece and KV head, no copies, no combine of
 # flash's own (A/B runs with either off, when both were switches: docs/BENCHMARKS-history.md)
 DECODE_BLOCKS_PER_SM = 8  # pieces x KV heads x rows per SM: several waves, so the last one is short
-# Chunk prefill over a long cache: the cache's "body" (all but its last < BODY_BUCKET tokens) goes
-# through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
-# 32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
-# builds a graph per shape (~50 ms), so bodies are whole buckets: one graph per (rows, bucket),
-# each built once. Each chunk's body is read where it lies in the pool, cut into a few pieces
-# along the keys so that one chunk's call fills the GPU (64 thread blocks a chunk and piece).
-BODY_MIN_TOKENS = 8192
-BODY_BUCKET = 4096
-BODY_MIN_ITEMS = 4
-BODY_MIN_ROWS = 64
-BODY_MAX_SPLITS = 4
+
+
+@dataclass(frozen=True)
+class BodyPolicy:
+    """Chunk prefill over a long cache: the cache's "body" (all but its last < `bucket` tokens) goes
+    through cuDNN's attention, ~1.75x flash's rate on Hopper (640 vs 364 TFLOP/s at 16 chunks over
+    32K), the rest and the chunk's own causal part through flash, merged by log-sum-exp. cuDNN
+    builds a graph per shape (~50 ms), so bodies are whole buckets: one graph per (rows, bucket),
+    each built once. Each chunk's body is read where it lies in the pool, cut into a few pieces
+    along the keys so that one chunk's call fills the GPU (64 thread blocks a chunk and piece).
+    Where cuDNN's attention does not run (a CPU, an old GPU), chunks read their whole cache
+    through flash. The engine's setting (`LanguageModel.bodies`): sizes that pay on an H200;
+    tests shrink them to reach the path with short caches."""
+
+    min_tokens: int = 8192  # a cache shorter than this has no body
+    bucket: int = 4096  # bodies are whole buckets
+    min_items: int = 4  # chunks in the batch, at least
+    min_rows: int = 64  # new tokens of each chunk, at least
+    max_splits: int = 4  # pieces one body is cut into, at most
 
 
 @dataclass(frozen=True)
@@ -211,7 +219,8 @@ class LanguageModel:
         self.dtype = loaded.dtype
         self.pool = pool
         self.flash = self.device.type == "cuda" and self.dtype in (torch.float16, torch.bfloat16)
-        self.cudnn = self.flash and CUDNN_BODIES and _cudnn_attention_works(self.device, self.dtype, self.head_dim)
+        self.bodies = BodyPolicy()
+        self.cudnn = self.flash and _cudnn_attention_works(self.device, self.dtype, self.head_dim)
         self.decode_kernel, self.decode_combine = _decode_kernels(self.head_dim) if self.flash else (None, None)
         with torch.no_grad():
             self.weights = [_LayerWeights.of(layer) for layer in self.layers]
@@ -300,7 +309,7 @@ class LanguageModel:
         piece_spans = {key: self._piece_spans(pack, host, row) for key, host in pieces.items()}
         body_span = None
         if bodies:
-            splits = _body_splits(self.device, min(it.n for it in items), self.n_heads, self.n_kv_heads)
+            splits = _body_splits(self.device, min(it.n for it in items), self.n_heads, self.n_kv_heads, self.bodies)
             body_span = (
                 items[0].dest.slab,
                 splits,
@@ -325,16 +334,17 @@ class LanguageModel:
     # whole bases made flash split each base less (attention at 32 questions: 9.6 -> 10.4 ms).
 
     def _bodies(self, items: list[Item]) -> list[int] | None:
-        """Tokens of each item's cache that cuDNN reads (see BODY_MIN_TOKENS), or None: only for a
+        """Tokens of each item's cache that cuDNN reads (see BodyPolicy), or None: only for a
         batch of enough chunks (no base) of one slab, each after a long cache, so that every row
         has a body and the merge stays stacked."""
-        if not self.cudnn or len(items) < BODY_MIN_ITEMS:
+        if not self.cudnn or len(items) < self.bodies.min_items:
             return None
         slab = items[0].dest.slab
-        if any(it.base is not None or it.since or it.n < BODY_MIN_ROWS or it.dest.slab != slab for it in items):
+        if any(it.base is not None or it.since or it.n < self.bodies.min_rows or it.dest.slab != slab for it in items):
             return None
-        bodies = [it.at // BODY_BUCKET * BODY_BUCKET for it in items]
-        return bodies if min(bodies) >= BODY_MIN_TOKENS else None
+        bucket = self.bodies.bucket
+        bodies = [it.at // bucket * bucket for it in items]
+        return bodies if min(bodies) >= self.bodies.min_tokens else None
 
     def _piece_spans(self, pack: _Packer, host: list[tuple[int, int, int, int]], n_rows: int) -> PieceSpans:
         # column by column (a decode step of 8 questions plans 520 pieces, in Python, every step)
@@ -526,14 +536,16 @@ def _cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)[:2]
 
 
-def _body_splits(device: torch.device, rows: int, heads: int, kv_heads: int) -> int:
+def _body_splits(device: torch.device, rows: int, heads: int, kv_heads: int, bodies: BodyPolicy) -> int:
     """Pieces the body of an item of `rows` query rows is cut into: cuDNN runs a thread block per
     KV head, 128 packed query rows (GQA heads as rows) and piece; enough pieces for about one
-    block per SM (2 for a 448² chunk on an H200), a power of two that divides BODY_BUCKET."""
+    block per SM (2 for a 448² chunk on an H200), a power of two that divides the bucket."""
     blocks = kv_heads * -(-rows * heads // kv_heads // 128)
     n_sm = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     splits = 1
-    while splits < BODY_MAX_SPLITS and blocks * splits * 2 <= n_sm + blocks // 2 and BODY_BUCKET % (splits * 2) == 0:
+    while splits < bodies.max_splits and bodies.bucket % (splits * 2) == 0:
+        if blocks * splits * 2 > n_sm + blocks // 2:
+            break
         splits *= 2
     return splits
 
@@ -543,14 +555,13 @@ def _cudnn_attention_works(device: torch.device, dtype: torch.dtype, head_dim: i
     from a pool-like layer) at this head size (else flash only)."""
     try:
         q = torch.zeros(64, 2, head_dim, device=device, dtype=dtype)
-        layer = torch.zeros(2, 1, 2 * BODY_BUCKET, head_dim, device=device, dtype=dtype)
-        cudnn_body_attention(q, layer, ((BODY_BUCKET // 2, BODY_BUCKET, 64),), _body_splits(device, 64, 2, 1), 1.0)
+        bodies = BodyPolicy()
+        layer = torch.zeros(2, 1, 2 * bodies.bucket, head_dim, device=device, dtype=dtype)
+        splits = _body_splits(device, 64, 2, 1, bodies)
+        cudnn_body_attention(q, layer, ((bodies.bucket // 2, bodies.bucket, 64),), splits, 1.0)
     except RuntimeError:
         return False
     return True
-
-
-CUDNN_BODIES = True  # off: chunks read their whole cache through flash
 
 
 def _base_pieces(row: int, n: int, base: KVView, split: int) -> dict[int, list[tuple[int, int, int, int]]]:

@@ -25,9 +25,6 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.frames import patchify, stack_frames
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import (
-    BODY_BUCKET,
-    BODY_MIN_ITEMS,
-    BODY_MIN_TOKENS,
     SPLIT_KV_MIN_TOKENS,
     _body_splits,
     cudnn_body_attention,
@@ -49,7 +46,7 @@ def warm_up(rt: Runtime, long_tokens: int | None = None, max_chunks: int = 8) ->
     every batch size up to it)."""
     t0 = time.perf_counter()
     if long_tokens is None:  # long caches only where their own paths exist (flash: split-KV and cuDNN bodies)
-        long_tokens = max(BODY_MIN_TOKENS, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
+        long_tokens = max(rt.lm.bodies.min_tokens, SPLIT_KV_MIN_TOKENS) if rt.lm.flash else 0
     patches = math.ceil(long_tokens / GRID.tokens_per_patch) + 1
     frames = list(np.random.default_rng(0).integers(0, 256, (4, GRID.height, GRID.width, 3), dtype=np.uint8))
     # A budget for everything the warm-up gives a stream, so that, like a serving stream's, its cache
@@ -59,7 +56,9 @@ def warm_up(rt: Runtime, long_tokens: int | None = None, max_chunks: int = 8) ->
     chunk_patches = math.ceil(len(frames) / rt.loaded.temporal_patch_size)
     budget = len(rt.prefix_ids()) + (patches + chunk_patches) * GRID.tokens_per_patch
     policy = EvictionPolicy(max_cache_tokens=budget)
-    engines = [StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4), policy) for i in range(BODY_MIN_ITEMS)]
+    engines = [
+        StreamEngine(rt, StreamSpec(f"warm-up-{i}", 2.0, GRID, 4), policy) for i in range(rt.lm.bodies.min_items)
+    ]
     _question_steps(rt, [e.head for e in engines])  # short caches: one piece per base
     for engine in engines:  # a cache at once, from made-up embeddings
         embeds = torch.zeros(patches * GRID.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.device)
@@ -96,8 +95,8 @@ def _cudnn_bodies(rt: Runtime, rows: int, up_to: int = GRAPH_BASE_TOKENS) -> Non
         return
     lm, layer = rt.lm, rt.pool.slabs[0][0]
     q = torch.zeros(rows, lm.n_heads, lm.head_dim, device=rt.device, dtype=lm.dtype)
-    splits = _body_splits(rt.device, rows, lm.n_heads, lm.n_kv_heads)
-    for length in range(BODY_MIN_TOKENS, min(up_to, layer.shape[2]) + 1, BODY_BUCKET):
+    splits = _body_splits(rt.device, rows, lm.n_heads, lm.n_kv_heads, lm.bodies)
+    for length in range(lm.bodies.min_tokens, min(up_to, layer.shape[2]) + 1, lm.bodies.bucket):
         cudnn_body_attention(q, layer, ((0, length, rows),), splits, 1.0)
 
 
@@ -110,7 +109,9 @@ def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
     3 of 5 64-camera runs (H200). `budget` keeps a shortened cache long enough for the cuDNN body,
     as a 32K camera's is."""
     policy = EvictionPolicy(max_cache_tokens=len(rt.prefix_ids()) + budget)
-    engines = [StreamEngine(rt, StreamSpec(f"warm-up-evict-{i}", 2.0, GRID, 4), policy) for i in range(BODY_MIN_ITEMS)]
+    engines = [
+        StreamEngine(rt, StreamSpec(f"warm-up-evict-{i}", 2.0, GRID, 4), policy) for i in range(rt.lm.bodies.min_items)
+    ]
     chunk_tokens = 2 * GRID.tokens_per_patch
     for engine in engines:
         while engine.head.tokens + chunk_tokens <= policy.max_cache_tokens:
