@@ -10,6 +10,9 @@ happens, then shuts down everything it started.
 from __future__ import annotations
 
 import argparse
+import io
+import json
+import sys
 import tempfile
 import threading
 import time
@@ -39,19 +42,35 @@ def say(text: str = "") -> None:
 
 
 def pick_model(name: str, device: str | None):
-    """The real model when its weights can be loaded; otherwise tiny-random, said loudly."""
+    """The real model when its weights can be loaded; otherwise tiny-random, said loudly, with
+    why in plain words (the service's one JSON line for operators would come first otherwise)."""
     if name != "tiny-random":
+        said = io.StringIO()
+        configure_logging("WARNING", stream=said)
         try:
-            return load_runtime(name, device)  # exits 4 at once when no weights can be had
+            rt = load_runtime(name, device)  # exits 4 at once when no weights can be had
+            sys.stderr.write(said.getvalue())  # warnings of a load that worked, as they came
+            return rt
         except SystemExit:
             say("=" * 78)
-            say(f"  Could not load {name} (no weights here and no network to fetch them).")
+            say(f"  Could not load {name}: {why_unusable(said.getvalue())}.")
             say("  Falling back to `tiny-random`: a random-weight model. ITS ANSWERS ARE MEANINGLESS;")
             say("  the demo still shows the real pipeline. For real answers run with")
             say("  --model Qwen/Qwen2.5-VL-3B-Instruct on a machine that can download it,")
             say("  or --model /path/to/a/local/Qwen2.5-VL checkout.")
             say("=" * 78)
+        finally:
+            configure_logging("WARNING")
     return load_runtime("tiny-random", device)
+
+
+def why_unusable(logged: str) -> str:
+    """The reason in the "model unusable at start" line: the error, or the last source tried."""
+    for line in reversed(logged.splitlines()):
+        record = json.loads(line) if line.startswith("{") else {}
+        if record.get("event") == "model unusable at start":
+            return record.get("error") or (record.get("tried") or ["no weights here"])[-1]
+    return "no weights here and no network to fetch them"
 
 
 def main(argv: list[str]) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import signal
 import socket
@@ -173,7 +174,8 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
     policy = gpu.schedule_policy()
     if policy.join_during_encode:  # questions start beside encode steps: see pool.py
         rt.pool.defer_frees()
-    stall_watch = StallWatch()
+    # on a CPU every encode step takes seconds: a slow step says nothing there
+    stall_watch = StallWatch() if rt.device.type == "cuda" else StallWatch(slow_s=math.inf)
     scheduler = Scheduler(
         policy,
         on_step=stall_watch.on_step,

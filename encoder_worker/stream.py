@@ -229,7 +229,9 @@ class OwnedStream:
         lag = time.time() - frames[-1].ts if self.live else None
         if lag is not None:
             metrics.ENCODER_LAG.labels(self.name).set(lag)
-        log.info(
+        # one a chunk: on a GPU, where scripts/probes/encode_steps.py reads how steps batched them;
+        # on a CPU, where chunks are few and slow, only a debug line
+        (log.info if self.engine.rt.device.type == "cuda" else log.debug)(
             "version published",
             stream=self.name,
             version=version.id,
