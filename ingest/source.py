@@ -117,45 +117,52 @@ class Source:
         if self.resume_at == FINISHED:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
-        delay = self.cfg.reconnect_min_s
-        failures = 0  # reopens since a session last delivered a frame: what max_reconnects bounds
-        finished = False
-        while not self.stop.is_set():
-            published = self.stats.published
+        # the backoff, and the reopens since a session last delivered a frame (what max_reconnects bounds)
+        self._delay, self._failures = self.cfg.reconnect_min_s, 0
+        finished: bool | None = None
+        while finished is None and not self.stop.is_set():
             try:
-                finished = self._run_once()
-                if not self.live:
-                    break
-                delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
-            except SourceError as e:
-                self.event("error", error=str(e))
-                if not self.live:
-                    break
+                finished = self._session()
             except redisio.OUTAGE_ERRORS as e:  # wait for Redis, then reopen and go on where we were
                 redisio.ride_out(self.r, e, self.cfg.redis_grace_s, self.stop)
                 if self.frames is not self.r:  # it may have been the frames Redis that went away
                     redisio.call_riding_out(self.frames, self.frames.ping, self.stop, self.cfg.redis_grace_s)
                 self.resume_at = self.last_at
-                continue
-            if self.stats.published > published:
-                # The source worked until this outage: back off from the start again, or a camera
-                # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
-                delay, failures = self.cfg.reconnect_min_s, 0
-            failures += 1
-            self.stats.reconnects += 1
-            metrics.RECONNECTS.labels(self.spec.stream).inc()
-            if self.cfg.max_reconnects is not None and failures > self.cfg.max_reconnects:
-                self.event("gave_up", reconnects=self.stats.reconnects)
-                break
-            wait = delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
-            self.event("reconnecting", in_s=f"{wait:.2f}", attempt=failures)
-            self.stop.wait(wait)
-            delay = min(delay * 2, self.cfg.reconnect_max_s)
         if not self.live and finished:  # interrupted files resume later instead of ending
             end = EndOfStream(self.next_seq - 1)
             redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
-            self.event("eof", frames=self.stats.published, decode_errors=self.stats.decode_errors)
+            eof = {"frames": self.stats.published, "decode_errors": self.stats.decode_errors}
+            redisio.call_riding_out(self.r, lambda: self.event("eof", **eof), self.stop, self.cfg.redis_grace_s)
         return 0 if self.stats.published or self.next_seq > 0 else 1
+
+    def _session(self) -> bool | None:
+        """One open of the source and, live, the wait before the next: None to go on, else whether
+        the source was read to its end. Every Redis call of a session is in here, events included:
+        an outage anywhere in it is ridden out by `run`, never taken for a fault of the source."""
+        published = self.stats.published
+        finished = False
+        try:
+            finished = self._run_once()
+            self._delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
+        except SourceError as e:
+            self.event("error", error=str(e))
+        if not self.live:
+            return finished
+        if self.stats.published > published:
+            # The source worked until this outage: back off from the start again, or a camera
+            # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
+            self._delay, self._failures = self.cfg.reconnect_min_s, 0
+        self._failures += 1
+        self.stats.reconnects += 1
+        metrics.RECONNECTS.labels(self.spec.stream).inc()
+        if self.cfg.max_reconnects is not None and self._failures > self.cfg.max_reconnects:
+            self.event("gave_up", reconnects=self.stats.reconnects)
+            return False
+        wait = self._delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
+        self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self._failures)
+        self.stop.wait(wait)
+        self._delay = min(self._delay * 2, self.cfg.reconnect_max_s)
+        return None
 
     def _run_once(self) -> bool:
         """One open-to-close session; True when the source reached its end."""
@@ -205,8 +212,8 @@ class Source:
             self._alive_at = time.monotonic()
             if item is _END:
                 return True
-            if isinstance(item, Exception):
-                raise item if isinstance(item, SourceError) else SourceError(str(item))
+            if isinstance(item, Exception):  # a Redis outage (a decode_error event) stays an outage
+                raise item if isinstance(item, (SourceError, *redisio.OUTAGE_ERRORS)) else SourceError(str(item))
             frame: DecodedFrame = item
             if not self.live and (frame.epoch, frame.pts) <= self.resume_at:
                 continue  # already published before a restart (pts alone repeats after a clock restart)
@@ -229,7 +236,13 @@ class Source:
     def _take(self, frames: queue.Queue) -> object:
         """The decoder's next item; SourceError once the source stalled: nothing decoded for
         read_timeout_s, or frames decoded but none kept for read_timeout_s plus two sampling
-        intervals (a clock that stands still yields decoded frames and never the next slot)."""
+        intervals (a clock that stands still yields decoded frames and never the next slot).
+        An item already waiting is taken first: the decoder waited on us (on a Redis outage, on
+        the encoder's backlog), which is no stall of the source however long it took."""
+        try:
+            return frames.get_nowait()
+        except queue.Empty:
+            pass
         rt = self.cfg.read_timeout_s
         kept_by = time.monotonic() + rt + 2 / self.spec.fps
         while (left := min(self._alive_at + rt, kept_by) - time.monotonic()) > 0:

@@ -8,12 +8,15 @@ their lease, encode every frame at most once, and answer a question asked before
 from __future__ import annotations
 
 import json
+import signal
 import time
 
+import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
+from common.wire.schemas import EndOfStream, decode_frame
 from qa_worker.client import Client
 from tests.pipeline import Services, chunk_frames_in_history, head, reading_questions, wait_for
 
@@ -76,5 +79,74 @@ def test_past_the_grace_period_every_service_exits_3(aof_redis_server, tmp_path)
             log = (tmp_path / f"{n}-{list(procs).index(n)}.log").read_text().splitlines()
             gone = [json.loads(x) for x in log if "grace period" in x]
             assert len(gone) == 1 and gone[0]["level"] == "error", f"{n}: {log[-5:]}"
+    finally:
+        services.stop_all()
+
+
+# -- ingest reading a file (backpressure, no pacing) --------------------------------------------------------
+FILE_FRAMES = 20  # a 10 s clip sampled at 2 fps
+
+
+def _file_ingest(server, tmp_path, **env: str):
+    """An ingest subprocess reading a real file, held back by its backlog (4 frames) until the test,
+    playing the encoder, takes them; its read watchdog at 1 s, well inside the outages below."""
+    video = write_sample_video(str(tmp_path / "clip.mp4"), seconds=10, fps=10, width=160, height=120)
+    r = redis.Redis.from_url(server.url)
+    r.xgroup_create(keys.frames(CAM), keys.ENCODER_GROUP, id="0", mkstream=True)
+    services = Services(server.url, tmp_path, SVQA_MAX_BACKLOG="4", SVQA_READ_TIMEOUT_S="1", **env)
+    proc = services.start("ingest", "--url", video, "--stream", CAM, "--fps", "2")
+    wait_for(lambda: r.xlen(keys.frames(CAM)) >= 4, 60, "the backlog filled", services)
+    return r, services, proc
+
+
+def _take_to_the_end(r: redis.Redis, services: Services, proc) -> tuple[list[int], EndOfStream]:
+    """Read and ack every frames entry as the encoder would, until the end-of-stream marker."""
+    seqs: list[int] = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        exited = proc.poll() is not None  # read once more after it exits: its last entries
+        got = r.xreadgroup(keys.ENCODER_GROUP, "test", {keys.frames(CAM): ">"}, count=8, block=200)
+        if exited and not got:
+            break
+        for _, entries in got:
+            for entry_id, fields in entries:
+                r.xack(keys.frames(CAM), keys.ENCODER_GROUP, entry_id)
+                msg = decode_frame(fields)
+                if isinstance(msg, EndOfStream):
+                    return seqs, msg
+                seqs.append(msg.seq)
+    raise AssertionError(f"no end of stream; frames {seqs}\n{services.logs()}")
+
+
+@pytest.mark.parametrize("outage", ["paused", "restarted"])
+def test_file_ingest_rides_out_an_outage_longer_than_its_read_timeout(aof_redis_server, tmp_path, outage):
+    """Redis paused (SIGSTOP: commands hang) or restarted on its port for 3 s while ingest waits on
+    the backlog: the read watchdog (1 s) does not blame the file; every frame arrives, then the end."""
+    r, services, proc = _file_ingest(aof_redis_server, tmp_path, SVQA_REDIS_GRACE_S="60")
+    try:
+        if outage == "paused":
+            aof_redis_server.proc.send_signal(signal.SIGSTOP)
+            time.sleep(3)
+            aof_redis_server.proc.send_signal(signal.SIGCONT)
+        else:
+            aof_redis_server.stop()
+            time.sleep(3)
+            aof_redis_server.start()
+            r = redis.Redis.from_url(aof_redis_server.url)
+        seqs, end = _take_to_the_end(r, services, proc)
+        assert proc.wait(timeout=30) == 0, services.logs()
+        assert sorted(set(seqs)) == list(range(FILE_FRAMES)) and end.seq == FILE_FRAMES - 1, services.logs()
+        assert "stalled" not in services.logs()
+    finally:
+        services.stop_all()
+
+
+def test_file_ingest_exits_3_past_the_grace_period(aof_redis_server, tmp_path):
+    _, services, proc = _file_ingest(aof_redis_server, tmp_path, SVQA_REDIS_GRACE_S="1")
+    try:
+        aof_redis_server.stop()
+        assert proc.wait(timeout=60) == 3, services.logs()
+        log = (tmp_path / "ingest-0.log").read_text().splitlines()
+        assert len([x for x in log if "grace period" in x]) == 1, log[-5:]
     finally:
         services.stop_all()
