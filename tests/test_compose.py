@@ -573,6 +573,13 @@ def test_cameras_example_loads(compose):
     captions = [j for j in cams.jobs if j.kind == "caption"]
     assert subtitles and subtitles[0].every_s == 10 and set(subtitles[0].formats) == {"vtt", "srt"}
     assert captions and captions[0].every_versions == 30
+    (alert,) = [j for j in cams.jobs if j.kind == "alert"]  # the kind users ask for first, shown
+    assert alert.stream in {c.name for c in cams.cameras} and alert.prompt and alert.webhook and alert.mqtt
+    text = CAMERAS_EXAMPLE.read_text()
+    assert re.search(r"fps\s+required", text), "say that fps is required"
+    assert "caption | subtitles | custom | alert" in text
+    for cam in yaml.safe_load(text)["cameras"]:  # each camera shows its fps, as it must have one
+        assert "fps" in cam, cam["name"]
     ingest = next(svc for sub, svc in python_services(compose).values() if sub == "ingest")
     targets = [m["target"] for m in mounts(ingest)]
     for c in files:  # the file source lies on a mount of the ingest container
