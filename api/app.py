@@ -21,6 +21,7 @@ from redis.backoff import NoBackoff
 from api import ask, chat, errors, guard, replies, streams
 from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
+from common import metrics
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
@@ -88,6 +89,7 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     app.state.frames = connect(cfg, cfg.frames_redis_url) if apart else app.state.r
     readers = (lambda: connect(cfg, pooled=False), app.state.r, cfg.answer_readers, cfg.block_ms, cfg.max_answers)
     app.state.answers = AnswerHub(*readers)
+    metrics.API_ANSWERS.set_function(app.state.answers.held)
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)
     for module in (streams, ask, chat):

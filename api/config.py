@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import ReaderSettings, RedisSettings, setting
+from common.config import ReaderSettings, ServiceSettings, setting
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True)
-class ApiConfig(ReaderSettings, RedisSettings):
+class ApiConfig(ReaderSettings, ServiceSettings):
     """`streamvqa api`: the HTTP API and web page over the Redis protocol."""
 
     ENV_PREFIX: ClassVar[str] = "SVQA_API_"  # SVQA_API_PORT; shared settings (SVQA_REDIS_URL) still apply

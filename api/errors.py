@@ -16,6 +16,7 @@ from redis.exceptions import MaxConnectionsError
 from starlette.exceptions import HTTPException
 
 from api.answers import Busy
+from common import metrics
 from common.redisio import OUTAGE_ERRORS
 from common.wire.schemas import SchemaError
 
@@ -69,6 +70,7 @@ def busy(e: Busy | MaxConnectionsError) -> JSONResponse:
     retry_after = getattr(e, "retry_after_s", 1)
     message = str(e) if isinstance(e, Busy) else "busy: all Redis connections of this API process are in use"
     log.warning("busy", reason=message)
+    metrics.API_BUSY.inc()
     content = body(503, message, code="busy", kind="busy")
     return JSONResponse(content, status_code=503, headers={"Retry-After": str(retry_after)})
 

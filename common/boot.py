@@ -83,6 +83,19 @@ def configure(cls: type[T], argv: list[str], prog: str) -> T:
 def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
     """configure(), then the metrics/health endpoint and a live Redis."""
     cfg = configure(cls, argv, prog)
+    serve_metrics(cfg, prog)
+    log.info("starting", service=prog, version=VERSION, **startup_fields(cfg))
+    try:
+        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
+    except redisio.NotACluster as e:
+        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    except TimeoutError as e:
+        fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
+    return cfg, r
+
+
+def serve_metrics(cfg: Any, prog: str) -> None:
+    """The metrics/health endpoint on ``cfg.metrics_port`` (none: nothing), or exit 2 when it is taken."""
     role = prog.split()[-1]  # "streamvqa worker" -> worker
     health.READINESS.redis_url = cfg.redis_url
     health.READINESS.frames_redis_url = getattr(cfg, "frames_redis_url", None)
@@ -92,14 +105,6 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
         health.serve(port, metrics.registry_for([role]))
     except OSError as e:
         fail(EXIT_CONFIG, "metrics port unusable", service=prog, metrics_port=port, error=e.strerror or str(e))
-    log.info("starting", service=prog, version=VERSION, **startup_fields(cfg))
-    try:
-        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
-    except redisio.NotACluster as e:
-        fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
-    except TimeoutError as e:
-        fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
-    return cfg, r
 
 
 def frames_redis(cfg: Any, r: redis.Redis) -> redis.Redis:

@@ -301,6 +301,10 @@ _GPU = (
     KV_RELAYOUTS,
 )
 
+# api (streamvqa api)
+API_ANSWERS = Gauge("svqa_api_answers_in_flight", "Answers this API process is waiting for or streaming", **_R)
+API_BUSY = Counter("svqa_api_busy_total", "Requests refused with 503 busy (max_answers, no pooled connection)", **_R)
+
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 ROLES: dict[str, tuple[Collector, ...]] = {
     "ingest": (
@@ -341,6 +345,7 @@ ROLES["recorder"] = (
     RECORDER_WRITE_FAILING,
 )
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
+ROLES["api"] = (THREAD_CPU, API_ANSWERS, API_BUSY)
 
 
 def registry_for(roles: Iterable[str]) -> CollectorRegistry:

@@ -565,7 +565,7 @@ def test_a_restarted_answer_starts_over_in_sse_and_continues_in_openai_chunks(re
 def test_api_never_imports_torch(live):
     """The API process as `streamvqa api` starts it (through the CLI), up to serving: no torch."""
     code = (
-        "import sys, uvicorn; uvicorn.run = lambda app, **kw: print(type(app).__name__); "
+        "import sys, api.service; api.service.serve = lambda app, cfg: print(type(app).__name__) or 0; "
         "from apps.cli import main; main(['api', '--redis-url', sys.argv[1]]); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'; print('ok')"
     )

@@ -15,7 +15,8 @@ from api.app import create_app
 from api.config import ApiConfig
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, encode_delta, encode_final
-from tests.pipeline import wait_for
+from tests.conftest import RedisServer, free_port
+from tests.pipeline import Services, wait_for
 from tests.test_api import _parse_sse, assert_error
 
 GHOST = {"fps": "2", "height": "56", "width": "56", "live": "0"}
@@ -124,3 +125,36 @@ def test_a_busy_api_says_so_with_retry_after_and_queues_nothing(redis_url):
         error = assert_error(response, 503, code="busy")
         assert response.headers["retry-after"] == "1" and why in error["message"], error
     assert r.xlen(keys.QUESTIONS) == 2, "the refused question was not queued"
+
+
+def test_the_api_serves_with_redis_down_says_so_and_exits_3_past_its_grace(tmp_path):
+    """`streamvqa api --redis-grace-s 6 --metrics-port P` with no Redis yet: one line says so and
+    /health/live answers at once (was 30 s of silence, then exit 3); Redis comes and it is ready
+    and serves its metrics; Redis goes for good and it exits 3 with one line."""
+    port, metrics_port = free_port(), free_port()
+    server = RedisServer(tmp_path / "redis")
+    (tmp_path / "redis").mkdir()
+    services = Services(server.url, tmp_path)
+    proc = services.start("api", "--port", str(port), "--metrics-port", str(metrics_port), "--redis-grace-s", "6")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: _status(base + "/health/live") == 200, 30, "/health/live", services)
+        assert _status(base + "/health/ready") == 503
+        assert services.logs().count("redis unreachable at start") == 1, services.logs()
+        server.start()
+        wait_for(lambda: _status(base + "/health/ready") == 200, 30, "ready once Redis is up", services)
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert "svqa_api_answers_in_flight" in scraped and "svqa_api_busy_total" in scraped
+        server.stop()
+        assert proc.wait(timeout=60) == 3, services.logs()
+        assert "redis unreachable past redis_grace_s" in services.logs()
+    finally:
+        services.stop_all()
+        server.stop()
+
+
+def _status(url: str) -> int | None:
+    try:
+        return httpx.get(url, timeout=5).status_code
+    except httpx.TransportError:
+        return None
