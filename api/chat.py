@@ -1,9 +1,12 @@
-"""OpenAI-compatible endpoints: `POST /v1/chat/completions` (streaming and not) and `GET /v1/models`.
+"""OpenAI-compatible endpoints: `POST /v1/chat/completions` (streaming and not), `GET /v1/models`
+and `GET /v1/models/{model}`.
 
 `model` names the stream, so any OpenAI client or tool can ask a camera. The question is the
 last user message (text parts only: the stream is the video); earlier turns are not sent, because
-every question is answered against the video alone. Extra OpenAI parameters are accepted and
-ignored; `n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
+every question is answered against the video alone. A parameter that would change the answer and
+is not supported (tools, response_format, stop, logprobs, penalties, ...) is refused with 400
+naming it, never silently ignored; bookkeeping ones (user, metadata, seed, ...) are accepted;
+`n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
 `streamvqa` object beside the standard fields.
 """
 
@@ -36,7 +39,7 @@ class Message(BaseModel):
 
 
 class ChatRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # OpenAI clients send many optional fields
+    model_config = ConfigDict(extra="allow")  # OpenAI's many optional fields: see refuse_unsupported
 
     model: str = Field(description="the stream name")
     messages: list[Message] = Field(min_length=1)
@@ -46,6 +49,36 @@ class ChatRequest(BaseModel):
     temperature: Annotated[float | None, replies.NotBool] = None
     top_p: Annotated[float | None, replies.NotBool] = None
     n: Annotated[int | None, replies.NotBool] = None
+
+
+# Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (the final
+# chunk carries usage, as stream_options.include_usage asks; greedy answers repeat, as seed hopes).
+IGNORED = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"})
+# Unsupported unless set to what asks for nothing (a client's defaults, sent explicitly).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}),
+    "stop": (None, []),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "modalities": (None, ["text"]),
+}
+
+
+def refuse_unsupported(extra: dict[str, Any]) -> None:
+    """400 naming the first parameter this endpoint cannot honour: an answer that ignored it
+    (a JSON schema, a tool call, a stop word) would look right and be wrong."""
+    for name, value in extra.items():
+        if name in IGNORED or value in NEUTRAL.get(name, ()):
+            continue
+        message = f"{name} is not supported: a stream answers in plain text, from its video alone"
+        raise errors.ApiError(400, message, param=name, code="unsupported_parameter")
 
 
 def question_text(messages: list[Message]) -> str:
@@ -65,18 +98,25 @@ def question_text(messages: list[Message]) -> str:
 @router.get("/models", summary="The streams, as OpenAI models")
 async def models(request: Request) -> dict:
     names = await stream_names(request.app.state.r)
-    return {
-        "object": "list",
-        "data": [{"id": n, "object": "model", "created": 0, "owned_by": "streamvqa"} for n in names],
-    }
+    return {"object": "list", "data": [_model(n) for n in names]}
+
+
+@router.get("/models/{model}", summary="One stream, as an OpenAI model")
+async def model(model: str, request: Request) -> dict:
+    return _model(await replies.known_stream(request.app.state.r, model, failing=True, as_model=True))
+
+
+def _model(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "streamvqa"}
 
 
 @router.post("/chat/completions", summary="Ask a stream, OpenAI style (model = stream name)")
 async def chat(body: ChatRequest, request: Request):
     r, cfg = request.app.state.r, request.app.state.cfg
+    refuse_unsupported(body.model_extra or {})
     if body.n not in (None, 1):
         raise errors.ApiError(400, "n must be 1", param="n")
-    await replies.known_stream(r, body.model)
+    await replies.known_stream(r, body.model, as_model=True)
     max_tokens = body.max_completion_tokens or body.max_tokens
     # OpenAI takes top_p in [0, 1]; 0 keeps the top token only, as the least top_p here does
     top_p = None if body.top_p is None else max(body.top_p, MIN_TOP_P)

@@ -47,10 +47,16 @@ _TYPES = {
 
 class ApiError(HTTPException):
     def __init__(
-        self, status: int, message: str, param: str | None = None, headers: dict | None = None, code: str | None = None
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        headers: dict | None = None,
+        code: str | None = None,
+        kind: str | None = None,
     ):
         super().__init__(status, message, headers)
-        self.param, self.code = param, code
+        self.param, self.code, self.kind = param, code, kind
 
 
 def body(status: int, message: str, param: str | None = None, code: str | None = None, kind: str | None = None) -> dict:
@@ -60,9 +66,14 @@ def body(status: int, message: str, param: str | None = None, code: str | None =
 
 
 def response(
-    status: int, message: str, param: str | None = None, headers: dict | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    headers: dict | None = None,
+    code: str | None = None,
+    kind: str | None = None,
 ) -> JSONResponse:
-    return JSONResponse(body(status, message, param, code), status_code=status, headers=headers)
+    return JSONResponse(body(status, message, param, code, kind), status_code=status, headers=headers)
 
 
 def busy(e: Busy | MaxConnectionsError) -> JSONResponse:
@@ -89,7 +100,8 @@ def unavailable(e: Exception) -> dict:
 def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
-        return response(e.status_code, str(e.detail), getattr(e, "param", None), e.headers, getattr(e, "code", None))
+        extra = {"code": getattr(e, "code", None), "kind": getattr(e, "kind", None)}
+        return response(e.status_code, str(e.detail), getattr(e, "param", None), e.headers, **extra)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:

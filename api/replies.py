@@ -41,12 +41,17 @@ def stream_name(name: str, field: str = "stream") -> str:
         raise errors.schema_error(e) from None
 
 
-async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False) -> str:
+async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False, as_model: bool = False) -> str:
     """404 unless ingest or an encoder has ever written the stream; with ``failing``, its events
-    alone will do: a camera that never connected is listed (by them) and they say why it fails."""
-    if not await r.exists(*status.presence_keys(stream_name(name), failing=failing)):
-        raise errors.ApiError(404, f"unknown stream {name!r}", param="stream")
-    return name
+    alone will do: a camera that never connected is listed (by them) and they say why it fails.
+    ``as_model``: the stream named as an OpenAI model, refused as OpenAI refuses an unknown model."""
+    field = "model" if as_model else "stream"
+    if await r.exists(*status.presence_keys(stream_name(name, field), failing=failing)):
+        return name
+    if as_model:
+        message = f"The model {name!r} does not exist: models are the streams (GET /v1/models)"
+        raise errors.ApiError(404, message, param="model", code="model_not_found", kind="invalid_request_error")
+    raise errors.ApiError(404, f"unknown stream {name!r}", param="stream", code="stream_not_found")
 
 
 def _no_bool(value: Any) -> Any:

@@ -277,6 +277,40 @@ def test_openai_bad_requests(live):
     assert_error(live.http.post(url, json=asked | {"n": True}), 400, "n")
 
 
+def test_openai_client_retrieves_models_and_reads_openai_errors(redis_url):
+    """The real openai client: models.retrieve works (was 404); an unknown model is OpenAI's
+    not-found (param "model", code "model_not_found"); empty messages and every parameter the API
+    cannot honour are 400 naming the field (tools and response_format were silently ignored).
+    None of them queues a question."""
+    from openai import BadRequestError, NotFoundError, OpenAI
+
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    asked = [{"role": "user", "content": "Is the door open?"}]
+    tool = {"type": "function", "function": {"name": "open_door", "parameters": {"type": "object"}}}
+    refused = {"tools": [tool], "response_format": {"type": "json_object"}, "stop": ["."], "logprobs": True}
+    with served(ApiConfig(redis_url=redis_url)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        assert client.models.retrieve("ghost").id == "ghost"
+        for call in (
+            lambda: client.models.retrieve("nope"),
+            lambda: client.chat.completions.create(model="nope", messages=asked),
+        ):
+            with pytest.raises(NotFoundError) as missing:
+                call()
+            assert (missing.value.code, missing.value.param) == ("model_not_found", "model"), missing.value.body
+        with pytest.raises(BadRequestError) as empty:
+            client.chat.completions.create(model="ghost", messages=[])
+        assert empty.value.param == "messages" and isinstance(empty.value.code, str)
+        for name, value in refused.items():
+            with pytest.raises(BadRequestError) as unsupported:
+                client.chat.completions.create(model="ghost", messages=asked, **{name: value})
+            assert (unsupported.value.param, unsupported.value.code) == (name, "unsupported_parameter")
+    assert r.xlen(keys.QUESTIONS) == 0
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
