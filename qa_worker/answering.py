@@ -96,7 +96,7 @@ class Answerer:
             metrics.QUEUE_WAIT_SECONDS.observe(queue_wait_s(entry_id))
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
-                final, ttl = self._answer(qid, entry_id, fields, attempt, bound)
+                final, ttl = self._answer(qid, fields, attempt, bound)
             self._finish(final, ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
@@ -119,10 +119,10 @@ class Answerer:
             metrics.QUESTIONS.labels("error").inc()
         self.r.xack(queue, keys.QA_GROUP, entry_id)
 
-    def _answer(self, qid: str, entry_id: str, fields: dict, attempt: int, bound) -> tuple[FinalAnswer, int]:
+    def _answer(self, qid: str, fields: dict, attempt: int, bound) -> tuple[FinalAnswer, int]:
         """The final answer and how long its reply stream lives."""
         try:
-            q = parse_question(fields, entry_id=entry_id)
+            q = parse_question(fields)
         except SchemaError as e:
             bound.warning("bad question", error=str(e))
             return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}"), self.reply_ttl_s

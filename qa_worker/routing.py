@@ -96,7 +96,7 @@ class Router:
 
     def _one(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
         try:
-            q = parse_question(fields, entry_id=entry_id)
+            q = parse_question(fields)
         except SchemaError:
             q = None
         # A stream with no head has never been started: nothing to wait for, "no frames yet" now.

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from apps.samplevideo import write_sample_video
 from common import redisio
 from common.lease import Lease
 from common.placement import Placement
@@ -19,6 +20,7 @@ from encoder_worker.stream import publish_fenced
 from qa_worker.client import Client
 from qa_worker.routing import forward, requeue, take_over
 from tests.conftest import RedisServer
+from tests.pipeline import Services, head, wait_for
 from tests.test_schemas import _manifest
 
 ACL = Path(__file__).resolve().parent.parent / "deploy" / "users.acl.example"
@@ -40,21 +42,40 @@ def as_role(server: RedisServer, role: str) -> redis.Redis:
 
 
 def denied(fn: Callable[[], object]) -> bool:
+    """Refused by the ACL: the command itself, or a call inside a Lua script (which runs as the caller)."""
     try:
         fn()
     except redis.exceptions.NoPermissionError:
         return True
+    except redis.exceptions.ResponseError as e:
+        return "can't access" in str(e) or "no permissions" in str(e)
     return False
 
 
-def ingest_job(r: redis.Redis) -> None:
-    r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
-    r.xadd(keys.frames(CAM), encode_frame(EndOfStream(-1)))
-    r.xrevrange(keys.frames(CAM), count=10)
-    r.xadd(keys.events(CAM), {"type": "connected"})
-    r.get(keys.head(CAM))
-    r.hset(keys.latest_frame(CAM), mapping={"jpeg": b"\xff\xd8", "seq": 0, "ts": 0.0})
-    r.expire(keys.latest_frame(CAM), 60)
+def ingest_job(r: redis.Redis, cam: str = CAM) -> None:
+    r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    r.xadd(keys.frames(cam), encode_frame(EndOfStream(-1)))
+    r.xrevrange(keys.frames(cam), count=10)
+    r.xadd(keys.events(cam), {"type": "connected"})
+    r.get(keys.head(cam))
+    r.hset(keys.latest_frame(cam), mapping={"jpeg": b"\xff\xd8", "seq": 0, "ts": 0.0})
+    r.expire(keys.latest_frame(cam), 60)
+
+
+def ingest_denials(r: redis.Redis, cam: str) -> list[bool]:
+    """Whatever ingest may do to its own camera, refused on ``cam``: watch, forge, drop its frames."""
+    return [
+        denied(lambda: r.xadd(keys.frames(cam), encode_frame(EndOfStream(-1)))),
+        denied(lambda: r.xrange(keys.frames(cam))),
+        denied(lambda: r.expire(keys.frames(cam), 1)),
+        denied(lambda: r.hset(keys.meta(cam), "height", 1)),
+        denied(lambda: r.get(keys.head(cam))),
+        denied(lambda: r.xadd(keys.events(cam), {"type": "forged"})),
+    ]
+
+
+def _del_in_lua(r: redis.Redis, key: str) -> object:
+    return r.eval("return redis.call('del', KEYS[1])", 1, key)
 
 
 def encoder_job(r: redis.Redis) -> None:
@@ -178,31 +199,128 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: recorder.xrange(keys.events(CAM)))  # it writes events, reads none
     assert denied(lambda: recorder.xadd(keys.QUESTIONS, {"stream": CAM, "question": "x"}))
     assert denied(lambda: recorder.hset(keys.meta(CAM), "height", 1))
+    assert denied(lambda: recorder.xadd(keys.frames(CAM), {"m": b"forged"}))
+    assert denied(lambda: ingest.expire(keys.frames(CAM), 1)) and denied(lambda: ingest.hset(keys.frames(CAM), "x", 1))
+    # encoder, worker: DEL only leases (the owner-checked release) and heartbeats; SET only what they write
+    for role in (encoder, worker):
+        assert denied(lambda r=role: r.delete(keys.head(CAM))) and denied(lambda r=role: r.delete(keys.versions(CAM)))
+        assert denied(lambda r=role: r.unlink(keys.head(CAM))) and denied(lambda r=role: r.delete(keys.frames(CAM)))
+        assert denied(lambda r=role: r.set(keys.meta(CAM), b"x")) and denied(lambda r=role: r.set(keys.worker("x"), 1))
+        assert denied(lambda r=role: r.set(keys.versions(CAM), b"x"))
+        assert denied(lambda r=role: r.pexpire(keys.head(CAM), 1))
+        assert denied(lambda r=role: _del_in_lua(r, keys.head(CAM)))  # scripts run with the caller's ACL
+        assert denied(lambda r=role: r.delete(keys.segment(CAM, "s1")))  # segments: UNLINK by their gc only
+    # qa, worker: the audit streams take XADD only (directly or from a script), never DEL, XTRIM, SET
+    for role in (qa, worker):
+        for audit in (keys.ANSWERS, keys.DEAD_LETTER):
+            assert denied(lambda r=role, k=audit: r.delete(k)) and denied(lambda r=role, k=audit: r.xtrim(k, maxlen=0))
+            assert denied(lambda r=role, k=audit: r.set(k, b"x")) and denied(lambda r=role, k=audit: _del_in_lua(r, k))
+            assert denied(lambda r=role, k=audit: r.xdel(k, "0-1")) and denied(lambda r=role, k=audit: r.unlink(k))
+        assert denied(lambda r=role: r.delete(keys.QUESTIONS)) and denied(lambda r=role: r.delete(keys.transcript(CAM)))
+    # client: answers only by name; their names are random
+    assert denied(lambda: client.scan()) and denied(lambda: client.keys("svqa:answer:*"))
+    assert denied(lambda: client.xread({keys.ANSWERS: "0"}))
+    qid = Client(client).submit(CAM, "whose answer?")
+    (entry_id,) = [eid.decode() for eid, f in qa.xrange(keys.QUESTIONS) if f.get(b"id") == qid.encode()]
+    assert entry_id != qid and len(qid) >= 22
     anonymous = redis.Redis(port=server.port)
     assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))
 
 
-def test_redis_users_script_makes_working_passwords_kept_only_as_hashes(tmp_path: Path):
-    """scripts/redis-users.sh: deploy/users.acl with hashes, .env (0600) with the passwords that log in."""
+def generate_users(tmp_path: Path, cameras: tuple[str, ...] = ()) -> tuple[Path, dict[str, str]]:
+    """scripts/redis-users.sh run on a copy of the repository's files (with a cameras file naming
+    ``cameras``, if any): the users file it wrote and the passwords it put in .env."""
     repo = ACL.parent.parent
     (tmp_path / "deploy").mkdir()
     (tmp_path / "scripts").mkdir()
     shutil.copy(ACL, tmp_path / "deploy")
+    shutil.copy(repo / "deploy" / "ingest-camera.acl.template", tmp_path / "deploy")
     shutil.copy(repo / ".env.example", tmp_path)
     shutil.copy(repo / "scripts" / "redis-users.sh", tmp_path / "scripts")
-    subprocess.run([str(tmp_path / "scripts" / "redis-users.sh")], check=True, capture_output=True, timeout=30)
+    args = []
+    if cameras:
+        listed = "".join(f"  - name: {c}\n    url: rtsp://cam.local/{c}\n    fps: 2\n" for c in cameras)
+        jobs = "jobs:\n  - name: captions\n    stream: '*'\n    kind: caption\n    every_s: 10\n"
+        (tmp_path / "cams.yaml").write_text(f"# cameras\ncameras:\n{listed}\n{jobs}")
+        args = [str(tmp_path / "cams.yaml")]
+    subprocess.run([str(tmp_path / "scripts" / "redis-users.sh"), *args], check=True, capture_output=True, timeout=30)
     env = dict(line.split("=", 1) for line in (tmp_path / ".env").read_text().splitlines() if "=" in line)
+    return tmp_path / "deploy" / "users.acl", env
+
+
+def login(server: RedisServer, user: str, env: dict[str, str]) -> redis.Redis:
+    password = env["STREAMVQA_REDIS_PASSWORD_" + user.upper().replace("-", "_").replace(".", "_")]
+    return redisio.connect(f"redis://{user}:{password}@127.0.0.1:{server.port}/0", retries=0)
+
+
+def test_redis_users_script_makes_working_passwords_kept_only_as_hashes(tmp_path: Path):
+    """scripts/redis-users.sh: deploy/users.acl with hashes, .env (0600) with the passwords that log in."""
+    users, env = generate_users(tmp_path)
     assert (tmp_path / ".env").stat().st_mode & 0o077 == 0, ".env holds passwords: owner only"
-    acl = (tmp_path / "deploy" / "users.acl").read_text()
-    server = RedisServer(tmp_path, args=("--aclfile", str(tmp_path / "deploy" / "users.acl")))
+    acl = users.read_text()
+    server = RedisServer(tmp_path, args=("--aclfile", str(users)))
     server.start()
     try:
         roles = ("ingest", "encoder", "qa", "worker", "client", "api", "recorder")
         for role in roles:
             password = env[f"STREAMVQA_REDIS_PASSWORD_{role.upper()}"]
             assert len(password) >= 32 and password not in acl
-            assert redisio.connect(f"redis://{role}:{password}@127.0.0.1:{server.port}/0", retries=0).ping()
+            assert login(server, role, env).ping()
         with pytest.raises(redis.exceptions.AuthenticationError):
             as_role(server, "qa").ping()  # the example's password is gone
     finally:
+        server.stop()
+
+
+def test_ingest_users_from_the_cameras_file_touch_their_cameras_only(tmp_path: Path):
+    """With a cameras file: `ingest-<cam>` may touch its camera's keys only, the shared `ingest` only
+    the cameras named there."""
+    users, env = generate_users(tmp_path, ("cam1", "cam.2"))
+    assert "ingest-captions" not in users.read_text(), "a job is no camera"
+    server = RedisServer(tmp_path, args=("--aclfile", str(users)))
+    server.start()
+    try:
+        one, two, shared = (login(server, u, env) for u in ("ingest-cam1", "ingest-cam.2", "ingest"))
+        ingest_job(one, "cam1")
+        ingest_job(two, "cam.2")
+        assert all(ingest_denials(one, "cam.2")) and all(ingest_denials(two, "cam1"))
+        assert all(ingest_denials(one, "cam3")) and denied(lambda: one.xadd(keys.QUESTIONS, {"x": "y"}))
+        ingest_job(shared, "cam1")
+        ingest_job(shared, "cam.2")
+        assert all(ingest_denials(shared, "cam3")), "the shared ingest user: only the cameras in the file"
+    finally:
+        server.stop()
+
+
+def test_the_services_work_under_their_roles(tmp_path: Path):
+    """Real processes, each logged in as its role (ingest as its camera's user, segments in Redis):
+    a file is encoded and a client's question answered; then `streamvqa worker` takes the stream
+    over and answers again. Nothing is refused on the way."""
+    users, env = generate_users(tmp_path, (CAM,))
+    server = RedisServer(tmp_path, args=("--aclfile", str(users)))
+    server.start()
+
+    def url(user: str) -> dict[str, str]:
+        password = env["STREAMVQA_REDIS_PASSWORD_" + user.upper().replace("-", "_")]
+        return {"SVQA_REDIS_URL": f"redis://{user}:{password}@127.0.0.1:{server.port}/0"}
+
+    video = write_sample_video(str(tmp_path / "clip.mp4"), seconds=3, fps=10, width=160, height=120)
+    services = Services(server.url, tmp_path, SVQA_STREAMS=CAM, SVQA_SEGMENT_STORE="redis://", SVQA_LEASE_MS="2000")
+    client, qa = Client(login(server, "client", env)), login(server, "qa", env)
+    try:
+        encoder = services.start("encoder", **url("encoder"))
+        split = [encoder, services.start("qa", **url("qa"))]
+        ingest = services.start("ingest", "--url", video, "--stream", CAM, "--fps", "2", **url(f"ingest-{CAM}"))
+        assert ingest.wait(timeout=120) == 0, services.logs()
+        wait_for(lambda: (h := head(qa, CAM)) and h.last_frame_seq == 5, 120, "all 6 frames encoded", services)
+        assert client.ask(CAM, "What is there?", max_tokens=2, timeout_s=120).error is None, services.logs()
+        for p in split:
+            p.terminate()
+            p.wait(timeout=30)
+        services.start("worker", **url("worker"))
+        answered = client.ask(CAM, "And now?", max_tokens=2, timeout_s=120)
+        assert answered.error is None and answered.version == head(qa, CAM).version, services.logs()
+        assert "NOPERM" not in services.logs() and "no permissions" not in services.logs()
+    finally:
+        services.stop_all()
         server.stop()

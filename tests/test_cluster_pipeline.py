@@ -18,7 +18,7 @@ import yaml
 from apps.samplevideo import write_sample_video
 from common import redisio
 from common.wire import keys
-from common.wire.schemas import FinalAnswer, decode_answer
+from common.wire.schemas import FinalAnswer, decode_answer, new_question_id
 from tests.conftest import RedisClusterServers
 from tests.pipeline import Services, chunk_frames_in_history, head, wait_for
 
@@ -31,11 +31,10 @@ CLI = [sys.executable, "-m", "apps.cli"]  # this checkout's code, as the service
 
 def ask_with_redis_cli(cluster: RedisClusterServers, redis_cli: str, question: str, max_tokens: int) -> str:
     """XADD a question the way a shell user does: redis-cli -c follows the cluster's redirections."""
-    port = str(cluster.nodes[-1].port)
-    args = ["XADD", keys.QUESTIONS, "*", "stream", CAM, "question", question, "max_tokens", str(max_tokens)]
-    return subprocess.run(
-        [redis_cli, "-c", "-p", port, *args], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    port, qid = str(cluster.nodes[-1].port), new_question_id()
+    args = ["XADD", keys.QUESTIONS, "*", "id", qid, "stream", CAM, "question", question, "max_tokens", str(max_tokens)]
+    subprocess.run([redis_cli, "-c", "-p", port, *args], capture_output=True, text=True, check=True)
+    return qid
 
 
 def finals(r: redis.Redis, qid: str) -> list[FinalAnswer]:

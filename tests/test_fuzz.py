@@ -61,7 +61,7 @@ def hostile_question(rng: random.Random, i: int) -> dict:
         return {junk(rng, 40) or b"k": junk(rng, 200) for _ in range(rng.randint(1, 5))}
     if kind == 1:  # a huge field name
         return {b"n" * 1_000_000: b"1", "stream": CAM}
-    fields: dict = {"stream": CAM, "question": "hi", "max_tokens": "1"}  # the valid ones: one token
+    fields: dict = {"id": f"q{i}", "stream": CAM, "question": "hi", "max_tokens": "1"}  # the valid ones: one token
     if kind == 2:
         fields["choices"] = json.dumps([hostile_text(rng), "b"])
     elif kind == 3:

@@ -23,7 +23,7 @@ from common.engine.model import load_model
 from common.engine.offline import offline_answer
 from common.engine.runtime import Runtime
 from common.wire import keys
-from common.wire.schemas import FinalAnswer, decode_answer
+from common.wire.schemas import FinalAnswer, decode_answer, new_question_id
 from ingest.video import iter_file_frames
 from qa_worker.client import Client
 from tests.pipeline import Services, chunk_frames_in_history, head, manifest_of, manifests, wait_for
@@ -78,7 +78,8 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
 
     # a real client that is not ours: redis-cli
     question = "What is written on the screen?"
-    qid = subprocess.run(
+    qid = new_question_id()
+    subprocess.run(
         [
             redis_cli,
             "-u",
@@ -86,6 +87,8 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
             "XADD",
             keys.QUESTIONS,
             "*",
+            "id",
+            qid,
             "stream",
             CAM,
             "question",
@@ -96,7 +99,7 @@ def test_file_to_answers_with_redis_cli_and_python_client(rt, redis_url, redis_c
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.strip()
+    )
     reply = subprocess.run(
         [redis_cli, "-u", redis_url, "--no-raw", "XREAD", "BLOCK", "60000", "STREAMS", keys.answer(qid), "0"],
         capture_output=True,

@@ -66,7 +66,8 @@ def test_the_redis_cli_example_reads_every_answer_entry_until_the_final(redis_ur
     shell = subprocess.Popen(["bash", "-c", shim + script], stdout=subprocess.PIPE, text=True)
     try:
         reader = _next_reader(r, 0)
-        qid = r.xrange(keys.QUESTIONS)[0][0]
+        qid = r.xrange(keys.QUESTIONS)[0][1]["id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", qid), "the README's question id is not random"
         final = encode_final(FinalAnswer(id=qid, stream="cam1", text="Hello\nthere"))
         for i, entry in enumerate((encode_delta("Hel"), encode_delta("lo\nthere"), final)):
             reader = _next_reader(r, reader) if i else reader

@@ -31,6 +31,7 @@ from common.wire.schemas import (
     encode_frame,
     frame_entry_cap,
     manifest_from_bytes,
+    new_question_id,
 )
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
@@ -282,10 +283,10 @@ def answerer(rt, redis_url):
 
 
 def ask(a: Answerer, fields: dict) -> FinalAnswer:
-    eid = a.r.xadd(keys.QUESTIONS, fields).decode()
+    qid = new_question_id()
+    a.r.xadd(keys.QUESTIONS, {"id": qid, **fields})
     a.handle_entries(read_group(a.r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     assert a.r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
-    qid = fields.get("id", eid)
     replies = [decode_answer(f) for _, f in a.r.xrange(keys.answer(qid))]
     assert isinstance(replies[-1], FinalAnswer)
     return replies[-1]

@@ -59,24 +59,27 @@ def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r
     router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
     r.set(keys.head(CAM), b"a manifest")  # CAM has been started; cam2 never was
     redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
-    good = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "what now?"}).decode()
-    unknown = r.xadd(keys.QUESTIONS, {"stream": "nope", "question": "hi"}).decode()
-    unstarted = r.xadd(keys.QUESTIONS, {"stream": "cam2", "question": "hi"}).decode()
-    bad = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "hi", "max_tokens": "many"}).decode()
+    good_eid = r.xadd(keys.QUESTIONS, {"id": "good", "stream": CAM, "question": "what now?"}).decode()
+    r.xadd(keys.QUESTIONS, {"id": "unknown", "stream": "nope", "question": "hi"})
+    r.xadd(keys.QUESTIONS, {"id": "unstarted", "stream": "cam2", "question": "hi"})
+    r.xadd(keys.QUESTIONS, {"id": "bad", "stream": CAM, "question": "hi", "max_tokens": "many"})
+    no_id = r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "whose answer?"}).decode()
     entries = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100).read()
-    router.route([e for e in entries if e[1] == good])
+    router.route([e for e in entries if e[1] == good_eid])
     # Forwarder "a" dies before acking (simulated: its ack undone by a fresh delivery): "b" reclaims
     # the entry and forwards it again.
-    r.xadd(keys.QUESTIONS, {"stream": CAM, "question": "later"})
+    r.xadd(keys.QUESTIONS, {"id": "later", "stream": CAM, "question": "later"})
     r.xgroup_setid(keys.QUESTIONS, keys.QA_GROUP, "0")
     again = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "b", block_ms=100).read()
-    assert good in [e[1] for e in again]
+    assert good_eid in [e[1] for e in again]
     router.route(again)
-    assert [f[b"id"].decode() for f in queued(r)].count(good) == 1
+    assert [f[b"id"].decode() for f in queued(r)].count("good") == 1
     assert [f[b"question"] for f in queued(r)] == [b"what now?", b"later"]
     assert r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0, "every shared entry acked"
     assert not queued(r, "cam2"), "nothing to wait for: answered at once"
-    for qid, word in ((unknown, "unknown stream"), (unstarted, "no frames yet"), (bad, "max_tokens")):
+    # no id: refused, the refusal where the asker can find it (a stream entry id is no secret)
+    refused = {"unknown": "unknown stream", "unstarted": "no frames yet", "bad": "max_tokens", no_id: "id: missing"}
+    for qid, word in refused.items():
         (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
         assert isinstance(final, FinalAnswer) and word in final.error
 

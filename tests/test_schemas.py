@@ -12,6 +12,7 @@ import redis
 
 from common.wire import keys
 from common.wire.schemas import (
+    QUESTION_ID_RE,
     AnswerDelta,
     EndOfStream,
     FinalAnswer,
@@ -21,6 +22,7 @@ from common.wire.schemas import (
     Question,
     SchemaError,
     check_frame_entry,
+    checked_question,
     decode_answer,
     decode_final,
     decode_frame,
@@ -310,13 +312,14 @@ def test_manifest_missing_and_garbage():
 
 
 def _q(**kw: str) -> dict[bytes, bytes]:
-    base = {"stream": "cam1", "question": "what is red?"}
+    base = {"id": "q0", "stream": "cam1", "question": "what is red?"}
     return {k.encode(): v.encode() for k, v in {**base, **kw}.items()}
 
 
 def test_question_defaults_and_ids():
     q = parse_question(_q())
-    assert (q.stream, q.question, q.max_tokens, q.temperature, q.top_p) == (
+    assert (q.id, q.stream, q.question, q.max_tokens, q.temperature, q.top_p) == (
+        "q0",
         "cam1",
         "what is red?",
         128,
@@ -324,9 +327,18 @@ def test_question_defaults_and_ids():
         1.0,
     )
     assert q.choices is None and q.at is None and q.reply_ttl is None
-    assert len(q.id) == 32 and int(q.id, 16) >= 0  # uuid4 hex
-    assert parse_question(_q(), entry_id=b"1700000000000-0").id == "1700000000000-0"
-    assert parse_question(_q(id="abc"), entry_id="1-0").id == "abc"
+
+
+def test_a_question_needs_an_id_and_the_default_one_is_unguessable():
+    """No id: refused (a stream entry id is a millisecond clock, and the id is all that guards the
+    answer). The clients' default id is 128 random bits, a new one each time."""
+    no_id = {k: v for k, v in _q().items() if k != b"id"}
+    with pytest.raises(SchemaError, match="id: missing"):
+        parse_question(no_id)
+    assert question_id_of(no_id, "1700000000000-0") == "1700000000000-0"  # where the refusal goes
+    ids = {checked_question("cam1", "hi").id for _ in range(100)}
+    assert len(ids) == 100 and all(len(i) == 22 and QUESTION_ID_RE.fullmatch(i) for i in ids)
+    assert checked_question("cam1", "hi", id="mine").id == "mine"
 
 
 def test_question_all_fields_round_trip():
@@ -343,7 +355,7 @@ def test_question_all_fields_round_trip():
     assert q == Question("q-1", "cam1", "what is red?", 64, 0.7, 0.9, ("red", "blue", "green"), 42, 600)
     assert parse_question({k.encode(): v.encode() for k, v in encode_question(q).items()}) == q
     assert parse_question(_q(at="latest")).at is None
-    assert parse_question({"stream": "cam1", "question": "str keys"}).question == "str keys"
+    assert parse_question({"id": "s", "stream": "cam1", "question": "str keys"}).question == "str keys"
 
 
 @pytest.mark.parametrize(
@@ -394,9 +406,9 @@ def test_question_hostile(change, field):
 
 
 def test_question_missing_and_binary():
-    _raises("stream", parse_question, {b"question": b"hi"})
-    _raises("question", parse_question, {b"stream": b"cam1"})
-    _raises("question", parse_question, {b"stream": b"cam1", b"question": b"\xff\xfe"})
+    _raises("stream", parse_question, {b"id": b"q", b"question": b"hi"})
+    _raises("question", parse_question, {b"id": b"q", b"stream": b"cam1"})
+    _raises("question", parse_question, {b"id": b"q", b"stream": b"cam1", b"question": b"\xff\xfe"})
     _raises("fields", parse_question, [b"stream", b"cam1"])
 
 
@@ -409,7 +421,7 @@ def test_question_limits_overridable():
 def test_question_id_recovered_from_bad_question():
     bad = _q(id="q7", question="", max_tokens="-3")
     with pytest.raises(SchemaError):
-        parse_question(bad, entry_id="5-0")
+        parse_question(bad)
     assert question_id_of(bad, "5-0") == "q7"
     assert question_id_of({b"question": b""}, "5-0") == "5-0"
     assert question_id_of({b"question": b""}) is None
@@ -419,12 +431,11 @@ def test_question_id_recovered_from_bad_question():
 
 def test_redis_cli_question_accepted(redis_url, redis_cli):
     cli = [redis_cli, "-u", redis_url]
-    eid = subprocess.run(
-        [*cli, "XADD", keys.QUESTIONS, "*", "stream", "cam1", "question", "what is red?"],
+    subprocess.run(
+        [*cli, "XADD", keys.QUESTIONS, "*", "id", "q-1", "stream", "cam1", "question", "what is red?"],
         check=True,
         capture_output=True,
-        text=True,
-    ).stdout.strip()
+    )
     subprocess.run(
         [
             *cli,
@@ -448,9 +459,9 @@ def test_redis_cli_question_accepted(redis_url, redis_cli):
         capture_output=True,
     )
     r = redis.Redis.from_url(redis_url)
-    (id1, f1), (_, f2) = r.xrange(keys.QUESTIONS)
-    q1 = parse_question(f1, entry_id=id1)
-    assert (q1.id, q1.stream, q1.question) == (eid, "cam1", "what is red?")
+    (_, f1), (_, f2) = r.xrange(keys.QUESTIONS)
+    q1 = parse_question(f1)
+    assert (q1.id, q1.stream, q1.question) == ("q-1", "cam1", "what is red?")
     q2 = parse_question(f2)
     assert (q2.id, q2.choices, q2.max_tokens, q2.temperature) == ("mc1", ("red", "blue"), 16, 0.0)
 

@@ -15,8 +15,8 @@ import io
 import json
 import math
 import re
+import secrets
 import time
-import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from dataclasses import fields as dataclass_fields
@@ -654,7 +654,8 @@ def _parse_at(s: str) -> int | None:
 def question_id_of(fields: Mapping[Any, Any], entry_id: str | bytes | None = None) -> str | None:
     """The id to reply to, recovered even from an invalid question; None if there is no safe one.
 
-    With no ``id`` field the question's stream entry id is its id (see ``parse_question``).
+    With no ``id`` field, the question's stream entry id: where the refusal of a question without
+    an id goes (see ``parse_question``), and nothing else.
     """
     try:
         raw = _get_field(fields, "id")
@@ -669,21 +670,17 @@ def question_id_of(fields: Mapping[Any, Any], entry_id: str | bytes | None = Non
     return None
 
 
-def parse_question(
-    fields: Mapping[Any, Any], *, entry_id: str | bytes | None = None, limits: Limits = DEFAULT_LIMITS
-) -> Question:
+def parse_question(fields: Mapping[Any, Any], *, limits: Limits = DEFAULT_LIMITS) -> Question:
     """Validate a ``svqa:questions`` entry.
 
-    A question without ``id`` gets the stream entry id (pass ``entry_id``): it is stable across
-    redeliveries, so one question can never produce two answers, and a redis-cli user learns it
-    from XADD's reply. Without ``entry_id`` a random uuid4 hex is used.
+    ``id`` is required: the answer stream's name is all that keeps other clients from reading the
+    answer (the client role reads any ``svqa:answer:*`` it can name), so it must be unguessable,
+    and only the asker can choose it before asking. A stream entry id (a millisecond clock) is not.
     """
     f = _text_fields(fields, max_bytes=max(limits.max_question_chars * 4, 64 * 1024))
-    qid = question_id_of(fields, entry_id)
-    if qid is None:
-        if "id" in f:
-            _str("id", f["id"], 128, QUESTION_ID_RE)  # raises with the reason
-        qid = uuid.uuid4().hex
+    if "id" not in f:
+        raise SchemaError("id", "missing: send a random one (openssl rand -hex 16): whoever knows it reads the answer")
+    qid = _str("id", f["id"], 128, QUESTION_ID_RE)
     stream = check_stream_name("stream", _require(f, "stream"))
     question = _str("question", _require(f, "question"), limits.max_question_chars)
     if not question.strip():
@@ -711,8 +708,13 @@ def parse_question(
 def checked_question(stream: str, question: str, **options: Any) -> Question:
     """A new question (a random id unless ``id`` is given) as a worker will read it: what a worker
     would refuse raises SchemaError here, before anything is sent (the CLI and the API ask so)."""
-    q = Question(id=options.pop("id", None) or uuid.uuid4().hex, stream=stream, question=question, **options)
+    q = Question(id=options.pop("id", None) or new_question_id(), stream=stream, question=question, **options)
     return parse_question(encode_question(q))
+
+
+def new_question_id() -> str:
+    """An unguessable question id (128 random bits): whoever knows it can read the answer."""
+    return secrets.token_urlsafe(16)
 
 
 def encode_question(q: Question) -> dict[str, str]:
