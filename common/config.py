@@ -474,9 +474,10 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
     model: str = setting(DEFAULT_MODEL, "hub id, local path, `tiny-random`, `random-3b`")
     device: str | None = setting(None, "cuda, cpu, ...", shown="cuda when available")
     segment_store: str = setting(
-        "/var/lib/streamvqa/segments",
-        "where cache segments are kept: a directory, `dir://`, `redis://` (or `redis+cluster://`: the "
-        "service's own Redis), `memory://`",
+        "shm:///dev/shm/streamvqa/segments",
+        "where cache segments are kept: `shm://` a directory in shared host memory (tmpfs: outlives the "
+        "worker, not the host; no fsync), `dir://` or a path (a disk, fsynced), `redis://` (or "
+        "`redis+cluster://`: the service's own Redis), `memory://` (one process)",
     )
     consumer: str = setting(
         f"{socket.gethostname()}-{os.getpid()}", "this worker's name in Redis consumer groups", shown="host-pid"

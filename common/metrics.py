@@ -88,6 +88,25 @@ EVICTIONS = _ReadCounter("svqa_cache_evictions", "Evictions since the stream sta
 TOKENS_EVICTED = _ReadCounter("svqa_cache_tokens_evicted", "Tokens evicted since the stream started", ["stream"])
 VERSION_ID = Gauge("svqa_cache_version", "Head version id", ["stream"], **_R)
 
+# Segment store (the encoder's writer, common/segment_writer.py)
+STORE_QUEUE_BYTES = Gauge("svqa_store_queue_bytes", "Segment bytes handed to the writer, not yet written", **_R)
+STORE_WRITTEN_BYTES = Counter("svqa_store_written_bytes", "Segment bytes written to the store", **_R)
+STORE_WRITE_SECONDS = Histogram(
+    "svqa_store_write_seconds",
+    "Time to write one segment",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5),
+    **_R,
+)
+STORE_FAILURES = Counter(
+    "svqa_store_failures", "Segment writes that failed: unavailable (retried) or error", ["kind"], **_R
+)
+CACHE_RESTARTS = Counter(
+    "svqa_cache_restarts",
+    "Streams whose cache could not be restored (a segment missing or corrupt) and started over",
+    ["stream"],
+    **_R,
+)
+
 # qa
 QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answered now", **_R)
 QUESTIONS = Counter("svqa_qa_questions_total", "Questions finished", ["outcome"], **_R)
@@ -306,6 +325,7 @@ API_ANSWERS = Gauge("svqa_api_answers_in_flight", "Answers this API process is w
 API_BUSY = Counter("svqa_api_busy_total", "Requests refused with 503 busy (max_answers, no pooled connection)", **_R)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
+_STORE = (STORE_QUEUE_BYTES, STORE_WRITTEN_BYTES, STORE_WRITE_SECONDS, STORE_FAILURES, CACHE_RESTARTS)
 ROLES: dict[str, tuple[Collector, ...]] = {
     "ingest": (
         THREAD_CPU,
@@ -318,7 +338,16 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         INGEST_UP,
         LAST_FRAME_AGE,
     ),
-    "encoder": (THREAD_CPU, FRAMES_ENCODED, FRAMES_DROPPED, CHUNK_SECONDS, ENCODER_LAG, *_CACHE, *_GPU),
+    "encoder": (
+        THREAD_CPU,
+        FRAMES_ENCODED,
+        FRAMES_DROPPED,
+        CHUNK_SECONDS,
+        ENCODER_LAG,
+        *_CACHE,
+        *_STORE,
+        *_GPU,
+    ),
     "qa": (
         THREAD_CPU,
         QUESTIONS_IN_FLIGHT,

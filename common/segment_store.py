@@ -1,15 +1,20 @@
-"""Where segments' K/V live between processes (docs/DESIGN.md, "Transport between processes").
+"""Where segments' K/V live between processes (docs/DESIGN.md, "Persistence").
 
-A segment is immutable once put: the encoder puts it before publishing a version that
-references it, QA workers get it when they mirror that version, and the stream's writer
-gc's the segments no version still needs. Three backends, one interface:
+A segment is immutable once put: the encoder's writer (`common.segment_writer`) puts it before a
+version that references it is published, QA workers get it when they mirror that version, and
+the writer collects the segments no version still needs. Three backends, one interface:
 
-- ``DirectoryStore``: one host, a tmpfs or a volume shared by the encoder and qa containers.
+- ``DirectoryStore``: a directory. Under ``shm://`` (the default) it lies in shared host memory
+  (tmpfs): it outlives the worker process (a crash, kill -9, an upgrade of the container) but
+  not the host, and is written with no fsync. Under ``dir://`` or a plain path it is a disk
+  directory and every put is fsynced (file and directory) before it counts as written.
 - ``RedisStore``: several hosts; the bytes sit in Redis next to the stream's other keys.
 - ``MemoryStore``: encoder and qa in one process; references only, so nothing is held twice.
 
-K/V are stored exactly as given (dtype included, bfloat16 too), so a mirror is bitwise equal
-to the encoder's cache.
+Every stored segment is one record: a header (magic, dtype, shape, CRC-32 of the payload) and
+the raw bytes of the tensor, so K/V are stored exactly as given (bfloat16 too) with no
+serialization library in between, and a truncated, bit-flipped or foreign file is refused as
+corrupt (`SegmentStoreError`) instead of being loaded.
 
 Beside a chunk's segments, exact eviction stores the chunk's vision embeddings (L, D) under
 ``embeds_id(chunk_id)``: put and get take them like K/V, and gc keeps them as long as any
@@ -18,25 +23,33 @@ segment of that chunk (the original or a re-prefilled ``<chunk>.rN``) is kept.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
+import struct
 import threading
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+import msgpack
 import redis
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load, load_file, save
 
 from common.engine.kvcache import chunk_id
 from common.redisio import connect
 from common.wire import keys
 
-_SUFFIX = ".safetensors"
+_SUFFIX = ".seg"
 _TMP_SUFFIX = ".tmp"
 _EMBEDS = ".emb"
+_MAGIC = b"SVQAseg1"
+_PREFIX = struct.Struct("<8sI")  # magic, header length
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+_MAX_HEADER = 4096
+# Outages of the medium rather than faults of a segment: the writer retries these.
+_UNAVAILABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM}
 
 
 def embeds_id(chunk: str) -> str:
@@ -45,13 +58,19 @@ def embeds_id(chunk: str) -> str:
 
 
 class SegmentStoreError(RuntimeError):
-    """A segment is missing, corrupt or cannot be written, or an id or URL is invalid."""
+    """A segment is missing or corrupt, or an id or URL is invalid."""
+
+
+class StoreUnavailable(SegmentStoreError):
+    """The store cannot take writes now (disk full, read-only, I/O error): an outage, not bad data."""
 
 
 @runtime_checkable
 class SegmentStore(Protocol):
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None: ...
-    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor: ...
+    def get(
+        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
+    ) -> torch.Tensor: ...
     def gc(self, stream: str, keep: Iterable[str]) -> int: ...
 
 
@@ -63,33 +82,66 @@ def _check_ids(*ids: str) -> None:
             raise SegmentStoreError(f"invalid stream or segment id {value!r}: empty, leading dot or path separator")
 
 
-def _kind(segment_id: str) -> tuple[str, int]:
-    """The tensor an id holds: ("kv", 5 dims) for a segment, ("embeds", 2 dims) for embeddings."""
-    return ("embeds", 2) if segment_id.endswith(_EMBEDS) else ("kv", 5)
-
-
 def _check_kv(segment_id: str, kv: torch.Tensor) -> None:
-    name, dims = _kind(segment_id)
-    if name == "embeds" and (kv.dim() != 2 or not kv.is_floating_point()):
-        raise ValueError(f"embeddings must be a float (n_tokens, hidden) tensor, got {kv.dtype} {tuple(kv.shape)}")
-    if name == "kv" and (kv.dim() != dims or kv.shape[1] != 2 or not kv.is_floating_point()):
+    if segment_id.endswith(_EMBEDS):
+        if kv.dim() != 2 or not kv.is_floating_point():
+            raise ValueError(f"embeddings must be a float (n_tokens, hidden) tensor, got {kv.dtype} {tuple(kv.shape)}")
+    elif kv.dim() != 5 or kv.shape[1] != 2 or not kv.is_floating_point():
         raise ValueError(
             f"kv must be a float (layers, 2, kv_heads, n_tokens, head_dim) tensor, got {kv.dtype} {tuple(kv.shape)}"
         )
+    if str(kv.dtype) not in _DTYPES:
+        raise ValueError(f"unsupported dtype {kv.dtype}")
 
 
-def _to_bytes(segment_id: str, kv: torch.Tensor) -> bytes:
-    # safetensors wants a contiguous CPU tensor; the encoder passes a strided view of its arena.
+def encode(kv: torch.Tensor) -> tuple[bytes, memoryview]:
+    """A record's header and its payload: the tensor's own bytes, not copied when it is already a
+    contiguous CPU tensor (the pinned copy the encoder hands over)."""
     kv = kv.detach().to("cpu").contiguous()
-    return save({_kind(segment_id)[0]: kv}, metadata={"shape": str(list(kv.shape)), "dtype": str(kv.dtype)})
+    payload = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    header = msgpack.packb(
+        {"dtype": str(kv.dtype), "shape": list(kv.shape), "nbytes": payload.nbytes, "crc32": zlib.crc32(payload)}
+    )
+    return _PREFIX.pack(_MAGIC, len(header)) + header, payload
 
 
-def _unpack(tensors: dict[str, torch.Tensor], segment_id: str, where: str, device: torch.device | str) -> torch.Tensor:
-    name, dims = _kind(segment_id)
-    kv = tensors.get(name)
-    if kv is None or kv.dim() != dims:
-        raise SegmentStoreError(f"corrupt segment {where}: no {dims}-d tensor {name!r}")
-    return kv.to(device)
+def _header(head: bytes, where: str) -> tuple[dict, int]:
+    """The record's header and where its payload starts."""
+    if len(head) < _PREFIX.size:
+        raise SegmentStoreError(f"corrupt segment {where}: truncated header")
+    magic, n = _PREFIX.unpack_from(head)
+    if magic != _MAGIC or n > _MAX_HEADER or len(head) < _PREFIX.size + n:
+        raise SegmentStoreError(f"corrupt segment {where}: not a segment record")
+    try:
+        meta = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + n])
+        dtype, shape, nbytes = _DTYPES[meta["dtype"]], [int(s) for s in meta["shape"]], int(meta["nbytes"])
+        int(meta["crc32"])
+    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+        raise SegmentStoreError(f"corrupt segment {where}: bad header ({e})") from None
+    if nbytes != torch.Size(shape).numel() * dtype.itemsize:
+        raise SegmentStoreError(f"corrupt segment {where}: header's size does not match its shape")
+    return meta, _PREFIX.size + n
+
+
+def _tensor(meta: dict, payload: torch.Tensor, where: str, segment_id: str) -> torch.Tensor:
+    """Check the payload (uint8) against its header; the tensor it holds."""
+    if payload.numel() != meta["nbytes"]:
+        raise SegmentStoreError(f"corrupt segment {where}: {payload.numel()} of {meta['nbytes']} bytes")
+    if zlib.crc32(memoryview(payload.numpy()).cast("B")) != meta["crc32"]:
+        raise SegmentStoreError(f"corrupt segment {where}: checksum mismatch")
+    kv = payload.view(_DTYPES[meta["dtype"]]).reshape(meta["shape"])
+    try:
+        _check_kv(segment_id, kv)
+    except ValueError as e:
+        raise SegmentStoreError(f"corrupt segment {where}: {e}") from None
+    return kv
+
+
+def decode(data: bytes, segment_id: str, where: str) -> torch.Tensor:
+    """A record held in memory (a Redis value) back to its tensor (a copy of its own)."""
+    meta, start = _header(data[: _MAX_HEADER + _PREFIX.size], where)
+    payload = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8) if len(data) > start else torch.empty(0)
+    return _tensor(meta, payload.to(torch.uint8), where, segment_id)
 
 
 def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
@@ -100,11 +152,19 @@ def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
     return {s for s in stored if s not in keep and not (s.endswith(_EMBEDS) and s in chunks)}
 
 
-class DirectoryStore:
-    """root/<stream>/<segment_id>.safetensors, written atomically (temp file, fsync, rename)."""
+def _os_error(e: OSError, what: str) -> SegmentStoreError:
+    cls = StoreUnavailable if e.errno in _UNAVAILABLE_ERRNOS else SegmentStoreError
+    return cls(f"{what}: {e.strerror or e}")
 
-    def __init__(self, root: str | Path) -> None:
+
+class DirectoryStore:
+    """root/<stream>/<segment_id>.seg, each written whole under a temporary name and renamed, so
+    a reader sees a segment whole or not at all. ``durable``: fsync the file and the directory
+    before the put returns (a disk); without it (tmpfs) a put survives the process, not the host."""
+
+    def __init__(self, root: str | Path, durable: bool = True) -> None:
         self.root = Path(root)
+        self.durable = durable
 
     def path(self, stream: str, segment_id: str) -> Path:
         _check_ids(stream, segment_id)
@@ -113,33 +173,45 @@ class DirectoryStore:
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
         _check_kv(segment_id, kv)
         final = self.path(stream, segment_id)
-        data = _to_bytes(segment_id, kv)
-        # Same directory so os.replace is a rename within one file system, hence atomic: a reader
-        # sees the old name absent or the whole file. A dot name so gc knows it as a leftover.
+        head, payload = encode(kv)
+        # A dot name in the same directory: os.replace is then an atomic rename, and gc knows a
+        # leftover of a writer that died as one.
         tmp = final.parent / f".{segment_id}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
         try:
             final.parent.mkdir(parents=True, exist_ok=True)
             # os.open with 0o666, not mkstemp's 0o600: the qa container may run as another user.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())  # data on disk before the name points at it
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                _write_all(f.fileno(), head)
+                _write_all(f.fileno(), payload)  # the GIL is released while the kernel copies
+                if self.durable:
+                    os.fsync(f.fileno())  # data on disk before the name points at it
             os.replace(tmp, final)
-            _fsync_dir(final.parent)  # the rename itself survives a power cut (restart reloads from here)
+            if self.durable:
+                _fsync_dir(final.parent)  # the rename itself survives a power cut
         except OSError as e:
             tmp.unlink(missing_ok=True)
-            raise SegmentStoreError(f"cannot write segment {final}: {e}") from e
+            raise _os_error(e, f"cannot write segment {final}") from e
 
-    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    def get(
+        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
+    ) -> torch.Tensor:
+        """``pin``: read into page-locked memory (a GPU copies it from there without a wait)."""
         path = self.path(stream, segment_id)
+        device = torch.device(device)
         try:
-            tensors = load_file(path, device="cpu")
+            with open(path, "rb", buffering=0) as f:
+                meta, start = _header(f.read(_PREFIX.size + _MAX_HEADER), str(path))
+                f.seek(start)
+                # Straight into page-locked memory when it goes on to a GPU: one copy, not waited for.
+                payload = torch.empty(meta["nbytes"], dtype=torch.uint8, pin_memory=pin or device.type == "cuda")
+                got = f.readinto(memoryview(payload.numpy()).cast("B")) if payload.numel() else 0
         except FileNotFoundError as e:
             raise SegmentStoreError(f"missing segment {path}") from e
-        except (SafetensorError, OSError, ValueError) as e:
+        except OSError as e:
             raise SegmentStoreError(f"corrupt segment {path}: {e}") from e
-        return _unpack(tensors, segment_id, str(path), device)
+        kv = _tensor(meta, payload[:got], str(path), segment_id)
+        return kv.to(device, non_blocking=True)
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         """Delete the stream's segments not in keep and any temp files (a writer that crashed);
@@ -158,6 +230,14 @@ class DirectoryStore:
         for segment_id in drop:
             self.path(stream, segment_id).unlink(missing_ok=True)
         return len(drop)
+
+
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    """os.write until done: a raw write may take part of the buffer (a disk filling up takes what
+    fits, and only the next write says ENOSPC)."""
+    view = memoryview(data).cast("B")
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _fsync_dir(path: Path) -> None:
@@ -184,13 +264,16 @@ class MemoryStore:
         with self._lock:
             self._data.setdefault(stream, {})[segment_id] = kv
 
-    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    def get(
+        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
+    ) -> torch.Tensor:
         _check_ids(stream, segment_id)
         with self._lock:
             kv = self._data.get(stream, {}).get(segment_id)
         if kv is None:
             raise SegmentStoreError(f"missing segment memory:{stream}/{segment_id}")
-        return kv.to(device)  # the same object when it already lives there
+        kv = kv.to(device)  # the same object when it already lives there
+        return kv.pin_memory() if pin and kv.device.type == "cpu" else kv
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
@@ -203,7 +286,7 @@ class MemoryStore:
 
 
 class RedisStore:
-    """Safetensors bytes at keys.segment(stream, id); ``ttl_s`` bounds what a dead writer leaves.
+    """Segment records at keys.segment(stream, id); ``ttl_s`` bounds what a dead writer leaves.
 
     The client must return bytes (decode_responses=False, as common.redisio.connect does).
     Redis connection errors propagate as they are: callers already retry those.
@@ -215,18 +298,21 @@ class RedisStore:
 
     def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
         _check_kv(segment_id, kv)
-        self.r.set(self._key(stream, segment_id), _to_bytes(segment_id, kv), ex=self.ttl_s)
+        head, payload = encode(kv)
+        try:
+            self.r.set(self._key(stream, segment_id), head + payload.tobytes(), ex=self.ttl_s)
+        except redis.ResponseError as e:  # OOM (maxmemory) or a read-only replica: Redis can't take it now
+            raise StoreUnavailable(f"cannot write segment {segment_id}: {e}") from e
 
-    def get(self, stream: str, segment_id: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    def get(
+        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
+    ) -> torch.Tensor:
         key = self._key(stream, segment_id)
         data = self.r.get(key)
         if data is None:
             raise SegmentStoreError(f"missing segment {key}")
-        try:
-            tensors = load(data)
-        except (SafetensorError, ValueError) as e:
-            raise SegmentStoreError(f"corrupt segment {key}: {e}") from e
-        return _unpack(tensors, segment_id, key, device)
+        kv = decode(data, segment_id, key).to(device)
+        return kv.pin_memory() if pin and kv.device.type == "cpu" else kv
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:
         _check_ids(stream)
@@ -252,12 +338,15 @@ _memory_lock = threading.Lock()
 
 
 def open_store(url: str, redis_client: redis.Redis | None = None, *, ttl_s: int | None = None) -> SegmentStore:
-    """memory://[name] (one instance per URL per process, so encoder and qa share it),
-    dir:///path or a plain path, redis://, rediss://, unix:// or a cluster's redis+cluster:// or
-    rediss+cluster:// (ttl_s applies to Redis only)."""
+    """shm:///path (a tmpfs directory: outlives the process, no fsync; the default),
+    dir:///path or a plain path (a disk directory, fsynced), memory://[name] (one instance per
+    URL per process, so encoder and qa share it), redis://, rediss://, unix:// or a cluster's
+    redis+cluster:// or rediss+cluster:// (ttl_s applies to Redis only)."""
     if url.startswith("memory://"):
         with _memory_lock:
             return _memory_stores.setdefault(url, MemoryStore())
+    if url.startswith("shm://"):
+        return DirectoryStore(url[len("shm://") :], durable=False)
     if url.startswith("dir://"):
         return DirectoryStore(url[len("dir://") :])
     if url.startswith(("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")):

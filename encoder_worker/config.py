@@ -47,6 +47,7 @@ class EncoderConfig(ModelSettings):
     )
     versions_maxlen: int = setting(1000, "versions kept in each stream's history")
     keep_versions: int = setting(4, "segments of this many recent versions survive garbage collection")
+    store_writers: int = setting(4, "threads writing segments off the stream threads; a stream's writes stay on one")
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -56,6 +57,8 @@ class EncoderConfig(ModelSettings):
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
         if not self.max_clock_skew_s >= 0:
             raise ValueError(f"max_clock_skew_s must be 0 or more, got {self.max_clock_skew_s}")
+        if self.store_writers < 1:
+            raise ValueError(f"store_writers must be 1 or more, got {self.store_writers}")
         if self.decode_processes < 1:
             raise ValueError(f"decode_processes must be 1 or more, got {self.decode_processes}")
         if self.max_streams is not None and self.max_streams < 0:

@@ -36,11 +36,20 @@ from common.engine.runtime import Runtime
 from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
+from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decoding import FrameDecoder
-from encoder_worker.stream import LeaseLost, OwnedStream, StreamNotReady, dead_letter_frame, event, open_stream
+from encoder_worker.stream import (
+    LeaseLost,
+    OwnedStream,
+    StreamNotReady,
+    WriteFailed,
+    dead_letter_frame,
+    event,
+    open_stream,
+)
 
 log = structlog.get_logger()
 
@@ -59,10 +68,12 @@ class EncoderService:
     ):
         """``frames``: the Redis holding the frames streams (default ``r``, which keeps the rest)."""
         self.cfg, self.rt, self.r, self.store = cfg, rt, r, store
+        self.writer = SegmentWriter(store, cfg.store_writers)  # segments written off the stream threads
         self.frames = frames or r
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
+        self.opening: set[str] = set()  # leases taken, caches being restored by their tasks
         self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms)
         self.leaving: str | None = None  # the stream being handed off to a less loaded worker
         self._leaving_since = 0.0
@@ -79,7 +90,7 @@ class EncoderService:
         # Streams are handled side by side, so their chunks reach the GPU scheduler together and
         # share its batches; entries of one stream stay in order, in one task at a time.
         self.streams_pool = futures.ThreadPoolExecutor(max(1, len(self.names)), thread_name_prefix="stream")
-        self.tasks: dict[str, futures.Future[None]] = {}  # stream -> the task handling its last read
+        self.tasks: dict[str, futures.Future] = {}  # stream -> the task handling its last read, or opening it
         self.decoder = FrameDecoder(cfg.decode_processes)  # pixels decoded out of this process's GIL
         self._last_lease_check = 0.0
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
@@ -113,6 +124,7 @@ class EncoderService:
             redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
         finally:
             self._settle(STOP_WAIT_S)
+            self.writer.close()
             self.decoder.close()
             done.set()
             keeper.join()
@@ -174,13 +186,19 @@ class EncoderService:
             with contextlib.suppress(*redisio.OUTAGE_ERRORS):  # un-acked: read again from our pending history
                 self._end_task(name).result()
 
-    def _end_task(self, name: str) -> futures.Future[None]:
+    def _end_task(self, name: str) -> futures.Future:
         """A finished task's stream may be read again, or is dropped if the task found its lease
-        lost (only this thread changes what is owned and read)."""
+        lost, or is attached if the task opened it (only this thread changes what is owned and read)."""
+        task = self.tasks.pop(name)
+        if name in self.opening:
+            self.opening.discard(name)
+            if task.exception() is None and task.result() is not None:
+                self._attach(name, task.result())
+            return task
         owned = self.owned.get(name)
         if owned is not None and owned.lost:
             self._drop(name)
-        return self.tasks.pop(name)
+        return task
 
     def _keep_leases_if_due(self) -> None:
         if time.monotonic() - self._last_lease_check > self._lease_check_s:
@@ -189,13 +207,17 @@ class EncoderService:
     def _keep_leases(self) -> None:
         """Renew what we hold, say so (heartbeat), take free streams, maybe start one hand-off."""
         self._renew_owned()
-        held = set(self.owned)
+        held = self.held()
         others = self.placement.beat(held)
         self._take_free(others)
         self._start_hand_off_if_due(others)
-        if set(self.owned) != held:
-            self.placement.beat(self.owned)  # the others decide on what we hold now
+        if self.held() != held:
+            self.placement.beat(self.held())  # the others decide on what we hold now
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
+
+    def held(self) -> list[str]:
+        """Streams whose leases we hold: owned, and those whose caches are being restored."""
+        return [*self.owned, *self.opening]
 
     def _renew_until(self, done: threading.Event) -> None:
         """Leases and the heartbeat renewed from their own thread: a chunk waiting its turn on a busy GPU (or a first
@@ -204,7 +226,7 @@ class EncoderService:
         taken back) is for the main loop to find out: its own renewal or `after_outage`."""
         while not done.wait(self._lease_check_s):
             try:
-                held = list(self.owned)
+                held = self.held()
                 for name in held:
                     self.leases[name].renew()
                 self.placement.beat(held)  # and the heartbeat, for the same reason
@@ -221,14 +243,16 @@ class EncoderService:
 
     def _take_free(self, others: list[WorkerLoad]) -> None:
         free = self._free_streams()
-        share = self.placement.share(len(self.owned), len(free), others)
+        share = self.placement.share(len(self.held()), len(free), others)
         # Each worker starts at its own place in the list, so workers taking at once rarely collide.
         start = zlib.crc32(self.cfg.consumer.encode()) % len(free) if free else 0
         for name in free[start:] + free[:start]:
-            if not self.placement.has_room(len(self.owned)):
+            if not self.placement.has_room(len(self.held())):
                 return
-            if (len(self.owned) < share or self._free_too_long(name)) and self.leases[name].acquire():
-                self._open(name)
+            if (len(self.held()) < share or self._free_too_long(name)) and self.leases[name].acquire():
+                self._free_since.pop(name, None)
+                self.opening.add(name)  # restored by a task of its own: many at once, none on this loop
+                self.tasks[name] = self.streams_pool.submit(self._open, name)
 
     def _free_streams(self) -> list[str]:
         """Served streams nobody holds a lease on (one pipelined EXISTS each)."""
@@ -247,21 +271,27 @@ class EncoderService:
         since = self._free_since.setdefault(name, time.monotonic())
         return time.monotonic() - since > self.cfg.lease_ms / 1000
 
-    def _open(self, name: str) -> None:
-        """Restore a stream whose lease we just took (nothing re-encoded) and start reading its frames."""
-        self._free_since.pop(name, None)
+    def _open(self, name: str) -> OwnedStream | None:
+        """A stream's task after its lease was taken: restore its cache from the head (nothing
+        re-encoded; the segments are read in this thread) and take over its unacked frames.
+        None when it cannot be opened now; the lease is then given back or already gone."""
         try:
-            self.owned[name] = open_stream(self.rt, self.r, self.store, self.cfg, name, self.frames)
+            owned = open_stream(self.rt, self.r, self.writer, self.cfg, name, self.frames)
         except StreamNotReady:
             self.leases[name].release()  # ingest has not described the stream yet; try again later
-            return
+            return None
         except LeaseLost:  # opening outlasted the lease and another worker took the stream
             log.warning("lease lost while opening the stream; another worker holds it", stream=name)
-            return
+            return None
         # Frames another consumer read but never acked belong to a dead or departed owner: take
         # them over before reading on, so nothing is skipped and the file source is not held back.
         redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
         redisio.claim_stale(self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
+        return owned
+
+    def _attach(self, name: str, owned: OwnedStream) -> None:
+        """An opened stream joins the owned ones and is read from now on (this thread only)."""
+        self.owned[name] = owned
         self.reader.add(keys.frames(name))
         event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
 
@@ -331,6 +361,11 @@ class EncoderService:
             owned.add(entry_id, msg)
         except LeaseLost:
             log.warning("lease lost while publishing; the new owner continues from its head", stream=owned.name)
+            owned.lost = True
+        except WriteFailed as e:  # its engine holds a chunk that is not stored: reopen from the head
+            log.error(
+                "segment not written; the stream reopens from its published head", stream=owned.name, error=str(e)
+            )
             owned.lost = True
         except redisio.OUTAGE_ERRORS:
             raise

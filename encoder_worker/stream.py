@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from concurrent.futures import Future
 
 import redis
 import structlog
@@ -28,10 +29,11 @@ import torch
 
 from common import metrics, redisio
 from common.engine.grid import StreamSpec
-from common.engine.kvcache import Segment, Version
+from common.engine.kvcache import CacheState, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
+from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
 from common.wire.meta import StreamMeta
@@ -62,19 +64,26 @@ class LeaseLost(RuntimeError):
     """Another encoder owns the stream now; this one must stop writing it."""
 
 
+class WriteFailed(RuntimeError):
+    """A segment of the stream's next version could not be written (not an outage: those are
+    retried by the writer). The stream is reopened from its published head."""
+
+
 class OwnedStream:
     """A stream this worker holds the lease for, with its engine and not-yet-encoded frames."""
 
     def __init__(
         self,
         r: redis.Redis,
-        store: SegmentStore,
+        writer: SegmentWriter,
         cfg: EncoderConfig,
         engine: StreamEngine,
         live: bool,
         frames: redis.Redis | None = None,
+        writes: list[Future] | None = None,
     ):
-        self.r, self.store, self.cfg = r, store, cfg
+        self.r, self.writer, self.cfg = r, writer, cfg
+        self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
         self.frames = frames or r
         self.engine = engine
         self.name = engine.spec.name
@@ -248,14 +257,30 @@ class OwnedStream:
         return time.monotonic() - max(0.0, time.time() - last.ts) if self.live else math.inf
 
     def publish(self, version: Version) -> None:
-        """Manifest to `versions` and `head`; segments are already in the store (on_segment)."""
+        """Manifest to `versions` and `head`, once its new segments are written (queued by
+        `on_segment`); then the segments no recent version holds are collected, by the writer."""
+        self._await_writes()
         manifest = to_manifest(version, self.engine.spec)
         if not publish_fenced(self.r, self.name, self.cfg.consumer, manifest, self.cfg.versions_maxlen):
             raise LeaseLost(self.name)
         self.published = version.id
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
-        self.store.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
+        self.writer.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
+
+    def _await_writes(self) -> None:
+        """Wait for the writer to hold every segment the next version adds (a full disk is
+        waited out there, with frames pending); a write that failed for good ends the stream's
+        run here (WriteFailed): its head would otherwise reference a segment that is not stored."""
+        writes, self.writes[:] = list(self.writes), []
+        for future in writes:
+            try:
+                future.result()
+            except WriterClosed:
+                raise
+            except Exception as e:
+                event(self.r, self.name, "store_write_failed", error=str(e)[:200])
+                raise WriteFailed(f"{self.name}: {e}") from e
 
     def resume(self) -> bool:
         """After an outage: False if the stream is no longer ours (the lease went to another
@@ -304,42 +329,61 @@ def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpe
 
 
 def open_stream(
-    rt: Runtime, r: redis.Redis, store: SegmentStore, cfg: EncoderConfig, name: str, frames: redis.Redis | None = None
+    rt: Runtime, r: redis.Redis, writer: SegmentWriter, cfg: EncoderConfig, name: str, frames: redis.Redis | None = None
 ) -> OwnedStream:
-    """Continue from the published head (nothing re-encoded, nothing skipped) or start empty."""
+    """Continue from the published head (nothing re-encoded, nothing skipped) or start empty.
+
+    A head whose segments cannot all be read back (missing, truncated, checksum mismatch: the
+    store was wiped or damaged) starts this stream over, with a `cache_restarted` event and
+    metric; it never stops the worker or another stream."""
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
-
-    def persist(segment: Segment, kv) -> None:
-        store.put(name, segment.id, kv)
-
-    def persist_embeds(segment: Segment, embeds) -> None:
-        store.put(name, embeds_id(segment.chunk_id), embeds)
-
-    def load_embeds(chunk: str) -> torch.Tensor | None:
-        try:
-            return store.get(name, embeds_id(chunk), rt.device)
-        except SegmentStoreError as e:  # e.g. encoded under rebase: evictions rebase until it is gone
-            log.warning("no kept embeddings for a cached chunk", stream=name, chunk=chunk, error=str(e))
-            return None
-
-    sinks = dict(on_segment=persist, on_embeds=persist_embeds)
+    writes: list[Future] = []
+    sinks = dict(
+        on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv)),
+        on_embeds=lambda segment, embeds: writes.append(writer.put(name, embeds_id(segment.chunk_id), embeds)),
+    )
     raw = r.get(keys.head(name))
-    if raw is None:
-        owned = OwnedStream(r, store, cfg, StreamEngine(rt, spec, policy, **sinks), live, frames)
+    try:
+        state = from_manifest(manifest_from_bytes(raw)) if raw is not None else None
+        loaded = _read_segments(writer.store, name, state.cache, rt.device.type == "cuda") if state else None
+    except (SchemaError, SegmentStoreError, KeyError, ValueError) as e:  # a bad manifest too: never a crash loop
+        metrics.CACHE_RESTARTS.labels(name).inc()
+        log.error("cache not restorable; the stream starts over", stream=name, error=str(e))
+        event(r, name, "cache_restarted", reason=str(e)[:200])
+        state = loaded = None
+    if state is None or loaded is None:
+        owned = OwnedStream(r, writer, cfg, StreamEngine(rt, spec, policy, **sinks), live, frames, writes)
         owned.publish(owned.engine.head)
         return owned
-    state = from_manifest(manifest_from_bytes(raw))
+    kv, embeds = loaded
+    device = rt.loaded.device
     engine = StreamEngine(
         rt,
         state.spec,
         policy,
-        restore=(state.cache, lambda seg: store.get(name, seg.id, rt.loaded.device)),
-        load_embeds=load_embeds,
+        restore=(state.cache, lambda seg: kv[seg.id].to(device, non_blocking=True)),
+        load_embeds=lambda chunk: e.to(device, non_blocking=True) if (e := embeds.get(chunk)) is not None else None,
         **sinks,
     )
     log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
-    return OwnedStream(r, store, cfg, engine, live, frames)
+    return OwnedStream(r, writer, cfg, engine, live, frames, writes)
+
+
+def _read_segments(
+    store: SegmentStore, name: str, cache: CacheState, pin: bool
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Every segment of a version (and the kept embeddings of its chunks), read in the opening
+    thread into host memory (page-locked for a GPU) before the GPU loop copies them: the loop
+    never waits on the store. SegmentStoreError when a segment cannot be read back."""
+    kv = {p.segment.id: store.get(name, p.segment.id, "cpu", pin=pin) for p in cache.placements}
+    embeds = {}
+    for chunk in {p.segment.chunk_id for p in cache.placements[1:]}:
+        try:
+            embeds[chunk] = store.get(name, embeds_id(chunk), "cpu", pin=pin)
+        except SegmentStoreError:  # e.g. encoded under rebase: evictions rebase until it is gone
+            continue
+    return kv, embeds
 
 
 def dead_letter_frame(

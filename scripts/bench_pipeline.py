@@ -132,10 +132,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--fps", type=float, default=2.0, help="frames per second of every camera")
     p.add_argument(
         "--segment-store",
-        help="the workers' segment store; default memory://bench for one worker (keeps disk out of the "
-        "measurement: its copies of the segments stay on the worker's device), a directory in the run's "
-        "folder for several (a stream handed off is restored by another process; memory:// with several "
-        "workers measures the same as with one, but a stream that moves cannot be restored)",
+        help="the workers' segment store; default: the product's (shm://, shared host memory), in a "
+        "directory of the run's own under /dev/shm that is removed after it; memory://bench keeps the "
+        "segments in the worker process (what this benchmark used before 2026-11-28: nothing survives "
+        "a worker), dir:///path a disk",
     )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
     p.add_argument("--settle-lag", type=float, default=5.0, help="then until every head is this close to now")
@@ -210,6 +210,22 @@ class Services:
             if name.startswith(prefix) and proc.poll() is None:
                 proc.send_signal(sig)
 
+    @property
+    def shm(self) -> Path:
+        """The run's own directory in shared host memory: the default segment store's kind."""
+        return Path("/dev/shm") / f"streamvqa-bench-{self.workdir.name}"
+
+    def io(self, prefix: str) -> dict[str, dict[str, int]]:
+        """The kernel's I/O counters of every live service named `prefix`*."""
+        out = {}
+        for name, pid in self.pids(prefix).items():
+            try:
+                lines = Path(f"/proc/{pid}/io").read_text().splitlines()
+            except OSError:  # not Linux, or gone meanwhile
+                continue
+            out[name] = {k: int(v) for k, v in (line.split(": ") for line in lines)}
+        return out
+
     def pids(self, prefix: str) -> dict[str, int]:
         return {name: proc.pid for name, proc in self.procs.items() if name.startswith(prefix) and proc.poll() is None}
 
@@ -262,6 +278,7 @@ def services(workdir: Path, redis_url: str) -> Iterator[Services]:
         yield running
     finally:
         running.stop()
+        shutil.rmtree(running.shm, ignore_errors=True)  # host memory, not a file to keep
 
 
 def free_port() -> int:
@@ -589,7 +606,7 @@ def run_services(
 ) -> dict[str, Any]:
     n, r = len(cameras), redisio.connect(url)
     ingest_port, worker_ports = free_port(), [free_port() for _ in range(ns.workers)]
-    store = ns.segment_store or ("memory://bench" if ns.workers == 1 else str(running.workdir / "segments"))
+    store = ns.segment_store or f"shm://{running.shm}"
     for i, port in enumerate(worker_ports):
         profile = []
         if ns.profile:
@@ -670,11 +687,14 @@ def measure(
         name: GilSampler(pid, min(ns.gil, ns.duration), running.workdir / f"{name}-gil.txt")
         for name, pid in (running.pids("worker") if ns.gil > 0 else {}).items()
     }
+    io_before = running.io("worker")
     try:
         wait_while(running, ns.duration, status, lambda: False)
         after = frame_counts(*ports, cameras)
         t_end = load.window_end = time.monotonic()
         memory = running.memory_gib("worker")
+        io = io_rates(io_before, running.io("worker"), t_end - t0, len(cameras))
+        shm_gib = round(dir_bytes(running.shm) / 2**30, 3)
         gil = {name: spy.summary() for name, spy in spies.items()}
         if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
             running.signal("worker", signal.SIGUSR2)  # a trace of the next steps (gpu_profile_dir)
@@ -684,7 +704,29 @@ def measure(
         load.stop.set()  # interrupted or failed: questions in flight are abandoned, not waited for
         raise
     load.finish()
-    return {**summarize(ns, cameras, before, after, load, t0, t_end), "worker_memory_gib": memory, "gil": gil}
+    return {
+        **summarize(ns, cameras, before, after, load, t0, t_end),
+        "worker_memory_gib": memory,
+        "worker_io": io,
+        "segment_store_shm_gib": {"total": shm_gib, "per_camera": round(shm_gib / len(cameras), 4)},
+        "gil": gil,
+    }
+
+
+def io_rates(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]], seconds: float, n: int) -> dict:
+    """The workers' writes in the window from the kernel's counters (/proc/PID/io): `wchar` is every
+    byte handed to write() (a tmpfs store's included), `write_bytes` what reached a block device."""
+    out = {}
+    for field in ("wchar", "write_bytes"):
+        total = sum(after[w][field] - before[w][field] for w in after if w in before)
+        out[f"{field}_mb_per_s"] = round(total / seconds / 1e6, 3)
+        out[f"{field}_mb_per_s_per_camera"] = round(total / seconds / 1e6 / n, 4)
+    return out
+
+
+def dir_bytes(root: Path) -> int:
+    """Bytes of the files under root (a tmpfs store: the host memory it holds)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
 
 
 def tracing(under: Path) -> str:
@@ -830,7 +872,7 @@ def summarize(
         "fps": ns.fps,
         "max_cache_tokens": ns.max_cache_tokens,
         "max_tokens": ns.max_tokens,
-        "segment_store": ns.segment_store or "default",
+        "segment_store": ns.segment_store or "default (shm://, the run's own directory)",
         "duration_s": round(t_end - t0, 2),
         "frames": frames_summary(cameras, before, after),
         "gpu_steps": gpu_summary(before, after, t_end - t0),

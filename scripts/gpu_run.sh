@@ -19,7 +19,9 @@
 #                whose backlog then grew to 13 s and dropped frames (2026-11-27); 64 cameras' 32K
 #                caches need more than an H100's 80 GB (51 cameras fit): run it with `needs_h200`. Whether
 #                the cameras' first evictions (all 64 within seconds, about 134 s in) fall in the
-#                window or just before it changes the numbers: the worker's logs say which
+#                window or just before it changes the numbers: the worker's logs say which.
+#                STORE=URL: another segment store than the product's default (shm://, about 1.3 GB
+#                of /dev/shm a camera: 64 cameras need it remounted larger than half of 128 GiB)
 #     storm      scripts/probes/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     copies     scripts/probes/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
@@ -93,7 +95,7 @@ for what in "$@"; do
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
-      --gil "${GIL:-0}" --logs /tmp/pipeline-logs
+      --gil "${GIL:-0}" ${STORE:+--segment-store "$STORE"} --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
     storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
     copies) step copies copies.json python3 scripts/probes/host_copies.py ;;

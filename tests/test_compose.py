@@ -56,7 +56,8 @@ HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own read
 # Compose defaults that differ from the dataclass default on purpose.
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
 HF_CACHE = "/home/streamvqa/.cache/huggingface"
-SEGMENTS = "/var/lib/streamvqa/segments"
+SEGMENTS = "/var/lib/streamvqa/segments"  # a disk store, for those who choose one (dir://)
+SHM_STORE = "shm:///dev/shm/streamvqa/segments"
 # Files compose mounts that the user creates, and the command that creates each (documented).
 CREATED_BY = {
     "deploy/cameras.yaml": "cp deploy/cameras.example.yaml deploy/cameras.yaml",
@@ -502,11 +503,11 @@ def test_gpu_services_reserve_a_gpu_and_share_caches(compose):
         assert int(dev.get("count", len(dev.get("device_ids", [])))) == 1, f"{name}: one GPU per process"
         by_target = {m["target"]: m for m in mounts(svc)}
         assert by_target[HF_CACHE]["type"] == "volume", f"{name}: Hugging Face cache volume"
-        assert by_target[SEGMENTS]["type"] == "volume", f"{name}: segment store volume"
-        store = environment(svc)["SVQA_SEGMENT_STORE"]
-        assert store == SEGMENTS or store.startswith(SEGMENTS + "/"), f"{name}: segment store off its volume"
+        # The segment store lies in the host's shared memory: it must outlive the container (a
+        # crash, an upgrade) and be one store for encoder and qa, so /dev/shm is the host's.
+        assert svc.get("ipc") == "host", f"{name}: ipc: host, so /dev/shm is the host's"
+        assert environment(svc)["SVQA_SEGMENT_STORE"] == SHM_STORE, f"{name}: segment store off the host's memory"
         volumes_of[sub] = {t: m["source"] for t, m in by_target.items() if m["type"] == "volume"}
-    assert volumes_of["encoder"][SEGMENTS] == volumes_of["qa"][SEGMENTS] == "segments"
     assert volumes_of["encoder"][HF_CACHE] == volumes_of["qa"][HF_CACHE] == volumes_of["worker"][HF_CACHE]
     # GPU ids must not collide by default in split mode (count: 1 would give both GPU 0)
     ids = [

@@ -19,6 +19,7 @@ import structlog.testing
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
+from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.schemas import (
     FIELD,
@@ -46,7 +47,7 @@ def test_publish_is_fenced_by_the_lease(rt, redis_url):
     cfg = EncoderConfig(redis_url=redis_url, streams=("cam",), consumer="me", chunk_frames=2)
     r.hset(keys.meta("cam"), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
     r.set(keys.lease("cam"), "me")
-    owned = open_stream(rt, r, MemoryStore(), cfg, "cam")
+    owned = open_stream(rt, r, SegmentWriter(MemoryStore()), cfg, "cam")
     frame = np.zeros((56, 56, 3), np.uint8)
     owned.add("1-0", FrameMsg.from_rgb(0, 0.0, 0.0, frame))
     owned.add("2-0", FrameMsg.from_rgb(1, 0.5, 0.5, frame))
@@ -153,8 +154,8 @@ def test_a_read_takes_at_most_read_per_stream_entries_of_each_stream(rt, redis_u
     cfg = EncoderConfig(redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50)
     svc = service.EncoderService(cfg, rt, r, MemoryStore())
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and set(svc.reader.cursors.values()) != {">"}:
-        svc.step()  # takes the streams' leases and reads their (empty) history
+    while time.monotonic() < deadline and (len(svc.owned) < 2 or set(svc.reader.cursors.values()) != {">"}):
+        svc.step()  # takes the streams' leases, opens them and reads their (empty) history
     frame = np.zeros((56, 56, 3), np.uint8)
     for cam in cams:
         for seq in range(3 * service.READ_PER_STREAM):

@@ -260,7 +260,9 @@ def test_a_worker_busy_longer_than_a_lease_keeps_its_streams(r, rt, redis_url):
         return EncoderService(cfg, rt, r, store)
 
     busy, other = worker("busy"), worker("other")
-    busy.step()
+    deadline = time.monotonic() + 60
+    while not busy.owned and time.monotonic() < deadline:
+        busy.step()  # takes the lease; a task of its own opens the stream
     assert list(busy.owned) == ["c1"]
     busy.step = lambda: time.sleep(0.05)  # type: ignore[method-assign]  # the main loop, stuck in a chunk
     stop = threading.Event()
@@ -301,8 +303,11 @@ def test_a_worker_takes_no_more_streams_than_its_kv_pool_holds(r, rt, redis_url,
     for cam in cfg.streams:
         r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
     worker = EncoderService(replace(capped, block_ms=20, lease_ms=1000), rt, r, MemoryStore())
+    deadline = time.monotonic() + 60
+    while (worker.opening or len(worker.owned) < 2) and time.monotonic() < deadline:
+        worker.step()  # takes leases; tasks of their own open the streams
     for _ in range(5):
-        worker.step()
+        worker.step()  # and no more: the third stream stays another worker's
     assert len(worker.owned) == 2 and sum(r.exists(keys.lease(cam)) for cam in cfg.streams) == 2
 
     configure_logging("INFO")

@@ -1,4 +1,5 @@
-"""Segment stores on a real file system and a real redis-server: round trips, atomic writes, gc."""
+"""Segment stores on a real file system, a real tmpfs and a real redis-server: round trips,
+atomic writes, checksums, gc, and a full disk as an outage."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from pathlib import Path
 import pytest
 import redis
 import torch
-from safetensors import safe_open
 
 from common.segment_store import (
     DirectoryStore,
@@ -21,6 +21,7 @@ from common.segment_store import (
     RedisStore,
     SegmentStore,
     SegmentStoreError,
+    StoreUnavailable,
     embeds_id,
     open_store,
 )
@@ -148,18 +149,17 @@ def test_directory_layout_and_metadata(tmp_path: Path) -> None:
     umask = os.umask(0o022)
     os.umask(umask)
     store.put("cam", "seg-1", kv)
-    path = tmp_path / "cam" / "seg-1.safetensors"
-    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["seg-1.safetensors"]
+    path = tmp_path / "cam" / "seg-1.seg"
+    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["seg-1.seg"]
     # Readable by the qa container's user as the umask allows (not mkstemp's 0600).
     assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
-    with safe_open(path, framework="pt") as f:
-        assert list(f.keys()) == ["kv"]
-        assert f.metadata() == {"shape": "[3, 2, 2, 4, 8]", "dtype": "torch.bfloat16"}
+    assert path.read_bytes().startswith(b"SVQAseg1")
+    assert path.stat().st_size > kv.numel() * 2  # the raw bfloat16 payload after a small header
 
 
 def test_directory_fsyncs_before_the_final_name_appears(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = DirectoryStore(tmp_path)
-    final = tmp_path / "cam" / "s.safetensors"
+    final = tmp_path / "cam" / "s.seg"
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -188,12 +188,12 @@ def test_directory_failed_replace_leaves_nothing(tmp_path: Path, monkeypatch: py
         raise OSError("injected crash")
 
     monkeypatch.setattr(os, "replace", crash)
-    with pytest.raises(SegmentStoreError, match=r"cannot write segment .*new\.safetensors"):
+    with pytest.raises(SegmentStoreError, match=r"cannot write segment .*new\.seg"):
         store.put("cam", "new", arena(torch.float32))
     with pytest.raises(SegmentStoreError, match="cannot write"):
         store.put("cam", "kept", torch.zeros_like(old))  # an overwrite that fails keeps the old file
     monkeypatch.undo()
-    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["kept.safetensors"]  # no temp left
+    assert sorted(p.name for p in (tmp_path / "cam").iterdir()) == ["kept.seg"]  # no temp left
     with pytest.raises(SegmentStoreError, match="missing"):
         store.get("cam", "new")
     assert same_bits(store.get("cam", "kept"), old)
@@ -217,14 +217,14 @@ def test_directory_hard_crash_leaves_only_a_temp_file_that_gc_removes(tmp_path: 
         store.get("cam", "s")
     store.put("cam", "other", arena(torch.float32))
     assert store.gc("cam", ["other"]) == 0  # counts segments; the temp file goes too
-    assert [p.name for p in (tmp_path / "cam").iterdir()] == ["other.safetensors"]
+    assert [p.name for p in (tmp_path / "cam").iterdir()] == ["other.seg"]
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "no_kv"])
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "bitflip", "header"])
 def test_directory_corrupt_file_names_the_path(tmp_path: Path, damage: str) -> None:
     store = DirectoryStore(tmp_path)
     store.put("cam", "s", arena(torch.float32))
-    path = tmp_path / "cam" / "s.safetensors"
+    path = tmp_path / "cam" / "s.seg"
     data = path.read_bytes()
     if damage == "truncate":
         path.write_bytes(data[: len(data) // 2])
@@ -232,10 +232,13 @@ def test_directory_corrupt_file_names_the_path(tmp_path: Path, damage: str) -> N
         path.write_bytes(b"\x00not a safetensors file" * 10)
     elif damage == "empty":
         path.write_bytes(b"")
-    else:
-        from safetensors.torch import save_file
-
-        save_file({"other": torch.zeros(2)}, str(path))
+    elif damage == "bitflip":  # one bit of the payload: only the checksum can tell
+        flipped = bytearray(data)
+        flipped[-5] ^= 0x10
+        path.write_bytes(bytes(flipped))
+    else:  # a header that lies about the shape
+        path.write_bytes(data.replace(b"\x95\x03\x02\x02", b"\x95\x04\x02\x02", 1))
+        assert path.read_bytes() != data
     with pytest.raises(SegmentStoreError, match=re.escape(f"corrupt segment {path}")):
         store.get("cam", "s")
 
@@ -302,7 +305,9 @@ def test_open_store_memory_is_one_instance_per_url() -> None:
 def test_open_store_directory(tmp_path: Path) -> None:
     for url in (f"dir://{tmp_path}", str(tmp_path)):
         store = open_store(url)
-        assert isinstance(store, DirectoryStore) and store.root == tmp_path
+        assert isinstance(store, DirectoryStore) and store.root == tmp_path and store.durable
+    shm = open_store(f"shm://{tmp_path}")
+    assert isinstance(shm, DirectoryStore) and shm.root == tmp_path and not shm.durable
     open_store(f"dir://{tmp_path}").put("cam", "s", arena(torch.float32))
     assert exists(open_store(str(tmp_path)), "cam", "s")
 
@@ -329,3 +334,48 @@ def test_get_to_cuda(store: SegmentStore) -> None:
     store.put("cam", "s", kv)
     got = store.get("cam", "s", device="cuda")
     assert got.is_cuda and same_bits(got.cpu(), kv)
+
+
+def test_shared_memory_store_writes_no_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """shm:// promises to outlive the process, not the host: nothing is fsynced (a tmpfs would
+    ignore it; a disk mounted there by mistake would pay for it at every chunk)."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
+    store = open_store(f"shm://{tmp_path}")
+    kv = arena(torch.bfloat16)
+    store.put("cam", "s", kv)
+    assert synced == [] and same_bits(store.get("cam", "s"), kv)
+
+
+def test_redis_bitflip_is_refused(redis_url: str) -> None:
+    r = redis.Redis.from_url(redis_url)
+    RedisStore(r).put("cam", "s", arena(torch.float32))
+    key = keys.segment("cam", "s")
+    data = bytearray(r.get(key))
+    data[-3] ^= 1
+    r.set(key, bytes(data))
+    with pytest.raises(SegmentStoreError, match="checksum"):
+        RedisStore(r).get("cam", "s")
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    """A real 1 MiB tmpfs: fills up like a disk (needs root, as CI and this project's machines are)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_is_an_outage_and_leaves_no_partial_segment(tiny_fs: Path) -> None:
+    store = DirectoryStore(tiny_fs)
+    small = arena(torch.float32, tokens=16)
+    store.put("cam", "kept", small)
+    with pytest.raises(StoreUnavailable, match="No space left"):
+        store.put("cam", "big", torch.zeros(3, 2, 2, 8192, 8))  # 3 MiB into 1 MiB
+    assert sorted(p.name for p in (tiny_fs / "cam").iterdir()) == ["kept.seg"]  # no temp file left
+    assert same_bits(store.get("cam", "kept"), small)

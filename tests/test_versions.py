@@ -16,6 +16,7 @@ from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.segment_store import DirectoryStore, embeds_id
+from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
 from common.wire.schemas import FrameMsg, decode_manifest, encode_manifest, manifest_from_bytes
@@ -147,9 +148,13 @@ def test_exact_cache_survives_an_encoder_restart_through_redis_and_gc(rt, tmp_pa
             if i % 4 == 3:
                 append(steady, video, i - 3)
 
-    feed(open_stream(rt, r, store, cfg, "cam"), 0, 24)  # then the process dies
-    owned = open_stream(rt, r, store, cfg, "cam")
+    first = SegmentWriter(store)
+    feed(open_stream(rt, r, first, cfg, "cam"), 0, 24)  # then the process dies
+    first.close()  # (its last gc may still be queued: a crash would leave those segments for the next gc)
+    segments = SegmentWriter(store)
+    owned = open_stream(rt, r, segments, cfg, "cam")
     feed(owned, 24, 48)
+    segments.close()  # its queued collection done
     head = owned.engine.head
     assert head.stats.evictions >= 2 and head.id == steady.head.id and same_cache(head, steady.head)
     assert same_answer(rt, head, steady.head)

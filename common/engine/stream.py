@@ -160,8 +160,9 @@ class StreamEngine:
             appended.copied.synchronize()
         for segment, original in appended.new:
             if self.on_segment is not None and original is not None:
-                # out of page-locked memory, which is scarce and which torch reuses once this is dropped
-                self.on_segment(segment, original if appended.copied is None else original.clone())
+                # The page-locked copy itself, not a clone of it: the sink (the encoder's segment
+                # writer) keeps it only until it is written, and torch reuses it once dropped.
+                self.on_segment(segment, original)
         return appended.version
 
     # -- the GPU's side ----------------------------------------------------------------

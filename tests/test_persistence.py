@@ -1,0 +1,305 @@
+"""The persistent cache against a real file system, a real tmpfs that fills up and a real
+redis-server: segments are written off the stream threads in order, a full disk is an outage
+(frames stay pending, readiness says why, writes resume), and a damaged store restarts only the
+stream it damaged."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+import torch
+
+from common import health
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.segment_store import DirectoryStore, MemoryStore, SegmentStore
+from common.segment_writer import SegmentWriter
+from common.wire import keys
+from common.wire.schemas import FrameMsg, encode_frame, manifest_from_bytes
+from encoder_worker.config import EncoderConfig
+from encoder_worker.service import EncoderService
+
+FRAME = np.zeros((56, 56, 3), np.uint8)
+WAIT_S = 60.0  # an upper bound for what normally takes well under a second (2 cores, shared)
+
+
+def kv(tokens: int = 4, value: float = 1.0) -> torch.Tensor:
+    return torch.full((2, 2, 1, tokens, 8), float(value))
+
+
+def wait_for(check, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def tiny_fs(tmp_path: Path):
+    """A real 1 MiB tmpfs that fills up like a disk (mounting needs root, as CI has)."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def fill(path: Path) -> Path:
+    """Take every free byte of the file system at ``path``."""
+    filler = path / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+# -- the writer --------------------------------------------------------------------------------
+def test_writer_keeps_each_streams_puts_and_collections_in_order(tmp_path):
+    """gc(keep) queued between two puts of a stream must see the first and not the second: run
+    on another lane it would collect the segment the next version is about to publish."""
+    store = DirectoryStore(tmp_path)
+    writer = SegmentWriter(store, lanes=4)
+    streams = [f"cam{i}" for i in range(8)]
+    for step in range(20):
+        for cam in streams:
+            writer.put(cam, f"s{step}", kv(value=step))
+            writer.gc(cam, {f"s{step}", f"s{step - 1}"})  # the last two versions are kept
+    writer.close()
+    for cam in streams:
+        assert sorted(p.name for p in (tmp_path / cam).iterdir()) == ["s18.seg", "s19.seg"]
+        assert torch.equal(store.get(cam, "s19"), kv(value=19))
+
+
+class GatedStore(MemoryStore):
+    """A medium slower than the streams: each put waits for the test to open the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Semaphore(0)
+
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+        self.gate.acquire()
+        super().put(stream, segment_id, kv)
+
+
+def test_writer_backpressure_holds_the_caller_not_host_memory():
+    store = GatedStore()
+    one = kv().numel() * 4
+    writer = SegmentWriter(store, lanes=1, max_queued_bytes=2 * one)
+    first = [writer.put("cam", f"s{i}", kv()) for i in range(2)]  # fills the queue's bound
+    third: list = []
+    caller = threading.Thread(target=lambda: third.append(writer.put("cam", "s2", kv())))
+    caller.start()
+    caller.join(0.3)
+    assert caller.is_alive() and not third, "a third segment waits for room"
+    store.gate.release()  # the medium takes one
+    caller.join(WAIT_S)
+    assert third and not caller.is_alive()
+    store.gate.release()
+    store.gate.release()
+    assert first[0].result(WAIT_S) is None and third[0].result(WAIT_S) is None
+    writer.close()
+
+
+def test_full_disk_is_retried_with_the_reason_until_space_comes_back(tiny_fs):
+    writer = SegmentWriter(DirectoryStore(tiny_fs), retry_s=0.01)
+    filler = fill(tiny_fs)
+    pending = writer.put("cam", "s", kv(tokens=256))
+    wait_for(lambda: writer.problem is not None, "the writer to report the full disk")
+    assert "No space left" in writer.problem and not pending.done(), "retried, not failed"
+    filler.unlink()
+    assert pending.result(WAIT_S) is None and writer.problem is None
+    assert torch.equal(DirectoryStore(tiny_fs).get("cam", "s"), kv(tokens=256))
+    writer.close()
+
+
+# -- the encoder service ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def service(rt: Runtime, r: redis.Redis, url: str, store: SegmentStore, cams: tuple[str, ...]) -> EncoderService:
+    for cam in cams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = EncoderConfig(redis_url=url, streams=cams, consumer="enc", chunk_frames=2, block_ms=50)
+    return EncoderService(cfg, rt, r, store)
+
+
+def push(r: redis.Redis, cam: str, seqs: range) -> None:
+    for seq in seqs:
+        r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, FRAME)))
+
+
+def head(r: redis.Redis, cam: str):
+    raw = r.get(keys.head(cam))
+    return manifest_from_bytes(raw) if raw is not None else None
+
+
+def encoded(r: redis.Redis, cam: str, last: int) -> bool:
+    """The head holds frames up to ``last`` and none is left pending."""
+    h = head(r, cam)
+    return h is not None and h.last_frame_seq == last and not pending(r, cam)
+
+
+def pending(r: redis.Redis, cam: str) -> int:
+    return r.xpending(keys.frames(cam), keys.ENCODER_GROUP)["pending"]
+
+
+def run_until(svc: EncoderService, check, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        svc.step()
+
+
+def stop(svc: EncoderService, r: redis.Redis) -> None:
+    """What a crash leaves: the writer's queue finished (it ran), the leases gone (expired)."""
+    svc._settle()
+    svc.writer.close()
+    for name in svc.names:
+        r.delete(keys.lease(name))
+
+
+def events(r: redis.Redis, cam: str, kind: bytes) -> list[dict]:
+    return [f for _, f in r.xrange(keys.events(cam)) if f[b"type"] == kind]
+
+
+def test_a_damaged_segment_restarts_its_stream_alone(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    store = DirectoryStore(tmp_path)
+    cams = ("hurt", "fine")
+    svc = service(rt, r, redis_url, store, cams)
+    for cam in cams:
+        push(r, cam, range(6))
+    run_until(svc, lambda: all(encoded(r, c, 5) for c in cams), "6 frames each")
+    stop(svc, r)
+    fine = head(r, "fine")
+    seg = tmp_path / "hurt" / f"{head(r, 'hurt').segment_ids[-1]}.seg"
+    seg.write_bytes(seg.read_bytes()[:-100])  # truncated, as by a crash of the host mid-write
+
+    again = service(rt, r, redis_url, store, cams)  # neither exits nor refuses the other stream
+    run_until(again, lambda: set(again.owned) == set(cams), "both streams owned")
+    assert head(r, "fine").version == fine.version and again.owned["fine"].engine.head.id == fine.version
+    (restarted,) = events(r, "hurt", b"cache_restarted")
+    assert b"corrupt segment" in restarted[b"reason"]
+    assert head(r, "hurt").last_frame_seq == -1, "started over: an empty cache, not a wrong one"
+    push(r, "hurt", range(6, 10))
+    push(r, "fine", range(6, 10))
+    run_until(again, lambda: all(encoded(r, c, 9) for c in cams), "both streams go on")
+    stop(again, r)
+
+
+def test_a_wiped_store_restarts_every_stream_without_a_crash_loop(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    store = DirectoryStore(tmp_path / "segments")
+    svc = service(rt, r, redis_url, store, ("cam",))
+    push(r, "cam", range(4))
+    run_until(svc, lambda: encoded(r, "cam", 3), "4 frames")
+    stop(svc, r)
+    subprocess.run(["rm", "-rf", str(tmp_path / "segments")], check=True)  # the host rebooted: tmpfs gone
+    for _ in range(3):  # each start finds the same store: none exits
+        again = service(rt, r, redis_url, store, ("cam",))
+        run_until(again, lambda s=again: "cam" in s.owned, "the stream owned")
+        stop(again, r)
+    assert len(events(r, "cam", b"cache_restarted")) == 1, "only the first start found a head it could not restore"
+
+
+def test_full_disk_keeps_frames_pending_and_fails_readiness_until_space_returns(rt, redis_url, tiny_fs):
+    r = redis.Redis.from_url(redis_url)
+    svc = service(rt, r, redis_url, DirectoryStore(tiny_fs), ("cam",))
+    svc.writer.retry_s = 0.01
+    health.READINESS.redis_url = redis_url
+    try:
+        push(r, "cam", range(2))
+        run_until(svc, lambda: encoded(r, "cam", 1), "a first chunk")
+        filler = fill(tiny_fs)
+        push(r, "cam", range(2, 6))
+        run_until(svc, lambda: svc.writer.problem is not None, "the full disk")
+        ready, body = health.READINESS.check()
+        assert not ready and "No space left" in body["reasons"]["segment_store"]
+        for _ in range(20):
+            svc.step()
+        assert head(r, "cam").last_frame_seq == 1 and pending(r, "cam") > 0, "nothing acked, nothing published"
+        assert not r.exists(keys.DEAD_LETTER), "an outage, not bad frames"
+        filler.unlink()
+        run_until(svc, lambda: encoded(r, "cam", 5), "the frames encoded")
+        assert health.READINESS.check()[0]
+        for sid in head(r, "cam").segment_ids:  # every segment the head names is stored
+            DirectoryStore(tiny_fs).get("cam", sid)
+    finally:
+        health.READINESS.failing.pop("segment_store", None)
+        stop(svc, r)
+
+
+# -- kill -9 while chunks are being persisted -------------------------------------------------------
+KILLS = 6
+
+
+def test_encoder_killed_at_random_points_keeps_every_frame_once_and_every_head_whole(redis_url, tmp_path, rt):
+    """`streamvqa encoder` on the default kind of store (shm://, here a directory of the test's own)
+    SIGKILLed at random moments while a file streams in (wherever a kill lands: a segment queued,
+    written but unpublished, published but unacked, mid-collection, mid-restore), restarted each
+    time. Every frame of the file ends in the cache exactly once, every head's segments are stored
+    whole (checksummed), and the answer from the head as restored from the store equals one-shot
+    offline inference on the frames it holds."""
+    import random
+
+    from apps.samplevideo import write_sample_video
+    from common.engine.answer import GenerationParams, ask
+    from common.engine.grid import Grid
+    from common.engine.offline import offline_answer
+    from ingest.video import iter_file_frames
+    from qa_worker.mirror import StreamMirror
+    from tests.pipeline import Services, chunk_frames_in_history, manifests, wait_for
+
+    video = write_sample_video(str(tmp_path / "clip.mp4"), seconds=12, fps=10, width=160, height=120)
+    store_dir = tmp_path / "shm"
+    services = Services(redis_url, tmp_path, SVQA_STREAMS="cam1", SVQA_SEGMENT_STORE=f"shm://{store_dir}")
+    r = redis.Redis.from_url(redis_url)
+    encoder_args = ("--chunk-frames", "2", "--lease-ms", "1500")
+    rng = random.Random(7)
+    try:
+        feeder = services.start("ingest", "--url", video, "--stream", "cam1", "--fps", "2", "--max-backlog", "4")
+        encoder = services.start("encoder", *encoder_args)
+        for _ in range(KILLS):
+            wait_for(lambda: r.exists(keys.head("cam1")), 120, "a head", services)
+            time.sleep(rng.uniform(0.0, 3.0))
+            encoder.kill()  # SIGKILL: no cleanup; the lease runs out, the restart takes over
+            encoder.wait()
+            encoder = services.start("encoder", *encoder_args)
+        assert feeder.wait(timeout=240) == 0, services.logs()
+        wait_for(
+            lambda: (m := r.get(keys.head("cam1"))) and manifest_from_bytes(m).last_frame_seq == 23,
+            240,
+            "all",
+            services,
+        )
+    finally:
+        services.stop_all()
+    assert chunk_frames_in_history(r, "cam1") == list(range(24)), "every frame in exactly one chunk"
+    store = DirectoryStore(store_dir, durable=False)
+    recent = manifests(r, "cam1")[-3:]
+    for m in recent:  # the newest versions a mirror may still be asked for: every segment stored whole
+        for sid in m.segment_ids:
+            store.get("cam1", sid)
+    restored = StreamMirror(rt, store, "cam1").apply(head(r, "cam1"))
+    meta = r.hgetall(keys.meta("cam1"))
+    frames = [f.rgb for f in iter_file_frames(video, 2.0, grid=Grid(int(meta[b"height"]), int(meta[b"width"])))]
+    offline = offline_answer(
+        rt, frames[:24], Grid(int(meta[b"height"]), int(meta[b"width"])), 2.0, "What is it?", max_tokens=6
+    )
+    streamed = ask(rt, restored, "What is it?", GenerationParams(max_tokens=6))
+    assert streamed.token_ids == offline.token_ids
