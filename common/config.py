@@ -482,7 +482,11 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
     consumer: str = setting(
         f"{socket.gethostname()}-{os.getpid()}", "this worker's name in Redis consumer groups", shown="host-pid"
     )
-    max_deliveries: int = setting(3, "an entry handed out more often is rejected unprocessed")
+    max_deliveries: int = setting(
+        3,
+        "a frame handed out more often, or a question under way alone in this many workers that died, "
+        "is rejected unprocessed",
+    )
 
     def __post_init__(self) -> None:
         GPUSettings.__post_init__(self)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -531,6 +532,59 @@ def delivery_counts(r: redis.Redis, group: str, consumer: str, entries: list[Ent
     return counts
 
 
+# KEYS[1] an entry's attempts hash (keys.attempts): field <life> counts that life's attempts, field
+# <life>:alone marks one it made with nothing else under way. ARGV[1] this life, ARGV[2] TTL s,
+# ARGV[3] '1' if this attempt is alone. Returns {other lives that made an alone attempt, attempts}.
+_BEGIN = """
+redis.call('hincrby', KEYS[1], ARGV[1], 1)
+if ARGV[3] == '1' then redis.call('hincrby', KEYS[1], ARGV[1] .. ':alone', 0) end
+redis.call('expire', KEYS[1], ARGV[2])
+local all = redis.call('hgetall', KEYS[1])
+local alone, total = 0, 0
+for i = 1, #all, 2 do
+  if string.sub(all[i], -6) ~= ':alone' then
+    total = total + tonumber(all[i + 1])
+  elseif all[i] ~= ARGV[1] .. ':alone' then
+    alone = alone + 1
+  end
+end
+return {alone, total}
+"""
+
+
+class Attempts:
+    """Which lives of consumers (a process each time it starts) began handling which entries.
+
+    XPENDING's delivery count rises for every entry a consumer had read, so one crash charged a
+    delivery to every question its worker had taken (up to ``max_in_flight``), and innocent
+    questions were refused after a few crashes. Here an entry is charged only for a life that
+    died (it began the entry and never finished: the entry is still pending) while handling that
+    entry *alone*, with nothing else under way that could have been the cause. An entry another
+    life began is a suspect: its next attempt is made alone. The record lives until the entry
+    is done (``end``), at most ``ttl_s``.
+    """
+
+    def __init__(self, r: redis.Redis, consumer: str, ttl_s: int):
+        self.r, self.ttl_s = r, ttl_s
+        self.life = f"{consumer}:{uuid.uuid4().hex[:12]}"  # a restart under the same name is a new life
+
+    def suspect(self, stream: str, entry_id: str) -> bool:
+        """Another life began handling the entry and did not finish it: it died (or lost the entry)
+        with the entry under way, which may have been the cause."""
+        lives = {text(f).removesuffix(":alone") for f in self.r.hgetall(keys.attempts(stream, entry_id))}
+        return bool(lives - {self.life})
+
+    def begin(self, stream: str, entry_id: str, alone: bool) -> tuple[int, int]:
+        """This life begins handling the entry (``alone``: with nothing else under way until it is
+        done). Returns the lives that died handling it alone, and this attempt's number, which
+        grows with every attempt (in one life too, after an outage)."""
+        lost, attempt = self.r.eval(_BEGIN, 1, keys.attempts(stream, entry_id), self.life, self.ttl_s, int(alone))
+        return int(lost), int(attempt)
+
+    def end(self, stream: str, entry_id: str) -> None:
+        self.r.delete(keys.attempts(stream, entry_id))
+
+
 def process(
     r: redis.Redis,
     group: str,
@@ -540,30 +594,41 @@ def process(
     reject: Rejecter,
     *,
     max_deliveries: int = MAX_DELIVERIES,
+    attempts: Attempts | None = None,
+    alone: bool = False,
 ) -> None:
     """Handle each entry inside a boundary: nothing an entry holds can stop the caller.
 
-    An entry delivered more than ``max_deliveries`` times is rejected without being handled (it
-    may be what killed the process before: a segfault, the OOM killer); any exception from
-    ``handle`` rejects the entry. ``reject`` replies or dead-letters, and acks. Outage errors
-    propagate: Redis being away says nothing about the entry (see ``ride_out``).
+    An entry is rejected without being handled once it has cost ``max_deliveries`` lives: it may
+    be what killed them (a segfault, the OOM killer). With ``attempts``, only lives that died
+    handling it alone count (``alone``: nothing else is under way now); without, every delivery
+    before this one (XPENDING). Any exception from ``handle`` rejects the entry. ``reject``
+    replies or dead-letters, and acks. Outage errors propagate: Redis being away says nothing
+    about the entry (see ``ride_out``).
     """
     if not entries:
         return
-    counts = delivery_counts(r, group, consumer, entries)
+    counts = delivery_counts(r, group, consumer, entries) if attempts is None else {}
     for stream, entry_id, fields in entries:
-        n = counts.get(entry_id, 1)
-        if n > max_deliveries:
-            log.error("entry delivered too often; rejected unprocessed", stream=stream, entry_id=entry_id, deliveries=n)
-            _reject(reject, r, group, stream, entry_id, fields, f"delivered {n} times (limit {max_deliveries})")
-            continue
-        try:
-            handle(stream, entry_id, fields, n)
-        except OUTAGE_ERRORS:
-            raise
-        except Exception as e:  # RecursionError, TypeError from a library, MemoryError...: the entry's fault
-            log.exception("entry failed; rejected", stream=stream, entry_id=entry_id)
-            _reject(reject, r, group, stream, entry_id, fields, f"{type(e).__name__}: {e}"[:500])
+        if attempts is None:
+            n = counts.get(entry_id, 1)
+            lost, why = n - 1, f"delivered {n} times (limit {max_deliveries})"
+        else:  # begun right before it is handled: the entries after it in the batch are not under way
+            lost, n = attempts.begin(stream, entry_id, alone)
+            why = f"under way alone in {lost} worker(s) that died (limit {max_deliveries})"
+        if lost >= max_deliveries:
+            log.error("entry cost too many lives; rejected unprocessed", stream=stream, entry_id=entry_id, lives=lost)
+            _reject(reject, r, group, stream, entry_id, fields, why)
+        else:
+            try:
+                handle(stream, entry_id, fields, n)
+            except OUTAGE_ERRORS:
+                raise
+            except Exception as e:  # RecursionError, TypeError from a library, MemoryError...: the entry's fault
+                log.exception("entry failed; rejected", stream=stream, entry_id=entry_id)
+                _reject(reject, r, group, stream, entry_id, fields, f"{type(e).__name__}: {e}"[:500])
+        if attempts is not None:
+            attempts.end(stream, entry_id)
 
 
 def _reject(

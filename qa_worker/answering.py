@@ -5,9 +5,10 @@ asker is never left waiting and the worker never stops. The final entry is writt
 question is acked; a redelivered question whose final answer exists is only acked.
 
 `handle` is the per-entry function; `handle_entries` runs it inside the processing boundary
-(`redisio.process`): any exception, or a question delivered more than `max_deliveries` times
-(one that killed its worker before), becomes an error reply (or a dead letter when the entry
-has no usable id). The delivery count is the answer's attempt number, carried by every delta.
+(`redisio.process`): any exception, or a question that `max_deliveries` workers died answering
+alone (one that kills its worker: `redisio.Attempts`), becomes an error reply (or a dead letter
+when the entry has no usable id). Every attempt's number, carried by its deltas, is higher than
+the one before.
 """
 
 from __future__ import annotations
@@ -72,17 +73,27 @@ class Answerer:
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
         self.consumer, self.max_deliveries = consumer, max_deliveries
         self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
+        self.attempts = redisio.Attempts(r, consumer, reply_ttl_s)
 
-    def handle_entries(self, entries: list[redisio.Entry]) -> None:
+    def handle_entries(self, entries: list[redisio.Entry], alone: bool = False) -> None:
         """Answer question entries, each inside the processing boundary; never raises for
-        what an entry holds (only for Redis being unreachable)."""
+        what an entry holds (only for Redis being unreachable). ``alone``: no other question is
+        under way meanwhile (``redisio.Attempts``)."""
         redisio.process(
-            self.r, keys.QA_GROUP, self.consumer, entries, self.handle, self.reject, max_deliveries=self.max_deliveries
+            self.r,
+            keys.QA_GROUP,
+            self.consumer,
+            entries,
+            self.handle,
+            self.reject,
+            max_deliveries=self.max_deliveries,
+            attempts=self.attempts,
+            alone=alone,
         )
 
     def handle(self, queue: str, entry_id: str, fields: dict, attempt: int = 1) -> None:
         """Answer one entry of ``queue`` (`svqa:questions` or a stream's own) and ack it there
-        (``attempt``: its delivery count, carried by the deltas)."""
+        (``attempt``: its number, carried by the deltas)."""
         qid = question_id_of(fields, entry_id)
         if qid is None:
             redisio.dead_letter(self.r, queue, entry_id, fields, "no usable question id", group=keys.QA_GROUP)

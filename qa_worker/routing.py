@@ -87,11 +87,21 @@ class Router:
     ):
         self.r, self.serves, self.reply, self.reject = r, serves, reply, reject
         self.consumer, self.marker_ttl_s, self.max_deliveries = consumer, marker_ttl_s, max_deliveries
+        self.attempts = redisio.Attempts(r, consumer, marker_ttl_s)
 
-    def route(self, entries: list[redisio.Entry]) -> None:
-        """Inside the processing boundary: nothing an entry holds stops the caller."""
+    def route(self, entries: list[redisio.Entry], alone: bool = False) -> None:
+        """Inside the processing boundary: nothing an entry holds stops the caller. ``alone``:
+        nothing else is under way in this process meanwhile (``redisio.Attempts``)."""
         redisio.process(
-            self.r, keys.QA_GROUP, self.consumer, entries, self._one, self.reject, max_deliveries=self.max_deliveries
+            self.r,
+            keys.QA_GROUP,
+            self.consumer,
+            entries,
+            self._one,
+            self.reject,
+            max_deliveries=self.max_deliveries,
+            attempts=self.attempts,
+            alone=alone,
         )
 
     def _one(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:

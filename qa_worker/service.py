@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Protocol
 
 import redis
@@ -98,7 +100,7 @@ class QAService:
         )
         self.queues: set[str] = set()  # the per-stream question queues the reader follows now
         # Questions are answered side by side, so the GPU scheduler batches their decode steps; a
-        # free slot is taken before an entry is read, so at most max_in_flight are taken at once.
+        # free slot is taken before an entry is answered, so at most max_in_flight are at once.
         self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
         self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
         self.in_flight: set[tuple[str, str]] = set()  # (queue, entry id) being answered: never twice at once
@@ -166,7 +168,10 @@ class QAService:
         self.queues = wanted
 
     def _dispatch(self, entries: list[redisio.Entry]) -> None:
-        self.router.route([e for e in entries if e[0] == keys.QUESTIONS])  # fast: no model involved
+        """Route the shared queue's entries, answer those of the streams' queues. A suspect (an entry
+        under way when a worker died: ``redisio.Attempts``) is handled alone, by this thread once
+        every slot is free: should it kill this worker too, nothing else shares the blame."""
+        self._route([e for e in entries if e[0] == keys.QUESTIONS])
         answering = set(self.versions.answering())
         for entry in entries:
             if entry[0] == keys.QUESTIONS:
@@ -177,21 +182,47 @@ class QAService:
             with self._in_flight_lock:
                 if entry[:2] in self.in_flight:
                     continue  # our own, still being answered (idle only because it is slow)
+            if self.answerer.attempts.suspect(*entry[:2]):
+                with self._alone():
+                    self._answer_one(entry, alone=True)
+                continue
+            with self._in_flight_lock:
                 self.in_flight.add(entry[:2])
             self.slots.acquire()
-            self.questions_pool.submit(self._answer_one, entry)
+            self.questions_pool.submit(self._answer_beside_others, entry)
 
-    def _answer_one(self, entry: redisio.Entry) -> None:
+    def _route(self, shared: list[redisio.Entry]) -> None:
+        suspects = [e for e in shared if self.router.attempts.suspect(*e[:2])]
+        self.router.route([e for e in shared if e not in suspects])  # fast: no model involved
+        for entry in suspects:
+            with self._alone():
+                self.router.route([entry], alone=True)
+
+    @contextmanager
+    def _alone(self) -> Iterator[None]:
+        """Every slot: no question is under way until the block ends."""
+        for _ in range(self.cfg.max_in_flight):
+            self.slots.acquire()
         try:
-            self.answerer.handle_entries([entry])
-        except redisio.OUTAGE_ERRORS as e:  # left pending: answered once Redis is back (claim_stale)
-            log.warning("question left pending: Redis unreachable", entry=entry[1], error=str(e))
-        except Exception:
-            log.exception("question handling failed", entry=entry[1])
+            yield
+        finally:
+            self.slots.release(self.cfg.max_in_flight)
+
+    def _answer_beside_others(self, entry: redisio.Entry) -> None:
+        try:
+            self._answer_one(entry, alone=False)
         finally:
             with self._in_flight_lock:
                 self.in_flight.discard(entry[:2])
             self.slots.release()
+
+    def _answer_one(self, entry: redisio.Entry, alone: bool) -> None:
+        try:
+            self.answerer.handle_entries([entry], alone)
+        except redisio.OUTAGE_ERRORS as e:  # left pending: answered once Redis is back (claim_stale)
+            log.warning("question left pending: Redis unreachable", entry=entry[1], error=str(e))
+        except Exception:
+            log.exception("question handling failed", entry=entry[1])
 
 
 def main(argv: list[str]) -> int:

@@ -38,10 +38,11 @@ class Services:
         }
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, service: str, *args: str, **env: str) -> subprocess.Popen:
+    def start(self, service: str, *args: str, module: str = "apps.cli", **env: str) -> subprocess.Popen:
+        """``module``: what runs `main` (a test's wrapper of apps.cli, say)."""
         log = open(self.workdir / f"{service}-{len(self.procs)}.log", "w")  # noqa: SIM115 (lives with the process)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "apps.cli", service, *args],
+            [sys.executable, "-m", module, service, *args],
             env={**self.env, **env},
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -104,11 +104,17 @@ def qa_job(r: redis.Redis) -> None:
     reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=50)
     entries = reader.read()
     redisio.claim_stale(r, keys.QUESTIONS, keys.QA_GROUP, "qa", 60_000)
+    attempts = redisio.Attempts(r, "qa", 60)
     for _, eid, fields in entries:  # routing: to the stream's queue, taken over, given back
+        attempts.suspect(keys.QUESTIONS, eid)
+        attempts.begin(keys.QUESTIONS, eid, alone=True)
         forward(r, CAM, eid, fields, ttl_s=60)
+        attempts.end(keys.QUESTIONS, eid)
     reader.add(keys.questions(CAM))
     take_over(r, keys.questions(CAM), "qa")
     for entry in reader.read():
+        attempts.suspect(*entry[:2])
+        attempts.begin(*entry[:2], alone=False)
         requeue(r, entry, "qa")
     redisio.trim_consumed(r, keys.questions(CAM), keys.QA_GROUP)
     r.get(keys.head(CAM))

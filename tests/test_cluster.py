@@ -119,6 +119,16 @@ def test_dead_letter_is_written_once_and_acks(rc):
         assert rc.keyslot(keys.once(stream, "q1")) == rc.keyslot(stream)
 
 
+def test_attempts_live_on_their_queues_slot(rc):
+    for queue in (keys.QUESTIONS, *(keys.questions(c) for c in ("a", "b", "c"))):  # every master
+        assert rc.keyslot(keys.attempts(queue, "1-0")) == rc.keyslot(queue)
+        dead, alive = redisio.Attempts(rc, C, 60), redisio.Attempts(rc, C, 60)
+        assert dead.begin(queue, "1-0", alone=True) == (0, 1)
+        assert alive.suspect(queue, "1-0") and alive.begin(queue, "1-0", alone=True) == (1, 2)
+        alive.end(queue, "1-0")
+        assert not alive.suspect(queue, "1-0")
+
+
 def test_publish_is_fenced_by_the_lease_on_its_slot(rc):
     m = _manifest()
     rc.set(keys.lease("cam"), "enc-a")

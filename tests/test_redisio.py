@@ -13,6 +13,7 @@ from common.logs import MASK, redact_text, redact_url
 from common.redisio import (
     DEAD_LETTER_MAX_FIELDS,
     DEAD_LETTER_MAX_VALUE,
+    Attempts,
     GroupReader,
     RedisGone,
     call_riding_out,
@@ -162,6 +163,56 @@ def test_process_rejects_an_entry_that_keeps_killing_its_consumer_unprocessed(re
     assert r.xpending(S, G)["pending"] == 0  # acked together with the dead-letter entry
     ((_, rec),) = r.xrange(keys.DEAD_LETTER)
     assert rec[b"entry_id"] == poison.encode() and rec[b"f:i"] == b"0" and b"delivered 4" in rec[b"reason"]
+
+
+def test_process_charges_an_entry_only_for_lives_that_died_handling_it_alone(redis_url):
+    """Issue 37.2: a crash charged a delivery to every entry its consumer had read, and innocent
+    entries were refused. Now only lives that died handling an entry alone count against it."""
+    r = connect(redis_url)
+    ensure_group(r, S, G)
+    poison, innocent = _add(r, 2)
+    handled: list[tuple[str, int]] = []
+
+    def handle(stream, entry_id, fields, attempt):
+        if entry_id == poison:
+            raise SystemExit  # a death: nothing after it runs, nothing is acked
+        handled.append((entry_id, attempt))
+        r.xack(stream, G, entry_id)
+
+    def life(entries) -> None:
+        attempts = Attempts(r, "c", 60)  # the same consumer name, restarted: a new life
+        for entry in entries:  # as the qa service does: a suspect alone
+            alone = attempts.suspect(*entry[:2])
+            process(
+                r, G, "c", [entry], handle, _dead_letter_rejecter(r), max_deliveries=2, attempts=attempts, alone=alone
+            )
+
+    for n in range(3):  # each life reads both (XPENDING: one more delivery each) and dies at the poison
+        with pytest.raises(SystemExit):
+            life(read_group(r, [S], G, "c", block_ms=100) if n == 0 else claim_stale(r, S, G, "c", 0))
+    assert handled == [] and r.xpending_range(S, G, "-", "+", 10)[1]["times_delivered"] == 3
+    life(claim_stale(r, S, G, "c", 0))
+    assert handled == [(innocent, 1)], "delivered 4 times, but only now begun"
+    ((_, rec),) = r.xrange(keys.DEAD_LETTER)
+    assert rec[b"entry_id"] == poison.encode() and b"under way alone in 2 worker(s) that died" in rec[b"reason"]
+    assert r.xpending(S, G)["pending"] == 0 and not r.keys("*attempts*"), "done entries leave no record"
+
+
+def test_attempts_blame_deaths_alone_and_number_every_attempt(redis_url):
+    r = connect(redis_url)
+    poison, innocent = _add(r, 2)
+    first, second, third = (Attempts(r, "c", 60) for _ in range(3))  # one consumer, restarted twice
+    assert first.begin(S, poison, alone=False) == (0, 1) and first.begin(S, innocent, alone=False) == (0, 1)
+    assert not first.suspect(S, poison), "its own attempt: no death"
+    # the first life died with both under way: each a suspect, neither to blame yet
+    assert second.suspect(S, poison) and second.suspect(S, innocent)
+    assert second.begin(S, poison, alone=True) == (0, 2)  # and it dies again, alone
+    assert third.begin(S, innocent, alone=True) == (0, 2), "the death it shared is not its fault"
+    assert third.begin(S, poison, alone=True) == (1, 3)
+    assert third.begin(S, poison, alone=True) == (1, 4), "again in one life (an outage): no death, a new number"
+    assert 0 < r.ttl(keys.attempts(S, poison)) <= 60
+    third.end(S, innocent)
+    assert not third.suspect(S, innocent) and not r.exists(keys.attempts(S, innocent))
 
 
 def test_process_lets_outages_through(redis_server):

@@ -20,7 +20,7 @@ from common import metrics, redisio, status
 from common.config import ConfigError, load_cameras_file, load_config
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.segment_store import MemoryStore
+from common.segment_store import MemoryStore, SegmentStore
 from common.wire import keys
 from common.wire.schemas import (
     FIELD,
@@ -50,10 +50,12 @@ def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
 
 
-def encoder(rt: Runtime, r: redis.Redis, url: str, live: bool = False, **kw) -> EncoderService:
+def encoder(
+    rt: Runtime, r: redis.Redis, url: str, live: bool = False, store: SegmentStore | None = None, **kw
+) -> EncoderService:
     r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": int(live)})
     cfg = EncoderConfig(redis_url=url, streams=(CAM,), consumer="enc", chunk_frames=2, block_ms=50, **kw)
-    return EncoderService(cfg, rt, r, MemoryStore())
+    return EncoderService(cfg, rt, r, store or MemoryStore())
 
 
 def frame(seq: int, ts: float | None = None) -> dict[str, bytes]:
@@ -312,24 +314,37 @@ def test_poison_questions_get_error_replies(answerer):
     assert ask(answerer, {"stream": CAM, "question": "hi", "max_tokens": "3", "temperature": "1e-6"}).error is None
 
 
-def test_question_delivered_too_often_gets_an_error_unprocessed(answerer):
+def test_question_that_killed_too_many_workers_alone_gets_an_error_unprocessed(answerer):
     r = answerer.r
     eid = r.xadd(keys.QUESTIONS, {"id": "q1", "stream": CAM, "question": "hi"}).decode()
+    for n in range(3):  # three workers began answering it, nothing else, and died
+        redisio.Attempts(r, f"dead-{n}", 60).begin(keys.QUESTIONS, eid, alone=True)
+    answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
+    (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer("q1"))]
+    assert "under way alone in 3 worker(s) that died (limit 3)" in final.error
+    assert r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
+
+
+def test_question_read_by_workers_that_died_before_answering_it_is_answered(answerer):
+    """Issue 37.2: being read, claimed and read again (delivered 10 times) is no crash of ours."""
+    r = answerer.r
+    eid = r.xadd(keys.QUESTIONS, {"id": "q3", "stream": CAM, "question": "hi", "max_tokens": "3"}).decode()
     r.xreadgroup(keys.QA_GROUP, "dead", {keys.QUESTIONS: ">"})
     r.xclaim(keys.QUESTIONS, keys.QA_GROUP, "qa", 0, [eid], retrycount=9)
     answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
-    (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer("q1"))]
-    assert "delivered" in final.error and r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
+    replies = [decode_answer(f) for _, f in r.xrange(keys.answer("q3"))]
+    assert replies[-1].error is None and {d.attempt for d in replies[:-1]} == {1}
 
 
 def test_retried_answer_deltas_carry_their_attempt_and_reply_ttl_is_capped(answerer):
     r = answerer.r
     eid = r.xadd(keys.QUESTIONS, {"id": "q2", "stream": CAM, "question": "hi", "reply_ttl": "604800"}).decode()
-    r.xreadgroup(keys.QA_GROUP, "dead", {keys.QUESTIONS: ">"})  # attempt 1 died
+    r.xreadgroup(keys.QA_GROUP, "dead", {keys.QUESTIONS: ">"})
+    redisio.Attempts(r, "dead", 60).begin(keys.QUESTIONS, eid, alone=False)  # attempt 1 died
     r.xclaim(keys.QUESTIONS, keys.QA_GROUP, "qa", 0, [eid])
     answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     replies = [decode_answer(f) for _, f in r.xrange(keys.answer("q2"))]
-    assert {d.attempt for d in replies[:-1]} == {3}, "claimed once, read from history once: delivery 3"
+    assert {d.attempt for d in replies[:-1]} == {2}, "the dead attempt was 1"
     assert "".join(d.text for d in replies[:-1]) == replies[-1].text
     assert 0 < r.ttl(keys.answer("q2")) <= 600
 

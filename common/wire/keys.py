@@ -60,9 +60,19 @@ def once(stream_key: str, ident: str) -> str:
     """Marks that entry ``ident`` was added to ``stream_key`` (``redisio.xadd_once``), on the stream's
     hash slot: a per-stream key keeps its ``{cam}`` tag; a key without one (ANSWERS, DEAD_LETTER)
     becomes the marker's tag, and a key's whole name hashes like a tag of that name."""
+    return _beside(stream_key, "once", ident)
+
+
+def attempts(stream_key: str, entry_id: str) -> str:
+    """Which consumer lives began handling entry ``entry_id`` of ``stream_key`` and did not finish
+    (``redisio.Attempts``), on the stream's hash slot like ``once``."""
+    return _beside(stream_key, "attempts", entry_id)
+
+
+def _beside(stream_key: str, kind: str, ident: str) -> str:
     if "{" in stream_key:
-        return f"{stream_key}:once:{ident}"
-    return f"{{{stream_key}}}:once:{ident}"
+        return f"{stream_key}:{kind}:{ident}"
+    return f"{{{stream_key}}}:{kind}:{ident}"
 
 
 def answer(qid: str) -> str:
