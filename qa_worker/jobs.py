@@ -55,6 +55,7 @@ class Schedule:
     last_run: float | None = None  # time.monotonic() of the last run, while subtitle cues may be open
     tracker: SubtitleTracker = field(default_factory=SubtitleTracker)
     gate: Gate | None = None  # alert jobs
+    told: bool = False  # alert jobs: their state has been sent (MQTT) since start
 
     def __post_init__(self) -> None:
         if self.job.kind == "alert":
@@ -109,9 +110,6 @@ class JobRunner:
         self.delivery = None
         if any(j.kind == "alert" for j in jobs):
             self.delivery = Delivery(discovery_prefix=self.alerts.discovery_prefix)
-            for sched in self.schedules:  # announce each alert job's sensor, off until it fires
-                if sched.job.kind == "alert":
-                    self.delivery.tell(State(sched.stream, sched.job.name, on=False), sched.job.mqtt)
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
             if sched.job.kind == "subtitles":
                 recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
@@ -171,9 +169,13 @@ class JobRunner:
         bound.debug("alert scored", score=round(score, 4))
         was_on = not sched.gate.armed
         if not sched.gate.observe(score >= job.threshold, time.monotonic()):
-            if was_on and sched.gate.armed:  # the answer turned back to no: the sensor goes off
+            # Off: said at the job's first run here (a state retained from before a restart is
+            # replaced; only the worker that runs the job says it) and when the answer turned to no.
+            if not sched.told or (was_on and sched.gate.armed):
                 self.delivery.tell(State(sched.stream, job.name, on=False), job.mqtt)
+                sched.told = True
             return
+        sched.told = True
         alert_id = Alert.new_id()
         frame = keys.alert_frame(sched.stream, alert_id)
         pipe = self.frames.pipeline(transaction=False)  # a copy: the latest frame is overwritten every second
