@@ -62,7 +62,10 @@ def _newest(head: dict) -> str:
 
 
 def render(found: dict) -> str:
-    lines = [f"redis {found['redis']}" + (f", frames on {found['frames_redis']}" if found.get("frames_redis") else "")]
+    lines = []
+    if "redis" in found:  # which Redis was asked (main's); collect() alone does not know its URL
+        frames = f", frames on {found['frames_redis']}" if "frames_redis" in found else ""
+        lines.append(f"redis {found['redis']}{frames}")
     for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
