@@ -39,6 +39,7 @@ import yaml
 
 from common.engine.names import DEFAULT_MODEL
 from common.engine.scheduler import SchedulePolicy
+from common.engine.settings import setting
 from common.logs import redact_url
 from common.redisio import cluster_nodes
 from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
@@ -322,17 +323,6 @@ def load_config(
 # --------------------------------------------------------------------------- declarations
 
 
-def setting(
-    default: Any = dataclasses.MISSING, doc: str = "", *, shown: str | None = None, secret: bool = False
-) -> Any:
-    """One setting's declaration: its default and what it means, from which its flag's help, its
-    variable and the README's configuration table are derived (scripts/settings_table.py).
-    ``shown``: the default as the table and --help give it, where the value is computed at import
-    (a host name); ``secret``: never logged nor shown."""
-    meta = {"help": doc} | ({"shown": shown} if shown else {}) | ({"secret": True} if secret else {})
-    return dataclasses.field(default=default, metadata=meta, repr=not secret)
-
-
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
 
 
@@ -360,27 +350,35 @@ MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
 MAX_FPS = 240.0
 
 
-GPU_PREFIX = "gpu_"
-# The scheduler's settings, declared once in SchedulePolicy (every field with help), as `gpu_<name>`.
-# Services start questions beside encode steps by default: boot.py makes the KV pool defer frees,
-# what the engine's default (off) leaves to whoever builds a Scheduler.
-_SERVICE_POLICY = {"join_during_encode": True}
-POLICY_SETTINGS = tuple(f.name for f in dataclasses.fields(SchedulePolicy) if "help" in f.metadata)
-_POLICY_TYPES = typing.get_type_hints(SchedulePolicy)
+def policy_settings(policy: type, names: Mapping[str, str], defaults: Mapping[str, Any]) -> type:
+    """Service settings declared by an engine policy (a frozen dataclass the engine takes, whose
+    fields with help are settings): a frozen dataclass with, for each policy field in ``names``,
+    the setting ``names[field]`` of the same type and help, and the same default unless
+    ``defaults`` gives the services' own. The engine never imports this module."""
+    hints = typing.get_type_hints(policy)
+    fields = [
+        (names[f.name], hints[f.name], setting(defaults.get(f.name, f.default), f.metadata["help"]))
+        for f in dataclasses.fields(policy)
+        if f.name in names
+    ]
+    doc = f"{policy.__name__}'s fields with help, as service settings."
+    return dataclasses.make_dataclass(
+        f"{policy.__name__}Settings", fields, frozen=True, namespace={"__module__": __name__, "__doc__": doc}
+    )
 
-SchedulerSettings = dataclasses.make_dataclass(
-    "SchedulerSettings",
-    [
-        (
-            GPU_PREFIX + f.name,
-            _POLICY_TYPES[f.name],
-            setting(_SERVICE_POLICY.get(f.name, f.default), f.metadata["help"]),
-        )
-        for f in dataclasses.fields(SchedulePolicy)
-        if f.name in POLICY_SETTINGS
-    ],
-    frozen=True,
-    namespace={"__module__": __name__, "__doc__": "SchedulePolicy's fields with help, as service settings."},
+
+def described(policy: type) -> tuple[str, ...]:
+    """The fields of a policy that are settings: those declared with help."""
+    return tuple(f.name for f in dataclasses.fields(policy) if "help" in f.metadata)
+
+
+GPU_PREFIX = "gpu_"
+POLICY_SETTINGS = described(SchedulePolicy)
+# The scheduler's settings, as `gpu_<name>`. Services start questions beside encode steps by
+# default: boot.py makes the KV pool defer frees, what the engine's default (off) leaves to
+# whoever builds a Scheduler.
+SchedulerSettings = policy_settings(
+    SchedulePolicy, {name: GPU_PREFIX + name for name in POLICY_SETTINGS}, {"join_during_encode": True}
 )
 
 

@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from common.config import ModelSettings, setting
-from common.engine.eviction import EvictionMode, EvictionPolicy
+from common.config import ModelSettings, described, policy_settings, setting
+from common.engine.eviction import EvictionPolicy
 from common.wire.schemas import MAX_CLOCK_SKEW_S
+
+# The eviction settings, declared in EvictionPolicy: `eviction` is its `mode`; a stream's cache
+# gets a budget by default (the engine's default keeps everything)
+_EVICTION = {name: "eviction" if name == "mode" else name for name in described(EvictionPolicy)}
+EvictionSettings = policy_settings(EvictionPolicy, _EVICTION, {"max_cache_tokens": 32768})
 
 
 @dataclass(frozen=True)
-class EncoderConfig(ModelSettings):
+class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid-type]
     """`streamvqa encoder`: encodes each stream's frames into the model's KV cache, version by version."""
 
     chunk_frames: int = setting(4, "frames per chunk, an even number: 2 frames make one temporal patch")
-    max_cache_tokens: int | None = setting(
-        32768, "eviction budget: tokens a stream's cache holds at most; none keeps everything"
-    )
-    low_watermark: float = setting(0.75, "an eviction brings the cache down to this share of `max_cache_tokens`")
-    sink_chunks: int = setting(1, "oldest chunks an eviction always keeps (attention leans on them)")
-    eviction: EvictionMode = setting(
-        "rebase", "what retained chunks become: `rebase`, `exact` or `absolute` (eviction policy, below)"
-    )
-    salient_chunks: int = setting(0, "chunks kept for a scene change, inside `max_cache_tokens`")
     rebase: bool = setting(True, "kept for old configs: false is the old spelling of `eviction` `absolute`")
     max_lag_s: float = setting(10.0, "live frames older than this are dropped, not encoded")
     max_clock_skew_s: float = setting(
@@ -68,10 +65,5 @@ class EncoderConfig(ModelSettings):
         self.eviction_policy()  # its own checks (watermark, sink, salient chunks) fail at start-up
 
     def eviction_policy(self) -> EvictionPolicy:
-        return EvictionPolicy(
-            self.max_cache_tokens,
-            self.low_watermark,
-            self.sink_chunks,
-            mode=self.eviction if self.rebase else "absolute",
-            salient_chunks=self.salient_chunks,
-        )
+        policy = EvictionPolicy(**{name: getattr(self, setting) for name, setting in _EVICTION.items()})
+        return policy if self.rebase else dataclasses.replace(policy, mode="absolute")

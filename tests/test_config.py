@@ -23,7 +23,9 @@ from common.config import (
     load_cameras_file,
     load_config,
 )
+from common.engine.eviction import EvictionPolicy
 from common.engine.scheduler import SchedulePolicy
+from encoder_worker.config import EncoderConfig
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,27 @@ def test_the_gpu_settings_are_the_schedule_policys_fields():
     changed["gpu_encode_share"] = changed["gpu_max_encode_share"] = 0.5
     got = load_config(GPUSettings, [], env={f"SVQA_{k.upper()}": str(v) for k, v in changed.items()}).schedule_policy()
     assert {f"gpu_{n}": getattr(got, n) for n in policy} == changed
+
+
+def test_the_eviction_settings_are_the_eviction_policys_fields():
+    """EncoderConfig's eviction settings are EvictionPolicy's fields with help (`eviction` its
+    `mode`), and the policy it builds is the one they say; by default a stream's cache has a budget."""
+    policy = {f.name: f for f in dataclasses.fields(EvictionPolicy) if "help" in f.metadata}
+    mine = {f.name: f for f in dataclasses.fields(EncoderConfig)}
+    for name, f in policy.items():
+        assert mine["eviction" if name == "mode" else name].metadata["help"] == f.metadata["help"]
+    env = {"SVQA_STREAMS": "cam1", "SVQA_MAX_CACHE_TOKENS": "9000", "SVQA_LOW_WATERMARK": "0.5"}
+    env |= {"SVQA_SINK_CHUNKS": "2", "SVQA_EVICTION": "exact", "SVQA_SALIENT_CHUNKS": "3"}
+    got = load_config(EncoderConfig, [], env=env).eviction_policy()
+    assert (got.max_cache_tokens, got.low_watermark, got.sink_chunks, got.mode, got.salient_chunks) == (
+        9000,
+        0.5,
+        2,
+        "exact",
+        3,
+    )
+    assert load_config(EncoderConfig, [], env={"SVQA_STREAMS": "cam1"}).eviction_policy().max_cache_tokens == 32768
+    assert load_config(EncoderConfig, ["--no-rebase"], env={"SVQA_STREAMS": "c"}).eviction_policy().mode == "absolute"
 
 
 # --------------------------------------------------------------------------- cameras file

@@ -26,17 +26,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from common.engine.settings import setting
+
 EvictionMode = Literal["rebase", "exact", "absolute"]
 MODES: tuple[str, ...] = get_args(EvictionMode)
 
 
 @dataclass(frozen=True)
 class EvictionPolicy:
-    max_cache_tokens: int | None = None  # high watermark; None = never evict
-    low_watermark: float = 0.75  # evict down to this fraction of max_cache_tokens
-    sink_chunks: int = 1
-    mode: EvictionMode = "rebase"
-    salient_chunks: int = 0  # middle chunks kept for their salience (inside max_cache_tokens)
+    """A field with help is a setting of the encoder (`eviction` for `mode`); the others are for
+    tests."""
+
+    # the high watermark; None never evicts (the services' default is a budget: EncoderConfig)
+    max_cache_tokens: int | None = setting(
+        None, "eviction budget: tokens a stream's cache holds at most; none keeps everything"
+    )
+    low_watermark: float = setting(0.75, "an eviction brings the cache down to this share of `max_cache_tokens`")
+    sink_chunks: int = setting(1, "oldest chunks an eviction always keeps (attention leans on them)")
+    mode: EvictionMode = setting(
+        "rebase", "what retained chunks become: `rebase`, `exact` or `absolute` (eviction policy, below)"
+    )
+    salient_chunks: int = setting(0, "chunks kept for a scene change, inside `max_cache_tokens`")
     rebuild_piece_tokens: int = 4096  # exact: tokens re-prefilled per encode step
 
     def __post_init__(self) -> None:

@@ -37,13 +37,14 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
 from common.engine.interleave import interleaved
 from common.engine.phases import PhaseClock, clock_this_thread, phase
+from common.engine.settings import setting
 from common.engine.work import BatchJob, Launched, StepJob, fail_all
 
 if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy without torch
@@ -75,39 +76,33 @@ class DecodeTimes:
     idle_between: float = 0.0
 
 
-def _setting(default: Any, doc: str) -> Any:
-    """A policy field that is also a service setting, `gpu_<name>` (common/config.py derives them
-    from here: this help text is their flag's and the README's)."""
-    return field(default=default, metadata={"help": doc})
-
-
 @dataclass(frozen=True)
 class SchedulePolicy:
     """How the loop shares the device. A field with help is a setting of every service that loads a
     model, `gpu_<name>` (common/config.py `GPUSettings`); the others are for tests."""
 
-    max_batch: int = _setting(64, "questions decoded together in one step")
-    max_chunks: int = _setting(
+    max_batch: int = setting(64, "questions decoded together in one step")
+    max_chunks: int = setting(
         8, "chunks (one per stream) encoded together: bounds how long one encode step holds up questions"
     )
-    encode_share: float = _setting(
+    encode_share: float = setting(
         0.8,
         "questions go first, but encoding always gets this share of GPU time while questions also wait "
         "(they decode beside it)",
     )
-    chunk_deadline_s: float = _setting(
+    chunk_deadline_s: float = setting(
         1.0, "a chunk waiting longer than this gets encoding up to `gpu_max_encode_share` (live cameras stay live)"
     )
-    max_encode_share: float = _setting(
+    max_encode_share: float = setting(
         0.9, "encoding's share of GPU time while a chunk is late (questions keep the rest)"
     )
     window_s: float = 2.0  # the shares are measured over about this long
-    decode_during_encode: bool = _setting(
+    decode_during_encode: bool = setting(
         True,
         "questions already being answered keep decoding beside an encode step (on a high-priority CUDA "
         "stream, launched between the encode step's layers) instead of waiting for it to end",
     )
-    decode_before_encode: bool = _setting(
+    decode_before_encode: bool = setting(
         True,
         "questions being answered take a decode step alone before each encode step that is due; off, the "
         "encode step starts at once and that step goes beside its first kernels (a decode step alone leaves "
@@ -116,14 +111,14 @@ class SchedulePolicy:
     )
     # Off here: it needs the KV pool to defer frees (pool.py), which boot.py turns on with it; the
     # services' setting is on by default (GPUSettings).
-    join_during_encode: bool = _setting(
+    join_during_encode: bool = setting(
         False,
         "questions that arrive during an encode step start beside it, each once its version is written on "
         "the device, instead of after it; exact on the CPU and the GPU. Measured at 64 cameras (H200, 150 s): "
         "first tokens halved (p50 0.14 → 0.07 s), encode steps 7-9 % longer, client p95 1.04-1.05 → "
         "0.98-1.0 s (docs/BENCHMARKS.md). Off gives encoding a few percent more of the GPU",
     )
-    decode_sms: int = _setting(
+    decode_sms: int = setting(
         0,
         "SMs an encode step leaves free while questions decode beside it, as long as encoding keeps up (its "
         "chunks waited at most `gpu_chunk_deadline_s`): the step runs in a CUDA green context of the other "
