@@ -16,9 +16,10 @@ import redis
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
-from common.wire.schemas import EndOfStream, decode_frame
+from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
 from qa_worker.client import Client
 from tests.pipeline import Services, chunk_frames_in_history, head, reading_questions, wait_for
+from tests.rtsp_server import RtspServer, gst_available
 
 CAM = "cam1"
 OUTAGE_S = 15.0
@@ -150,3 +151,32 @@ def test_file_ingest_exits_3_past_the_grace_period(aof_redis_server, tmp_path):
         assert len([x for x in log if "grace period" in x]) == 1, log[-5:]
     finally:
         services.stop_all()
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_rtsp_ingest_rides_out_a_paused_redis_then_exits_3_past_the_grace_period(redis_server, tmp_path):
+    """A live camera: Redis paused for 3 s (its commands hang) with the read watchdog at 1 s is no
+    stall of the camera (no `stalled` event, no reopen, seqs go on); Redis gone past the grace
+    period (2 s) is exit 3 with one line, as for a file."""
+    r = redis.Redis.from_url(redis_server.url)
+    camera = RtspServer(fps=10, width=160, height=120).start()
+    services = Services(redis_server.url, tmp_path, SVQA_REDIS_GRACE_S="2", SVQA_READ_TIMEOUT_S="1")
+    try:
+        proc = services.start("ingest", "--url", camera.url, "--stream", CAM, "--fps", "5")
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 5, 60, "frames from the camera", services)
+        redis_server.proc.send_signal(signal.SIGSTOP)
+        time.sleep(3)
+        redis_server.proc.send_signal(signal.SIGCONT)
+        before = r.xlen(keys.frames(CAM))
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= before + 10, 60, "frames after the pause", services)
+        kinds = [f[b"type"] for _, f in r.xrange(keys.events(CAM))]
+        assert b"stalled" not in kinds and kinds.count(b"connected") == 1, kinds
+        seqs = [m.seq for _, f in r.xrange(keys.frames(CAM)) if isinstance(m := decode_frame(f), FrameMsg)]
+        assert seqs == list(range(len(seqs)))
+        redis_server.stop()
+        assert proc.wait(timeout=60) == 3, services.logs()
+        log = (tmp_path / "ingest-0.log").read_text().splitlines()
+        assert len([x for x in log if "grace period" in x]) == 1, log[-5:]
+    finally:
+        services.stop_all()
+        camera.stop(kill=True)
