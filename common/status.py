@@ -102,6 +102,7 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
         return {"error": str(e)}
     return {
         "version": m.version,
+        "epoch": m.epoch,  # changes when the stream started over (its version ids with it)
         "tokens": m.cache_tokens,
         "last_frame_seq": m.last_frame_seq,
         "time_range": [m.first_ts, m.last_ts],

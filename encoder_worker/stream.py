@@ -35,7 +35,7 @@ from common.engine.stream import StreamEngine
 from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
-from common.wire.manifest import from_manifest, to_manifest
+from common.wire.manifest import from_manifest, new_epoch, to_manifest
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (
     FIELD,
@@ -352,9 +352,11 @@ def open_stream(
         log.error("cache not restorable; the stream starts over", stream=name, error=str(e))
         event(r, name, "cache_restarted", reason=str(e)[:200])
         state = loaded = None
-    if state is None or loaded is None:
-        owned = OwnedStream(r, writer, cfg, StreamEngine(rt, spec, policy, **sinks), live, frames, writes)
+    if state is None or loaded is None:  # a new life: version ids start over, under a new epoch
+        engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
+        owned = OwnedStream(r, writer, cfg, engine, live, frames, writes)
         owned.publish(owned.engine.head)
+        event(r, name, "started", epoch=engine.head.epoch)
         return owned
     kv, embeds = loaded
     device = rt.loaded.device

@@ -51,6 +51,7 @@ class Schedule:
     job: Job
     stream: str
     last_version: int = -1
+    epoch: str = ""  # the stream's life the last run's version was of (Version.epoch)
     last_t: float | None = None  # capture time of the last run's version end
     last_run: float | None = None  # time.monotonic() of the last run, while subtitle cues may be open
     tracker: SubtitleTracker = field(default_factory=SubtitleTracker)
@@ -60,6 +61,14 @@ class Schedule:
     def __post_init__(self) -> None:
         if self.job.kind == "alert":
             self.gate = Gate(self.job.debounce, self.job.cooldown_s)
+
+    def started_over(self, version: Version) -> bool:
+        """Whether ``version`` is of a later life of the stream than the last run's (its Redis came
+        back empty, say): version ids and capture times start over, and so does this schedule."""
+        if self.last_version < 0 or version.epoch == self.epoch:
+            return False
+        self.last_version, self.last_t = -1, None
+        return True
 
     def due(self, version: Version) -> bool:
         if version.id <= self.last_version or not version.chunks:
@@ -111,15 +120,15 @@ class JobRunner:
         if any(j.kind == "alert" for j in jobs):
             self.delivery = Delivery(discovery_prefix=self.alerts.discovery_prefix)
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
-            if sched.job.kind == "subtitles":
-                recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
-                sched.tracker.remember(redisio.text_fields(f).get("text", "") for _, f in reversed(recent))
+            self._remember(sched)
 
     def run_due(self) -> int:
         """Run every job whose time has come; returns how many ran."""
         ran = 0
         for sched in self.schedules:
             version = self.lookup(sched.stream)
+            if version is not None and sched.started_over(version):
+                self._start_over(sched, version)
             if version is not None and sched.due(version):
                 self._run(sched, version)
                 ran += 1
@@ -130,9 +139,24 @@ class JobRunner:
                 self._emit_cues(sched, sched.tracker.flush(), None)
         return ran
 
+    def _remember(self, sched: Schedule) -> None:
+        if sched.job.kind == "subtitles":
+            recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
+            sched.tracker.remember(redisio.text_fields(f).get("text", "") for _, f in reversed(recent))
+
+    def _start_over(self, sched: Schedule, version: Version) -> None:
+        """Cues still open close now (what was seen stays seen); the next ones are told apart from
+        what the transcript holds now (nothing, if Redis came back empty), capture times anew."""
+        was = {"was_epoch": sched.epoch, "job": sched.job.name}
+        log.warning("stream restarted; its job starts over", stream=sched.stream, epoch=version.epoch, **was)
+        redisio.event(self.r, sched.stream, "qa", "job_restarted", epoch=version.epoch, version=version.id, **was)
+        self._emit_cues(sched, sched.tracker.flush(), None)
+        sched.tracker, sched.last_run = SubtitleTracker(), None
+        self._remember(sched)
+
     def _run(self, sched: Schedule, version: Version) -> None:
         job, bound = sched.job, log.bind(job=sched.job.name, stream=sched.stream, version=version.id)
-        sched.last_version = version.id
+        sched.last_version, sched.epoch = version.id, version.epoch
         t0, t1 = version.capture_range or (0.0, 0.0)
         sched.last_t = t1
         prompt = job.prompt or (SUBTITLE_PROMPT if job.kind == "subtitles" else CAPTION_PROMPT)

@@ -122,12 +122,15 @@ class Mirror:
     def _apply(self, name: str, manifest: Manifest) -> None:
         mirror = self.streams[name]
         head = mirror.head
-        if head is not None and manifest.version == head.id:
+        if head is not None and (manifest.epoch, manifest.version) == (head.epoch, head.id):
             return  # already applied (the head we caught up from is also the newest entry)
-        if head is not None and manifest.version < head.id:
-            # Entries arrive in order, so a lower id means the stream started over (its Redis lost
-            # its data): follow it rather than keep answering from a cache that no longer exists.
-            log.warning("stream restarted; following it", stream=name, was=head.id, now=manifest.version)
+        if head is not None and (manifest.epoch != head.epoch or manifest.version < head.id):
+            # Another epoch (or, before epochs, a lower id: entries arrive in order) means the stream
+            # started over (its Redis came back empty): follow it rather than keep answering from a
+            # cache that no longer exists.
+            was = {"was_epoch": head.epoch, "was_version": head.id}
+            log.warning("stream restarted; following it", stream=name, epoch=manifest.epoch, **was)
+            redisio.event(self.r, name, "qa", "restarted", epoch=manifest.epoch, version=manifest.version, **was)
             mirror.reset()  # its segment ids restart too: nothing cached may be reused
         version = mirror.apply(manifest)
         metrics.record_version(name, version)

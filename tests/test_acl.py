@@ -126,6 +126,7 @@ def qa_job(r: redis.Redis) -> None:
     redisio.xadd_once(r, keys.ANSWERS, keys.once(keys.ANSWERS, "q1"), {"type": "final", "id": "q1"}, 100, 60)
     redisio.dead_letter(r, keys.QUESTIONS, "0-1", {"x": "y"}, "test")
     r.xadd(keys.transcript(CAM), {"start": "0", "end": "1", "text": "x"})
+    redisio.event(r, CAM, "qa", "restarted", epoch="e2")  # a mirror or a job saw the stream start over
     r.copy(keys.latest_frame(CAM), keys.alert_frame(CAM, "a1"), replace=True)  # an alert job fired
     r.expire(keys.alert_frame(CAM, "a1"), 60)
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})

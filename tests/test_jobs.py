@@ -21,12 +21,16 @@ from common.engine.model import load_model
 from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
+from common.segment_store import MemoryStore
 from common.wire import keys
+from common.wire.schemas import Manifest
 from ingest.video import iter_file_frames
 from qa_worker.jobs import JobRunner
+from qa_worker.mirror import Mirror
 from tests.conftest import free_port
 from tests.pipeline import Services, head, wait_for
 from tests.subtitle_readers import parse_srt, parse_webvtt, validate_srt, validate_webvtt
+from tests.test_robust import CAM, drain, encoder, frame
 
 CAPTIONS = ((0.0, "RED BALL"), (3.0, "BLUE BOX"), (6.0, "GREEN STAR"))
 
@@ -91,6 +95,47 @@ def test_every_versions_schedule_and_caption_output(rt, redis_url, tmp_path):
     assert ran == [1, 0, 0, 1, 0, 0, 1]
     texts = [f[b"text"].decode() for _, f in r.xrange(keys.job_output("cam1", "cap"))]
     assert texts == ["caption of v1", "caption of v4", "caption of v7"]
+
+
+def test_jobs_and_mirrors_follow_a_stream_restarted_on_an_empty_redis(rt, redis_url):
+    """Issue 37.4: Redis came back empty (no AOF, a failover to an empty replica) and the stream
+    started over at version 0. Jobs skipped every version id up to the last they had run on, for
+    good; now versions carry the stream's epoch, and a new one restarts jobs and mirrors, with
+    events."""
+    r, store = redis.Redis.from_url(redis_url), MemoryStore()
+    job = Job(name="cap", stream=CAM, kind="caption", every_versions=1)
+
+    def encode(n_frames: int) -> Manifest:  # an encoder that opens the stream (continued or new) and encodes
+        svc = encoder(rt, r, redis_url, store=store)
+        for seq in range(n_frames):
+            r.xadd(keys.frames(CAM), frame(seq))
+        drain(svc, r)
+        return head(r, CAM)
+
+    first = encode(8)
+    mirror = Mirror(rt, r, store, [CAM], block_ms=50)
+    runner = JobRunner(r, mirror.get, [job], [CAM], lambda v, p: f"{v.epoch}:{v.id}")
+    assert runner.run_due() == 1 and mirror.get(CAM).epoch == first.epoch != ""
+    r.flushall()
+    second = encode(4)
+    assert second.epoch != first.epoch and second.version < first.version
+    mirror.poll()
+    assert (mirror.get(CAM).epoch, mirror.get(CAM).id) == (second.epoch, second.version)
+    assert runner.run_due() == 1, "the job runs on the new life's versions"
+    assert [f[b"text"].decode() for _, f in r.xrange(keys.job_output(CAM, "cap"))] == [
+        f"{second.epoch}:{second.version}"
+    ]
+    seen = {(f[b"source"], f[b"type"]): f for _, f in r.xrange(keys.events(CAM))}
+    assert seen[b"encoder", b"started"][b"epoch"] == second.epoch.encode()
+    for kind in (b"restarted", b"job_restarted"):  # the mirror's and the job's
+        assert (seen[b"qa", kind][b"was_epoch"], seen[b"qa", kind][b"epoch"]) == (
+            first.epoch.encode(),
+            second.epoch.encode(),
+        )
+    encode(6)  # the new life continues (restored from its head): the same epoch, no restart
+    mirror.poll()
+    assert runner.run_due() == 1 and mirror.get(CAM).epoch == second.epoch
+    assert len([f for _, f in r.xrange(keys.events(CAM)) if f[b"type"] == b"job_restarted"]) == 1
 
 
 def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):

@@ -11,6 +11,7 @@ import pytest
 import redis
 
 from common.wire import keys
+from common.wire.manifest import from_manifest
 from common.wire.schemas import (
     QUESTION_ID_RE,
     AnswerDelta,
@@ -234,6 +235,7 @@ def _manifest(**kw) -> Manifest:
         evicted_segments=1,
         evicted_tokens=512,
         created_at=1700000000.5,
+        epoch="3f2a9c41d07b6e58",
     )
     return Manifest(**{**base, **kw})
 
@@ -257,6 +259,16 @@ def test_manifest_empty_stream_and_defaults():
     for k in ("evictions", "evicted_segments", "evicted_tokens", "created_at"):
         del d[k]
     assert manifest_from_bytes(msgpack.packb(d)).evicted_tokens == 0
+
+
+def test_a_manifest_from_before_epochs_still_decodes():
+    """Issue 37.4: `epoch` is an additive field (no schema version bump): a head or versions entry
+    written before it decodes, with the epoch "" (a stream's life before epochs)."""
+    d = msgpack.unpackb(manifest_to_bytes(_manifest()))
+    del d["epoch"]
+    old = manifest_from_bytes(msgpack.packb(d))
+    assert old.epoch == "" and old == _manifest(epoch="")
+    assert from_manifest(old).cache.epoch == ""
 
 
 def _with_segment(i: int, **change) -> list[dict]:
@@ -293,6 +305,9 @@ def _with_segment(i: int, **change) -> list[dict]:
         ({"first_ts": "x"}, "first_ts"),
         ({"cache_tokens": -1}, "cache_tokens"),
         ({"next_patch": None}, "next_patch"),
+        ({"epoch": 7}, "epoch"),
+        ({"epoch": "a:b"}, "epoch"),
+        ({"epoch": "e" * 65}, "epoch"),
     ],
 )
 def test_manifest_bad_fields(change, field):

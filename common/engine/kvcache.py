@@ -120,6 +120,7 @@ class CacheState:
     video_start: int
     next_patch: int
     stats: CacheStats
+    epoch: str = ""  # the stream's life (see Version.epoch)
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,9 @@ class Version:
     next_patch: int  # logical index the next chunk gets
     stats: CacheStats = field(default_factory=CacheStats)
     layout: object = None  # the same object for every version between two evictions (or re-layouts)
+    # Which life of the stream this is: chosen at random when its cache starts empty, kept for as
+    # long as it continues; version ids count within one epoch ("" for a stream older than epochs).
+    epoch: str = ""
     # recorded on the device after the work that writes this version was queued (None: written
     # when published, as on the CPU)
     written: torch.cuda.Event | None = field(default=None, compare=False, repr=False)
@@ -247,6 +251,7 @@ class StreamCache:
         self._where: dict[str, tuple[int, int]] = {}  # segment id -> (slab, slot) of its first token
         self._layout = object()
         self._last_id = -1  # the newest version's (the head may be let go of while a new one is laid out)
+        self.epoch = ""  # stamped on every version (Version.epoch); set before the first one
 
     @property
     def head(self) -> Version | None:
@@ -321,6 +326,7 @@ class StreamCache:
         (their original K/V). Appends in place when the current head is a prefix of it."""
         placements = list(state.placements)
         held = self._head.placements if self._head else ()
+        self.epoch = state.epoch
         with self._swap:
             if self.appends(state):
                 self._append_loaded(placements[len(held) :], load)
@@ -447,6 +453,7 @@ class StreamCache:
             next_patch=next_patch,
             stats=stats,
             layout=self._layout,
+            epoch=self.epoch,
             written=_queued_so_far(self.lm.pool.device),
         )
         self._head, self._spill, self._pinned = version, None, []  # the version holds their pages now

@@ -68,7 +68,8 @@ class StreamEngine:
     of an exact eviction included); it runs in the thread that calls `finish` (never in the GPU
     loop). With exact eviction, `on_embeds(segment, embeds)` sees each chunk's vision embeddings
     likewise. `restore` continues a stream from a published manifest instead of starting empty;
-    `load_embeds` then gives back the kept embeddings of its chunks (exact eviction).
+    `load_embeds` then gives back the kept embeddings of its chunks (exact eviction). A stream
+    started empty gets ``epoch`` on its versions; a restored one keeps its manifest's.
     """
 
     def __init__(
@@ -81,10 +82,12 @@ class StreamEngine:
         restore: tuple[CacheState, Callable[[Segment], torch.Tensor]] | None = None,
         on_embeds: SegmentSink | None = None,
         load_embeds: EmbedsSource | None = None,
+        epoch: str = "",
     ):
         self.rt = runtime
         self.spec = spec
         self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
+        self.cache.epoch = epoch
         self.on_segment = on_segment
         self.on_embeds = on_embeds
         if restore is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+import uuid
 from dataclasses import dataclass
 
 from common.engine.grid import Grid, StreamSpec
@@ -25,6 +26,12 @@ class ManifestState:
 
     spec: StreamSpec
     cache: CacheState
+
+
+def new_epoch() -> str:
+    """A stream's new life (``Manifest.epoch``): random, so a stream restarted on an empty Redis
+    never repeats one its readers saw."""
+    return uuid.uuid4().hex[:16]
 
 
 def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
@@ -46,6 +53,7 @@ def to_manifest(version: Version, spec: StreamSpec) -> Manifest:
         evicted_segments=version.stats.chunks_evicted,
         evicted_tokens=version.stats.tokens_evicted,
         created_at=time.time(),
+        epoch=version.epoch,
     )
 
 
@@ -53,7 +61,7 @@ def from_manifest(m: Manifest) -> ManifestState:
     placements = tuple(_placement(s) for s in m.segments)
     spec = StreamSpec(m.stream, m.fps, Grid(*m.grid), m.chunk_frames)
     stats = CacheStats(m.evictions, m.evicted_segments, m.evicted_tokens)
-    return ManifestState(spec, CacheState(placements, m.version, m.video_start, m.next_patch, stats))
+    return ManifestState(spec, CacheState(placements, m.version, m.video_start, m.next_patch, stats, m.epoch))
 
 
 @functools.lru_cache(maxsize=RECORDS_CACHED)

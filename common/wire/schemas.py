@@ -48,6 +48,7 @@ STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Segment ids end up in file names of the directory store: no leading dot, no separators.
 SEGMENT_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+EPOCH_RE = re.compile(r"[A-Za-z0-9_-]{0,64}")  # "": a manifest written before epochs
 
 
 class SchemaError(ValueError):
@@ -480,7 +481,7 @@ class Manifest:
     tokens, evictions) are what `streamvqa status` and clients read.
     """
 
-    version: int  # strictly increasing per stream
+    version: int  # strictly increasing within an epoch (below)
     stream: str
     fps: float
     grid: tuple[int, int]  # (height, width) in pixels
@@ -496,6 +497,9 @@ class Manifest:
     evicted_segments: int = 0
     evicted_tokens: int = 0
     created_at: float = 0.0  # unix seconds
+    # The stream's life: a random id chosen when its cache started empty. Version ids count within
+    # one epoch; a new epoch means the stream started over (its Redis came back empty, say).
+    epoch: str = ""
 
     def __post_init__(self) -> None:
         segments = _seq("segments", self.segments)
@@ -531,9 +535,10 @@ def _validate_manifest(m: Manifest) -> None:
     for name in ("evictions", "evicted_segments", "evicted_tokens"):
         _int(name, getattr(m, name), 0)
     _float("created_at", m.created_at, 0.0)
+    _str("epoch", m.epoch, 64, EPOCH_RE)
 
 
-_MANIFEST_OPTIONAL = {"evictions", "evicted_segments", "evicted_tokens", "created_at"}
+_MANIFEST_OPTIONAL = {"evictions", "evicted_segments", "evicted_tokens", "created_at", "epoch"}
 
 
 def manifest_to_bytes(m: Manifest) -> bytes:
