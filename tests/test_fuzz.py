@@ -89,9 +89,11 @@ def real_frame(seq: int) -> dict:
 
 
 def hostile_frame(rng: random.Random, last_seq: int) -> dict:
-    kind = rng.randrange(7)
+    kind = rng.randrange(8)
     if kind == 0:
         return {b"m": junk(rng, 300)}
+    if kind == 7:  # over the stream's entry cap (its grid raw + 4 KB): a valid frame padded
+        return {**real_frame(last_seq + 1), junk(rng, 30) or b"pad": bytes(20_000)}
     if kind == 1:
         good = encode_frame(FrameMsg.from_rgb(last_seq + 1, 0.0, 0.0, np.zeros((56, 56, 3), np.uint8)))["m"]
         return {b"m": good[: rng.randint(0, len(good) - 1)]}  # truncated
@@ -165,6 +167,7 @@ def test_hostile_entries_never_stop_the_worker(worker):
         replied += 1
     assert replied > N_QUESTIONS / 2 and dead > 0
     assert r.xlen(keys.DEAD_LETTER) <= 1100 and max(len(k) for _, f in r.xrange(keys.DEAD_LETTER) for k in f) < 100
+    assert any(b"exceeds the stream's cap" in f[b"reason"] for _, f in r.xrange(keys.DEAD_LETTER)), "refused unread"
     growth_mb = (rss_kb(proc.pid) - rss0) / 1024
     assert growth_mb < 150, f"RSS grew {growth_mb:.0f} MB"
     assert elapsed < 55, f"{elapsed:.0f} s"
