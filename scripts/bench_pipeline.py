@@ -137,6 +137,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "segments in the worker process (what this benchmark used before 2026-11-28: nothing survives "
         "a worker), dir:///path a disk",
     )
+    p.add_argument(
+        "--failover",
+        action="store_true",
+        help="with 2+ workers, after the window: SIGKILL worker-0 and measure how long until its streams are "
+        "restored by the others (their encoder_attached events), and the frames dropped meanwhile",
+    )
     p.add_argument("--warmup", type=float, default=10.0, help="seconds after every camera's first version")
     p.add_argument("--settle-lag", type=float, default=5.0, help="then until every head is this close to now")
     p.add_argument("--settle-timeout", type=float, default=30.0, help="but waiting at most this long")
@@ -630,6 +636,8 @@ def run_services(
     running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
     warm = warm_up(ns, running, r, cameras)
     result = {**measure(ns, running, url, cameras, (ingest_port, worker_ports)), **warm}
+    if ns.failover:
+        result["failover"] = failover(running, r, cameras, worker_ports)
     return {**result, "streams_per_worker": streams_per_worker(r), "kept_up": kept_up(result)}
 
 
@@ -727,6 +735,50 @@ def io_rates(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
 def dir_bytes(root: Path) -> int:
     """Bytes of the files under root (a tmpfs store: the host memory it holds)."""
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+FAILOVER_WAIT_S = 60.0  # for the streams of a killed worker to be restored elsewhere
+FAILOVER_SETTLE_S = 15.0  # then for their backlog to be encoded or dropped (max_lag_s is 10 s)
+
+
+def failover(running: Services, r: redis.Redis, cameras: list[str], ports: list[int]) -> dict[str, Any]:
+    """SIGKILL worker-0; its streams are restored by the others once their leases expire. Restored =
+    the new owner's `encoder_attached` event (written after the head's segments were read back into
+    the cache), timed by the event's entry id against the kill, both Redis server time."""
+    moved = [
+        c for c, owner in zip(cameras, r.mget([keys.lease(c) for c in cameras]), strict=True) if owner == b"worker-0"
+    ]
+    others = ports[1:]
+    before = sum(sum(v for k, v in dropped_by_camera(p).items() if k in moved) for p in others)
+    killed_ms = int(r.time()[0] * 1000 + r.time()[1] // 1000)
+    running.procs.pop("worker-0").kill()  # no longer one of the services a run needs alive
+    progress(f"failover: worker-0 killed holding {len(moved)} streams")
+    restored: dict[str, float] = {}
+    deadline = time.monotonic() + FAILOVER_WAIT_S
+    while len(restored) < len(moved) and time.monotonic() < deadline:
+        for cam in set(moved) - set(restored):
+            for entry_id, fields in r.xrange(keys.events(cam), min=killed_ms):
+                if fields.get(b"type") == b"encoder_attached":
+                    restored[cam] = (int(entry_id.split(b"-")[0]) - killed_ms) / 1000
+        time.sleep(0.05)
+    time.sleep(FAILOVER_SETTLE_S)
+    after = sum(sum(v for k, v in dropped_by_camera(p).items() if k in moved) for p in others)
+    times = sorted(restored.values())
+    return {
+        "streams_moved": len(moved),
+        "streams_restored": len(restored),
+        "restored_after_kill_s": {**percentiles(times, 50, 95), "max": max(times, default=None)},
+        "frames_dropped": int(after - before),
+    }
+
+
+def dropped_by_camera(port: int) -> dict[str, float]:
+    """A worker's frames dropped by camera, every reason but `duplicate` (a redelivery already held)."""
+    out: dict[str, float] = {}
+    for (name, cam, reason), value in scrape(port).items():
+        if name == "svqa_encoder_frames_dropped_total" and reason != "duplicate":
+            out[cam] = out.get(cam, 0.0) + value
+    return out
 
 
 def tracing(under: Path) -> str:
