@@ -342,14 +342,6 @@ class RedisSettings:
     log_level: str = setting("INFO", "structlog JSON logs on stderr: DEBUG, INFO, WARNING, ERROR")
 
 
-# --------------------------------------------------------------------------- cameras file
-
-JobKind = Literal["caption", "subtitles", "custom", "alert"]
-SubtitleFormat = Literal["vtt", "srt"]
-MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
-MAX_FPS = 240.0
-
-
 def policy_settings(policy: type, names: Mapping[str, str], defaults: Mapping[str, Any]) -> type:
     """Service settings declared by an engine policy (a frozen dataclass the engine takes, whose
     fields with help are settings): a frozen dataclass with, for each policy field in ``names``,
@@ -489,6 +481,14 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
     def __post_init__(self) -> None:
         GPUSettings.__post_init__(self)
         StreamSettings.__post_init__(self)
+
+
+# --------------------------------------------------------------------------- cameras file
+
+JobKind = Literal["caption", "subtitles", "custom", "alert"]
+SubtitleFormat = Literal["vtt", "srt"]
+MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
+MAX_FPS = 240.0
 
 
 def _check_name(field: str, v: str) -> None:
