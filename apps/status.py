@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 
 import redis
 
 from common import boot, placement, status
-from common.config import RedisSettings, add_tool_flags
+from common.config import DEFAULT_REDIS_URL, RedisSettings, add_tool_flags, env_name
 from common.logs import configure_logging, redact_url
 from common.wire import keys
 
@@ -65,7 +66,8 @@ def render(found: dict) -> str:
     lines = []
     if "redis" in found:  # which Redis was asked (main's); collect() alone does not know its URL
         frames = f", frames on {found['frames_redis']}" if "frames_redis" in found else ""
-        lines.append(f"redis {found['redis']}{frames}")
+        default = " (the default: SVQA_REDIS_URL is not set)" if found.get("redis_is_default") else ""
+        lines.append(f"redis {found['redis']}{default}{frames}")
     for s in found["streams"]:
         head = s.get("head") or {}
         lease = s["lease"]["holder"] if s["lease"] else "-"
@@ -91,6 +93,11 @@ def render(found: dict) -> str:
     return "\n".join(lines)
 
 
+def _default_redis(url: str) -> bool:
+    """Whether no one chose this Redis: it may well be an unrelated local one."""
+    return url == DEFAULT_REDIS_URL and env_name("redis_url") not in os.environ
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="streamvqa status", description=__doc__.splitlines()[0])
     add_tool_flags(p, RedisSettings, ["redis_url", "frames_redis_url"])
@@ -100,7 +107,8 @@ def main(argv: list[str]) -> int:
     r = boot.connect_tool(ns.redis_url, "streamvqa status")
     frames = boot.connect_tool(ns.frames_redis_url, "streamvqa status") if ns.frames_redis_url else None
     # which Redis was asked comes first: a wrong one (a default) reads as "no streams"
-    asked = {"redis": redact_url(ns.redis_url)} | ({"frames_redis": redact_url(ns.frames_redis_url)} if frames else {})
+    asked = {"redis": redact_url(ns.redis_url), "redis_is_default": _default_redis(ns.redis_url)}
+    asked |= {"frames_redis": redact_url(ns.frames_redis_url)} if frames else {}
     found = asked | collect(r, frames)
     print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from apps import cli, status
+from common.config import DEFAULT_REDIS_URL
 from common.version import VERSION
 from common.wire import keys
 
@@ -155,3 +156,15 @@ def test_status_first_line_says_which_redis_it_asked(redis_url):
         check=True,
     )
     assert out.stdout.splitlines()[0] == f"redis {redis_url}"
+
+
+def test_status_says_when_it_asked_the_default_redis(monkeypatch):
+    """Without SVQA_REDIS_URL or --redis-url, status asks redis://localhost:6379/0, maybe an
+    unrelated Redis: its first line says so."""
+    monkeypatch.delenv("SVQA_REDIS_URL", raising=False)
+    assert status._default_redis(DEFAULT_REDIS_URL) and not status._default_redis("redis://h:6379/0")
+    monkeypatch.setenv("SVQA_REDIS_URL", DEFAULT_REDIS_URL)
+    assert not status._default_redis(DEFAULT_REDIS_URL)  # chosen, the same URL or not
+    found = {"redis": DEFAULT_REDIS_URL, "redis_is_default": True, "at": 0.0, "streams": [], "workers": []}
+    first = status.render(found | {"questions": {}, "dead_letters": 0}).splitlines()[0]
+    assert first == f"redis {DEFAULT_REDIS_URL} (the default: SVQA_REDIS_URL is not set)"
