@@ -168,6 +168,7 @@ class Answerer:
             id=q.id,
             stream=q.stream,
             version=version.id,
+            epoch=version.epoch or None,
             t_start=t_range[0],
             t_end=t_range[1],
             ranges=tuple(version.capture_ranges),

@@ -334,6 +334,7 @@ def test_question_read_by_workers_that_died_before_answering_it_is_answered(answ
     answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
     replies = [decode_answer(f) for _, f in r.xrange(keys.answer("q3"))]
     assert replies[-1].error is None and {d.attempt for d in replies[:-1]} == {1}
+    assert replies[-1].epoch == manifest_from_bytes(r.get(keys.head(CAM))).epoch != "", "which life of the stream"
 
 
 def test_retried_answer_deltas_carry_their_attempt_and_reply_ttl_is_capped(answerer):

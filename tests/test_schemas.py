@@ -493,6 +493,7 @@ def test_answer_round_trip(redis_url):
         choice="red",
         scores={"red": -0.1, "blue": -2.5},
         version=9,
+        epoch="3f2a9c41d07b6e58",
         t_start=100.0,
         t_end=130.25,
         ranges=((100.0, 104.5), (120.0, 130.25)),
@@ -519,6 +520,7 @@ def test_error_final_and_bad_finals():
     _raises("scores", encode_final, FinalAnswer(id="q3", stream="c", text="a", scores={"a": float("-inf")}))
     _raises("type", decode_final, encode_delta("x"))
     _raises("version", decode_final, {**enc, "version": "v9"})
+    _raises("epoch", decode_final, {**enc, "epoch": "{cam}"})
     _raises("scores", decode_final, {**enc, "scores": "[1]"})
     for bad in ("[[1]]", "[[2, 1]]", "{}", "[1"):
         _raises("ranges", decode_final, {**enc, "ranges": bad})

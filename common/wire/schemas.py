@@ -765,6 +765,7 @@ class FinalAnswer:
     choice: str | None = None
     scores: Mapping[str, float] | None = None  # per choice (JSON object on the wire)
     version: int | None = None  # cache version answered against
+    epoch: str | None = None  # that version's stream life (Manifest.epoch): ids count within one
     t_start: float | None = None  # capture-time span of that version: oldest to newest frame
     t_end: float | None = None
     ranges: tuple[tuple[float, float], ...] | None = None  # the [start, end] ranges it holds (JSON list)
@@ -777,11 +778,13 @@ class FinalAnswer:
         _str("id", self.id, 128, QUESTION_ID_RE)
         if (self.text is None) == (self.error is None):
             raise SchemaError("text", "exactly one of text and error must be set")
+        if self.epoch is not None:
+            _str("epoch", self.epoch, 64, EPOCH_RE)
 
 
 _FINAL_INTS = ("version", "cache_tokens", "tokens")
 _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
-_FINAL_STRS = ("stream", "text", "error", "choice")
+_FINAL_STRS = ("stream", "text", "error", "choice", "epoch")
 
 
 def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
@@ -814,7 +817,7 @@ def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
     if f.get("type") != FINAL:
         raise SchemaError("type", f"expected {FINAL!r}, got {f.get('type')!r}")
     kw: dict[str, Any] = {"id": _require(f, "id"), "stream": f.get("stream")}
-    for k in ("text", "error", "choice"):
+    for k in ("text", "error", "choice", "epoch"):
         kw[k] = f.get(k)
     for k in _FINAL_INTS:
         if k in f:
