@@ -97,6 +97,7 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     app.get("/health/live", tags=["health"], summary="The process answers")(live)
     app.get("/health/ready", tags=["health"], summary="Redis reachable (and the stream's encoder lease held)")(ready)
     app.get("/", include_in_schema=False)(page)
+    app.get("/favicon.ico", include_in_schema=False)(favicon)  # where browsers look without a <link>
     app.mount("/web", StaticFiles(directory=WEB), name="web")
     return app
 
@@ -117,6 +118,10 @@ async def ready(request: Request, stream: str | None = Query(None, description="
         return errors.response(503, f"no encoder holds stream {stream!r}", param="stream")
     body = {"status": "ready", "redis": True}
     return JSONResponse(body | ({"stream": stream, "encoder": holder.decode()} if stream else {}))
+
+
+async def favicon() -> FileResponse:
+    return FileResponse(WEB / "favicon.svg", media_type="image/svg+xml")
 
 
 async def page() -> FileResponse:

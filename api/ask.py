@@ -1,13 +1,16 @@
 """`POST /api/streams/{name}/ask`: a question answered as server-sent events or as one JSON object.
 
-Events: `delta` ({"text"}) as tokens are decoded, then one `final` (the worker's final answer:
-text or choice and scores, version, t_start/t_end, latencies), or `error` when none came in time.
+Events: `queued` ({"position", "waited_s"}) about once every `block_ms` while the question waits
+in its stream's queue (position 1: next to be taken), `delta` ({"text"}) as tokens are decoded,
+then one `final` (the worker's final answer: text or choice and scores, version, t_start/t_end,
+queue_s, elapsed_s and the compute latencies), or `error` when none came in time.
 `restart` ({"attempt"}) says the worker answering died and another starts over: drop the text so
 far; the deltas after it concatenate to the final text.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
@@ -19,7 +22,7 @@ from api import errors, replies
 from api.answers import Subscription
 from api.guard import require_token
 from common.redisio import OUTAGE_ERRORS
-from common.wire.schemas import AnswerDelta, FinalAnswer
+from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 
 router = APIRouter(prefix="/api", tags=["ask"], dependencies=[Depends(require_token)])
 
@@ -53,19 +56,27 @@ async def ask(name: str, body: AskRequest, request: Request):
     headers = {"X-Question-Id": q.id}
     if body.stream:
         return StreamingResponse(
-            replies.keep_alive(_events(request, sub), cfg.keep_alive_s), media_type="text/event-stream", headers=headers
+            replies.keep_alive(_events(request, q, sub), cfg.keep_alive_s),
+            media_type="text/event-stream",
+            headers=headers,
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        return errors.response(422, final.error, param="question", headers=headers)
+        return errors.response(422, final.error, param=final.param or "question", headers=headers)
     return JSONResponse(replies.final_json(final), headers=headers)
 
 
-async def _events(request: Request, sub: Subscription) -> AsyncIterator[bytes]:
-    cfg = request.app.state.cfg
+async def _events(request: Request, q: Question, sub: Subscription) -> AsyncIterator[bytes]:
+    r, cfg = request.app.state.r, request.app.state.cfg
+    asked, started = time.monotonic(), False
     try:
         stream = replies.replies(sub, cfg.answer_timeout_s, cfg.block_ms)
         async for reply, restarted in replies.newest_attempt(stream):
+            if reply is None:  # nothing yet: where it waits, while no worker has taken it
+                if not started and (position := await replies.queue_position(r, q.stream, q.id)) is not None:
+                    yield replies.sse("queued", {"position": position, "waited_s": round(time.monotonic() - asked, 1)})
+                continue
+            started = True
             if restarted:
                 yield replies.sse("restart", {"attempt": reply.attempt})
             if isinstance(reply, AnswerDelta):

@@ -163,6 +163,8 @@ async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIter
     try:
         stream = replies.replies(sub, cfg.answer_timeout_s, cfg.block_ms)
         async for reply, restarted in replies.newest_attempt(stream):
+            if reply is None:
+                continue
             if isinstance(reply, AnswerDelta):
                 # OpenAI chunks cannot be taken back: after a restart, send only what goes past the text
                 # already sent (the same text again under greedy decoding, the usual case)

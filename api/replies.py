@@ -19,7 +19,7 @@ from pydantic import BeforeValidator
 
 from api import errors
 from api.answers import Subscription
-from common import status
+from common import redisio, status
 from common.wire import keys
 from common.wire.schemas import (
     AnswerDelta,
@@ -93,9 +93,10 @@ async def ask(request: Request, q: Question) -> Subscription:
 
 async def replies(
     sub: Subscription, timeout_s: float, block_ms: int, gone: Callable[[], Awaitable[bool]] | None = None
-) -> AsyncIterator[AnswerDelta | FinalAnswer]:
+) -> AsyncIterator[AnswerDelta | FinalAnswer | None]:
     """Deltas as they arrive, then the final answer; TimeoutError if none comes in time. ``gone``
-    (a request's ``is_disconnected``) is asked at least every ``block_ms``: True ends the replies."""
+    (a request's ``is_disconnected``) is asked at least every ``block_ms``: True ends the replies.
+    None after every ``block_ms`` that brought nothing: a tick, for whoever reports the wait."""
     deadline = time.monotonic() + timeout_s
     try:
         while (left := deadline - time.monotonic()) > 0:
@@ -105,6 +106,8 @@ async def replies(
                 batch = []
             if isinstance(batch, Exception):  # the read failed (Redis went away)
                 raise batch
+            if not batch:
+                yield None
             for fields in batch:
                 reply = decode_answer(fields)
                 yield reply
@@ -117,14 +120,31 @@ async def replies(
         sub.close()
 
 
+async def queue_position(r: aredis.Redis, stream: str, qid: str) -> int | None:
+    """1 + the questions ahead of ``qid`` in its stream's queue that no worker has taken yet; None
+    when it is not waiting there (not forwarded yet, or taken: being answered)."""
+    queue = keys.questions(stream)
+    try:
+        groups = await r.xinfo_groups(queue)
+    except aredis.ResponseError:  # no queue yet
+        return None
+    taken = next((g["last-delivered-id"] for g in groups if redisio.text(g["name"]) == keys.QA_GROUP), b"0-0")
+    waiting = await r.xrange(queue, min=f"({redisio.text(taken)}", count=QUEUE_SCAN)
+    ids = [fields.get(b"id") for _, fields in waiting]
+    return ids.index(qid.encode()) + 1 if qid.encode() in ids else None
+
+
 async def newest_attempt(
-    replies_: AsyncIterator[AnswerDelta | FinalAnswer],
-) -> AsyncIterator[tuple[AnswerDelta | FinalAnswer, bool]]:
+    replies_: AsyncIterator[AnswerDelta | FinalAnswer | None],
+) -> AsyncIterator[tuple[AnswerDelta | FinalAnswer | None, bool]]:
     """(reply, restarted): deltas of a dead worker's attempt that arrive after its successor's are
-    dropped; ``restarted`` marks the first delta of a newer attempt, whose text starts over."""
+    dropped; ``restarted`` marks the first delta of a newer attempt, whose text starts over. Ticks
+    (None) pass as (None, False)."""
     attempt = 0
     async for reply in replies_:
-        if isinstance(reply, AnswerDelta):
+        if reply is None:
+            yield reply, False
+        elif isinstance(reply, AnswerDelta):
             if reply.attempt < attempt:
                 continue
             restarted, attempt = 0 < attempt < reply.attempt, max(attempt, reply.attempt)
@@ -152,6 +172,7 @@ def final_json(final: FinalAnswer) -> dict[str, Any]:
     return out
 
 
+QUEUE_SCAN = 1000  # a question further back in its queue than this has no position reported
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: every client skips it
 
 

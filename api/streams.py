@@ -20,6 +20,7 @@ from common.wire.transcript import cues_of, render_transcript
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
 
 Count = Query(50, ge=1, le=1000, description="newest entries to return")
+ACKS_TTL_S = 7 * 86_400  # acknowledgements outlive their alerts' frames (alert_frame_ttl_s, 7 days by default)
 SUBTITLE_TYPES = {"vtt": "text/vtt; charset=utf-8", "srt": "application/x-subrip; charset=utf-8"}
 
 
@@ -119,17 +120,41 @@ async def job_outputs(name: str, job: str, request: Request, count: int = Count)
     return {"stream": name, "job": job, "outputs": entries(await r.xrevrange(key, count=count))}
 
 
+async def stream_alerts_of(r: aredis.Redis, name: str, count: int) -> list[dict]:
+    """The stream's newest ``count`` alerts, oldest first, each with ``acked``: when someone
+    acknowledged it (unix time), or None."""
+    found = alerts_of(await r.xrevrange(keys.alerts(name), count=count))
+    acked = await r.hmget(keys.alert_acks(name), [a["id"] for a in found]) if found else []
+    return [a | {"acked": float(t) if t is not None else None} for a, t in zip(found, acked, strict=True)]
+
+
 @router.get("/streams/{name}/alerts", summary="The stream's recent alerts")
 async def stream_alerts(name: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    return {"alerts": alerts_of(await r.xrevrange(keys.alerts(await replies.known_stream(r, name)), count=count))}
+    return {"alerts": await stream_alerts_of(r, await replies.known_stream(r, name), count)}
 
 
 @router.get("/alerts", summary="Recent alerts of every stream, newest last")
 async def all_alerts(request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    found = [a for n in await stream_names(r) for a in alerts_of(await r.xrevrange(keys.alerts(n), count=count))]
+    found = [a for n in await stream_names(r) for a in await stream_alerts_of(r, n, count)]
     return {"alerts": sorted(found, key=lambda a: a["at"])[-count:]}
+
+
+@router.post("/streams/{name}/alerts/{alert_id}/ack", summary="Acknowledge an alert (seen, handled)")
+async def ack_alert(name: str, alert_id: str, request: Request) -> dict:
+    r = request.app.state.r
+    key = keys.alert_acks(await replies.known_stream(r, name))
+    alert_id = replies.stream_name(alert_id, "alert_id")
+    if not any(redisio.text(f.get(b"id", b"")) == alert_id for _, f in await r.xrevrange(keys.alerts(name))):
+        raise errors.ApiError(404, f"no alert {alert_id!r} on stream {name!r}", param="alert_id")
+    now = time.time()
+    pipe = r.pipeline(transaction=False)
+    pipe.hsetnx(key, alert_id, repr(now))  # the first acknowledgement stands
+    pipe.hget(key, alert_id)
+    pipe.expire(key, ACKS_TTL_S)
+    _, acked, _ = await pipe.execute()
+    return {"stream": name, "id": alert_id, "acked": float(acked)}
 
 
 @router.get("/streams/{name}/alerts/{alert_id}/frame.jpg", summary="The frame an alert fired on")

@@ -13,6 +13,7 @@ the one before.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -104,11 +105,13 @@ class Answerer:
             bound.info("redelivered question already answered")
             self._audit(qid, existing, self.max_reply_ttl_s)  # in case the crash came before it
         else:
-            metrics.QUEUE_WAIT_SECONDS.observe(queue_wait_s(entry_id))
+            waited = queue_wait_s(fields.get(b"asked") or entry_id)  # asked: where it was forwarded from
+            metrics.QUEUE_WAIT_SECONDS.observe(waited)
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, fields, attempt, bound)
-            self._finish(final, ttl)
+            elapsed = waited + time.perf_counter() - t0
+            self._finish(dataclasses.replace(final, queue_s=round(waited, 3), elapsed_s=round(elapsed, 3)), ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
             if final.first_token_s is not None:
@@ -143,11 +146,13 @@ class Answerer:
     def _answer_valid(self, q: Question, bound, ttl: int, attempt: int) -> FinalAnswer:
         qid = q.id
         if not self.serves(q.stream):
-            return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}")
+            return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}", param="stream")
         version = self.lookup(q.stream, q.at)
+        if version is None and q.at is not None:
+            error = f"stream {q.stream!r}: version {q.at} is not available (README: what `at` reaches)"
+            return FinalAnswer(id=qid, stream=q.stream, error=error, param="at")
         if version is None:
-            what = "no frames yet" if q.at is None else f"version {q.at} is not available"
-            return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: {what}")
+            return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         if not version.chunks:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry

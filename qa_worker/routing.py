@@ -40,12 +40,16 @@ def _flat(fields: Mapping[Any, Any]) -> list[Any]:
     return [x for kv in fields.items() for x in kv]
 
 
-def forward(r: redis.Redis, stream: str, qid: str, fields: Mapping[Any, Any], ttl_s: int) -> bool:
+def forward(
+    r: redis.Redis, stream: str, qid: str, fields: Mapping[Any, Any], ttl_s: int, asked: str | None = None
+) -> bool:
     """Add the question to ``stream``'s queue unless it was forwarded before; True if added now.
 
-    The forwarded entry carries the question's id explicitly: its own entry id is a new one.
+    The forwarded entry carries the question's id explicitly, and when it was asked (``asked``:
+    its entry id in `svqa:questions`): its own entry id is a new one, of the forwarding.
     """
-    entry = {k: v for k, v in fields.items() if k not in (b"id", "id")} | {b"id": qid.encode()}
+    entry = {k: v for k, v in fields.items() if k not in (b"id", "id", b"asked", "asked")}
+    entry |= {b"id": qid.encode()} | ({b"asked": asked.encode()} if asked else {})
     queue = keys.questions(stream)
     return redisio.xadd_once(r, queue, keys.once(queue, qid), entry, QUEUE_MAXLEN, ttl_s) is not None
 
@@ -113,5 +117,5 @@ class Router:
         if q is None or not self.serves(q.stream) or not self.r.exists(keys.head(q.stream)):
             self.reply(queue, entry_id, fields, attempt)  # its error reply, acked
             return
-        forward(self.r, q.stream, q.id, fields, self.marker_ttl_s)
+        forward(self.r, q.stream, q.id, fields, self.marker_ttl_s, redisio.text(entry_id))
         self.r.xack(queue, keys.QA_GROUP, entry_id)

@@ -166,6 +166,8 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert api.smembers(keys.WORKERS) == {b"enc"} and api.hgetall(keys.worker("enc"))
     assert api.xinfo_groups(keys.questions(CAM))
     assert api.client_unblock(api.client_id()) == 0  # wakes its own answer readers (api/answers.py)
+    assert api.hsetnx(keys.alert_acks(CAM), "a1", "1") and api.expire(keys.alert_acks(CAM), 60)  # acknowledges
+    assert api.hmget(keys.alert_acks(CAM), ["a1"]) == [b"1"]
     ingest_job(ingest)
     Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
     encoder_job(worker)
@@ -199,6 +201,7 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: api.xadd(keys.answer("q1"), {"type": "final"}))
     assert denied(lambda: api.xreadgroup(keys.QA_GROUP, "api", {keys.QUESTIONS: ">"}))
     assert denied(lambda: api.xadd(keys.alerts(CAM), {"id": "forged"}))
+    assert denied(lambda: api.expire(keys.alerts(CAM), 1)) and denied(lambda: api.hsetnx(keys.meta(CAM), "fps", "9"))
     assert denied(lambda: qa.hset(keys.latest_frame(CAM), "jpeg", b"forged"))
     assert denied(lambda: recorder.xtrim(keys.frames(CAM), maxlen=0))  # frames are the encoder's too
     assert denied(lambda: recorder.delete(keys.frames(CAM)))

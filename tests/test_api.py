@@ -190,11 +190,14 @@ def test_ask_streams_deltas_that_concatenate_to_the_final_answer(live):
     with live.http.stream("POST", f"/api/streams/{CAM}/ask", json=body) as response:
         assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
         events = sse_events(response)
-    *deltas, (kind, final) = events
+    waiting = [e for e in events if e[0] == "queued"]  # while it waited in the stream's queue: first
+    assert events[: len(waiting)] == waiting and all(d["position"] >= 1 for _, d in waiting)
+    *deltas, (kind, final) = events[len(waiting) :]
     assert kind == "final" and final["error"] is None, final
     assert deltas and all(k == "delta" for k, _ in deltas)
     assert "".join(d["text"] for _, d in deltas) == final["text"]
     assert 1 <= final["tokens"] <= 12 and final["t_end"] == pytest.approx(5.5) and final["first_token_s"] > 0
+    assert final["queue_s"] >= 0 and final["elapsed_s"] >= final["queue_s"] + final["total_s"] - 0.002, final
     # the same question, non-streaming, `at` the version it saw: greedy decoding gives the same text
     again = live.http.post(f"/api/streams/{CAM}/ask", json=body | {"stream": False, "at": final["version"]}).json()
     assert again["text"] == final["text"] and again["version"] == final["version"]
@@ -219,7 +222,7 @@ def test_bad_questions_get_4xx_json(live):
     assert_error(live.http.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert_error(live.http.post("/api/streams/nope/ask", json={"question": "x"}), 404, "stream")
     # a version the worker does not hold: the worker's error comes back as 422
-    assert_error(live.http.post(url, json={"question": "x", "at": 10**9, "stream": False}), 422, "question")
+    assert_error(live.http.post(url, json={"question": "x", "at": 10**9, "stream": False}), 422, "at")
     assert_error(live.http.post(url, json={"question": "x" * 70_000}), 413)
 
     def chunks() -> Iterator[bytes]:  # no Content-Length: counted while it streams in
@@ -354,8 +357,10 @@ def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):
     assert [body["id"] for _, body in live.hook.requests] == [alert["id"]] * 3
     assert {headers["Idempotency-Key"] for headers, _ in live.hook.requests} == {alert["id"]}
     assert [a["id"] for a in live.hook.accepted] == [m["id"] for m in live.mq.messages] == [alert["id"]]
-    # one JSON shape for the API, the webhook and MQTT: numbers as numbers, the frame a URL
-    assert live.hook.accepted == live.mq.messages == [alert]
+    # one JSON shape for the API, the webhook and MQTT: numbers as numbers, the frame a URL; the API
+    # adds whether someone acknowledged it
+    told = {k: v for k, v in alert.items() if k != "acked"}
+    assert live.hook.accepted == live.mq.messages == [told] and alert["acked"] is None
     assert isinstance(alert["score"], float) and isinstance(alert["version"], int) and alert["at_iso"]
     frame = live.http.get(alert["frame"])
     assert frame.status_code == 200 and frame.content[:2] == b"\xff\xd8"
@@ -693,3 +698,73 @@ const box = document.querySelector('article.camera .answer');
 new MutationObserver(() => window.answerStates.push(box.textContent))
   .observe(box, {childList: true, characterData: true, subtree: true});
 """
+
+
+def test_the_page_on_a_phone_asks_multiple_choice_shows_the_queue_and_acknowledges_an_alert(redis_url):
+    """At 390 px wide nothing overflows sideways; the favicon is served; a multiple-choice ask
+    sends its choices and shows the scores; while the question waits the page says its place in
+    the queue, then the wait and the total beside the compute time; an alert opens on its frame
+    and is acknowledged for everyone. The worker and forwarder are played here, by hand."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"chromium not found at {CHROMIUM}")
+    from api.config import ApiConfig
+    from common import redisio
+    from common.wire.alerts import Alert, frame_path
+    from qa_worker.routing import forward
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    picture = io.BytesIO()
+    Image.new("RGB", (64, 48), "orange").save(picture, "JPEG")
+    alert = Alert(Alert.new_id(), "ghost", "door", "Is the door open?", 0.9, 0.5, 3, 1.0, 2.0, time.time(), None)
+    r.xadd(keys.alerts("ghost"), alert.fields() | {"frame": frame_path("ghost", alert.id)})
+    r.hset(keys.alert_frame("ghost", alert.id), mapping={"jpeg": picture.getvalue(), "seq": "7", "ts": "2.0"})
+    queue = keys.questions("ghost")
+    redisio.ensure_group(r, queue, keys.QA_GROUP)
+    forward(r, "ghost", "ahead", {b"stream": b"ghost", b"question": b"first?"}, ttl_s=60)
+    asked: list[dict] = []
+
+    def forwarder() -> None:
+        (entry_id, fields), *_ = wait_for(lambda: r.xrange(keys.QUESTIONS), 30, "the page's question")
+        asked.append({k.decode(): v.decode() for k, v in fields.items()})
+        forward(r, "ghost", fields[b"id"].decode(), fields, 60, asked=entry_id.decode())
+
+    cfg = ApiConfig(redis_url=redis_url, block_ms=100, answer_timeout_s=60)
+    with served(cfg) as base, playwright.sync_playwright() as p:
+        assert httpx.get(base + "/favicon.ico").status_code == httpx.get(base + "/web/favicon.svg").status_code == 200
+        assert_error(httpx.post(base + "/api/streams/ghost/alerts/nope/ack"), 404, "alert_id")
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page(viewport={"width": 390, "height": 844})
+            page.set_default_timeout(30_000)
+            page.goto(base + "/")
+            card = page.locator('article.camera[data-stream="ghost"]')
+            card.wait_for()
+            assert page.evaluate("document.documentElement.scrollWidth") <= 390, "sideways overflow at 390 px"
+            assert page.evaluate("fetch(document.querySelector('link[rel=icon]').href).then(r => r.status)") == 200
+
+            threading.Thread(target=forwarder, daemon=True).start()
+            card.locator("input[name=question]").fill("Is the door open?")
+            card.locator("input[name=choices]").fill("yes, no")
+            card.locator("button[type=submit]").click()
+            page.wait_for_function("document.querySelector('article.camera .answer-meta').textContent.includes('2nd')")
+            assert json.loads(asked[0]["choices"]) == ["yes", "no"]
+            r.xreadgroup(keys.QA_GROUP, "w", {queue: ">"}, count=10)  # a worker takes both, answers the page's
+            qid = asked[0]["id"]
+            final = FinalAnswer(id=qid, stream="ghost", text="yes", choice="yes", scores={"yes": -0.1, "no": -2.4})
+            timing = {"version": 3, "t_start": 1.0, "t_end": 2.0, "total_s": 0.5, "queue_s": 4.0, "elapsed_s": 4.5}
+            r.xadd(keys.answer(qid), encode_final(FinalAnswer(**vars(final) | timing)))
+            page.wait_for_function("document.querySelector('article.camera').dataset.answered === '1'")
+            meta = card.locator(".answer-meta").inner_text()
+            assert "waited 4.0 s in the queue" in meta and "4.50 s in all" in meta, meta
+            assert card.locator(".scores .chosen").inner_text() == "yes"
+            assert page.evaluate("document.documentElement.scrollWidth") <= 390, "sideways overflow once answered"
+
+            page.locator(f'#alerts li[data-alert="{alert.id}"]').click()
+            page.wait_for_function("document.querySelector('#alert-dialog img').naturalWidth === 64")
+            page.locator("#alert-dialog button.ack").click()
+            page.wait_for_selector(f'#alerts li.acked[data-alert="{alert.id}"]')
+        finally:
+            browser.close()
+    assert r.hget(keys.alert_acks("ghost"), alert.id) is not None, "acknowledged for everyone, not in the page only"

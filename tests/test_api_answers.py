@@ -6,6 +6,7 @@ Real redis-server; the worker is played by a thread that writes answer entries t
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -13,11 +14,13 @@ import redis
 
 from api.app import create_app
 from api.config import ApiConfig
+from common import redisio
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, encode_delta, encode_final
+from qa_worker.routing import forward
 from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, wait_for
-from tests.test_api import _parse_sse, assert_error
+from tests.test_api import _parse_sse, assert_error, served
 
 GHOST = {"fps": "2", "height": "56", "width": "56", "live": "0"}
 ME = "test-observer"  # this test's own connections, left out of the API's count
@@ -158,3 +161,34 @@ def _status(url: str) -> int | None:
         return httpx.get(url, timeout=5).status_code
     except httpx.TransportError:
         return None
+
+
+def test_a_streamed_answer_reports_its_place_in_the_queue_while_it_waits(redis_url):
+    """Two questions wait ahead in the stream's queue: the SSE stream says `queued` with position
+    3 (the page showed nothing but a cursor for as long as the wait lasted), then, once a worker
+    has taken them all, the answer as usual."""
+    r = _observer(redis_url)
+    queue = keys.questions("ghost")
+    redisio.ensure_group(r, queue, keys.QA_GROUP)
+    for n in (1, 2):
+        forward(r, "ghost", f"ahead-{n}", {b"stream": b"ghost", b"question": b"first?"}, ttl_s=60)
+
+    def route() -> None:  # what the forwarder does with the API's question
+        (entry_id, fields), *_ = wait_for(lambda: r.xrange(keys.QUESTIONS), 10, "the question")
+        forward(r, "ghost", fields[b"id"].decode(), fields, 60, asked=entry_id.decode())
+
+    threading.Thread(target=route, daemon=True).start()
+    events = []
+    cfg = ApiConfig(redis_url=redis_url, block_ms=100, answer_timeout_s=30)
+    with served(cfg) as base, httpx.stream("POST", base + "/api/streams/ghost/ask", json={"question": "?"}) as response:
+        qid, name = response.headers["x-question-id"], ""
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                name = line[7:]
+            elif line.startswith("data: "):
+                events.append((name, json.loads(line[6:])))
+                if name == "queued" and len(events) == 1:  # a worker takes all three, answers mine
+                    r.xreadgroup(keys.QA_GROUP, "w", {queue: ">"}, count=10)
+                    r.xadd(keys.answer(qid), encode_final(FinalAnswer(id=qid, stream="ghost", text="yes")))
+    assert events[0][0] == "queued" and events[0][1]["position"] == 3, events
+    assert events[-1][0] == "final" and events[-1][1]["text"] == "yes", events

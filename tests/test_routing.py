@@ -44,11 +44,12 @@ def queued(r: redis.Redis, cam: str = CAM) -> list[dict[bytes, bytes]]:
 
 def test_the_same_question_forwarded_twice_is_queued_once(r):
     fields = {b"stream": CAM.encode(), b"question": b"what now?", b"max_tokens": b"4"}
-    assert forward(r, CAM, "1700000000000-0", fields, ttl_s=60)
-    assert not forward(r, CAM, "1700000000000-0", fields, ttl_s=60)  # a retry: the marker stops it
-    assert forward(r, CAM, "other-question", fields, ttl_s=60)
+    assert forward(r, CAM, "1700000000000-0", fields, ttl_s=60, asked="1700000000000-0")
+    assert not forward(r, CAM, "1700000000000-0", fields, ttl_s=60, asked="1700000000000-0")  # the marker stops it
+    assert forward(r, CAM, "other-question", fields, ttl_s=60, asked="1700000000001-0")
     first, second = queued(r)
-    assert first == fields | {b"id": b"1700000000000-0"}, "the id travels explicitly: the entry id is new"
+    # the id and when it was asked travel explicitly: the entry id is new
+    assert first == fields | {b"id": b"1700000000000-0", b"asked": b"1700000000000-0"}
     assert second[b"id"] == b"other-question"
     assert 0 < r.pttl(keys.once(keys.questions(CAM), "other-question")) <= 60_000
 
@@ -82,6 +83,25 @@ def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r
     for qid, word in refused.items():
         (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
         assert isinstance(final, FinalAnswer) and word in final.error
+
+
+def test_a_final_answer_counts_the_queue_from_the_asking_and_names_the_field_it_refuses(r, rt):
+    """Asked 5 s before it was forwarded and taken: the final's queue_s counts from the asking
+    (its entry id in svqa:questions), not from the forwarding; elapsed_s includes it. A version
+    `at` that is not held is refused naming param "at" (the API's 422 named "question")."""
+    known = {CAM}.__contains__
+    answerer = Answerer(rt, r, lambda s, at: None, known, consumer="a")
+    router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
+    r.set(keys.head(CAM), b"a manifest")
+    redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
+    asked_ms = int(time.time() * 1000) - 5000
+    qid = "q-asked-earlier"
+    r.xadd(keys.QUESTIONS, {"id": qid, "stream": CAM, "question": "then?", "at": "3"}, id=f"{asked_ms}-0")
+    router.route(redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100).read())
+    answerer.handle_entries(redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "a", block_ms=100).read())
+    (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
+    assert isinstance(final, FinalAnswer) and final.param == "at" and "version 3" in final.error
+    assert final.queue_s >= 4.9 and final.elapsed_s >= final.queue_s, final
 
 
 def test_a_question_of_a_stream_that_moved_on_goes_back_to_its_queue_once(r):

@@ -126,18 +126,62 @@ async function refreshTranscript(name) {
   } catch (_) { /* shown by the status refresh */ }
 }
 
+function alertWhen(a) {
+  return `${new Date(a.at * 1000).toLocaleString()} · P(yes) ${a.score.toFixed(2)}`;
+}
+
 async function refreshAlerts() {
   try {
     const { alerts } = await (await api("/api/alerts?count=20")).json();
     if (!alerts.length) return;
     const list = document.getElementById("alerts");
     list.replaceChildren(...alerts.reverse().map((a) => {
-      const li = el("li");
-      li.append(el("b", `${a.stream} · ${a.job}`), el("div", a.question),
-        el("div", `${new Date(Number(a.at) * 1000).toLocaleString()} · P(yes) ${Number(a.score).toFixed(2)}`, "when"));
+      const li = el("li", undefined, a.acked ? "acked" : "");
+      li.dataset.alert = a.id;
+      li.tabIndex = 0;
+      li.append(el("b", `${a.stream} · ${a.job}`), el("div", a.question), el("div", alertWhen(a), "when"));
+      li.addEventListener("click", () => openAlert(a));
+      li.addEventListener("keydown", (e) => { if (e.key === "Enter") openAlert(a); });
       return li;
     }));
   } catch (_) { /* shown by the status refresh */ }
+}
+
+// An alert opened: the frame it fired on (fetched with the token, so as a blob), and a button
+// that acknowledges it for everyone (POST .../ack: the first acknowledgement stands).
+let alertFrameUrl = null;
+async function openAlert(a) {
+  const dialog = document.getElementById("alert-dialog");
+  const path = `/api/streams/${encodeURIComponent(a.stream)}/alerts/${encodeURIComponent(a.id)}`;
+  dialog.querySelector("#alert-title").textContent = `${a.stream} · ${a.job}`;
+  dialog.querySelector(".alert-question").textContent = a.question;
+  const when = dialog.querySelector(".alert-when");
+  when.textContent = alertWhen(a) + (a.acked ? ` · acknowledged ${new Date(a.acked * 1000).toLocaleString()}` : "");
+  const img = dialog.querySelector(".alert-frame");
+  img.removeAttribute("src");
+  img.alt = "the frame the alert fired on";
+  const ack = dialog.querySelector("button.ack");
+  ack.disabled = Boolean(a.acked);
+  ack.onclick = async () => {
+    ack.disabled = true;
+    try {
+      const { acked } = await (await api(`${path}/ack`, { method: "POST" })).json();
+      a.acked = acked;
+      when.textContent = `${alertWhen(a)} · acknowledged ${new Date(acked * 1000).toLocaleString()}`;
+      document.querySelector(`#alerts li[data-alert="${a.id}"]`)?.classList.add("acked");
+    } catch (err) {
+      ack.disabled = false;
+      when.textContent = `could not acknowledge: ${err.message}`;
+    }
+  };
+  dialog.showModal();
+  try {
+    const url = URL.createObjectURL(await (await api(`${path}/frame.jpg`)).blob());
+    if (alertFrameUrl) URL.revokeObjectURL(alertFrameUrl);
+    alertFrameUrl = img.src = url;
+  } catch (err) {
+    img.alt = `no frame: ${err.message}`;
+  }
 }
 
 // Server-sent events from a POST: read the body and split it into events ourselves.
@@ -163,8 +207,40 @@ async function* sseEvents(res) {
   }
 }
 
+function ordinal(n) {
+  const s = ["th", "st", "nd", "rd"], v = n % 100;
+  return n + (s[(v - 20) % 10] || s[v] || s[0]);
+}
+
+// Log-probability scores of a multiple-choice answer -> each option's share, as bars.
+function renderScores(box, data) {
+  const entries = Object.entries(data.scores);
+  const top = Math.max(...entries.map(([, s]) => s));
+  const weights = entries.map(([c, s]) => [c, Math.exp(s - top)]);
+  const sum = weights.reduce((acc, [, w]) => acc + w, 0);
+  box.replaceChildren(...weights.flatMap(([c, w]) => {
+    const share = (100 * w) / sum;
+    const bar = el("span", undefined, "bar");
+    bar.style.width = `${share}%`;
+    const track = el("span");
+    track.append(bar);
+    return [el("span", c, c === data.choice ? "chosen" : ""), track, el("span", `${Math.round(share)}%`)];
+  }));
+}
+
+function answerMeta(data) {
+  const video = `version ${data.version} · video ${fmtTime(data.t_start)} – ${fmtTime(data.t_end)}`;
+  const compute = data.first_token_s != null
+    ? `first token ${(data.first_token_s * 1000).toFixed(0)} ms · ${data.tokens} tokens in ${data.total_s.toFixed(2)} s`
+    : `answered in ${data.total_s.toFixed(2)} s`;
+  const waited = data.queue_s != null ? ` · waited ${data.queue_s.toFixed(1)} s in the queue` : "";
+  const total = data.elapsed_s != null ? ` · ${data.elapsed_s.toFixed(2)} s in all` : "";
+  return `${video} · ${compute}${waited}${total}`;
+}
+
 async function ask(name, node) {
   const input = node.querySelector("input[name=question]");
+  const choices = node.querySelector("input[name=choices]").value.split(",").map((c) => c.trim()).filter(Boolean);
   const button = node.querySelector("button");
   const answer = node.querySelector(".answer");
   const meta = node.querySelector(".answer-meta");
@@ -176,16 +252,25 @@ async function ask(name, node) {
     const res = await api(`/api/streams/${encodeURIComponent(name)}/ask`, {
       method: "POST",
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-      body: JSON.stringify({ question: input.value, stream: true }),
+      body: JSON.stringify({ question: input.value, stream: true, ...(choices.length ? { choices } : {}) }),
     });
     for await (const { event, data } of sseEvents(res)) {
-      if (event === "delta") answer.textContent += data.text;
+      if (event === "queued") {
+        meta.textContent = `waiting: ${ordinal(data.position)} in the queue · ${data.waited_s.toFixed(0)} s so far`;
+      } else if (event === "delta") {
+        if (!answer.textContent) meta.textContent = "";
+        answer.textContent += data.text;
+      }
       else if (event === "restart") answer.textContent = ""; // its worker died: another answers from the start
       else if (event === "final") {
         if (data.error) throw new Error(data.error);
         answer.textContent = data.text;
-        meta.textContent = `version ${data.version} · video ${fmtTime(data.t_start)} – ${fmtTime(data.t_end)} · ` +
-          `first token ${(data.first_token_s * 1000).toFixed(0)} ms · ${data.tokens} tokens in ${data.total_s.toFixed(2)} s`;
+        if (data.scores) {
+          const box = el("div", undefined, "scores");
+          renderScores(box, data);
+          answer.append(box);
+        }
+        meta.textContent = answerMeta(data);
         node.dataset.answered = "1";
       } else if (event === "error") throw new Error(data.error.message);
     }

@@ -104,6 +104,11 @@ def alerts(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:alerts"
 
 
+def alert_acks(cam: str) -> str:
+    """Hash: alert id -> unix time someone acknowledged it (the HTTP API; expires a week after the last)."""
+    return f"{PREFIX}:{{{cam}}}:alerts:acked"
+
+
 def alert_frame(cam: str, alert_id: str) -> str:
     """The latest-frame hash as it was when an alert fired (a copy, with a TTL)."""
     return f"{PREFIX}:{{{cam}}}:alert:{alert_id}:frame"

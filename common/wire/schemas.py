@@ -580,6 +580,7 @@ _QUESTION_FIELDS = {
     "choices",
     "at",
     "reply_ttl",
+    "asked",  # written by the forwarder: the question's entry id in svqa:questions (when it was asked)
 }
 _INT_RE = re.compile(r"[+-]?[0-9]{1,19}")
 _FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
@@ -773,6 +774,11 @@ class FinalAnswer:
     first_token_s: float | None = None
     total_s: float | None = None
     tokens: int | None = None  # generated tokens
+    # from the question's asking (its entry id in `svqa:questions`) to a worker taking it, and to
+    # this final entry: first_token_s and total_s count from the taking, compute only
+    queue_s: float | None = None
+    elapsed_s: float | None = None
+    param: str | None = None  # with an error: the question field it is about ("at", "stream"), if one
 
     def __post_init__(self) -> None:
         _str("id", self.id, 128, QUESTION_ID_RE)
@@ -783,8 +789,8 @@ class FinalAnswer:
 
 
 _FINAL_INTS = ("version", "cache_tokens", "tokens")
-_FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s")
-_FINAL_STRS = ("stream", "text", "error", "choice", "epoch")
+_FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s", "queue_s", "elapsed_s")
+_FINAL_STRS = ("stream", "text", "error", "choice", "epoch", "param")
 
 
 def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
@@ -817,7 +823,7 @@ def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
     if f.get("type") != FINAL:
         raise SchemaError("type", f"expected {FINAL!r}, got {f.get('type')!r}")
     kw: dict[str, Any] = {"id": _require(f, "id"), "stream": f.get("stream")}
-    for k in ("text", "error", "choice", "epoch"):
+    for k in ("text", "error", "choice", "epoch", "param"):
         kw[k] = f.get(k)
     for k in _FINAL_INTS:
         if k in f:
