@@ -89,6 +89,10 @@ class _Reader:
             except (*OUTAGE_ERRORS, ResponseError) as e:  # every stream of this read ends with it
                 self._fail(streams, e)
                 continue
+            except Exception as e:  # anything else ends these streams too, never the reader
+                log.exception("answer read failed", streams=len(streams))
+                self._fail(streams, e)
+                continue
             finally:
                 self.reading = None
             for key, entries in got:

@@ -51,8 +51,8 @@ CONFIG_CLASSES: dict[str, tuple[type, ...]] = {  # subcommand -> the dataclasses
     "recorder": (RecorderConfig,),
 }
 GPU_COMMANDS = {"encoder", "qa", "worker"}
-METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104, "recorder": 9105}
-HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own readiness probe, no metrics port
+METRICS_PORTS = {"ingest": 9101, "encoder": 9102, "qa": 9103, "worker": 9104, "recorder": 9105, "api": 9106}
+HTTP_PORTS = {"api": 8080}  # HTTP services: their healthcheck is their own readiness probe on their own port
 # Compose defaults that differ from the dataclass default on purpose.
 DELIBERATE_DEFAULTS = {"redis_url"}  # redis://redis:6379/0: the compose service, not localhost
 HF_CACHE = "/home/streamvqa/.cache/huggingface"
