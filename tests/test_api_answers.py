@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import httpx
@@ -20,7 +23,7 @@ from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from qa_worker.routing import forward
 from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, wait_for
-from tests.test_api import _parse_sse, assert_error, served
+from tests.test_api import REPO, _parse_sse, assert_error, served
 
 GHOST = {"fps": "2", "height": "56", "width": "56", "live": "0"}
 ME = "test-observer"  # this test's own connections, left out of the API's count
@@ -192,3 +195,14 @@ def test_a_streamed_answer_reports_its_place_in_the_queue_while_it_waits(redis_u
                     r.xadd(keys.answer(qid), encode_final(FinalAnswer(id=qid, stream="ghost", text="yes")))
     assert events[0][0] == "queued" and events[0][1]["position"] == 3, events
     assert events[-1][0] == "final" and events[-1][1]["text"] == "yes", events
+
+
+def test_the_sse_benchmark_runs_and_reports_its_figures():
+    """scripts/bench_api_sse.py, small: every answer held and completed, the connections counted."""
+    argv = [sys.executable, "scripts/bench_api_sse.py", "--answers", "8", "--port", str(free_port())]
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout)
+    assert found["held_at_once"] == found["completed"] == 8 and found["refused"] == 0, found
+    assert 1 <= found["api_redis_connections"] <= 32 + 2 and found["final_latency"]["max_ms"] >= 0, found
