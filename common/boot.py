@@ -41,6 +41,7 @@ log = structlog.get_logger()
 EXIT_CONFIG, EXIT_REDIS, EXIT_MODEL, EXIT_GPU = 2, 3, 4, 5
 GIL_SWITCH_S = 0.0005
 HUB_PROBE_TIMEOUT_S = 3.0
+REDIS_START_WAIT_S = 30.0  # a service that finds no Redis at start waits this long at most
 LOCAL_WEIGHTS_HINT = (
     "point --model (SVQA_MODEL) at a local directory holding a Qwen2.5-VL checkpoint (config.json, "
     "*.safetensors, tokenizer files), or mount a Hugging Face cache that has it at HF_HOME"
@@ -86,12 +87,18 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
     serve_metrics(cfg, prog)
     log.info("starting", service=prog, version=VERSION, **startup_fields(cfg))
     try:
-        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
+        r = redisio.wait_for_redis(cfg.redis_url, timeout_s=start_wait_s(cfg), block_ms=getattr(cfg, "block_ms", 5000))
     except redisio.NotACluster as e:
         fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     except TimeoutError as e:
         fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
     return cfg, r
+
+
+def start_wait_s(cfg: Any) -> float:
+    """How long a service waits for Redis at start: REDIS_START_WAIT_S, or its `redis_grace_s` when
+    that is shorter (`--redis-grace-s 3` means three seconds at start too)."""
+    return min(REDIS_START_WAIT_S, getattr(cfg, "redis_grace_s", REDIS_START_WAIT_S))
 
 
 def serve_metrics(cfg: Any, prog: str) -> None:
@@ -114,7 +121,7 @@ def frames_redis(cfg: Any, r: redis.Redis) -> redis.Redis:
     if url is None or url == cfg.redis_url:
         return r
     try:
-        return redisio.wait_for_redis(url, timeout_s=30, block_ms=getattr(cfg, "block_ms", 5000))
+        return redisio.wait_for_redis(url, timeout_s=start_wait_s(cfg), block_ms=getattr(cfg, "block_ms", 5000))
     except TimeoutError as e:
         fail(EXIT_REDIS, "frames redis unusable at start", error=str(e))
 

@@ -150,8 +150,25 @@ def _ask(client: Client, ns: argparse.Namespace) -> int:
         print(final.choice)
     else:
         print()
+    if (timing := timing_line(final)) is not None:
+        print(timing, file=sys.stderr)
     print(json.dumps({k: v for k, v in vars(final).items() if k != "text"}, default=str), file=sys.stderr)
     return 0
+
+
+def timing_line(final: FinalAnswer) -> str | None:
+    """Where a question's time went, as a person reads it: the queue, then the answering, then all
+    of it (a question that waited 31 s in the queue once showed only its 0.59 s of compute)."""
+    if final.total_s is None:
+        return None
+    parts = [f"answered in {final.total_s:.2f} s"]
+    if final.first_token_s is not None:
+        parts[0] += f" (first token {final.first_token_s:.2f} s)"
+    if final.queue_s is not None:
+        parts.insert(0, f"waited {final.queue_s:.2f} s in the queue")
+    if final.elapsed_s is not None:
+        parts.append(f"{final.elapsed_s:.2f} s in all")
+    return ", ".join(parts)
 
 
 def _restarted(attempt: int) -> None:

@@ -168,3 +168,16 @@ def test_status_says_when_it_asked_the_default_redis(monkeypatch):
     found = {"redis": DEFAULT_REDIS_URL, "redis_is_default": True, "at": 0.0, "streams": [], "workers": []}
     first = status.render(found | {"questions": {}, "dead_letters": 0}).splitlines()[0]
     assert first == f"redis {DEFAULT_REDIS_URL} (the default: SVQA_REDIS_URL is not set)"
+
+
+def test_ask_says_how_long_a_question_waited_in_the_queue_as_well_as_its_compute():
+    """A question that waited 31 s in the queue once showed only its 0.59 s of compute."""
+    from common.wire.schemas import FinalAnswer
+    from qa_worker.client import timing_line
+
+    final = FinalAnswer("q1", "cam1", text="a van", first_token_s=0.08, total_s=0.59, queue_s=31.2, elapsed_s=31.8)
+    assert timing_line(final) == (
+        "waited 31.20 s in the queue, answered in 0.59 s (first token 0.08 s), 31.80 s in all"
+    )
+    assert timing_line(FinalAnswer("q2", "cam1", text="x", total_s=0.5)) == "answered in 0.50 s"
+    assert timing_line(FinalAnswer("q3", "cam1", error="bad question")) is None

@@ -161,3 +161,20 @@ def test_a_device_that_fails_while_running_is_one_line_and_exit_5():
     lines = [json.loads(x) for x in out.stderr.splitlines() if '"gpu failed"' in x]
     assert len(lines) == 1 and lines[0]["exit_code"] == 5 and "device-side assert" in lines[0]["error"]
     assert "hunter2" not in out.stderr
+
+
+def test_a_short_redis_grace_bounds_the_wait_at_start_too(tmp_path: Path):
+    """`--redis-grace-s 1` with no Redis: exit 3 after about a second, not after the 30 s a service
+    otherwise waits at start (the subprocess's own limit, 20 s, would end the test first)."""
+    (tmp_path / "good.yaml").write_text(GOOD_CAMERAS)
+    argv = ["ingest", "--cameras-file", str(tmp_path / "good.yaml"), "--redis-grace-s", "1"]
+    argv += ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SVQA_LOG_LEVEL": "WARNING"},
+        timeout=20,
+    )
+    (line,) = [json.loads(x) for x in out.stderr.splitlines()]
+    assert out.returncode == 3 and line["exit_code"] == 3 and "redis" in line["event"], out.stderr
