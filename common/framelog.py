@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 import structlog
 
+from common.files import fsync_dir, write_all
 from common.wire.schemas import FIELD, FrameMsg, check_stream_name, decode_frame
 
 log = structlog.get_logger(__name__)
@@ -420,20 +421,6 @@ def _remove_orphan_indexes(d: Path) -> None:
             p.unlink(missing_ok=True)
 
 
-def _fsync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, buf: bytes | bytearray) -> None:
-    view = memoryview(buf)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
 # --------------------------------------------------------------------------- the writer
 
 
@@ -504,8 +491,8 @@ class CameraWriter:
             if self._new_file is not None:
                 self._open(self._new_file)
             assert self._data_fd is not None and self._index_fd is not None
-            _write_all(self._data_fd, self._buf)
-            _write_all(self._index_fd, self._ibuf)
+            write_all(self._data_fd, self._buf)
+            write_all(self._index_fd, self._ibuf)
             os.fdatasync(self._data_fd)
             os.fdatasync(self._index_fd)
         except OSError as e:
@@ -551,7 +538,7 @@ class CameraWriter:
         self._data_fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._index_fd = os.open(data.with_suffix(INDEX_SUFFIX), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._data, self._size, self._isize, self._new_file = data, 0, 0, None
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
 
     def _close_files(self) -> None:
         for fd in (self._data_fd, self._index_fd):
@@ -623,7 +610,7 @@ class CameraWriter:
         os.lseek(self._data_fd, 0, os.SEEK_END)
         os.lseek(self._index_fd, 0, os.SEEK_END)
         scanned = b"".join(_pack_entry(e) for e in idx.entries[idx.index_entries :])
-        _write_all(self._index_fd, scanned)
+        write_all(self._index_fd, scanned)
         if scanned or idx.valid_end < idx.size:
             os.fdatasync(self._data_fd)
             os.fdatasync(self._index_fd)

@@ -38,6 +38,7 @@ import redis
 import torch
 
 from common.engine.kvcache import chunk_id
+from common.files import fsync_dir, write_all
 from common.redisio import connect
 from common.wire import keys
 
@@ -182,13 +183,13 @@ class DirectoryStore:
             # os.open with 0o666, not mkstemp's 0o600: the qa container may run as another user.
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             with os.fdopen(fd, "wb", buffering=0) as f:
-                _write_all(f.fileno(), head)
-                _write_all(f.fileno(), payload)  # the GIL is released while the kernel copies
+                write_all(f.fileno(), head)
+                write_all(f.fileno(), payload)  # the GIL is released while the kernel copies
                 if self.durable:
                     os.fsync(f.fileno())  # data on disk before the name points at it
             os.replace(tmp, final)
             if self.durable:
-                _fsync_dir(final.parent)  # the rename itself survives a power cut
+                fsync_dir(final.parent)  # the rename itself survives a power cut
         except OSError as e:
             tmp.unlink(missing_ok=True)
             raise _os_error(e, f"cannot write segment {final}") from e
@@ -230,22 +231,6 @@ class DirectoryStore:
         for segment_id in drop:
             self.path(stream, segment_id).unlink(missing_ok=True)
         return len(drop)
-
-
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    """os.write until done: a raw write may take part of the buffer (a disk filling up takes what
-    fits, and only the next write says ENOSPC)."""
-    view = memoryview(data).cast("B")
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class MemoryStore:

@@ -271,3 +271,18 @@ def redis_cluster(_session_cluster: RedisClusterServers) -> RedisClusterServers:
     """The session's 3-master Redis Cluster, flushed (empty) for this test."""
     _session_cluster.flush()
     return _session_cluster
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A real 2 MiB tmpfs that fills up like a disk (root may mount one, as CI is); skipped where
+    mounting is not permitted."""
+    d = tmp_path / "disk"
+    d.mkdir()
+    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
+    try:
+        yield d
+    finally:
+        subprocess.run(["umount", "-l", str(d)], check=False)

@@ -4,8 +4,6 @@ and a full disk (a small tmpfs) rolled back without a torn record."""
 from __future__ import annotations
 
 import os
-import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -174,20 +172,6 @@ def test_collect_removes_whole_files_oldest_first_by_age_then_by_bytes(tmp_path,
     assert log.collect(CAM, keep_hours=0, keep_bytes=0, now=T0) == []  # the newest file stays
     assert [r.seq for r in log.frames(CAM, 0, 100)] == list(range(15, 20))
     assert not [p for p in (tmp_path / CAM).glob("*.idx") if not p.with_suffix(".log").exists()]
-
-
-@pytest.fixture
-def small_disk(tmp_path) -> Iterator[Path]:
-    """A 2 MiB tmpfs (root may mount one); skipped where mounting is not permitted."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_a_full_disk_rolls_back_to_the_last_commit_and_resumes_once_space_is_freed(small_disk):

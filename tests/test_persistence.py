@@ -40,18 +40,6 @@ def wait_for(check, what: str) -> None:
         time.sleep(0.01)
 
 
-@pytest.fixture
-def tiny_fs(tmp_path: Path):
-    """A real 1 MiB tmpfs that fills up like a disk (mounting needs root, as CI has)."""
-    mnt = tmp_path / "tiny"
-    mnt.mkdir()
-    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True)
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.decode().strip()}")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def fill(path: Path) -> Path:
     """Take every free byte of the file system at ``path``."""
     filler = path / "filler"
@@ -113,15 +101,15 @@ def test_writer_backpressure_holds_the_caller_not_host_memory():
     writer.close()
 
 
-def test_full_disk_is_retried_with_the_reason_until_space_comes_back(tiny_fs):
-    writer = SegmentWriter(DirectoryStore(tiny_fs), retry_s=0.01)
-    filler = fill(tiny_fs)
+def test_full_disk_is_retried_with_the_reason_until_space_comes_back(small_disk):
+    writer = SegmentWriter(DirectoryStore(small_disk), retry_s=0.01)
+    filler = fill(small_disk)
     pending = writer.put("cam", "s", kv(tokens=256))
     wait_for(lambda: writer.problem is not None, "the writer to report the full disk")
     assert "No space left" in writer.problem and not pending.done(), "retried, not failed"
     filler.unlink()
     assert pending.result(WAIT_S) is None and writer.problem is None
-    assert torch.equal(DirectoryStore(tiny_fs).get("cam", "s"), kv(tokens=256))
+    assert torch.equal(DirectoryStore(small_disk).get("cam", "s"), kv(tokens=256))
     writer.close()
 
 
@@ -217,15 +205,15 @@ def test_a_wiped_store_restarts_every_stream_without_a_crash_loop(rt, redis_url,
     assert len(events(r, "cam", b"cache_restarted")) == 1, "only the first start found a head it could not restore"
 
 
-def test_full_disk_keeps_frames_pending_and_fails_readiness_until_space_returns(rt, redis_url, tiny_fs):
+def test_full_disk_keeps_frames_pending_and_fails_readiness_until_space_returns(rt, redis_url, small_disk):
     r = redis.Redis.from_url(redis_url)
-    svc = service(rt, r, redis_url, DirectoryStore(tiny_fs), ("cam",))
+    svc = service(rt, r, redis_url, DirectoryStore(small_disk), ("cam",))
     svc.writer.retry_s = 0.01
     health.READINESS.redis_url = redis_url
     try:
         push(r, "cam", range(2))
         run_until(svc, lambda: encoded(r, "cam", 1), "a first chunk")
-        filler = fill(tiny_fs)
+        filler = fill(small_disk)
         push(r, "cam", range(2, 6))
         run_until(svc, lambda: svc.writer.problem is not None, "the full disk")
         ready, body = health.READINESS.check()
@@ -238,7 +226,7 @@ def test_full_disk_keeps_frames_pending_and_fails_readiness_until_space_returns(
         run_until(svc, lambda: encoded(r, "cam", 5), "the frames encoded")
         assert health.READINESS.check()[0]
         for sid in head(r, "cam").segment_ids:  # every segment the head names is stored
-            DirectoryStore(tiny_fs).get("cam", sid)
+            DirectoryStore(small_disk).get("cam", sid)
     finally:
         health.READINESS.failing.pop("segment_store", None)
         stop(svc, r)

@@ -221,20 +221,6 @@ def test_retention_collects_the_oldest_files_first_with_an_event(redis_url, serv
     wait_for(lambda: 'reason="space"' in scrape(port), 10, "the collected-bytes metric", services)
 
 
-@pytest.fixture
-def small_disk(tmp_path) -> Iterator[Path]:
-    """A 2 MiB tmpfs (root may mount one); skipped where mounting is not permitted."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    out = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(d)], capture_output=True, text=True)
-    if out.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {out.stderr.strip()}")
-    try:
-        yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
-
-
 def test_a_full_disk_stops_acks_fails_readiness_and_resumes_once_space_is_freed(redis_url, services, small_disk):
     r = redis.Redis.from_url(redis_url)
     log_dir, port = small_disk / "frames", free_port()
