@@ -106,6 +106,12 @@ CACHE_RESTARTS = Counter(
     ["stream"],
     **_R,
 )
+CACHE_REBUILDS = Counter(
+    "svqa_cache_rebuilds",
+    "Streams whose cache could not be restored and was rebuilt from the frames log instead",
+    ["stream"],
+    **_R,
+)
 
 # qa
 QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answered now", **_R)
@@ -325,7 +331,7 @@ API_ANSWERS = Gauge("svqa_api_answers_in_flight", "Answers this API process is w
 API_BUSY = Counter("svqa_api_busy_total", "Requests refused with 503 busy (max_answers, no pooled connection)", **_R)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
-_STORE = (STORE_QUEUE_BYTES, STORE_WRITTEN_BYTES, STORE_WRITE_SECONDS, STORE_FAILURES, CACHE_RESTARTS)
+_STORE = (STORE_QUEUE_BYTES, STORE_WRITTEN_BYTES, STORE_WRITE_SECONDS, STORE_FAILURES, CACHE_RESTARTS, CACHE_REBUILDS)
 ROLES: dict[str, tuple[Collector, ...]] = {
     "ingest": (
         THREAD_CPU,

@@ -29,9 +29,10 @@ import torch
 
 from common import metrics, redisio
 from common.engine.grid import StreamSpec
-from common.engine.kvcache import CacheState, Version
+from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
+from common.framelog import FrameLog, FrameLogError, decode
 from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
@@ -334,8 +335,8 @@ def open_stream(
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty.
 
     A head whose segments cannot all be read back (missing, truncated, checksum mismatch: the
-    store was wiped or damaged) starts this stream over, with a `cache_restarted` event and
-    metric; it never stops the worker or another stream."""
+    store was wiped or damaged) is rebuilt from the frames log (`framelog_dir`) or, without one,
+    starts this stream over (`_recover`); it never stops the worker or another stream."""
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
     writes: list[Future] = []
@@ -343,21 +344,20 @@ def open_stream(
         on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv)),
         on_embeds=lambda segment, embeds: writes.append(writer.put(name, embeds_id(segment.chunk_id), embeds)),
     )
+
+    def new_life() -> OwnedStream:  # version ids start over, under a new epoch
+        engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
+        return OwnedStream(r, writer, cfg, engine, live, frames, writes)
+
     raw = r.get(keys.head(name))
+    state = loaded = None
     try:
         state = from_manifest(manifest_from_bytes(raw)) if raw is not None else None
         loaded = _read_segments(writer.store, name, state.cache, rt.device.type == "cuda") if state else None
     except (SchemaError, SegmentStoreError, KeyError, ValueError) as e:  # a bad manifest too: never a crash loop
-        metrics.CACHE_RESTARTS.labels(name).inc()
-        log.error("cache not restorable; the stream starts over", stream=name, error=str(e))
-        event(r, name, "cache_restarted", reason=str(e)[:200])
-        state = loaded = None
-    if state is None or loaded is None:  # a new life: version ids start over, under a new epoch
-        engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
-        owned = OwnedStream(r, writer, cfg, engine, live, frames, writes)
-        owned.publish(owned.engine.head)
-        event(r, name, "started", epoch=engine.head.epoch)
-        return owned
+        return _recover(new_life(), state.cache if state else None, str(e)[:200])
+    if state is None or loaded is None:
+        return _started(new_life())
     kv, embeds = loaded
     device = rt.loaded.device
     engine = StreamEngine(
@@ -370,6 +370,84 @@ def open_stream(
     )
     log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
     return OwnedStream(r, writer, cfg, engine, live, frames, writes)
+
+
+def _started(owned: OwnedStream) -> OwnedStream:
+    """An empty cache published as the stream's head."""
+    owned.publish(owned.engine.head)
+    event(owned.r, owned.name, "started", epoch=owned.engine.head.epoch)
+    return owned
+
+
+def _recover(owned: OwnedStream, lost: CacheState | None, reason: str) -> OwnedStream:
+    """A head that cannot be restored: its kept chunks re-encoded from the frames log into
+    ``owned`` (a new life), published with a `rebuilt` event and metric; with no log, or none of
+    the chunks in it, the stream starts over (`cache_restarted`)."""
+    name = owned.name
+    t0 = time.perf_counter()
+    done = _rebuild(owned, lost) if lost is not None and owned.cfg.framelog_dir else None
+    if done is None or not done[0]:
+        metrics.CACHE_RESTARTS.labels(name).inc()
+        log.error("cache not restorable; the stream starts over", stream=name, error=reason)
+        event(owned.r, name, "cache_restarted", reason=reason)
+        return _started(owned)
+    chunks, frames, skipped = done
+    owned.publish(owned.engine.head)
+    seconds = round(time.perf_counter() - t0, 3)
+    metrics.CACHE_REBUILDS.labels(name).inc()
+    log.warning("cache rebuilt from the frames log", stream=name, chunks=chunks, frames=frames, skipped=len(skipped))
+    ranges = " ".join(f"{a}-{b}" for a, b in skipped)[:200]
+    event(
+        owned.r,
+        name,
+        "rebuilt",
+        chunks=chunks,
+        frames=frames,
+        seconds=seconds,
+        skipped=len(skipped),
+        skipped_seqs=ranges,
+        reason=reason,
+        epoch=owned.engine.head.epoch,
+        last_frame_seq=owned.engine.head.last_frame_seq,
+    )
+    return owned
+
+
+def _rebuild(owned: OwnedStream, lost: CacheState) -> tuple[int, int, list[tuple[int, int]]]:
+    """Re-encode the lost version's chunks, oldest first, from the frames log through the ordinary
+    append path (batched with live work by the scheduler), so positions come out re-based and
+    contiguous: the cache of a fresh encode of the kept frames. A chunk whose frames the log does
+    not hold exactly is skipped. Returns (chunks and frames re-encoded, the skipped chunks' frame seqs)."""
+    framelog = FrameLog(owned.cfg.framelog_dir)
+    tp = owned.engine.rt.loaded.temporal_patch_size
+    chunks, frames, skipped = 0, 0, []
+    for placement in lost.placements:
+        seg = placement.segment
+        if not seg.n_patches:
+            continue  # the prefix: a new engine has its own
+        try:
+            chunk = _logged_chunk(framelog, owned.name, seg, seg.n_patches * tp - seg.padded_frames)
+            if chunk is not None:
+                owned.engine.append([m.rgb() for m in chunk], [m.ts for m in chunk], [m.seq for m in chunk])
+        except (FrameLogError, OSError, ValueError) as e:
+            log.warning("chunk not rebuilt", stream=owned.name, frame_seqs=seg.frame_seqs, error=str(e))
+            chunk = None
+        if chunk is None:
+            skipped.append(seg.frame_seqs)
+            continue
+        chunks, frames = chunks + 1, frames + len(chunk)
+    return chunks, frames, skipped
+
+
+def _logged_chunk(framelog: FrameLog, name: str, seg: Segment, count: int) -> list[FrameMsg] | None:
+    """The ``count`` frames a chunk was encoded from, as the log holds them (its seqs, captured in
+    its time range: a stream's numbering may have started over); None unless the log holds exactly
+    that many (a frame missing, or one the encoder had dropped, makes the chunk ambiguous)."""
+    (first, last), (t0, t1) = seg.frame_seqs, seg.capture_range
+    records = {rec.seq: rec for rec in framelog.frames(name, first, last) if t0 <= rec.ts <= t1}
+    if len(records) != count:
+        return None
+    return [decode(records[seq].raw) for seq in sorted(records)]
 
 
 def _read_segments(
