@@ -61,14 +61,18 @@ def send(r: redis.Redis, tmp_path: Path, seqs: range, logged: set[int]) -> None:
     writer.close()
 
 
-def host_lost(rt: Runtime, r: redis.Redis, url: str, tmp_path: Path, logged: set[int]) -> EncoderService:
+def host_lost(
+    rt: Runtime, r: redis.Redis, url: str, tmp_path: Path, logged: set[int], then: range = range(0)
+) -> EncoderService:
     """6 frames encoded (3 chunks of 2) with ``logged`` of them in the log, the segment store wiped
-    (a reboot empties /dev/shm), and a new encoder started on the same Redis."""
+    (a reboot empties /dev/shm), the frames ``then`` sent meanwhile, and a new encoder started on
+    the same Redis."""
     svc = service(rt, r, url, tmp_path)
     send(r, tmp_path, range(6), logged)
     run_until(svc, lambda: encoded(r, CAM, 5), "6 frames")
     stop(svc, r)
     shutil.rmtree(tmp_path / "segments")
+    send(r, tmp_path, then, logged)
     again = service(rt, r, url, tmp_path)
     run_until(again, lambda: CAM in again.owned, "the stream owned")
     return again
@@ -83,16 +87,16 @@ def answers_like_offline(rt: Runtime, r: redis.Redis, tmp_path: Path, kept: list
 
 def test_a_lost_store_is_rebuilt_from_the_frames_log_and_frames_go_on(rt, redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
-    svc = host_lost(rt, r, redis_url, tmp_path, logged=set(range(8)))
+    svc = host_lost(rt, r, redis_url, tmp_path, logged=set(range(10)), then=range(6, 8))  # 6, 7: not encoded yet
     (rebuilt,) = events(r, CAM, b"rebuilt")
     assert (rebuilt[b"chunks"], rebuilt[b"frames"], rebuilt[b"skipped"]) == (b"3", b"6", b"0")
+    assert rebuilt[b"last_frame_seq"] == b"5", "frames up to the last rebuilt one are not taken again"
     assert not events(r, CAM, b"cache_restarted")
-    assert head(r, CAM).last_frame_seq == 5, "frames up to the last rebuilt one are not taken again"
-    answers_like_offline(rt, r, tmp_path, list(range(6)))
-    send(r, tmp_path, range(6, 8), logged=set())
-    run_until(svc, lambda: encoded(r, CAM, 7), "the next frames")
-    assert [s.frame_seqs for s in head(r, CAM).segments[1:]] == [(0, 1), (2, 3), (4, 5), (6, 7)], "each frame once"
-    answers_like_offline(rt, r, tmp_path, list(range(8)))
+    run_until(svc, lambda: encoded(r, CAM, 7), "the frames pending at the restart")
+    send(r, tmp_path, range(8, 10), logged=set())
+    run_until(svc, lambda: encoded(r, CAM, 9), "the next frames")
+    assert [s.frame_seqs for s in head(r, CAM).segments[1:]] == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)], "once each"
+    answers_like_offline(rt, r, tmp_path, list(range(10)))
     stop(svc, r)
 
 
