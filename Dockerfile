@@ -46,7 +46,7 @@ RUN --mount=type=cache,target=/root/.cache/pip \
 # The API's build: only the packages `streamvqa api` imports (tests/test_compose.py holds this list
 # to what it imports), pinned alike, and the project without its dependencies: no torch.
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build-api
-ARG API_PACKAGES="fastapi uvicorn redis hiredis msgpack structlog pyyaml prometheus-client numpy pillow"
+ARG API_PACKAGES="fastapi uvicorn redis hiredis msgpack structlog pyyaml prometheus-client numpy pillow av"
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PATH=/opt/venv/bin:$PATH
 WORKDIR /src

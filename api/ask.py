@@ -63,7 +63,7 @@ async def ask(name: str, body: AskRequest, request: Request):
     final = await replies.final_of(request, sub)
     if final.error is not None:
         return errors.response(422, final.error, param=final.param or "question", headers=headers)
-    return JSONResponse(replies.final_json(final), headers=headers)
+    return JSONResponse(replies.final_json(final, request), headers=headers)
 
 
 async def _events(request: Request, q: Question, sub: Subscription) -> AsyncIterator[bytes]:
@@ -82,7 +82,7 @@ async def _events(request: Request, q: Question, sub: Subscription) -> AsyncIter
             if isinstance(reply, AnswerDelta):
                 yield replies.sse("delta", {"text": reply.text})
             elif isinstance(reply, FinalAnswer):
-                yield replies.sse("final", replies.final_json(reply))
+                yield replies.sse("final", replies.final_json(reply, request))
     except TimeoutError as e:
         yield replies.sse("error", errors.body(504, str(e)))
     except OUTAGE_ERRORS as e:  # the response has begun: say so in an event, not a cut connection

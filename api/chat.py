@@ -135,7 +135,7 @@ async def chat(body: ChatRequest, request: Request):
     return _envelope(q, "chat.completion") | {
         "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],
         "usage": _usage(final),
-        "streamvqa": replies.final_json(final),
+        "streamvqa": replies.final_json(final, request),
     }
 
 
@@ -175,7 +175,7 @@ async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIter
             elif reply.error is not None:
                 yield replies.sse_data(errors.body(422, reply.error, "messages"))
             else:
-                extra = {"usage": _usage(reply), "streamvqa": replies.final_json(reply)}
+                extra = {"usage": _usage(reply), "streamvqa": replies.final_json(reply, request)}
                 yield replies.sse_data(_chunk(q, {}, _finish(q, reply)) | extra)
     except TimeoutError as e:
         yield replies.sse_data(errors.body(504, str(e)))

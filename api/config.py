@@ -38,6 +38,11 @@ class ApiConfig(ReaderSettings, ServiceSettings):
         "Redis connections that read every answer being waited for (api/answers.py): answers hold no pooled connection",
     )
     max_answers: int = setting(10_000, "answers one API process waits for at once; past it a question gets 503 busy")
+    framelog_dir: str | None = setting(
+        None,
+        "the recorder's frames log, read-only: clips, snapshots and answers' evidence URLs (README \"Evidence\"); "
+        "none: none of them",
+    )
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

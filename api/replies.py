@@ -17,7 +17,7 @@ import redis.asyncio as aredis
 from fastapi import Request
 from pydantic import BeforeValidator
 
-from api import errors
+from api import clips, errors
 from api.answers import Subscription
 from common import redisio, status
 from common.wire import keys
@@ -166,9 +166,16 @@ async def final_of(request: Request, sub: Subscription) -> FinalAnswer:
     raise errors.ApiError(499, "client closed the request")  # sent to no one
 
 
-def final_json(final: FinalAnswer) -> dict[str, Any]:
+def final_json(final: FinalAnswer, request: Request) -> dict[str, Any]:
+    """The final answer as the API tells it: the worker's fields and, where this API reads a frames
+    log, ``evidence`` (api/clips.py): its capture ranges with the URLs of a clip and a snapshot."""
     out = dataclasses.asdict(final)
     out["scores"] = dict(final.scores) if final.scores is not None else None
+    if request.app.state.cfg.framelog_dir is not None and final.stream is not None:
+        ranges = final.ranges or (
+            [(final.t_start, final.t_end)] if final.t_start is not None and final.t_end is not None else []
+        )
+        out["evidence"] = clips.evidence(final.stream, ranges)
     return out
 
 

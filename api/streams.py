@@ -9,7 +9,7 @@ import redis.asyncio as aredis
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 
-from api import errors, replies
+from api import clips, errors, replies
 from api.guard import require_token
 from common import placement, redisio, status
 from common.wire import keys
@@ -120,24 +120,29 @@ async def job_outputs(name: str, job: str, request: Request, count: int = Count)
     return {"stream": name, "job": job, "outputs": entries(await r.xrevrange(key, count=count))}
 
 
-async def stream_alerts_of(r: aredis.Redis, name: str, count: int) -> list[dict]:
+async def stream_alerts_of(request: Request, name: str, count: int) -> list[dict]:
     """The stream's newest ``count`` alerts, oldest first, each with ``acked``: when someone
-    acknowledged it (unix time), or None."""
+    acknowledged it (unix time), or None; and its ``evidence`` (api/clips.py) where this API reads
+    a frames log."""
+    r = request.app.state.r
     found = alerts_of(await r.xrevrange(keys.alerts(name), count=count))
     acked = await r.hmget(keys.alert_acks(name), [a["id"] for a in found]) if found else []
-    return [a | {"acked": float(t) if t is not None else None} for a, t in zip(found, acked, strict=True)]
+    out = [a | {"acked": float(t) if t is not None else None} for a, t in zip(found, acked, strict=True)]
+    if request.app.state.cfg.framelog_dir is None:
+        return out
+    return [a | {"evidence": clips.evidence(name, [(a["t_start"], a["t_end"])])} for a in out]
 
 
 @router.get("/streams/{name}/alerts", summary="The stream's recent alerts")
 async def stream_alerts(name: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    return {"alerts": await stream_alerts_of(r, await replies.known_stream(r, name), count)}
+    return {"alerts": await stream_alerts_of(request, await replies.known_stream(r, name), count)}
 
 
 @router.get("/alerts", summary="Recent alerts of every stream, newest last")
 async def all_alerts(request: Request, count: int = Count) -> dict:
     r = request.app.state.r
-    found = [a for n in await stream_names(r) for a in await stream_alerts_of(r, n, count)]
+    found = [a for n in await stream_names(r) for a in await stream_alerts_of(request, n, count)]
     return {"alerts": sorted(found, key=lambda a: a["at"])[-count:]}
 
 

@@ -141,7 +141,9 @@ def test_help_mentions_env(capsys):
 
 SERVICES = {name: getattr(importlib.import_module(module), cls) for name, (module, cls) in cli.CONFIGS.items()}
 # The recorder's consumer is one fixed name (one recorder per frames log), a worker's one per process.
-OWN_MEANING = {"consumer"}
+# The recorder writes its frames log at a default path; the API reads one only when told where
+# (unset: it serves no clips and cites none).
+OWN_MEANING = {"consumer", "framelog_dir"}
 
 
 @pytest.mark.parametrize("name", SERVICES)

@@ -160,6 +160,7 @@ async function openAlert(a) {
   const img = dialog.querySelector(".alert-frame");
   img.removeAttribute("src");
   img.alt = "the frame the alert fired on";
+  showEvidence(dialog.querySelector(".evidence"), a.evidence);
   const ack = dialog.querySelector("button.ack");
   ack.disabled = Boolean(a.acked);
   ack.onclick = async () => {
@@ -182,6 +183,35 @@ async function openAlert(a) {
   } catch (err) {
     img.alt = `no frame: ${err.message}`;
   }
+}
+
+// An answer's or an alert's evidence (its `evidence` field, where the API reads a frames log): a
+// button that fetches its clip with the token (a <video src> would send no Authorization header)
+// and plays it.
+const clipUrls = new WeakMap(); // video -> the object URL it plays
+function showEvidence(box, evidence) {
+  const button = box.querySelector("button.clip");
+  const video = box.querySelector("video");
+  box.hidden = !evidence;
+  video.hidden = true;
+  video.removeAttribute("src");
+  if (clipUrls.has(video)) URL.revokeObjectURL(clipUrls.get(video));
+  clipUrls.delete(video);
+  button.disabled = false;
+  button.textContent = "▶ clip";
+  if (!evidence) return;
+  button.onclick = async () => {
+    button.disabled = true;
+    try {
+      const url = URL.createObjectURL(await (await api(evidence.clip)).blob());
+      clipUrls.set(video, url);
+      video.src = url;
+      video.hidden = false;
+      video.play().catch(() => { /* autoplay refused: the controls are there */ });
+    } catch (err) {
+      button.textContent = `no clip: ${err.message}`;
+    }
+  };
 }
 
 // Server-sent events from a POST: read the body and split it into events ourselves.
@@ -247,6 +277,7 @@ async function ask(name, node) {
   answer.textContent = "";
   answer.className = "answer streaming";
   meta.textContent = "";
+  showEvidence(node.querySelector(".evidence"), null);
   button.disabled = true;
   try {
     const res = await api(`/api/streams/${encodeURIComponent(name)}/ask`, {
@@ -271,6 +302,7 @@ async function ask(name, node) {
           answer.append(box);
         }
         meta.textContent = answerMeta(data);
+        showEvidence(node.querySelector(".evidence"), data.evidence);
         node.dataset.answered = "1";
       } else if (event === "error") throw new Error(data.error.message);
     }

@@ -1,0 +1,192 @@
+"""Evidence from the frames log (common/framelog.py): MP4 clips and JPEG snapshots of what a camera
+captured, and the URLs that cite them beside final answers and alerts.
+
+The frames are the ones the encoder saw (the log keeps ingest's payloads), each at its capture
+time: a clip's timestamps are the frames' own, so a gap in the capture is a gap in the clip.
+Encoding runs in a worker thread: the event loop keeps serving answers meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import math
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from fractions import Fraction
+from typing import Any
+
+import av
+import numpy as np
+from fastapi import APIRouter, Depends, Query, Request
+from fastapi.responses import Response
+from PIL import Image
+
+from api import errors
+from api.guard import require_token
+from common.framelog import FrameLog, Record, decode
+from common.wire.schemas import SchemaError, check_stream_name
+
+router = APIRouter(prefix="/api", tags=["evidence"], dependencies=[Depends(require_token)])
+
+DEFAULT_CLIP_S = 30.0  # `to` when only `from` is given
+MAX_CLIP_S = 600.0  # longer spans are refused (400): a clip is encoded whole, in memory
+SNAPSHOT_WINDOWS_S = (2.0, 60.0)  # the nearest frame is looked for within these distances of `at`, in turn
+TIME_BASE = Fraction(1, 1000)  # pts in milliseconds from the clip's first frame
+CODEC = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+# fragmented MP4: written in one pass to memory, and browsers play it as it arrives
+MP4_OPTIONS = {"movflags": "frag_keyframe+empty_moov+default_base_moof"}
+
+
+def clip_path(stream: str, t0: float, t1: float) -> str:
+    """Where the API serves the MP4 of ``stream`` from ``t0`` to ``t1`` (capture times, unix seconds)."""
+    return f"/api/streams/{stream}/clip?from={t0:.3f}&to={t1:.3f}"
+
+
+def snapshot_path(stream: str, at: float) -> str:
+    return f"/api/streams/{stream}/snapshot?at={at:.3f}"
+
+
+def evidence(stream: str, ranges: Sequence[Sequence[float]]) -> dict[str, Any] | None:
+    """What an answer or alert saw: its capture ranges, a clip covering them (their newest
+    MAX_CLIP_S when they stretch further) and a snapshot at their end; None without ranges."""
+    if not ranges:
+        return None
+    start, end = min(r[0] for r in ranges), max(r[1] for r in ranges)
+    return {
+        "ranges": [[float(s), float(e)] for s, e in ranges],
+        "clip": clip_path(stream, max(start, end - MAX_CLIP_S), end),
+        "snapshot": snapshot_path(stream, end),
+    }
+
+
+def parse_time(value: str, param: str) -> float:
+    """Epoch seconds or ISO 8601 (UTC when it names no zone) -> epoch seconds; 400 naming ``param``."""
+    try:
+        seconds = float(value)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds):
+            raise errors.ApiError(400, f"{param}: not a finite time: {value!r}", param)
+        return seconds
+    try:
+        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise errors.ApiError(
+            400, f"{param}: expected epoch seconds or an ISO 8601 time, got {value!r}", param
+        ) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
+
+
+def _frames_log(request: Request, stream: str) -> FrameLog:
+    try:
+        check_stream_name("stream", stream)
+    except SchemaError as e:
+        raise errors.schema_error(e) from None
+    root = request.app.state.cfg.framelog_dir
+    if root is None:
+        raise errors.ApiError(404, "no frames log: this API has no framelog_dir set", code="no_frames_log")
+    return FrameLog(root)
+
+
+def encode_mp4(records: Iterable[Record]) -> tuple[bytes, int, float, float] | None:
+    """The records' frames as an MP4 at their capture times: (bytes, frames, first ts, last ts);
+    None when there are none. Frames of another size than the first are scaled to it."""
+    buf, out, stream = io.BytesIO(), None, None
+    first = last = 0.0
+    pts = count = 0
+    for rec in records:
+        rgb = decode(rec.raw).rgb()
+        if out is None:
+            out, stream = _open_mp4(buf, rgb.shape[1], rgb.shape[0])
+            first = rec.ts
+        assert stream is not None
+        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+        frame = frame.reformat(width=stream.width, height=stream.height, format="yuv420p")
+        # strictly increasing, as the muxer needs, even for frames captured within the same millisecond
+        pts = max(pts + 1 if count else 0, round((rec.ts - first) * 1000))
+        frame.pts, frame.time_base = pts, TIME_BASE
+        out.mux(stream.encode(frame))
+        last, count = rec.ts, count + 1
+    if out is None or stream is None:
+        return None
+    out.mux(stream.encode())
+    out.close()
+    return buf.getvalue(), count, first, last
+
+
+def _open_mp4(buf: io.BytesIO, width: int, height: int) -> tuple[Any, Any]:
+    out = av.open(buf, mode="w", format="mp4", options=MP4_OPTIONS)
+    stream = out.add_stream(CODEC, rate=2)  # the rate is a hint for rate control; pts carry the timing
+    stream.width, stream.height = width - width % 2, height - height % 2  # 4:2:0 needs even sizes
+    stream.pix_fmt = "yuv420p"
+    stream.codec_context.time_base = stream.time_base = TIME_BASE
+    return out, stream
+
+
+def nearest_jpeg(log: FrameLog, stream: str, at: float | None) -> tuple[bytes, Record] | None:
+    """A JPEG of the frame captured nearest ``at`` (the newest without one), within the widest
+    SNAPSHOT_WINDOWS_S; None when there is none."""
+    if at is None:
+        span = log.span(stream)
+        if span is None:
+            return None
+        at = span.last_ts
+    for window in SNAPSHOT_WINDOWS_S:
+        found = min(log.between(stream, at - window, at + window), key=lambda r: abs(r.ts - at), default=None)
+        if found is not None:
+            jpeg = io.BytesIO()
+            Image.fromarray(decode(found.raw).rgb()).save(jpeg, format="JPEG", quality=90)
+            return jpeg.getvalue(), found
+    return None
+
+
+def _headers(**values: Any) -> dict[str, str]:
+    return {"Cache-Control": "private, max-age=60"} | {k: str(v) for k, v in values.items()}
+
+
+@router.get(
+    "/streams/{name}/clip",
+    responses={200: {"content": {"video/mp4": {}}}},
+    summary="An MP4 of the frames captured from `from` to `to` (frames log)",
+)
+async def clip(
+    name: str,
+    request: Request,
+    from_: str = Query(..., alias="from", description="epoch seconds or ISO 8601 (UTC without a zone)"),
+    to: str | None = Query(None, description=f"default: from + {DEFAULT_CLIP_S:g} s; at most {MAX_CLIP_S:g} s on"),
+) -> Response:
+    log = _frames_log(request, name)
+    t0 = parse_time(from_, "from")
+    t1 = parse_time(to, "to") if to is not None else t0 + DEFAULT_CLIP_S
+    if t1 < t0:
+        raise errors.ApiError(400, "to: before from", "to")
+    if t1 - t0 > MAX_CLIP_S:
+        raise errors.ApiError(400, f"to: a clip spans at most {MAX_CLIP_S:g} s, asked {t1 - t0:g} s", "to")
+    made = await asyncio.to_thread(lambda: encode_mp4(log.between(name, t0, t1)))
+    if made is None:
+        raise errors.ApiError(404, f"no frames of {name!r} kept from {t0:.3f} to {t1:.3f}", code="no_frames")
+    data, count, first, last = made
+    headers = _headers(**{"X-Clip-Frames": count, "X-Clip-From": f"{first:.3f}", "X-Clip-To": f"{last:.3f}"})
+    return Response(data, media_type="video/mp4", headers=headers)
+
+
+@router.get(
+    "/streams/{name}/snapshot",
+    responses={200: {"content": {"image/jpeg": {}}}},
+    summary="A JPEG of the kept frame captured nearest `at` (default: the newest)",
+)
+async def snapshot(
+    name: str,
+    request: Request,
+    at: str | None = Query(None, description="epoch seconds or ISO 8601; default: the newest frame kept"),
+) -> Response:
+    log = _frames_log(request, name)
+    when = parse_time(at, "at") if at is not None else None
+    found = await asyncio.to_thread(nearest_jpeg, log, name, when)
+    if found is None:
+        where = "" if when is None else f" within {SNAPSHOT_WINDOWS_S[-1]:g} s of {when:.3f}"
+        raise errors.ApiError(404, f"no frame of {name!r} kept{where}", code="no_frames")
+    jpeg, rec = found
+    return Response(jpeg, media_type="image/jpeg", headers=_headers(**{"X-Frame-Seq": rec.seq, "X-Frame-Ts": rec.ts}))

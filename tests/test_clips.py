@@ -1,0 +1,207 @@
+"""Clips, snapshots and evidence URLs from the frames log (api/clips.py): a real frames log of
+rendered frames packed as ingest packs them, the API app over a real redis-server, and the MP4s
+and JPEGs it returns decoded with PyAV and Pillow."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+
+import av
+import httpx
+import numpy as np
+import pytest
+import redis
+from PIL import Image
+
+from api.app import create_app
+from api.config import ApiConfig
+from apps.samplevideo import render_frame
+from common.framelog import FrameLog
+from common.wire import keys
+from common.wire.alerts import Alert
+from common.wire.schemas import FIELD, FinalAnswer, FrameMsg, encode_final, encode_frame
+from tests.pipeline import wait_for
+from tests.test_api import CHROMIUM, CHROMIUM_ARGS, TOKEN, assert_error, served
+
+CAM = "cam1"
+T0 = 1_800_000_000.0  # capture times: unix seconds, like a live camera's
+FRAMES = 20  # at 2 fps: T0 .. T0 + 9.5
+W, H = 96, 64  # not square: a transposed frame shows
+MAX_MAE = 12.0  # mean absolute error, 0..255, of a lossy-coded frame against its source
+
+
+def source(seq: int) -> np.ndarray:
+    return render_frame(seq / 2, width=W, height=H)
+
+
+@pytest.fixture
+def frames_dir(tmp_path: Path) -> Path:
+    """A frames log of FRAMES frames of CAM, captured every 0.5 s from T0, as the recorder keeps them."""
+    w = FrameLog(tmp_path).writer(CAM, roll_s=600.0)
+    for seq in range(FRAMES):
+        msg = FrameMsg.from_rgb(seq, T0 + seq / 2, seq / 2, source(seq))
+        assert w.append(seq, msg.ts, encode_frame(msg, codec="webp")[FIELD])
+    w.commit()
+    w.close()
+    return tmp_path
+
+
+def get(cfg: ApiConfig, *paths: str) -> list[httpx.Response]:
+    async def run() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=create_app(cfg))
+        async with httpx.AsyncClient(transport=transport, base_url="http://api", timeout=30) as client:
+            return [await client.get(p) for p in paths]
+
+    return asyncio.run(run())
+
+
+def decoded(mp4: bytes) -> list[av.VideoFrame]:
+    with av.open(io.BytesIO(mp4)) as container:
+        return list(container.decode(video=0))
+
+
+def mae(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
+
+
+def test_a_clip_holds_the_spans_frames_at_their_capture_times(redis_url, frames_dir):
+    """From T0+2 to T0+6: frames 4..12, each its source frame (lossy), 0.5 s apart as captured;
+    `from` as ISO 8601 gives the same clip, and `to` defaults to from + 30 s (every frame)."""
+    iso = datetime.fromtimestamp(T0 + 2, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
+    epoch, by_iso, default_to = get(
+        cfg,
+        f"/api/streams/{CAM}/clip?from={T0 + 2}&to={T0 + 6}",
+        f"/api/streams/{CAM}/clip?from={iso}&to={T0 + 6}",
+        f"/api/streams/{CAM}/clip?from={T0}",
+    )
+    assert epoch.status_code == 200, epoch.text
+    assert epoch.headers["content-type"] == "video/mp4"
+    assert epoch.headers["x-clip-frames"] == "9"
+    frames = decoded(epoch.content)
+    assert len(frames) == 9
+    assert {(f.width, f.height) for f in frames} == {(W, H)}
+    errors = [mae(f.to_ndarray(format="rgb24"), source(seq)) for f, seq in zip(frames, range(4, 13), strict=True)]
+    assert max(errors) < MAX_MAE, errors
+    times = [f.time for f in frames]
+    assert np.allclose(np.diff(times), 0.5, atol=0.002), times
+    assert by_iso.status_code == 200 and len(decoded(by_iso.content)) == 9
+    assert default_to.status_code == 200 and len(decoded(default_to.content)) == FRAMES
+
+
+def test_a_snapshot_is_the_frame_nearest_the_time_asked(redis_url, frames_dir):
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
+    near, newest = get(cfg, f"/api/streams/{CAM}/snapshot?at={T0 + 3.1}", f"/api/streams/{CAM}/snapshot")
+    for response, seq in ((near, 6), (newest, FRAMES - 1)):
+        assert response.status_code == 200, response.text
+        assert response.headers["content-type"] == "image/jpeg"
+        assert response.headers["x-frame-seq"] == str(seq)
+        picture = np.asarray(Image.open(io.BytesIO(response.content)).convert("RGB"))
+        assert picture.shape == (H, W, 3)
+        assert mae(picture, source(seq)) < MAX_MAE
+
+
+def test_bad_or_empty_spans_get_the_apis_errors(redis_url, frames_dir):
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
+    empty, other_cam, bad_from, bad_to, too_long, backwards, far = get(
+        cfg,
+        f"/api/streams/{CAM}/clip?from={T0 + 100}&to={T0 + 110}",
+        f"/api/streams/cam2/clip?from={T0}",
+        f"/api/streams/{CAM}/clip?from=yesterday",
+        f"/api/streams/{CAM}/clip?from={T0}&to=nan",
+        f"/api/streams/{CAM}/clip?from={T0}&to={T0 + 601}",
+        f"/api/streams/{CAM}/clip?from={T0 + 5}&to={T0}",
+        f"/api/streams/{CAM}/snapshot?at={T0 + 1000}",
+    )
+    assert_error(empty, 404, code="no_frames")
+    assert_error(other_cam, 404, code="no_frames")
+    assert "from" in assert_error(bad_from, 400, param="from")["message"]
+    assert_error(bad_to, 400, param="to")
+    assert_error(too_long, 400, param="to")
+    assert_error(backwards, 400, param="to")
+    assert_error(far, 404, code="no_frames")
+    (unset,) = get(ApiConfig(redis_url=redis_url), f"/api/streams/{CAM}/clip?from={T0}")
+    assert_error(unset, 404, code="no_frames_log")
+
+
+def _answer_one(r: redis.Redis, ranges: tuple[tuple[float, float], ...]) -> None:
+    """Play the worker: answer the first question asked with a final over ``ranges``."""
+    wait_for(lambda: r.xlen(keys.QUESTIONS) >= 1, 30, "a question")
+    ((_, fields),) = r.xrange(keys.QUESTIONS, count=1)
+    qid = fields[b"id"].decode()
+    span = {"t_start": ranges[0][0], "t_end": ranges[-1][1], "version": 3, "total_s": 0.2}
+    final = FinalAnswer(id=qid, stream=CAM, text="a van", ranges=ranges, **span)
+    r.xadd(keys.answer(qid), encode_final(final))
+
+
+def test_a_final_answer_and_an_alert_carry_their_evidence(redis_url, frames_dir):
+    """The final's ranges (two, with a gap) come back with a clip covering both and a snapshot at
+    their end; the clip URL serves the frames of that span. Alerts carry the same for their span."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
+    alert = Alert("a1", CAM, "door", "Is the door open?", 0.9, 0.5, 3, T0 + 5, T0 + 7, T0 + 8, None)
+    r.xadd(keys.alerts(CAM), alert.fields())
+    ranges = ((T0 + 1, T0 + 2), (T0 + 4, T0 + 5))
+    worker = threading.Thread(target=_answer_one, args=(r, ranges), daemon=True)
+    worker.start()
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir), block_ms=200)
+
+    async def run() -> tuple[dict, list[httpx.Response], dict]:
+        transport = httpx.ASGITransport(app=create_app(cfg))
+        async with httpx.AsyncClient(transport=transport, base_url="http://api", timeout=30) as client:
+            answer = await client.post(f"/api/streams/{CAM}/ask", json={"question": "what came?", "stream": False})
+            assert answer.status_code == 200, answer.text
+            ev = answer.json()["evidence"]
+            alerts = (await client.get(f"/api/streams/{CAM}/alerts")).json()["alerts"]
+            return ev, [await client.get(ev["clip"]), await client.get(ev["snapshot"])], alerts[0]["evidence"]
+
+    ev, (clip, snap), alert_ev = asyncio.run(run())
+    worker.join(10)
+    assert ev["ranges"] == [list(x) for x in ranges]
+    assert clip.status_code == 200 and len(decoded(clip.content)) == 9  # frames 2..10: T0+1 .. T0+5
+    assert snap.status_code == 200 and snap.headers["x-frame-seq"] == "10"
+    assert alert_ev["ranges"] == [[T0 + 5, T0 + 7]]
+    (alert_clip,) = get(cfg, alert_ev["clip"])
+    assert alert_clip.status_code == 200 and alert_clip.headers["x-clip-frames"] == "5"
+
+
+def test_the_page_plays_an_answers_evidence_clip(redis_url, frames_dir):
+    """In headless Chromium: an answer with evidence shows a clip button; clicking it fetches the
+    clip with the token and the <video> plays it at the frames' size."""
+    playwright = pytest.importorskip("playwright.sync_api")
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.skip(f"chromium not found at {CHROMIUM}")
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
+    threading.Thread(target=_answer_one, args=(r, ((T0 + 1, T0 + 5),)), daemon=True).start()
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir), block_ms=100, token=TOKEN)
+    with served(cfg) as base, playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
+        try:
+            page = browser.new_page()
+            page.set_default_timeout(30_000)
+            page.add_init_script(f"localStorage.setItem('svqa-token', {TOKEN!r})")
+            page.goto(base + "/")
+            card = page.locator(f'article.camera[data-stream="{CAM}"]')
+            card.locator("input[name=question]").fill("What came?")
+            card.locator("button[type=submit]").click()
+            page.wait_for_function("document.querySelector('article.camera .answer:not(.streaming)')")
+            assert card.locator(".answer").inner_text() == "a van"
+            card.locator(".evidence button.clip").click()
+            page.wait_for_function(
+                "(() => { const v = document.querySelector('article.camera .evidence video');"
+                " return v && !v.hidden && v.readyState >= 1 && v.videoWidth > 0; })()"
+            )
+            size = page.evaluate(
+                "(() => { const v = document.querySelector('article.camera .evidence video');"
+                " return [v.videoWidth, v.videoHeight, v.duration]; })()"
+            )
+            assert size[:2] == [W, H], size
+            assert 4.0 <= size[2] <= 5.5, size  # frames T0+1 .. T0+5, and the last one shown a while
+        finally:
+            browser.close()
