@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import io
+import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from fractions import Fraction
 from typing import Any
 
 import av
 import numpy as np
+import structlog
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from PIL import Image
@@ -27,6 +29,7 @@ from api.guard import require_token
 from common.framelog import FrameLog, Record, decode
 from common.wire.schemas import SchemaError, check_stream_name
 
+log = structlog.get_logger(__name__)
 router = APIRouter(prefix="/api", tags=["evidence"], dependencies=[Depends(require_token)])
 
 DEFAULT_CLIP_S = 30.0  # `to` when only `from` is given
@@ -34,6 +37,8 @@ MAX_CLIP_S = 600.0  # longer spans are refused (400): a clip is encoded whole, i
 SNAPSHOT_WINDOWS_S = (2.0, 60.0)  # the nearest frame is looked for within these distances of `at`, in turn
 TIME_BASE = Fraction(1, 1000)  # pts in milliseconds from the clip's first frame
 CODEC = "libx264" if "libx264" in av.codecs_available else "mpeg4"
+# a clip is made while someone waits: x264's fast presets are a few times quicker than its default
+X264_OPTIONS = {"preset": "veryfast"}
 # fragmented MP4: written in one pass to memory, and browsers play it as it arrives
 MP4_OPTIONS = {"movflags": "frag_keyframe+empty_moov+default_base_moof"}
 
@@ -90,55 +95,64 @@ def _frames_log(request: Request, stream: str) -> FrameLog:
     return FrameLog(root)
 
 
-def encode_mp4(records: Iterable[Record]) -> tuple[bytes, int, float, float] | None:
-    """The records' frames as an MP4 at their capture times: (bytes, frames, first ts, last ts);
-    None when there are none. Frames of another size than the first are scaled to it."""
-    buf, out, stream = io.BytesIO(), None, None
-    first = last = 0.0
-    pts = count = 0
+def pictures(records: Iterable[Record]) -> Iterator[tuple[Record, np.ndarray]]:
+    """Each record with its frame's pixels; a record whose pixels do not decode (the recorder checks
+    headers, not pixels) is skipped with a warning, not the whole clip refused."""
     for rec in records:
-        rgb = decode(rec.raw).rgb()
-        if out is None:
-            out, stream = _open_mp4(buf, rgb.shape[1], rgb.shape[0])
-            first = rec.ts
-        assert stream is not None
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-        frame = frame.reformat(width=stream.width, height=stream.height, format="yuv420p")
-        # strictly increasing, as the muxer needs, even for frames captured within the same millisecond
-        pts = max(pts + 1 if count else 0, round((rec.ts - first) * 1000))
-        frame.pts, frame.time_base = pts, TIME_BASE
-        out.mux(stream.encode(frame))
-        last, count = rec.ts, count + 1
-    if out is None or stream is None:
+        try:
+            yield rec, decode(rec.raw).rgb()
+        except (SchemaError, ValueError) as e:
+            log.warning("frames log record undecodable; left out", seq=rec.seq, ts=rec.ts, error=str(e))
+
+
+def encode_mp4(records: Iterable[Record], codec: str = CODEC) -> tuple[bytes, int, float, float] | None:
+    """The records' frames as an MP4 at their capture times: (bytes, frames, first ts, last ts);
+    None when there are none. Every frame is scaled to the first one's size (even: 4:2:0 needs it)."""
+    frames = pictures(records)
+    first = next(frames, None)
+    if first is None:
         return None
-    out.mux(stream.encode())
-    out.close()
-    return buf.getvalue(), count, first, last
+    buf, t0 = io.BytesIO(), first[0].ts
+    with av.open(buf, mode="w", format="mp4", options=MP4_OPTIONS) as out:
+        stream = _video_stream(out, codec, first[1].shape)
+        pts, count, last = -1, 0, t0
+        for rec, rgb in itertools.chain([first], frames):
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            frame = frame.reformat(width=stream.width, height=stream.height, format="yuv420p")
+            # strictly increasing, as the muxer needs, even for frames captured within one millisecond
+            pts = max(pts + 1, round((rec.ts - t0) * 1000))
+            frame.pts, frame.time_base = pts, TIME_BASE
+            out.mux(stream.encode(frame))
+            count, last = count + 1, rec.ts
+        out.mux(stream.encode())
+    return buf.getvalue(), count, t0, last
 
 
-def _open_mp4(buf: io.BytesIO, width: int, height: int) -> tuple[Any, Any]:
-    out = av.open(buf, mode="w", format="mp4", options=MP4_OPTIONS)
-    stream = out.add_stream(CODEC, rate=2)  # the rate is a hint for rate control; pts carry the timing
-    stream.width, stream.height = width - width % 2, height - height % 2  # 4:2:0 needs even sizes
+def _video_stream(out: Any, codec: str, shape: tuple[int, ...]) -> Any:
+    # the rate is a hint for rate control; pts carry the timing
+    stream = out.add_stream(codec, rate=2, options=X264_OPTIONS if codec == "libx264" else {})
+    height, width = shape[0], shape[1]
+    stream.width, stream.height = width - width % 2, height - height % 2
     stream.pix_fmt = "yuv420p"
     stream.codec_context.time_base = stream.time_base = TIME_BASE
-    return out, stream
+    return stream
 
 
-def nearest_jpeg(log: FrameLog, stream: str, at: float | None) -> tuple[bytes, Record] | None:
+def nearest_jpeg(frames: FrameLog, stream: str, at: float | None) -> tuple[bytes, Record] | None:
     """A JPEG of the frame captured nearest ``at`` (the newest without one), within the widest
     SNAPSHOT_WINDOWS_S; None when there is none."""
     if at is None:
-        span = log.span(stream)
+        span = frames.span(stream)
         if span is None:
             return None
         at = span.last_ts
     for window in SNAPSHOT_WINDOWS_S:
-        found = min(log.between(stream, at - window, at + window), key=lambda r: abs(r.ts - at), default=None)
+        near = sorted(frames.between(stream, at - window, at + window), key=lambda r: abs(r.ts - at))
+        found = next(pictures(near), None)
         if found is not None:
             jpeg = io.BytesIO()
-            Image.fromarray(decode(found.raw).rgb()).save(jpeg, format="JPEG", quality=90)
-            return jpeg.getvalue(), found
+            Image.fromarray(found[1]).save(jpeg, format="JPEG", quality=90)
+            return jpeg.getvalue(), found[0]
     return None
 
 
@@ -157,14 +171,14 @@ async def clip(
     from_: str = Query(..., alias="from", description="epoch seconds or ISO 8601 (UTC without a zone)"),
     to: str | None = Query(None, description=f"default: from + {DEFAULT_CLIP_S:g} s; at most {MAX_CLIP_S:g} s on"),
 ) -> Response:
-    log = _frames_log(request, name)
+    frames = _frames_log(request, name)
     t0 = parse_time(from_, "from")
     t1 = parse_time(to, "to") if to is not None else t0 + DEFAULT_CLIP_S
     if t1 < t0:
         raise errors.ApiError(400, "to: before from", "to")
     if t1 - t0 > MAX_CLIP_S:
         raise errors.ApiError(400, f"to: a clip spans at most {MAX_CLIP_S:g} s, asked {t1 - t0:g} s", "to")
-    made = await asyncio.to_thread(lambda: encode_mp4(log.between(name, t0, t1)))
+    made = await asyncio.to_thread(lambda: encode_mp4(frames.between(name, t0, t1)))
     if made is None:
         raise errors.ApiError(404, f"no frames of {name!r} kept from {t0:.3f} to {t1:.3f}", code="no_frames")
     data, count, first, last = made
@@ -182,9 +196,9 @@ async def snapshot(
     request: Request,
     at: str | None = Query(None, description="epoch seconds or ISO 8601; default: the newest frame kept"),
 ) -> Response:
-    log = _frames_log(request, name)
+    frames = _frames_log(request, name)
     when = parse_time(at, "at") if at is not None else None
-    found = await asyncio.to_thread(nearest_jpeg, log, name, when)
+    found = await asyncio.to_thread(nearest_jpeg, frames, name, when)
     if found is None:
         where = "" if when is None else f" within {SNAPSHOT_WINDOWS_S[-1]:g} s of {when:.3f}"
         raise errors.ApiError(404, f"no frame of {name!r} kept{where}", code="no_frames")

@@ -18,10 +18,11 @@ import pytest
 import redis
 from PIL import Image
 
+from api import clips
 from api.app import create_app
 from api.config import ApiConfig
 from apps.samplevideo import render_frame
-from common.framelog import FrameLog
+from common.framelog import FrameLog, Record
 from common.wire import keys
 from common.wire.alerts import Alert
 from common.wire.schemas import FIELD, FinalAnswer, FrameMsg, encode_final, encode_frame
@@ -35,8 +36,14 @@ W, H = 96, 64  # not square: a transposed frame shows
 MAX_MAE = 12.0  # mean absolute error, 0..255, of a lossy-coded frame against its source
 
 
-def source(seq: int) -> np.ndarray:
-    return render_frame(seq / 2, width=W, height=H)
+def source(seq: int, width: int = W, height: int = H) -> np.ndarray:
+    return render_frame(seq / 2, width=width, height=height)
+
+
+def packed(seq: int, width: int = W, height: int = H) -> bytes:
+    """Frame ``seq`` (captured at T0 + seq / 2) as the frames log keeps it: ingest's payload."""
+    msg = FrameMsg.from_rgb(seq, T0 + seq / 2, seq / 2, source(seq, width, height))
+    return encode_frame(msg, codec="webp")[FIELD]
 
 
 @pytest.fixture
@@ -44,8 +51,7 @@ def frames_dir(tmp_path: Path) -> Path:
     """A frames log of FRAMES frames of CAM, captured every 0.5 s from T0, as the recorder keeps them."""
     w = FrameLog(tmp_path).writer(CAM, roll_s=600.0)
     for seq in range(FRAMES):
-        msg = FrameMsg.from_rgb(seq, T0 + seq / 2, seq / 2, source(seq))
-        assert w.append(seq, msg.ts, encode_frame(msg, codec="webp")[FIELD])
+        assert w.append(seq, T0 + seq / 2, packed(seq))
     w.commit()
     w.close()
     return tmp_path
@@ -92,6 +98,23 @@ def test_a_clip_holds_the_spans_frames_at_their_capture_times(redis_url, frames_
     assert np.allclose(np.diff(times), 0.5, atol=0.002), times
     assert by_iso.status_code == 200 and len(decoded(by_iso.content)) == 9
     assert default_to.status_code == 200 and len(decoded(default_to.content)) == FRAMES
+
+
+@pytest.mark.parametrize("codec", ["libx264", "mpeg4"])
+def test_odd_sized_frames_and_an_undecodable_one_still_make_a_clip(codec):
+    """Either codec (mpeg4 where PyAV lacks libx264); a 57x43 camera's clip is 56x42 (4:2:0 needs
+    even sizes); a record whose payload is no frame is left out, the others kept."""
+    records = [Record(seq, T0 + seq / 2, packed(seq, 57, 43)) for seq in range(6)]
+    records.insert(3, Record(99, T0 + 1.2, b"\x81\xa1m\x01"))  # msgpack, but no frame
+    made = clips.encode_mp4(records, codec)
+    assert made is not None
+    data, count, first, last = made
+    assert (count, first, last) == (6, T0, T0 + 2.5)
+    with av.open(io.BytesIO(data)) as container:
+        assert container.streams.video[0].codec_context.name == {"libx264": "h264"}.get(codec, codec)
+        frames = list(container.decode(video=0))
+    assert len(frames) == 6 and {(f.width, f.height) for f in frames} == {(56, 42)}
+    assert clips.encode_mp4([], codec) is None
 
 
 def test_a_snapshot_is_the_frame_nearest_the_time_asked(redis_url, frames_dir):
