@@ -27,7 +27,7 @@ from common.wire import keys
 from common.wire.alerts import Alert
 from common.wire.schemas import FIELD, FinalAnswer, FrameMsg, encode_final, encode_frame
 from tests.pipeline import wait_for
-from tests.test_api import CHROMIUM, CHROMIUM_ARGS, TOKEN, assert_error, served
+from tests.test_api import CHROMIUM, CHROMIUM_ARGS, TOKEN, _parse_sse, assert_error, served
 
 CAM = "cam1"
 T0 = 1_800_000_000.0  # capture times: unix seconds, like a live camera's
@@ -152,56 +152,86 @@ def test_bad_or_empty_spans_get_the_apis_errors(redis_url, frames_dir):
     assert_error(unset, 404, code="no_frames_log")
 
 
-def _answer_one(r: redis.Redis, ranges: tuple[tuple[float, float], ...]) -> None:
-    """Play the worker: answer the first question asked with a final over ``ranges``."""
-    wait_for(lambda: r.xlen(keys.QUESTIONS) >= 1, 30, "a question")
-    ((_, fields),) = r.xrange(keys.QUESTIONS, count=1)
-    qid = fields[b"id"].decode()
+def _answer(r: redis.Redis, ranges: tuple[tuple[float, float], ...], count: int = 1) -> None:
+    """Play the worker: answer each of the first ``count`` questions, as they come, with a final
+    over ``ranges``."""
     span = {"t_start": ranges[0][0], "t_end": ranges[-1][1], "version": 3, "total_s": 0.2}
-    final = FinalAnswer(id=qid, stream=CAM, text="a van", ranges=ranges, **span)
-    r.xadd(keys.answer(qid), encode_final(final))
+    done: set[str] = set()
+    while len(done) < count:
+        wait_for(lambda: r.xlen(keys.QUESTIONS) > len(done), 30, "a question")
+        for _, fields in r.xrange(keys.QUESTIONS):
+            if (qid := fields[b"id"].decode()) not in done:
+                done.add(qid)
+                r.xadd(
+                    keys.answer(qid), encode_final(FinalAnswer(id=qid, stream=CAM, text="a van", ranges=ranges, **span))
+                )
 
 
-def test_a_final_answer_and_an_alert_carry_their_evidence(redis_url, frames_dir):
-    """The final's ranges (two, with a gap) come back with a clip covering both and a snapshot at
-    their end; the clip URL serves the frames of that span. Alerts carry the same for their span."""
+def test_final_answers_and_alerts_carry_their_evidence(redis_url, frames_dir):
+    """A final's ranges (two, with a gap) come back with a clip covering both and a snapshot at
+    their end, in the native JSON answer, its SSE `final` and the OpenAI endpoint's `streamvqa`;
+    the clip URL serves the frames of that span. Alerts carry the same for their span. Without a
+    frames log, no evidence (no URL it cannot serve)."""
     r = redis.Redis.from_url(redis_url)
     r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
     alert = Alert("a1", CAM, "door", "Is the door open?", 0.9, 0.5, 3, T0 + 5, T0 + 7, T0 + 8, None)
     r.xadd(keys.alerts(CAM), alert.fields())
     ranges = ((T0 + 1, T0 + 2), (T0 + 4, T0 + 5))
-    worker = threading.Thread(target=_answer_one, args=(r, ranges), daemon=True)
+    worker = threading.Thread(target=_answer, args=(r, ranges, 4), daemon=True)
     worker.start()
-    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir), block_ms=200)
+    with_log = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir), block_ms=200)
+    question = {"question": "what came?", "stream": False}
+    chat = {"model": CAM, "messages": [{"role": "user", "content": "what came?"}]}
 
-    async def run() -> tuple[dict, list[httpx.Response], dict]:
-        transport = httpx.ASGITransport(app=create_app(cfg))
-        async with httpx.AsyncClient(transport=transport, base_url="http://api", timeout=30) as client:
-            answer = await client.post(f"/api/streams/{CAM}/ask", json={"question": "what came?", "stream": False})
-            assert answer.status_code == 200, answer.text
-            ev = answer.json()["evidence"]
+    async def run() -> tuple[list[dict], list[httpx.Response], dict, dict]:
+        async with (
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(with_log)), base_url="http://a") as client,
+            httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=create_app(ApiConfig(redis_url=redis_url, block_ms=200))),
+                base_url="http://b",
+            ) as bare,
+        ):
+            native = (await client.post(f"/api/streams/{CAM}/ask", json=question, timeout=30)).json()
+            streamed = _parse_sse(
+                (await client.post(f"/api/streams/{CAM}/ask", json=question | {"stream": True}, timeout=30)).text
+            )
+            openai = (await client.post("/v1/chat/completions", json=chat, timeout=30)).json()["streamvqa"]
+            without = (await bare.post(f"/api/streams/{CAM}/ask", json=question, timeout=30)).json()
+            ev = native["evidence"]
             alerts = (await client.get(f"/api/streams/{CAM}/alerts")).json()["alerts"]
-            return ev, [await client.get(ev["clip"]), await client.get(ev["snapshot"])], alerts[0]["evidence"]
+            served = [await client.get(ev["clip"]), await client.get(ev["snapshot"])]
+            return [native, streamed[-1][1], openai], served, alerts[0]["evidence"], without
 
-    ev, (clip, snap), alert_ev = asyncio.run(run())
+    finals, (clip, snap), alert_ev, without = asyncio.run(run())
     worker.join(10)
+    ev = finals[0]["evidence"]
+    assert [f["evidence"] for f in finals] == [ev] * 3
     assert ev["ranges"] == [list(x) for x in ranges]
     assert clip.status_code == 200 and len(decoded(clip.content)) == 9  # frames 2..10: T0+1 .. T0+5
     assert snap.status_code == 200 and snap.headers["x-frame-seq"] == "10"
     assert alert_ev["ranges"] == [[T0 + 5, T0 + 7]]
-    (alert_clip,) = get(cfg, alert_ev["clip"])
+    (alert_clip,) = get(with_log, alert_ev["clip"])
     assert alert_clip.status_code == 200 and alert_clip.headers["x-clip-frames"] == "5"
+    assert without["text"] == "a van" and "evidence" not in without
 
 
-def test_the_page_plays_an_answers_evidence_clip(redis_url, frames_dir):
+# The clip a page's <video> (under ``box``) holds once it can play: [width, height, duration], or null.
+_PLAYABLE = """(box) => { const v = document.querySelector(box + ' .evidence video');
+  return v && !v.hidden && v.readyState >= 1 && v.videoWidth > 0
+    ? [v.videoWidth, v.videoHeight, v.duration] : null; }"""
+
+
+def test_the_page_plays_an_answers_and_an_alerts_evidence_clip(redis_url, frames_dir):
     """In headless Chromium: an answer with evidence shows a clip button; clicking it fetches the
-    clip with the token and the <video> plays it at the frames' size."""
+    clip with the token and the <video> plays it at the frames' size. An opened alert does the same."""
     playwright = pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"chromium not found at {CHROMIUM}")
     r = redis.Redis.from_url(redis_url)
     r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
-    threading.Thread(target=_answer_one, args=(r, ((T0 + 1, T0 + 5),)), daemon=True).start()
+    alert = Alert("a1", CAM, "door", "Is the door open?", 0.9, 0.5, 3, T0 + 5, T0 + 7, T0 + 8, None)
+    r.xadd(keys.alerts(CAM), alert.fields())
+    threading.Thread(target=_answer, args=(r, ((T0 + 1, T0 + 5),)), daemon=True).start()
     cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir), block_ms=100, token=TOKEN)
     with served(cfg) as base, playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
@@ -216,15 +246,13 @@ def test_the_page_plays_an_answers_evidence_clip(redis_url, frames_dir):
             page.wait_for_function("document.querySelector('article.camera .answer:not(.streaming)')")
             assert card.locator(".answer").inner_text() == "a van"
             card.locator(".evidence button.clip").click()
-            page.wait_for_function(
-                "(() => { const v = document.querySelector('article.camera .evidence video');"
-                " return v && !v.hidden && v.readyState >= 1 && v.videoWidth > 0; })()"
-            )
-            size = page.evaluate(
-                "(() => { const v = document.querySelector('article.camera .evidence video');"
-                " return [v.videoWidth, v.videoHeight, v.duration]; })()"
-            )
-            assert size[:2] == [W, H], size
-            assert 4.0 <= size[2] <= 5.5, size  # frames T0+1 .. T0+5, and the last one shown a while
+            width, height, duration = page.wait_for_function(_PLAYABLE, arg="article.camera").json_value()
+            assert [width, height] == [W, H]
+            assert 4.0 <= duration <= 5.5, duration  # frames T0+1 .. T0+5, and the last one shown a while
+
+            page.locator('#alerts li[data-alert="a1"]').click()
+            page.locator("#alert-dialog .evidence button.clip").click()
+            width, height, duration = page.wait_for_function(_PLAYABLE, arg="#alert-dialog").json_value()
+            assert [width, height] == [W, H] and 2.0 <= duration <= 3.5, duration  # T0+5 .. T0+7
         finally:
             browser.close()
