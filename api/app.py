@@ -22,6 +22,7 @@ from api import ask, chat, clips, errors, guard, replies, streams
 from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
 from common import metrics
+from common.framelog import FrameLog
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
@@ -89,6 +90,8 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     app.state.frames = connect(cfg, cfg.frames_redis_url) if apart else app.state.r
     readers = (lambda: connect(cfg, pooled=False), app.state.r, cfg.answer_readers, cfg.block_ms, cfg.max_answers)
     app.state.answers = AnswerHub(*readers)
+    # one reader for every request: it keeps the log files' indexes while they are unchanged
+    app.state.framelog = FrameLog(cfg.framelog_dir) if cfg.framelog_dir is not None else None
     metrics.API_ANSWERS.set_function(app.state.answers.held)
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)

@@ -89,10 +89,10 @@ def _frames_log(request: Request, stream: str) -> FrameLog:
         check_stream_name("stream", stream)
     except SchemaError as e:
         raise errors.schema_error(e) from None
-    root = request.app.state.cfg.framelog_dir
-    if root is None:
+    frames = request.app.state.framelog
+    if frames is None:
         raise errors.ApiError(404, "no frames log: this API has no framelog_dir set", code="no_frames_log")
-    return FrameLog(root)
+    return frames
 
 
 def pictures(records: Iterable[Record]) -> Iterator[tuple[Record, np.ndarray]]:

@@ -100,6 +100,28 @@ def test_a_clip_holds_the_spans_frames_at_their_capture_times(redis_url, frames_
     assert default_to.status_code == 200 and len(decoded(default_to.content)) == FRAMES
 
 
+def test_a_running_api_sees_frames_committed_since_its_last_clip(redis_url, frames_dir):
+    """The API keeps one frames log reader (its file indexes cached): frames the recorder commits
+    later are in the next clip and snapshot."""
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
+    span = f"/api/streams/{CAM}/clip?from={T0 + 9}&to={T0 + 13}"
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://a") as client:
+            before = await client.get(span)
+            w = FrameLog(frames_dir).writer(CAM, roll_s=600.0)
+            for seq in range(FRAMES, FRAMES + 4):
+                assert w.append(seq, T0 + seq / 2, packed(seq))
+            w.commit()
+            w.close()
+            return [before, await client.get(span), await client.get(f"/api/streams/{CAM}/snapshot")]
+
+    before, after, newest = asyncio.run(run())
+    assert before.headers["x-clip-frames"] == "2"  # 18, 19
+    assert after.headers["x-clip-frames"] == "6" and len(decoded(after.content)) == 6  # 18 .. 23
+    assert newest.headers["x-frame-seq"] == str(FRAMES + 3)
+
+
 @pytest.mark.parametrize("codec", ["libx264", "mpeg4"])
 def test_odd_sized_frames_and_an_undecodable_one_still_make_a_clip(codec):
     """Either codec (mpeg4 where PyAV lacks libx264); a 57x43 camera's clip is 56x42 (4:2:0 needs
