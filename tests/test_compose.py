@@ -633,6 +633,17 @@ def test_dockerfile_runtime_stage():
     assert re.search(r"download\.pytorch\.org/whl/cu\d+", DOCKERFILE.read_text()), "torch from a CUDA index"
 
 
+def test_the_api_reads_the_recorders_frames_log_read_only(compose):
+    """Clips and evidence: the api mounts the volume the recorder writes its frames log to, read
+    only, where its framelog_dir points."""
+    services = compose["services"]
+    log_dir = environment(services["recorder"])["SVQA_FRAMELOG_DIR"]
+    (written,) = [m for m in mounts(services["recorder"]) if m["target"] == log_dir]
+    target = environment(services["api"])["SVQA_API_FRAMELOG_DIR"]
+    (read,) = [m for m in mounts(services["api"]) if m["target"] == target]
+    assert read["type"] == "volume" and read["source"] == written["source"] and read.get("read_only")
+
+
 def test_compose_mount_targets_match_the_image(compose):
     """The transcript directory the qa role writes to is a volume owned by the image's user."""
     for name, (sub, svc) in python_services(compose).items():
