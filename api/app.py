@@ -75,6 +75,8 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         await app.state.answers.stop()
+        for client in app.state.owned:
+            await client.aclose()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -88,6 +90,8 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     # frames and frame pictures (latest frame, alert frames): on their own Redis when one is set
     apart = cfg.frames_redis_url not in (None, cfg.redis_url)
     app.state.frames = connect(cfg, cfg.frames_redis_url) if apart else app.state.r
+    # closed at shutdown: the clients made here (one passed in is its caller's)
+    app.state.owned = ([] if r is not None else [app.state.r]) + ([app.state.frames] if apart else [])
     readers = (lambda: connect(cfg, pooled=False), app.state.r, cfg.answer_readers, cfg.block_ms, cfg.max_answers)
     app.state.answers = AnswerHub(*readers)
     # one reader for every request: it keeps the log files' indexes while they are unchanged

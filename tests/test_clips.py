@@ -5,9 +5,11 @@ and JPEGs it returns decoded with PyAV and Pillow."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import os
 import threading
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -57,10 +59,21 @@ def frames_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@contextlib.asynccontextmanager
+async def api(cfg: ApiConfig) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app, run from start to shutdown: its Redis connections are closed after
+    (other tests count connections)."""
+    app = create_app(cfg)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=30) as client,
+    ):
+        yield client
+
+
 def get(cfg: ApiConfig, *paths: str) -> list[httpx.Response]:
     async def run() -> list[httpx.Response]:
-        transport = httpx.ASGITransport(app=create_app(cfg))
-        async with httpx.AsyncClient(transport=transport, base_url="http://api", timeout=30) as client:
+        async with api(cfg) as client:
             return [await client.get(p) for p in paths]
 
     return asyncio.run(run())
@@ -107,7 +120,7 @@ def test_a_running_api_sees_frames_committed_since_its_last_clip(redis_url, fram
     span = f"/api/streams/{CAM}/clip?from={T0 + 9}&to={T0 + 13}"
 
     async def run() -> list[httpx.Response]:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://a") as client:
+        async with api(cfg) as client:
             before = await client.get(span)
             w = FrameLog(frames_dir).writer(CAM, roll_s=600.0)
             for seq in range(FRAMES, FRAMES + 4):
@@ -189,12 +202,13 @@ def _answer(r: redis.Redis, ranges: tuple[tuple[float, float], ...], count: int 
                 )
 
 
-def test_final_answers_and_alerts_carry_their_evidence(redis_url, frames_dir):
+def test_final_answers_and_alerts_carry_their_evidence(redis_url, frames_dir, request):
     """A final's ranges (two, with a gap) come back with a clip covering both and a snapshot at
     their end, in the native JSON answer, its SSE `final` and the OpenAI endpoint's `streamvqa`;
     the clip URL serves the frames of that span. Alerts carry the same for their span. Without a
     frames log, no evidence (no URL it cannot serve)."""
     r = redis.Redis.from_url(redis_url)
+    request.addfinalizer(r.close)
     r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
     alert = Alert("a1", CAM, "door", "Is the door open?", 0.9, 0.5, 3, T0 + 5, T0 + 7, T0 + 8, None)
     r.xadd(keys.alerts(CAM), alert.fields())
@@ -206,13 +220,7 @@ def test_final_answers_and_alerts_carry_their_evidence(redis_url, frames_dir):
     chat = {"model": CAM, "messages": [{"role": "user", "content": "what came?"}]}
 
     async def run() -> tuple[list[dict], list[httpx.Response], dict, dict]:
-        async with (
-            httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(with_log)), base_url="http://a") as client,
-            httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=create_app(ApiConfig(redis_url=redis_url, block_ms=200))),
-                base_url="http://b",
-            ) as bare,
-        ):
+        async with api(with_log) as client, api(ApiConfig(redis_url=redis_url, block_ms=200)) as bare:
             native = (await client.post(f"/api/streams/{CAM}/ask", json=question, timeout=30)).json()
             streamed = _parse_sse(
                 (await client.post(f"/api/streams/{CAM}/ask", json=question | {"stream": True}, timeout=30)).text
@@ -243,13 +251,14 @@ _PLAYABLE = """(box) => { const v = document.querySelector(box + ' .evidence vid
     ? [v.videoWidth, v.videoHeight, v.duration] : null; }"""
 
 
-def test_the_page_plays_an_answers_and_an_alerts_evidence_clip(redis_url, frames_dir):
+def test_the_page_plays_an_answers_and_an_alerts_evidence_clip(redis_url, frames_dir, request):
     """In headless Chromium: an answer with evidence shows a clip button; clicking it fetches the
     clip with the token and the <video> plays it at the frames' size. An opened alert does the same."""
     playwright = pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"chromium not found at {CHROMIUM}")
     r = redis.Redis.from_url(redis_url)
+    request.addfinalizer(r.close)
     r.hset(keys.meta(CAM), mapping={"fps": "2", "height": str(H), "width": str(W), "live": "1"})
     alert = Alert("a1", CAM, "door", "Is the door open?", 0.9, 0.5, 3, T0 + 5, T0 + 7, T0 + 8, None)
     r.xadd(keys.alerts(CAM), alert.fields())
