@@ -92,7 +92,8 @@ def test_chunks_read_their_bodies_in_pieces_as_exact_attention_item_by_item(monk
     monkeypatch.setattr(lm_module, "_cudnn_attention", exact_cudnn_attention)
     torch.manual_seed(0)
     heads, kv_heads, hd, splits = 4, 2, 16, 4
-    bodies = ((500, 256, 8), (1200, 512, 8), (3000, 256, 4), (100, 128, 8), (2000, 256, 8))  # (slot, tokens, rows)
+    spans = ((500, 256, 8), (1200, 512, 8), (3000, 256, 4), (100, 128, 8), (2000, 256, 8))  # (slot, tokens, rows)
+    bodies = tuple(lm_module.BodyItem(*span) for span in spans)
     q = torch.randn(sum(n for _, _, n in bodies), heads, hd)
     layer = torch.randn(2, kv_heads, 4000, hd)
     out, lse = lm_module.cudnn_body_attention(q, layer, bodies, splits, hd**-0.5)

@@ -413,7 +413,8 @@ def test_cudnn_body_attention_equals_exact_attention():
         pytest.skip("cuDNN attention is not available here")
     torch.manual_seed(0)
     n, heads, kv_heads, hd = 64, 16, 2, 128
-    bodies = ((5000, 4096, n), (100, 8192, n), (20000, 4096, n), (12000, 8192, n))  # (first slot, tokens, rows)
+    spans = ((5000, 4096, n), (100, 8192, n), (20000, 4096, n), (12000, 8192, n))  # (first slot, tokens, rows)
+    bodies = tuple(lm_module.BodyItem(*span) for span in spans)
     q = torch.randn(len(bodies) * n, heads, hd, device="cuda", dtype=torch.bfloat16)
     layer = torch.randn(2, kv_heads, 30000, hd, device="cuda", dtype=torch.bfloat16)
     splits = lm_module._body_splits(torch.device("cuda"), n, heads, kv_heads, lm_module.BodyPolicy())

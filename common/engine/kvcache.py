@@ -240,8 +240,8 @@ class StreamCache:
         # Held while the head is let go of and its successor laid out: a reader on another thread
         # waits for the new head rather than take the old one as its pages are overwritten.
         self._swap = threading.RLock()
-        self.embeds: dict[str, torch.Tensor] = {}
-        self._last_mean: torch.Tensor | None = None  # the newest chunk's, for the next one's salience
+        self.embeds: dict[str, torch.Tensor] = {}  # chunk id -> (tokens, D) vision embeddings, kept for exact eviction
+        self._last_mean: torch.Tensor | None = None  # (D,) the newest chunk's, for the next one's salience
         self._run_tokens = policy.max_cache_tokens or initial_capacity  # a budgeted stream's run is its budget
         self._run: Region | None = None  # where the cache writes
         self._used = 0  # slots of the run in use, from its start
@@ -513,7 +513,7 @@ class StreamCache:
         keep = self._view(placements[:first_stale])
         tokens = sum(p.segment.tokens for p in fresh)
         region = self.lm.pool.alloc(max(keep.length + tokens, self._run_tokens))
-        region.kv[:, :, :, : keep.length] = keep.kv
+        region.kv[:, :, :, : keep.length] = keep.kv  # (layers, 2, kv_heads, kept, hd)
         hw, step = self.grid_hw, self.interval
         positions = [video_positions(head.video_start, p.first_patch, p.segment.n_patches, *hw, step) for p in fresh]
         return Rebuild(
@@ -658,7 +658,7 @@ class StreamCache:
 
     def _write_run(self, kv: torch.Tensor, run: _Run | None) -> None:
         if run is not None:
-            src = self.lm.pool.slabs[run.slab][:, :, :, run.src : run.src + run.tokens]
+            src = self.lm.pool.slabs[run.slab][:, :, :, run.src : run.src + run.tokens]  # (layers, 2, kv_heads, n, hd)
             self._place(kv, run.dest, src, np.concatenate(run.shifts))
 
     def _place(self, kv: torch.Tensor, offset: int, src: torch.Tensor, token_shift: np.ndarray) -> None:
@@ -670,11 +670,11 @@ class StreamCache:
         32K evicting in one encode step took 21,000 kernel launches and 368 waits for the device."""
         src = src.to(kv.device)
         at = _slot_of(src, kv)
-        turn = _on_device(token_shift, kv.device) if token_shift.any() else None
+        turn = _on_device(token_shift, kv.device) if token_shift.any() else None  # (n,) int64
         for i in range(0, src.shape[3], RELAYOUT_BLOCK_TOKENS):
-            block = src[:, :, :, i : i + RELAYOUT_BLOCK_TOKENS]
+            block = src[:, :, :, i : i + RELAYOUT_BLOCK_TOKENS]  # (layers, 2, kv_heads, b, hd)
             n = block.shape[3]
-            dest = kv[:, :, :, offset + i : offset + i + n]
+            dest = kv[:, :, :, offset + i : offset + i + n]  # the same shape, a view of the slab
             if at is not None and at != offset and abs(at - offset) < n:
                 block = block.clone()  # it overlaps its destination
             if turn is not None:
@@ -692,7 +692,7 @@ class _Run:
     slab: int
     src: int
     dest: int
-    shifts: list[np.ndarray] = field(default_factory=list)  # per segment: its tokens' turn
+    shifts: list[np.ndarray] = field(default_factory=list)  # per segment: (tokens,) int64, its tokens' turn
 
     @property
     def tokens(self) -> int:
@@ -703,8 +703,8 @@ class _Run:
 
 
 def _token_shift(p: Placement, before: Sequence[int] | None = None) -> np.ndarray:
-    """How far each token of `p`'s segment turns in time: its temporal patch's new delta less the
-    one its K/V hold (`before`; None: K/V as first encoded, deltas zero)."""
+    """How far each token of `p`'s segment turns in time, (tokens,) int64: its temporal patch's new
+    delta less the one its K/V hold (`before`; None: K/V as first encoded, deltas zero)."""
     seg = p.segment
     if not seg.n_patches:
         return np.zeros(seg.tokens, dtype=np.int64)

@@ -34,6 +34,7 @@ from array import array
 from dataclasses import dataclass
 from itertools import accumulate, groupby, repeat
 from operator import itemgetter
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -110,20 +111,70 @@ class Item:
     since: int = 0
 
 
+# One attention piece as planned on the host: query rows row0 .. row0 + n_rows read the keys in
+# slots start .. start + length of one slab. A plain tuple, not a NamedTuple: a decode step of 8
+# questions plans 520 of them in Python every step, and a NamedTuple takes 6x a tuple's time to make.
+HostPiece = tuple[int, int, int, int]  # (row0, n_rows, start, length)
+
+
+class PieceKey(NamedTuple):
+    """Which attention call a plan's pieces go through: the slab their keys lie in, and whether they
+    are causal (an item's own tokens) or not (a base, read whole)."""
+
+    slab: int
+    causal: bool
+
+
 @dataclass
 class Pieces:
-    rows: torch.Tensor  # (R,) query row of each piece row (pieces back to back)
+    """One PieceKey's pieces, P of them over R piece rows, as device index tensors (views of a plan's buffers)."""
+
+    rows: torch.Tensor  # (R,) int64 query row of each piece row (pieces back to back)
     cu_q: torch.Tensor  # (P + 1,) int32 offsets of each piece's rows in `rows`
-    cu_q_packed: torch.Tensor  # cu_q times the query heads per KV head (GQA rows packed, see _piece_attention)
+    cu_q_packed: torch.Tensor  # (P + 1,) int32 cu_q times the query heads per KV head (GQA rows packed, see _flash)
     starts: torch.Tensor  # (P + 1,) int32 first key slot of each piece (last entry unused)
     lengths: torch.Tensor  # (P,) int32 keys of each piece (0 = an empty split)
-    host: list[tuple[int, int, int, int]]  # (row0, n_rows, start, length) for the CPU path
+    host: list[HostPiece]  # (P,) the same pieces on the host, for the CPU path
     max_k: int  # at least the longest key range, a power of two (flash sizes its work by it)
     copies: int  # rows are this many copies of every query row in order (0: any other layout)
 
 
 Span = slice  # a run of one of a plan's buffers
-PieceSpans = tuple[Span, Span, Span, Span, Span, list[tuple[int, int, int, int]], int]
+
+
+class PieceSpans(NamedTuple):
+    """Where one PieceKey's index tensors lie in a plan's buffers (each field as in Pieces)."""
+
+    rows: Span  # of the int64 buffer
+    cu_q: Span  # the rest of the int32 one
+    cu_q_packed: Span
+    starts: Span
+    lengths: Span
+    host: list[HostPiece]
+    copies: int
+
+
+class WriteSpans(NamedTuple):
+    """Where one slab's K/V writes lie in a plan's int64 buffer: the i-th row listed goes to the i-th slot."""
+
+    rows: Span | None  # (W,) the tokens to write, by row; None: all T rows in order (no gather)
+    slots: Span  # (W,) the pool slot each goes to
+
+
+class BodyItem(NamedTuple):
+    """One chunk's cache body, read by cuDNN (see BodyPolicy)."""
+
+    start: int  # first slot: the item's region's start, where its cache begins
+    tokens: int  # keys read, whole buckets (BodyPolicy.bucket)
+    rows: int  # the item's query rows (its new tokens)
+
+
+class Body(NamedTuple):
+    """A chunk batch's bodies: all in one slab, each cut into `splits` pieces along the keys."""
+
+    slab: int
+    splits: int
+    items: tuple[BodyItem, ...]  # one per item, in row order
 
 
 @dataclass
@@ -133,36 +184,43 @@ class Plan:
     one of two buffers (int64, int32) and is a view of it, so moving a plan to the device, or
     into a graph's buffers, is two copies and no host sync."""
 
-    longs: torch.Tensor
-    ints: torch.Tensor
-    write_spans: dict[int, tuple[Span | None, Span]]  # slab -> (token rows or None = all, slots)
-    piece_spans: dict[tuple[int, bool], PieceSpans]  # (slab, causal) -> rows, cu_q, cu_q packed, starts, lengths
-    n_rows: int
-    max_q: int
-    # (slab, pieces each body is cut into, (first slot, body tokens, rows) of each item); never
-    # graphed, so host ints
-    body: tuple[int, int, tuple[tuple[int, int, int], ...]] | None = None
+    longs: torch.Tensor  # (L,) int64: write rows and slots, then each PieceKey's piece rows
+    ints: torch.Tensor  # (I,) int32: each PieceKey's cu_q, cu_q_packed, starts and lengths
+    write_spans: dict[int, WriteSpans]  # by slab
+    piece_spans: dict[PieceKey, PieceSpans]
+    n_rows: int  # T: the batch's tokens (query rows), every item's back to back
+    max_q: int  # the most rows of one item
+    body: Body | None = None  # never graphed, so host ints
     # the least max_k of causal (own) and non-causal (base) pieces: a graph's, so that caches
     # growing within it keep one graph (see StepGraphs)
     max_k_floor: tuple[int, int] = (0, 0)
 
     def __post_init__(self) -> None:
         longs, ints = self.longs, self.ints
-        self.writes = {slab: (None if r is None else longs[r], longs[s]) for slab, (r, s) in self.write_spans.items()}
+        # slab -> (rows (W,) int64 or None = all T in order, slots (W,) int64)
+        self.writes = {
+            slab: (None if w.rows is None else longs[w.rows], longs[w.slots]) for slab, w in self.write_spans.items()
+        }
         floors = {True: self.max_k_floor[0], False: self.max_k_floor[1]}
         self.pieces = {
-            (slab, causal): Pieces(
-                longs[r], ints[c], ints[cp], ints[st], ints[n], host, _max_k(host, floors[causal]), copies
+            key: Pieces(
+                longs[s.rows],
+                ints[s.cu_q],
+                ints[s.cu_q_packed],
+                ints[s.starts],
+                ints[s.lengths],
+                s.host,
+                _max_k(s.host, floors[key.causal]),
+                s.copies,
             )
-            for (slab, causal), (r, c, cp, st, n, host, copies) in self.piece_spans.items()
+            for key, s in self.piece_spans.items()
         }
         # every row's pieces stacked alike: the merge is a reduction over a stack, no scatter
         self.stacked = all(p.copies for p in self.pieces.values())
         # the bodies' output rows: every row in order, once per piece of the body (as its own piece)
-        self.body_rows = None
+        self.body_rows = None  # (splits * T,) int64
         if self.body is not None:
-            slab, splits, _ = self.body
-            self.body_rows = self.pieces[(slab, True)].rows.repeat(splits)
+            self.body_rows = self.pieces[PieceKey(self.body.slab, True)].rows.repeat(self.body.splits)
 
     def to(self, device: torch.device) -> Plan:
         longs, ints = (t.to(device, non_blocking=True) for t in (self.longs, self.ints))
@@ -173,13 +231,13 @@ class Plan:
     @property
     def shape(self) -> tuple:
         """What a CUDA graph of this plan depends on besides its index values."""
-        body = None if self.body is None else (self.body[1], tuple((length, n) for _, length, n in self.body[2]))
+        body = None if self.body is None else (self.body.splits, tuple((b.tokens, b.rows) for b in self.body.items))
         return (*((key, p.max_k, len(p.host)) for key, p in self.pieces.items()), body)
 
     @property
     def single_slab(self) -> int | None:
         """The one slab every write and read of this batch is in (the usual case on a GPU)."""
-        slabs = set(self.writes) | {slab for slab, _ in self.pieces} | ({self.body[0]} if self.body else set())
+        slabs = set(self.writes) | {key.slab for key in self.pieces} | ({self.body.slab} if self.body else set())
         return slabs.pop() if len(slabs) == 1 else None
 
 
@@ -209,7 +267,7 @@ class LanguageModel:
         self.norm = text.norm
         self.embed_tokens = text.embed_tokens
         self.lm_head = loaded.model.lm_head
-        self.inv_freq = text.rotary_emb.inv_freq
+        self.inv_freq = text.rotary_emb.inv_freq  # (hd / 2,)
         self.mrope_section = loaded.mrope_section
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
@@ -274,9 +332,10 @@ class LanguageModel:
     ) -> Plan:
         """Indices for `items`; a base is cut into `split` pieces (split-KV) when it is long. With
         `device=False` the buffers stay in host memory (to be copied into a graph's)."""
-        writes: dict[int, tuple[list[int], list[int]]] = {}
-        pieces: dict[tuple[int, bool], list[tuple[int, int, int, int]]] = {}
-        bases: dict[tuple[int, bool], list[list[tuple[int, int, int, int]]]] = {}
+        writes: dict[int, tuple[list[int], list[int]]] = {}  # slab -> (token rows, slots)
+        # keyed (slab, causal) as plain tuples, made a PieceKey once each below (one per call, not item)
+        pieces: dict[tuple[int, bool], list[HostPiece]] = {}
+        bases: dict[tuple[int, bool], list[list[HostPiece]]] = {}  # each item's base pieces
         bodies = self._bodies(items)
         row = 0
         for k, it in enumerate(items):
@@ -303,17 +362,17 @@ class LanguageModel:
             pieces[key] = [piece for same_split in zip(*per_item, strict=True) for piece in same_split]
         pack = _Packer()
         write_spans = {
-            slab: (None if len(rows) == row else pack.long(rows), pack.long(slots))  # all rows in order: no gather
+            slab: WriteSpans(None if len(rows) == row else pack.long(rows), pack.long(slots))  # all in order: no gather
             for slab, (rows, slots) in writes.items()
         }
-        piece_spans = {key: self._piece_spans(pack, host, row) for key, host in pieces.items()}
+        piece_spans = {PieceKey(*key): self._piece_spans(pack, host, row) for key, host in pieces.items()}
         body_span = None
         if bodies:
             splits = _body_splits(self.device, min(it.n for it in items), self.n_heads, self.n_kv_heads, self.bodies)
-            body_span = (
+            body_span = Body(
                 items[0].dest.slab,
                 splits,
-                tuple((it.dest.start, b, it.n) for it, b in zip(items, bodies, strict=True)),
+                tuple(BodyItem(it.dest.start, b, it.n) for it, b in zip(items, bodies, strict=True)),
             )
         plan = Plan(
             _tensor(pack.longs, "q", torch.long),
@@ -346,14 +405,14 @@ class LanguageModel:
         bodies = [it.at // bucket * bucket for it in items]
         return bodies if min(bodies) >= self.bodies.min_tokens else None
 
-    def _piece_spans(self, pack: _Packer, host: list[tuple[int, int, int, int]], n_rows: int) -> PieceSpans:
+    def _piece_spans(self, pack: _Packer, host: list[HostPiece], n_rows: int) -> PieceSpans:
         # column by column (a decode step of 8 questions plans 520 pieces, in Python, every step)
         first_rows, counts, starts, lengths = zip(*host, strict=True)
         cu_q = [0, *accumulate(counts)]
         group = self.n_heads // self.n_kv_heads
         rows = list(first_rows) if max(counts) == 1 else [r for r0, n, _, _ in host for r in range(r0, r0 + n)]
         copies = len(rows) // n_rows
-        return (
+        return PieceSpans(
             pack.long(rows),
             pack.int(cu_q),
             pack.int([c * group for c in cu_q]),
@@ -379,18 +438,19 @@ class LanguageModel:
         self._layers(embeds, positions, plan, kv_only=True)
 
     def _layers(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, kv_only: bool) -> torch.Tensor | None:
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)
-        x = embeds.to(self.dtype)
-        h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)  # (T, hd) each
+        x = embeds.to(self.dtype)  # (T, D): the residual stream
+        h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)  # (T, D): x normed for the next layer
         norms = [w.norm1 for w in self.weights[1:]] + [self.norm.weight]
         for i, (w, next_norm) in enumerate(zip(self.weights, norms, strict=True)):
             between_layers()
             tokens_vary(h, cos, sin)
+            # q (T, H, hd), kv (2, kv_heads, T, hd)
             q, kv = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
             self._write(i, kv, plan)
             if kv_only and i == self.n_layers - 1:
                 return None
-            attended = self._attention(i, q, plan)
+            attended = self._attention(i, q, plan)  # (T, H, hd)
             tokens_vary(x, attended)
             x, h = self._output_and_mlp(x, attended, w.o, w.norm2, w.gate_up, w.down, next_norm, self.eps)
         return h
@@ -402,13 +462,13 @@ class LanguageModel:
 
     def _attention(self, i: int, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         """q (T, H, hd) -> attended (T, H, hd), over layer `i`'s keys (its own written first)."""
-        parts = [
-            self._piece_attention(q, self.pool.slabs[slab][i], p, causal, plan.max_q)
-            for (slab, causal), p in plan.pieces.items()
+        parts = [  # (out (R, H, hd), lse (R, H), rows (R,)) of each call
+            self._piece_attention(q, self.pool.slabs[key.slab][i], p, key.causal, plan.max_q)
+            for key, p in plan.pieces.items()
         ]
-        if plan.body is not None:  # every row in order, as its own piece is: the merge stays stacked
-            slab, splits, bodies = plan.body
-            out, lse = cudnn_body_attention(q, self.pool.slabs[slab][i], bodies, splits, self.head_dim**-0.5)
+        if (body := plan.body) is not None:  # every row in order, as its own piece is: the merge stays stacked
+            layer = self.pool.slabs[body.slab][i]
+            out, lse = cudnn_body_attention(q, layer, body.items, body.splits, self.head_dim**-0.5)
             parts.append((out, lse, plan.body_rows))
         if not plan.stacked:
             return self._merge(q.shape[0], parts)
@@ -485,14 +545,14 @@ class LanguageModel:
 
 
 def cudnn_body_attention(
-    q: torch.Tensor, layer: torch.Tensor, bodies: tuple[tuple[int, int, int], ...], splits: int, scale: float
+    q: torch.Tensor, layer: torch.Tensor, bodies: tuple[BodyItem, ...], splits: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Non-causal attention of each item's query rows over its cache's body, through cuDNN, the
     keys read where they lie in the pool (a batched copy of every body first cost 8 % of an encode
     step's device time at 64 cameras, H200).
 
     q (R, H, hd), items' rows back to back; `layer` one slab layer (2, kv_heads, slots, hd);
-    `bodies` (first slot, tokens, rows) of each item. An item's body is cut into `splits` equal
+    `bodies` one BodyItem per item. An item's body is cut into `splits` equal
     pieces along the keys (`_body_splits`), each a batch entry of one call (a strided view: no
     copy), and the query heads that share a KV head are packed as rows, so one item's call has
     enough thread blocks to fill the GPU. -> out (splits * R, H, hd), lse (splits * R, H):
@@ -504,7 +564,7 @@ def cudnn_body_attention(
     # Items of one row count (a run of chunks of one grid) share one copy for their queries and
     # two for their outputs: per item these were five small copies a layer, launched from Python
     # one by one, most of a chunk prefill's host time between kernels (64 cameras, H200)
-    for n, run in groupby(bodies, key=lambda body: body[2]):
+    for n, run in groupby(bodies, key=lambda body: body.rows):
         run = list(run)
         m = len(run)
         packed = (  # (m, splits, kv_heads, n * group, hd): each item's query heads of a KV head as rows, per piece
@@ -558,16 +618,16 @@ def _cudnn_attention_works(device: torch.device, dtype: torch.dtype, head_dim: i
         bodies = BodyPolicy()
         layer = torch.zeros(2, 1, 2 * bodies.bucket, head_dim, device=device, dtype=dtype)
         splits = _body_splits(device, 64, 2, 1, bodies)
-        cudnn_body_attention(q, layer, ((bodies.bucket // 2, bodies.bucket, 64),), splits, 1.0)
+        cudnn_body_attention(q, layer, (BodyItem(bodies.bucket // 2, bodies.bucket, 64),), splits, 1.0)
     except RuntimeError:
         return False
     return True
 
 
-def _base_pieces(row: int, n: int, base: KVView, split: int) -> dict[int, list[tuple[int, int, int, int]]]:
+def _base_pieces(row: int, n: int, base: KVView, split: int) -> dict[int, list[HostPiece]]:
     """A base's pieces for query rows `row .. row + n`, by slab: each extent cut by its share of
     `split` (one extent: exactly `split` pieces)."""
-    pieces: dict[int, list[tuple[int, int, int, int]]] = {}
+    pieces: dict[int, list[HostPiece]] = {}  # by slab
     total = max(base.length, 1)
     for e in base.extents:
         share = split if len(base.extents) == 1 else max(1, math.ceil(split * e.size / total))
@@ -575,7 +635,7 @@ def _base_pieces(row: int, n: int, base: KVView, split: int) -> dict[int, list[t
     return pieces
 
 
-def _split(row: int, n: int, start: int, length: int, split: int) -> list[tuple[int, int, int, int]]:
+def _split(row: int, n: int, start: int, length: int, split: int) -> list[HostPiece]:
     """A base's key range as `split` pieces for the same query rows (split-KV); empty pieces stay,
     so a batch's structure (and its CUDA graph) does not depend on the lengths."""
     if split == 1:
@@ -671,7 +731,7 @@ def _tensor(values: list[int], typecode: str, dtype: torch.dtype) -> torch.Tenso
     return torch.frombuffer(array(typecode, values), dtype=dtype) if values else torch.empty(0, dtype=dtype)
 
 
-def _max_k(host: list[tuple[int, int, int, int]], floor: int = 0) -> int:
+def _max_k(host: list[HostPiece], floor: int = 0) -> int:
     """The longest key range (or `floor`, if more), rounded up to a power of two: flash sizes its
     work by it, and its split-KV path reads no key past it."""
     return 1 << max(8, (max(floor, max(map(itemgetter(3), host))) - 1).bit_length())

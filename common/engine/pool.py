@@ -96,10 +96,11 @@ class KVPool:
         self.slab_tokens = slab_tokens
         self.grow_tokens = grow_tokens or slab_tokens
         self.keep_free_bytes = keep_free_bytes
-        self.slabs: list[torch.Tensor] = []
-        self._refs: list[np.ndarray] = []  # per slab: holders of each page
+        self.slabs: list[torch.Tensor] = []  # each (layers, 2, kv_heads, slots, head_dim), slots = pages * page_tokens
+        self._refs: list[np.ndarray] = []  # per slab: (pages,) int32 holders of each page
         self._free: list[list[tuple[int, int]]] = []  # per slab: sorted (first page, pages) holes
-        self._deferred: list[tuple[int, np.ndarray]] | None = None  # (slab, pages) let go of since settled()
+        # (slab, (n,) int64 sorted page indices) let go of since settled()
+        self._deferred: list[tuple[int, np.ndarray]] | None = None
         self._lock = threading.Lock()
         self.used_tokens = 0  # pages held, in tokens
         self.peak_tokens = 0  # the most ever held at once
@@ -165,7 +166,7 @@ class KVPool:
         overwritten without anybody else seeing it)."""
         a, b = self._pages(start, size)
         with self._lock:
-            others = self._refs[slab][a:b].astype(np.int64)
+            others = self._refs[slab][a:b].astype(np.int64)  # (b - a,) holders, a copy: mine taken off below
             for r in mine:
                 if r.slab == slab:
                     ra, rb = self._pages(r.start, r.size)
@@ -194,7 +195,7 @@ class KVPool:
         refs = self._refs[slab][a:b]
         self._count(int((refs == 0).sum()))
         refs += 1
-        kv = self.slabs[slab][:, :, :, start : start + size]
+        kv = self.slabs[slab][:, :, :, start : start + size]  # (layers, 2, kv_heads, size, head_dim), a view
         region = Region(kv, slab, start, size)
         region._finalizer = weakref.finalize(region, self._release, slab, a, b)
         return region
@@ -246,9 +247,9 @@ class KVPool:
 
     def _release(self, slab: int, a: int, b: int) -> None:
         with self._lock:
-            refs = self._refs[slab][a:b]
+            refs = self._refs[slab][a:b]  # (b - a,) a view: decremented in place
             refs -= 1
-            freed = np.flatnonzero(refs == 0) + a
+            freed = np.flatnonzero(refs == 0) + a  # (n,) int64 page indices, sorted
             if not len(freed):
                 return
             self._count(-len(freed))
@@ -264,7 +265,7 @@ class KVPool:
             self._deferred.clear()
 
     def _free_pages(self, slab: int, pages: np.ndarray) -> None:
-        """Sorted page indices back into the slab's holes."""
+        """Sorted page indices (n,) back into the slab's holes."""
         breaks = np.flatnonzero(np.diff(pages) != 1) + 1
         holes = self._free[slab]
         holes += [(int(run[0]), len(run)) for run in np.split(pages, breaks)]

@@ -26,6 +26,7 @@ from common.engine.frames import patchify, stack_frames
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import (
     SPLIT_KV_MIN_TOKENS,
+    BodyItem,
     _body_splits,
     cudnn_body_attention,
 )
@@ -97,7 +98,7 @@ def _cudnn_bodies(rt: Runtime, rows: int, up_to: int = GRAPH_BASE_TOKENS) -> Non
     q = torch.zeros(rows, lm.n_heads, lm.head_dim, device=rt.device, dtype=lm.dtype)
     splits = _body_splits(rt.device, rows, lm.n_heads, lm.n_kv_heads, lm.bodies)
     for length in range(lm.bodies.min_tokens, min(up_to, layer.shape[2]) + 1, lm.bodies.bucket):
-        cudnn_body_attention(q, layer, ((0, length, rows),), splits, 1.0)
+        cudnn_body_attention(q, layer, (BodyItem(0, length, rows),), splits, 1.0)
 
 
 def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
