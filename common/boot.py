@@ -159,32 +159,58 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
 
 def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None):
     """The model on its device, its GPU scheduler running as `gpu` says, or exit: 2 for a device
-    this machine lacks, 4 for the model."""
-    from common.engine.warmup import warm_up
-
+    this machine lacks, 4 for the model. Each step below is named for what it does, in the order
+    it must run in."""
     gpu = gpu or GPUSettings()
     t0 = time.monotonic()
-    rt = load_model_or_exit(model, device, vision_graphs=gpu.gpu_vision_graphs)
+    rt = load_model_or_exit(
+        model,
+        device,
+        vision_graphs=gpu.gpu_vision_graphs,
+        on_graph_capture=metrics.record_graph_capture,
+    )
     load_s = time.monotonic() - t0
-    warm_up_s = 0.0
-    rt.on_graph_capture = rt.vision_tower.on_capture = metrics.record_graph_capture
     metrics.watch_pool(rt.pool)
-    if rt.device.type == "cuda":  # neither exists on a CPU
-        # Before the warm-up: a compiled function's guards include torch's thread count, so a
-        # change after it recompiled everything the warm-up compiled, as stalls of the serving loop.
-        _one_cpu_thread_per_op()
-        # compiles and graph captures now, not as stalls of the GPU loop once cameras stream
-        warm_up_s = warm_up(rt, max_chunks=gpu.gpu_max_chunks)
-        # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
-        # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
-        # many times a step. A short interval hands it back sooner.
-        sys.setswitchinterval(GIL_SWITCH_S)
-    # one loop owns the GPU: batches every stream and question
+    warm_up_s = _prepare_device(rt, gpu)
     # what start-up made lives as long as the process (stalls.py); frozen before the stall watch
     # starts timing collections, so that this deliberate one is not reported as a pause
     frozen = freeze_heap()
+    rt.executor = _start_gpu_loop(rt, gpu)
+    health.READINESS.model_loaded = True
+    log.info(
+        "model loaded",
+        model=model,
+        device=str(rt.device),
+        load_s=round(load_s, 1),
+        warm_up_s=round(warm_up_s, 1),
+        frozen_objects=frozen,
+    )
+    return rt
+
+
+def _prepare_device(rt: Runtime, gpu: GPUSettings) -> float:
+    """On a GPU, the process set up to feed it and everything compiled and captured now, not as
+    stalls of the GPU loop once cameras stream: the warm-up's seconds (0 on a CPU)."""
+    if rt.device.type != "cuda":
+        return 0.0
+    from common.engine.warmup import warm_up
+
+    # Before the warm-up: a compiled function's guards include torch's thread count, so a
+    # change after it recompiled everything the warm-up compiled, as stalls of the serving loop.
+    _one_cpu_thread_per_op()
+    warm_up_s = warm_up(rt, max_chunks=gpu.gpu_max_chunks)
+    # The GPU loop drops the GIL at every CUDA wait; with dozens of stream and question threads
+    # busy, taking it back costs up to a whole switch interval (5 ms by default) each time,
+    # many times a step. A short interval hands it back sooner.
+    sys.setswitchinterval(GIL_SWITCH_S)
+    return warm_up_s
+
+
+def _start_gpu_loop(rt: Runtime, gpu: GPUSettings) -> Scheduler:
+    """The one loop that owns the device (batches every stream and question), running, with its
+    metrics and, on a GPU, the watches that report a slow or stuck step."""
     policy = gpu.schedule_policy()
-    if policy.join_during_encode:  # questions start beside encode steps: see pool.py
+    if policy.join_during_encode:  # questions start beside encode steps: frees wait for the loop's settle (pool.py)
         rt.pool.defer_frees()
     # on a CPU every encode step takes seconds: a slow step says nothing there
     stall_watch = StallWatch() if rt.device.type == "cuda" else StallWatch(slow_s=math.inf)
@@ -200,17 +226,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         stall_watch.sampler = StepSampler(scheduler).start()
         if gpu.gpu_stuck_s:
             StuckWatch(scheduler, gpu.gpu_stuck_s, _gpu_stuck).start()
-    rt.executor = scheduler
-    health.READINESS.model_loaded = True
-    log.info(
-        "model loaded",
-        model=model,
-        device=str(rt.device),
-        load_s=round(load_s, 1),
-        warm_up_s=round(warm_up_s, 1),
-        frozen_objects=frozen,
-    )
-    return rt
+    return scheduler
 
 
 def load_model_or_exit(model: str, device: str | None, **runtime: Any) -> Runtime:

@@ -36,6 +36,7 @@ class Runtime:
         vision_compile_min_tokens: int = COMPILED_MIN_TOKENS,
         page_tokens: int = PAGE_TOKENS,
         vision_graphs: bool = False,
+        on_graph_capture: Callable[[float], None] | None = None,
     ):
         """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
         `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
@@ -43,11 +44,12 @@ class Runtime:
         16 448² chunks from 10.3 to 7.9 ms a chunk; on a CPU inductor spends a minute building C++
         for little gain), for batches of at least `vision_compile_min_tokens` patches.
         `page_tokens`: the pool's page (pool.py). `vision_graphs`: compiled vision batches are
-        replayed from CUDA graphs (vision.py)."""
+        replayed from CUDA graphs (vision.py). `on_graph_capture(seconds)`: after each CUDA graph
+        captured, the vision tower's and the question steps' (metrics)."""
         self.loaded = loaded
         # before the pool, which takes what memory is left: the tower holds a padded MLP copy
         backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
-        self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens, vision_graphs)
+        self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens, vision_graphs, on_graph_capture)
         self.pool = _make_pool(loaded, pool_tokens, page_tokens)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
@@ -59,7 +61,7 @@ class Runtime:
         # batches every stream's chunks and every question's steps.
         self.executor: Executor = InlineExecutor()
         self.step_graphs: StepGraphs | None = None  # built on the first question step on a GPU
-        self.on_graph_capture: Callable[[float], None] | None = None  # seconds of each capture
+        self.on_graph_capture = on_graph_capture
 
     def encode(self, text: str, *, user: bool = False) -> list[int]:
         """Token ids of ``text``. ``user=True`` for anything a person wrote: special-token parsing

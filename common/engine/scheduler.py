@@ -1,31 +1,50 @@
 """One scheduler per GPU: a loop that owns the device and decides, every step, what runs.
 
-Callers in any thread submit work (work.py) and wait on futures; only this loop's thread runs
-forwards, so there is no lock that threads take turns on. Each step:
+**Invariant.** Only the loop's thread runs forwards; callers in any thread submit work (work.py)
+and wait on futures, so no lock is taken in turns around the device. Steps run one at a time, and
+each ends with the device idle (a sync): what a step wrote is on the device before the next step
+is chosen, and pages the pool let go of during it are free again only then (`on_settled`). Given
+that, every step guarantees:
 
-1. tasks (a mirror applying a version, a stream restoring from the store) run first: they are
-   short, and questions may be waiting on them;
-2. questions: every active generation advances by one token in one batched forward; questions
-   waiting to start join it (their prefill rides in the same forward), up to `max_batch`.
-   Without `decode_before_encode`, this step is skipped when an encode step is due: it runs
-   beside that step's first kernels instead of alone before it;
-3. chunks, after the questions' step (a new question never waits behind an encode step), when
-   nothing else waits, or encoding has had less than `encode_share` of recent GPU time, or a
-   chunk has waited past `chunk_deadline_s` and encoding has had less than `max_encode_share`:
-   up to `max_chunks` chunks, at most one per stream, streams taken round-robin, go through one
-   vision and one prefill forward. A person asking gets priority, but live cameras get what they
-   need to stay live (the deadline), questions keep at least 1 - `max_encode_share` of the GPU,
-   and when the GPU cannot keep up every stream falls behind (and drops frames) alike.
-   Questions being answered keep decoding beside an encode step, launched between its layers
-   (interleave.py); with `join_during_encode`, questions that arrive meanwhile start beside it
-   too, each once all it reads is on the device (`StepJob.may_start_beside`: a version the step
-   published may not be written yet, while one of another stream is); with `decode_sms`, while
-   encoding keeps up, the encode step runs on fewer SMs (a green context), leaving the rest free
-   for the decode kernels.
-   A stream whose chunk set off an exact eviction adds one piece of its rebuild (at most
-   `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead, beside the other
-   streams' chunks, until its rebuilt version is published: questions keep their turn between
-   pieces, and the stream's next chunk waits for the rebuild, as it must.
+- questions: every active question advances one token a step (at most `max_batch` active, the
+  rest wait in order), and with `decode_during_encode` never waits out a whole encode step: it
+  decodes beside the step's layers;
+- encoding: whenever chunks wait, they get at least `encode_share` of recent GPU time, up to
+  `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no question
+  waits; streams are served round-robin, one chunk each an encode step, so when the GPU cannot
+  keep up every stream falls behind (and drops frames) alike;
+- failures: a job that fails fails alone (its future); a failure outside any job (a CUDA error
+  that poisons the device) fails every job and stops the loop (`on_fatal`).
+
+**A step**, in order:
+
+1. tasks (a mirror applying a version, a stream restoring from the store): short, and questions
+   may be waiting on them;
+2. questions: one batched forward advances every active generation by a token; waiting ones join
+   it (their prefill rides in the same forward). Skipped when an encode step is due and
+   `decode_before_encode` is off: it then runs beside that step's first kernels;
+3. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
+   one prefill forward. Questions being answered decode beside it, launched between its layers
+   (interleave.py), and those arriving meanwhile join them once all they read is on the device
+   (`StepJob.may_start_beside`). A stream whose chunk set off an exact eviction adds one piece of
+   its rebuild (at most `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead,
+   until its rebuilt version is published; its next chunk waits for that, as it must.
+
+**Settings** (`SchedulePolicy` declares each with its default and help; the services set them as
+`gpu_*`, see README):
+
+| setting | decides |
+|---|---|
+| `max_batch` | questions advanced together; the rest wait in order |
+| `max_chunks` | chunks encoded together: bounds how long one encode step holds up questions |
+| `encode_share` | share of recent GPU time encoding always gets while questions also wait |
+| `chunk_deadline_s` | a chunk waiting longer makes encoding due up to `max_encode_share` |
+| `max_encode_share` | the most encoding takes from waiting questions (they keep the rest) |
+| `window_s` | about how long the shares are measured over (an exponential decay) |
+| `decode_during_encode` | questions being answered decode beside an encode step, between its layers |
+| `decode_before_encode` | questions take a step alone before each encode step; off, beside its first kernels |
+| `join_during_encode` | questions arriving during an encode step start beside it (needs the pool to defer frees) |
+| `decode_sms` | SMs an encode step leaves to the decode kernels beside it (a green context), while encoding keeps up |
 """
 
 from __future__ import annotations

@@ -158,11 +158,13 @@ class VisionTower:
         compile_backend: str | None = None,
         compile_min_tokens: int = COMPILED_MIN_TOKENS,
         graphs: bool = False,
+        on_capture: Callable[[float], None] | None = None,
     ):
         """`compile_backend` ("inductor" on a GPU) compiles what surrounds the attention in a
         block (norms, projections, rotary, MLP): one graph each for every block and batch, used
         for batches of at least `compile_min_tokens` patches (smaller ones run eagerly). `graphs`:
-        compiled batches are replayed from CUDA graphs (on a GPU)."""
+        compiled batches are replayed from CUDA graphs (on a GPU); `on_capture(seconds)` after
+        each graph captured (metrics)."""
         visual = loaded.model.model.visual
         cfg = loaded.vision_config
         if cfg.hidden_act != "silu":
@@ -193,7 +195,7 @@ class VisionTower:
         self._graphs: dict[tuple[GridTHW, ...], _TowerGraph] = {}
         self._capture_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
         self._mempool = None  # both made with the first
-        self.on_capture: Callable[[float], None] | None = None  # seconds of each capture (metrics)
+        self.on_capture = on_capture
         self.compile_min_tokens = compile_min_tokens
         self._compiled = None
         if compile_backend:  # attention stays eager: its layouts vary with the batch, these shapes only in length
