@@ -78,12 +78,14 @@ def test_the_next_requests_after_a_redis_restart_succeed(redis_server):
     assert events[-1][0] == "final" and events[-1][1]["text"].startswith("It is "), events
 
 
-def test_many_streamed_answers_share_a_few_redis_connections(redis_url):
+def test_many_streamed_answers_share_a_few_redis_connections(redis_server):
     """40 streamed answers at once from an API allowed 4 pooled connections and 2 answer readers:
     every one gets its own deltas and final, while the API holds at most 6 connections to Redis
-    (each answer held a pooled connection in XREAD BLOCK: past the pool's size, 503s)."""
-    n, cfg = 40, ApiConfig(redis_url=redis_url, redis_max_connections=4, answer_readers=2, answer_timeout_s=30)
-    r = _observer(redis_url)
+    (each answer held a pooled connection in XREAD BLOCK: past the pool's size, 503s). A Redis of
+    its own: the session's holds whatever clients earlier tests left open, and those would count."""
+    url = redis_server.url
+    n, cfg = 40, ApiConfig(redis_url=url, redis_max_connections=4, answer_readers=2, answer_timeout_s=30)
+    r = _observer(url)
     seen: list[int] = []
 
     async def run() -> list[tuple[str, list]]:
