@@ -46,9 +46,10 @@ class Client:
         self.r.xadd(keys.QUESTIONS, encode_question(q))
         return q.id
 
-    def known(self, stream: str) -> bool:
-        """Whether the stream exists (the API's check: its 404)."""
-        return bool(self.r.exists(*status.presence_keys(stream)))
+    def known(self, stream: str, *also: str) -> bool:
+        """Whether the stream exists (the API's check: its 404), or any of the keys ``also`` does
+        (a transcript outlives the stream's head and meta, and is still worth reading)."""
+        return bool(self.r.exists(*status.presence_keys(stream), *also))
 
     def replies(self, qid: str, timeout_s: float = 120.0) -> Iterator[AnswerDelta | FinalAnswer]:
         """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
@@ -118,7 +119,8 @@ def main(argv: list[str]) -> int:
         boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     client = Client(boot.connect_tool(ns.redis_url, prog))
     try:
-        if not client.known(ns.stream):  # at once, not after a worker's error reply
+        also = () if command == "ask" else (keys.transcript(ns.stream),)
+        if not client.known(ns.stream, *also):  # at once, not after a worker's error reply
             where = {"stream": ns.stream, "redis": redact_url(ns.redis_url)}
             boot.fail(boot.EXIT_CONFIG, "unknown stream", service=prog, **where)
         return _ask(client, ns) if command == "ask" else _transcript(client, ns)

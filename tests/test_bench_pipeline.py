@@ -191,9 +191,11 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert [b["from_s"] for b in bins] == sorted({b["from_s"] for b in bins}) and bins[0]["from_s"] >= 0
     assert min(b["p50"] for b in bins) <= client["p50"] <= max(b["p95"] for b in bins)
 
-    gpu = run["gpu_steps"]  # two workers: their GPU-seconds add up, to at most 2 a second
+    # two workers: their GPU-seconds add up, to at most 2 a second, plus the step each had in flight
+    # when the window opened (counted whole when it ends inside): seconds long on a busy 2-core CPU
+    gpu = run["gpu_steps"]
     assert gpu["encode"]["share"] > 0 and gpu["decode"]["share"] > 0
-    assert sum(gpu[k]["share"] for k in ("encode", "decode", "task")) <= 2.05
+    assert sum(gpu[k]["share"] for k in ("encode", "decode", "task")) <= 3.0
     # a chunk of 4 frames per stream per step, so at most one chunk per camera in a worker's step
     assert 1 <= gpu["encode"]["units_per_step"] <= 2 and gpu["decode"]["units_per_step"] >= 1
     chunks = gpu["encode"]["units_per_step"] * gpu["encode"]["steps"]
