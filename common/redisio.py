@@ -34,6 +34,10 @@ Entry = tuple[str, str, dict[bytes, bytes]]  # (stream key, entry id, fields)
 SOCKET_MARGIN_S = 5.0  # socket timeout = longest blocking read + this
 CONNECT_RETRIES = 10  # ~10 s of exponential backoff (50 ms doubling, capped at 2 s)
 HEALTH_CHECK_INTERVAL_S = 30
+# A client's connection pool bound. redis-py 8 caps a pool at 100 by default, but the services hold
+# one blocking connection per camera thread (ingest one per camera, an encoder one per owned stream):
+# at 128 cameras ingest failed with "Too many connections". The server's own maxclients default.
+MAX_CONNECTIONS = 10_000
 # Dead letters are bounded: at most this many fields of an entry, names and values truncated,
 # the stream capped (1,000 entries x ~70 KB at most).
 DEAD_LETTER_MAXLEN = 1000
@@ -128,6 +132,7 @@ def connect(url: str, *, block_ms: int = 5000, retries: int = CONNECT_RETRIES) -
         retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries),
         health_check_interval=HEALTH_CHECK_INTERVAL_S,
         decode_responses=False,
+        max_connections=MAX_CONNECTIONS,
     )
 
 

@@ -56,6 +56,27 @@ def test_connect_socket_timeout_above_block(redis_url):
     assert 0.15 < time.monotonic() - t0 < 2
 
 
+def test_connect_holds_a_blocking_read_per_camera_past_redis_py_default_pool(redis_url):
+    """150 threads each in a blocking read on one client (ingest's threads, one per camera): redis-py
+    8's default pool of 100 refused the 101st with "Too many connections" (seen at 128 cameras)."""
+    r = connect(redis_url, block_ms=2000)
+    key = f"t:{time.monotonic_ns()}"
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            r.xread({key: "$"}, block=1000)
+        except BaseException as e:  # collected for the assertion
+            errors.append(e)
+
+    threads = [threading.Thread(target=read) for _ in range(150)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
 def test_ensure_group_idempotent(redis_url):
     r = connect(redis_url)
     assert ensure_group(r, S, G) is True  # MKSTREAM: the stream exists now
