@@ -93,6 +93,7 @@ from qa_worker.client import Client
 from scripts.gil_holders import GilSampler
 
 REPO = Path(__file__).resolve().parents[1]
+SCRAPE_TIMEOUT_S = 30.0
 SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): ingest never resizes
 QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
 PROGRESS_EVERY_S = 5.0
@@ -318,7 +319,8 @@ LABELS = ("stream", "kind", "state", "how", "role", "outcome", "part", "phase")
 def scrape(port: int) -> dict[tuple[str, str, str], float]:
     """(sample name, its one label that is not a reason or a bucket, reason or histogram bucket)
     -> value, from a service's Prometheus endpoint."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+    # 30 s: one ingest process feeding 128 cameras once took longer than 10 s to answer a scrape
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=SCRAPE_TIMEOUT_S) as resp:
         text = resp.read().decode()
     return {
         (
