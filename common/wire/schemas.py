@@ -28,6 +28,7 @@ from PIL import Image
 
 from common.engine.params import DEFAULT_MAX_TOKENS, MAX_NEW_TOKENS, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P
 from common.engine.spans import capture_ranges
+from common.wire.timeref import TimeRef, parse_time_ref
 
 SCHEMA_VERSION = 1
 FIELD = "m"  # the one stream field that carries a msgpack payload
@@ -580,6 +581,8 @@ _QUESTION_FIELDS = {
     "choices",
     "at",
     "reply_ttl",
+    "since",
+    "until",
     "asked",  # written by the forwarder: the question's entry id in svqa:questions (when it was asked)
 }
 _INT_RE = re.compile(r"[+-]?[0-9]{1,19}")
@@ -597,6 +600,10 @@ class Question:
     choices: tuple[str, ...] | None = None  # multiple choice: answer is one of these
     at: int | None = None  # cache version to answer against; None = the latest (head)
     reply_ttl: int | None = None  # seconds; None = the worker's default
+    # a past span, answered from the frames log instead of the live cache (timeref.py); until
+    # None = when the question was asked
+    since: TimeRef | None = None
+    until: TimeRef | None = None
 
 
 def _text_fields(fields: Mapping[Any, Any], max_bytes: int) -> dict[str, str]:
@@ -708,7 +715,35 @@ def parse_question(fields: Mapping[Any, Any], *, limits: Limits = DEFAULT_LIMITS
         kw["at"] = _parse_at(f["at"])
     if "reply_ttl" in f:
         kw["reply_ttl"] = _parse_int("reply_ttl", f["reply_ttl"], 1, MAX_REPLY_TTL_S)
+    for name in ("since", "until"):
+        if name in f:
+            kw[name] = _parse_time_ref(name, f[name])
+    _check_span(kw.get("since"), kw.get("until"), kw.get("at"))
     return Question(**kw)
+
+
+def _parse_time_ref(name: str, s: str) -> TimeRef:
+    try:
+        return parse_time_ref(s)
+    except ValueError as e:
+        raise SchemaError(name, str(e)) from None
+
+
+def _check_span(since: TimeRef | None, until: TimeRef | None, at: int | None) -> None:
+    """What a span's edges contradict without a clock; the rest (since in the future, an until
+    before a since of the other form) is the worker's to say, once it knows when it was asked."""
+    if since is None:
+        if until is not None:
+            raise SchemaError("until", "needs since: a span starts at since")
+        return
+    if at is not None:
+        raise SchemaError("at", "names a cache version, and since a past span (from the frames log): not both")
+    if until is None:
+        return
+    if (until.ago_s is not None and since.ago_s is not None and until.ago_s >= since.ago_s) or (
+        until.at is not None and since.at is not None and until.at <= since.at
+    ):
+        raise SchemaError("until", "must be later than since: the span is empty")
 
 
 def checked_question(stream: str, question: str, **options: Any) -> Question:
@@ -732,6 +767,7 @@ def encode_question(q: Question) -> dict[str, str]:
     out["at"] = "latest" if q.at is None else str(q.at)
     if q.reply_ttl is not None:
         out["reply_ttl"] = str(q.reply_ttl)
+    out |= {name: str(ref) for name, ref in (("since", q.since), ("until", q.until)) if ref is not None}
     return out
 
 

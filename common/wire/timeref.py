@@ -1,0 +1,81 @@
+"""A question's span edges, `since` and `until`: seconds before the question was asked, or a time.
+
+What the protocol, `streamvqa ask --since 1h` and the HTTP API all take, in one form:
+
+- seconds before the question was asked: a number (`3600`, `90.5`) or a duration (`90s`, `15m`,
+  `1h`, `2h30m`, `1d`);
+- a point in time: ISO 8601 with its UTC offset (`2026-11-28T02:00:00+01:00`, `...Z`). A time
+  without one is refused here: the worker cannot know which zone the asker meant (the CLI reads
+  one as the asker's local time and sends it with its offset).
+
+"Before it was asked", not before a worker takes it: a question that waited in the queue still
+means the span its asker meant (the worker counts from the question's entry id).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+MAX_TEXT = 64
+MAX_AGO_S = 10 * 366 * 86_400  # ten years: beyond any retention
+_UNITS = {"d": 86_400.0, "h": 3_600.0, "m": 60.0, "s": 1.0}
+_NUMBER = re.compile(r"[0-9]+(\.[0-9]+)?|\.[0-9]+")
+_DURATION = re.compile("".join(rf"(?:([0-9]+(?:\.[0-9]+)?){unit})?" for unit in _UNITS))  # 2h30m: units in this order
+FORMS = "seconds before now (90, 90s, 15m, 1h, 2h30m, 1d) or an ISO 8601 time with its UTC offset"
+
+
+@dataclass(frozen=True)
+class TimeRef:
+    """One edge of a span: `ago_s` seconds before the question was asked, or the unix time `at`."""
+
+    ago_s: float | None = None
+    at: float | None = None
+
+    def __post_init__(self) -> None:
+        if (self.ago_s is None) == (self.at is None):
+            raise ValueError("a time reference is either seconds ago or a time")
+
+    def resolve(self, asked_at: float) -> float:
+        """The edge as unix seconds, for a question asked at `asked_at`."""
+        return self.at if self.at is not None else asked_at - self.ago_s
+
+    def __str__(self) -> str:
+        """Its wire text, which `parse_time_ref` reads back to an equal value."""
+        if self.ago_s is not None:
+            return repr(self.ago_s)
+        return datetime.fromtimestamp(self.at, UTC).isoformat()
+
+
+def parse_time_ref(text: str) -> TimeRef:
+    """`text` in one of the FORMS; ValueError saying which forms are taken."""
+    s = text.strip()
+    if len(s) > MAX_TEXT:
+        raise ValueError(f"too long ({len(s)} characters): expected {FORMS}")
+    if not s:
+        raise ValueError(f"empty: expected {FORMS}")
+    ago = _seconds(s)
+    if ago is not None:
+        if not ago <= MAX_AGO_S:
+            raise ValueError(f"{s!r} is more than ten years")
+        return TimeRef(ago_s=ago)
+    try:
+        when = datetime.fromisoformat(s)
+    except ValueError:
+        raise ValueError(f"expected {FORMS}, got {s!r}") from None
+    if when.tzinfo is None:
+        raise ValueError(f"{s!r} has no UTC offset: add Z or one like +01:00")
+    return TimeRef(at=when.timestamp())
+
+
+def _seconds(s: str) -> float | None:
+    """Seconds in a number or a duration; None for anything else (a time, say)."""
+    if _NUMBER.fullmatch(s):
+        return float(s)
+    m = _DURATION.fullmatch(s.lower())
+    if m is None or not any(m.groups()):
+        return None
+    seconds = sum(float(v) * _UNITS[unit] for v, unit in zip(m.groups(), "dhms", strict=True) if v)
+    return seconds if math.isfinite(seconds) else None

@@ -1,0 +1,98 @@
+"""`since` and `until` wherever a question is asked: the Redis protocol (redis-cli, as any client
+writes it, on a real redis-server), `streamvqa ask --since`, `POST /api/streams/{cam}/ask` and the
+OpenAI endpoint's extension fields. Each takes seconds before asking (90, 90s, 15m, 1h, 2h30m,
+1d) or an ISO 8601 time with its UTC offset, and refuses anything else with a clear error naming
+the field, before anything is queued."""
+
+from __future__ import annotations
+
+import subprocess
+from datetime import UTC, datetime
+
+import pytest
+import redis
+
+from common.wire import keys
+from common.wire.schemas import SchemaError, checked_question, encode_question, parse_question
+from common.wire.timeref import TimeRef, parse_time_ref
+
+NOON = datetime(2026, 11, 28, 12, 0, tzinfo=UTC).timestamp()
+
+
+@pytest.mark.parametrize(
+    ("text", "ref"),
+    [
+        ("3600", TimeRef(ago_s=3600.0)),
+        ("90.5", TimeRef(ago_s=90.5)),
+        ("90s", TimeRef(ago_s=90.0)),
+        ("15m", TimeRef(ago_s=900.0)),
+        ("1h", TimeRef(ago_s=3600.0)),
+        ("2h30m", TimeRef(ago_s=9000.0)),
+        ("1d2h", TimeRef(ago_s=93_600.0)),
+        (" 1H ", TimeRef(ago_s=3600.0)),
+        ("2026-11-28T12:00:00Z", TimeRef(at=NOON)),
+        ("2026-11-28T13:30:00+01:30", TimeRef(at=NOON)),
+        ("2026-11-28T12:00:00.250+00:00", TimeRef(at=NOON + 0.25)),
+    ],
+)
+def test_a_span_edge_is_seconds_before_asking_or_a_time(text, ref):
+    assert parse_time_ref(text) == ref
+    assert parse_time_ref(str(ref)) == ref, "its wire text reads back the same"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("2026-11-28T12:00:00", "no UTC offset"),
+        ("2026-11-28", "no UTC offset"),
+        ("-5", "expected seconds before now"),
+        ("1h30", "expected seconds before now"),
+        ("yesterday", "expected seconds before now"),
+        ("", "empty"),
+        ("9" * 70, "too long"),
+        ("4000d", "more than ten years"),
+    ],
+)
+def test_anything_else_is_refused_saying_what_is_taken(text, says):
+    with pytest.raises(ValueError, match=says):
+        parse_time_ref(text)
+
+
+def test_an_edge_counts_back_from_when_the_question_was_asked():
+    assert TimeRef(ago_s=60).resolve(asked_at=1000.0) == 940.0
+    assert TimeRef(at=NOON).resolve(asked_at=1000.0) == NOON
+
+
+def test_since_and_until_travel_in_a_question():
+    q = checked_question("cam1", "when did the van arrive?", since=parse_time_ref("2h"), until=parse_time_ref("1h"))
+    fields = encode_question(q)
+    assert (fields["since"], fields["until"]) == ("7200.0", "3600.0")
+    assert parse_question(fields) == q
+    assert "since" not in encode_question(checked_question("cam1", "hi")), "without since: the live cache"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field", "says"),
+    [
+        ({"since": "soon"}, "since", "expected seconds before now"),
+        ({"until": "1h"}, "until", "needs since"),
+        ({"since": "2h", "at": "3"}, "at", "not both"),
+        ({"since": "1h", "until": "2h"}, "until", "later than since"),
+        ({"since": "1h", "until": "1h"}, "until", "later than since"),
+        ({"since": "2026-11-28T12:00:00Z", "until": "2026-11-28T11:00:00Z"}, "until", "later than since"),
+        ({"since": "2026-11-28T12:00:00"}, "since", "no UTC offset"),
+    ],
+)
+def test_a_span_that_cannot_be_is_a_schema_error_naming_its_field(fields, field, says):
+    with pytest.raises(SchemaError, match=f"^{field}: .*{says}"):
+        parse_question({"id": "q1", "stream": "cam1", "question": "what?", **fields})
+
+
+def test_redis_cli_asks_about_the_past(redis_url, redis_cli):
+    add = [redis_cli, "-u", redis_url, "XADD", keys.QUESTIONS, "*", "id", "q-1", "stream", "cam1"]
+    span = ["since", "2026-11-28T02:00:00+01:00", "until", "30m"]
+    subprocess.run([*add, "question", "what happened at the gate?", *span], check=True, capture_output=True)
+    ((_, fields),) = redis.Redis.from_url(redis_url).xrange(keys.QUESTIONS)
+    q = parse_question(fields)
+    assert q.since == TimeRef(at=datetime(2026, 11, 28, 1, 0, tzinfo=UTC).timestamp())
+    assert q.until == TimeRef(ago_s=1800.0)
