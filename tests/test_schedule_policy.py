@@ -110,6 +110,40 @@ def test_lanes_take_turns():
     assert order == ["a", "b", "c", "a", "a"]
 
 
+def background(lane: str, order: list[str]) -> Busy:
+    job = Busy(lane, order)
+    job.background = True
+    return job
+
+
+def test_a_background_lane_takes_only_the_places_the_cameras_leave():
+    """A history question's re-encode (a background lane) never displaces a camera's chunk from an
+    encode step, however long it has waited; it rides along where there is room."""
+    scheduler = Scheduler(SchedulePolicy(max_chunks=2))
+    order: list[str] = []
+    for job in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
+        scheduler.submit(job)
+    scheduler.submit(Busy("a", order))
+    scheduler.step()  # two cameras wait: the step is theirs
+    assert order == ["a", "b"]
+    scheduler.step()  # one camera's chunk left: the background lane fills the other place
+    assert order == ["a", "b", "a", "h"]
+    scheduler.step()
+    assert order == ["a", "b", "a", "h", "h"]
+
+
+def test_a_background_lanes_wait_never_makes_encoding_due():
+    scheduler = Scheduler(SchedulePolicy(chunk_deadline_s=0.5))
+    old = background("h", [])
+    old.waiting_since = time.monotonic() - 60  # as if submitted a minute ago
+    scheduler.submit(old)
+    assert scheduler._oldest_wait() == 0.0
+    camera = Busy("cam", [])
+    camera.waiting_since = time.monotonic() - 2.0
+    scheduler.submit(camera)
+    assert 1.9 < scheduler._oldest_wait() < 5
+
+
 def test_encoding_leaves_sms_to_questions_only_beside_them_and_while_it_keeps_up():
     """`decode_sms`: SMs are left free only for an encode step that questions decode beside, and
     only while its chunks have waited no longer than the deadline: a camera falling behind gets

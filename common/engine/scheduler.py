@@ -12,7 +12,9 @@ that, every step guarantees:
 - encoding: whenever chunks wait, they get at least `encode_share` of recent GPU time, up to
   `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no question
   waits; streams are served round-robin, one chunk each an encode step, so when the GPU cannot
-  keep up every stream falls behind (and drops frames) alike;
+  keep up every stream falls behind (and drops frames) alike. Background lanes (a question's
+  temporary cache of past frames) come after every stream: they fill the places of an encode
+  step the streams leave, and their wait never makes encoding due;
 - failures: a job that fails fails alone (its future); a failure outside any job (a CUDA error
   that poisons the device) fails every job and stops the loop (`on_fatal`).
 
@@ -411,7 +413,7 @@ class Scheduler:
     def _encode_batch(self) -> int:
         with self._lock:
             batch: list[BatchJob] = []
-            for lane in list(self._lanes)[: self.policy.max_chunks]:
+            for lane in self._lanes_first()[: self.policy.max_chunks]:
                 queue = self._lanes.pop(lane)
                 batch.append(queue.popleft())
                 if queue:
@@ -436,6 +438,14 @@ class Scheduler:
         self._complete_in_flight()
         self._requeue([job for job in batch if not job.done])
         return len(batch)
+
+    def _lanes_first(self) -> list[str]:
+        """The lanes in the order an encode step takes them: round-robin, background lanes after
+        all the others (under the lock)."""
+        lanes = list(self._lanes)
+        return [n for n in lanes if not self._lanes[n][0].background] + [
+            n for n in lanes if self._lanes[n][0].background
+        ]
 
     def _run_batches(self, batch: list[BatchJob]) -> None:
         by_class: dict[type, list[BatchJob]] = {}
@@ -481,7 +491,8 @@ class Scheduler:
 
     def _oldest_wait(self) -> float:
         with self._lock:
-            oldest = min((lane[0].waiting_since for lane in self._lanes.values() if lane), default=None)
+            waits = (lane[0].waiting_since for lane in self._lanes.values() if lane and not lane[0].background)
+            oldest = min(waits, default=None)
         return 0.0 if oldest is None else time.monotonic() - oldest
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:

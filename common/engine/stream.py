@@ -69,7 +69,9 @@ class StreamEngine:
     loop). With exact eviction, `on_embeds(segment, embeds)` sees each chunk's vision embeddings
     likewise. `restore` continues a stream from a published manifest instead of starting empty;
     `load_embeds` then gives back the kept embeddings of its chunks (exact eviction). A stream
-    started empty gets ``epoch`` on its versions; a restored one keeps its manifest's.
+    started empty gets ``epoch`` on its versions; a restored one keeps its manifest's. A
+    ``background`` stream (a temporary cache of past frames) is encoded in the places of encode
+    steps that other streams leave.
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class StreamEngine:
         on_embeds: SegmentSink | None = None,
         load_embeds: EmbedsSource | None = None,
         epoch: str = "",
+        background: bool = False,
     ):
         self.rt = runtime
+        self.background = background  # its chunks yield to every other stream's (work.BatchJob)
         self.spec = spec
         self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
         self.cache.epoch = epoch
@@ -258,6 +262,7 @@ class ChunkJob(BatchJob):
         super().__init__()
         self.engine, self.chunk = engine, chunk
         self.lane = engine.spec.name
+        self.background = engine.background
         self.waiting_since = chunk.waiting_since
         self.started: tuple[Region, int, Segment] | None = None  # where the chunk was prefilled; its segment
         self.original: torch.Tensor | None = None  # its K/V as prefilled, for `on_segment`

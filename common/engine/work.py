@@ -5,7 +5,8 @@ knows how to run itself):
 
 - a `BatchJob` belongs to a lane (a stream); jobs of one class, one per lane, run together in one
   call (`run_batch`), e.g. the chunks of many streams through one vision forward and one prefill
-  forward. A job usually finishes in one batch; one that does not (a chunk that set off an exact
+  forward. A background lane (a temporary cache for a question about the past) gets only the
+  places that the others leave. A job usually finishes in one batch; one that does not (a chunk that set off an exact
   eviction, whose rebuild runs a piece per batch) stays first in its lane for the next;
 - a `StepJob` runs for many steps; every active job of one class advances by one step in one
   call (`step_batch`), e.g. one decode step of every question being answered. A step is launched
@@ -43,6 +44,9 @@ class BatchJob(Job):
     # caller knows (a live chunk: since its last frame was captured, not since the stream's
     # thread, done with the chunk before, got to it)
     waiting_since: float = math.inf
+    # below every lane that is not: it takes only the places of an encode step those leave, and
+    # its wait never makes encoding due (a history question's re-encode yields to live cameras)
+    background: bool = False
 
     @classmethod
     def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
