@@ -477,6 +477,13 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
         "a frame handed out more often, or a question under way alone in this many workers that died, "
         "is rejected unprocessed",
     )
+    framelog_dir: str | None = setting(
+        None,
+        "the recorder's frames log, read only: a stream whose segments are lost (host reboot or loss) is rebuilt "
+        "by re-encoding its kept frames from it (encoder), and questions about a past span (`since`) are "
+        'answered from it (qa); none: such a stream starts over empty (README "What survives what") and such a '
+        'question gets an error (README "Asking about the past")',
+    )
 
     def __post_init__(self) -> None:
         GPUSettings.__post_init__(self)

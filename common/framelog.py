@@ -276,7 +276,12 @@ class FrameLog:
 
     def between(self, cam: str, t0: float, t1: float) -> Iterator[Record]:
         """Records captured at t0 <= ts <= t1 (the frame's `ts`: unix seconds for live sources)."""
-        return self._select(cam, lambda s: s[2] <= t1 and s[3] >= t0, lambda e: t0 <= e.ts <= t1)
+        return self._select(cam, *_captured(t0, t1))
+
+    def stamps(self, cam: str, t0: float, t1: float) -> list[tuple[int, float]]:
+        """(seq, ts) of the records `between` would give, from the indexes alone: a question about
+        an hour chooses its frames before it reads any."""
+        return [(e.seq, e.ts) for _, entries, _ in self._entries(cam, _captured(t0, t1)) for e in entries]
 
     def span(self, cam: str) -> Span | None:
         """The log's bounds and size for ``cam``; None when it holds no frame."""
@@ -334,6 +339,15 @@ class FrameLog:
     def _select(
         self, cam: str, file_wanted: Callable[[tuple], bool], wanted: Callable[[_Entry], bool]
     ) -> Iterator[Record]:
+        for data, entries, newest in self._entries(cam, (file_wanted, wanted)):
+            yield from self._records(data, entries, newest)
+
+    def _entries(
+        self, cam: str, select: tuple[Callable[[tuple], bool], Callable[[_Entry], bool]]
+    ) -> Iterator[tuple[Path, list[_Entry], bool]]:
+        """Per data file whose summary `select[0]` wants: the index entries `select[1]` wants, and
+        whether it is the newest file."""
+        file_wanted, wanted = select
         files = _data_files(_cam_dir(self.root, cam))
         for i, data in enumerate(files):
             newest = i == len(files) - 1
@@ -342,7 +356,7 @@ class FrameLog:
                 continue
             idx = self._index_of(data, newest)
             if idx is not None:
-                yield from self._records(data, [e for e in idx.entries if wanted(e)], newest)
+                yield data, [e for e in idx.entries if wanted(e)], newest
 
     def _records(self, data: Path, entries: list[_Entry], newest: bool) -> Iterator[Record]:
         if not entries:
@@ -396,6 +410,11 @@ class FrameLog:
             return CameraWriter(self.root, cam, roll_s)
         except OSError as e:
             raise log_error(cam, e) from e
+
+
+def _captured(t0: float, t1: float) -> tuple[Callable[[tuple], bool], Callable[[_Entry], bool]]:
+    """Files and entries of frames captured at t0 <= ts <= t1."""
+    return (lambda s: s[2] <= t1 and s[3] >= t0), (lambda e: t0 <= e.ts <= t1)
 
 
 def log_error(cam: str, e: OSError) -> FrameLogError:

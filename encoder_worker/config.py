@@ -45,11 +45,6 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
     versions_maxlen: int = setting(1000, "versions kept in each stream's history")
     keep_versions: int = setting(4, "segments of this many recent versions survive garbage collection")
     store_writers: int = setting(4, "threads writing segments off the stream threads; a stream's writes stay on one")
-    framelog_dir: str | None = setting(
-        None,
-        "the recorder's frames log, read only: a stream whose segments are lost (host reboot or loss) is rebuilt "
-        'by re-encoding its kept frames from it; none: such a stream starts over empty (README "What survives what")',
-    )
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)

@@ -16,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import redis
 import structlog
 
 from common import metrics, redisio
 from common.engine.answer import ask, choose
+from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
@@ -36,6 +37,7 @@ from common.wire.schemas import (
     parse_question,
     question_id_of,
 )
+from qa_worker.history import History, HistoryError, LoggedChunk, Seen
 
 log = structlog.get_logger()
 
@@ -70,8 +72,11 @@ class Answerer:
         max_reply_ttl_s: int = 86_400,
         answers_maxlen: int = 10_000,
         max_deliveries: int = redisio.MAX_DELIVERIES,
+        framelog_dir: str | None = None,
+        history_max_tokens: int = 8192,
     ):
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
+        self.history = History(rt, r, framelog_dir, history_max_tokens)
         self.consumer, self.max_deliveries = consumer, max_deliveries
         self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
         self.attempts = redisio.Attempts(r, consumer, reply_ttl_s)
@@ -109,7 +114,7 @@ class Answerer:
             metrics.QUEUE_WAIT_SECONDS.observe(waited)
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
-                final, ttl = self._answer(qid, fields, attempt, bound)
+                final, ttl = self._answer(qid, fields, attempt, bound, asked_at=time.time() - waited)
             elapsed = waited + time.perf_counter() - t0
             self._finish(dataclasses.replace(final, queue_s=round(waited, 3), elapsed_s=round(elapsed, 3)), ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
@@ -133,20 +138,23 @@ class Answerer:
             metrics.QUESTIONS.labels("error").inc()
         self.r.xack(queue, keys.QA_GROUP, entry_id)
 
-    def _answer(self, qid: str, fields: dict, attempt: int, bound) -> tuple[FinalAnswer, int]:
-        """The final answer and how long its reply stream lives."""
+    def _answer(self, qid: str, fields: dict, attempt: int, bound, asked_at: float) -> tuple[FinalAnswer, int]:
+        """The final answer and how long its reply stream lives (``asked_at``: when the question
+        was asked, what `since` and `until` count back from)."""
         try:
             q = parse_question(fields)
         except SchemaError as e:
             bound.warning("bad question", error=str(e))
             return FinalAnswer(id=qid, stream=None, error=f"bad question: {e}"), self.reply_ttl_s
         ttl = min(q.reply_ttl or self.reply_ttl_s, self.max_reply_ttl_s)
-        return self._answer_valid(q, bound.bind(stream=q.stream), ttl, attempt), ttl
+        return self._answer_valid(q, bound.bind(stream=q.stream), ttl, attempt, asked_at), ttl
 
-    def _answer_valid(self, q: Question, bound, ttl: int, attempt: int) -> FinalAnswer:
+    def _answer_valid(self, q: Question, bound, ttl: int, attempt: int, asked_at: float) -> FinalAnswer:
         qid = q.id
         if not self.serves(q.stream):
             return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}", param="stream")
+        if q.since is not None:
+            return self._answer_span(q, bound, ttl, attempt, asked_at)
         version = self.lookup(q.stream, q.at)
         if version is None and q.at is not None:
             error = f"stream {q.stream!r}: version {q.at} is not available (README: what `at` reaches)"
@@ -157,7 +165,7 @@ class Answerer:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry
         try:
-            final = self._run(q, version, ttl, attempt)
+            final = self._run(q, version, ttl, attempt, _seen_live(version))
         except QuestionError as e:
             return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
         except (RuntimeError, ValueError) as e:  # e.g. out of GPU memory: this question fails, the worker goes on
@@ -166,19 +174,47 @@ class Answerer:
         bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
         return final
 
-    def _run(self, q: Question, version: Version, ttl: int, attempt: int) -> FinalAnswer:
+    def _answer_span(self, q: Question, bound, ttl: int, attempt: int, asked_at: float) -> FinalAnswer:
+        """A question about a past span: the span's chunks chosen from the frames log, answered over."""
+        try:
+            spec, chunks = self.history.choose(q, asked_at)
+        except HistoryError as e:
+            return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param)
+        return self.answer_over(q, chunks, ttl, attempt, spec=spec, bound=bound)
+
+    def answer_over(
+        self,
+        q: Question,
+        chunks: Sequence[LoggedChunk],
+        ttl: int,
+        attempt: int = 1,
+        *,
+        spec: StreamSpec | None = None,
+        bound=log,
+    ) -> FinalAnswer:
+        """Answer ``q`` exactly over these logged chunks of its stream, in this order (a past span's,
+        a search's best): their frames read back from the frames log, encoded again into a
+        temporary cache beside live work, answered there as from a live version, and let go of.
+        The final's `ranges` are the chunks' capture-time ranges; errors are finals. Deltas go to
+        the question's reply stream like any answer's (``attempt``: their attempt number)."""
+        self.r.delete(keys.answer(q.id))  # deltas of an attempt that died before its final entry
+        try:
+            with self.history.cache(spec or self.history.spec(q.stream), chunks) as seen:
+                final = self._run(q, seen.version, ttl, attempt, _seen_past(seen))
+        except HistoryError as e:
+            return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param)
+        except QuestionError as e:
+            return FinalAnswer(id=q.id, stream=q.stream, error=str(e))
+        except (RuntimeError, ValueError) as e:  # e.g. no room in the KV pool: this question fails alone
+            bound.exception("answering about the past failed")
+            return FinalAnswer(id=q.id, stream=q.stream, error=f"internal error: {e}"[:500])
+        bound.info("answered about the past", ranges=final.ranges, cache_tokens=final.cache_tokens, tokens=final.tokens)
+        return final
+
+    def _run(self, q: Question, version: Version, ttl: int, attempt: int, seen: dict) -> FinalAnswer:
+        """Answer from ``version``; ``seen``: the final's fields that say what it was answered over."""
         t0 = time.perf_counter()
-        t_range = version.capture_range or (None, None)
-        common = dict(
-            id=q.id,
-            stream=q.stream,
-            version=version.id,
-            epoch=version.epoch or None,
-            t_start=t_range[0],
-            t_end=t_range[1],
-            ranges=tuple(version.capture_ranges),
-            cache_tokens=version.tokens,
-        )
+        common = dict(id=q.id, stream=q.stream, **seen)
         if q.choices:
             result = choose(self.rt, version, q.question, list(q.choices))
             scores = {c: s if math.isfinite(s) else -1e9 for c, s in zip(q.choices, result.scores, strict=True)}
@@ -219,6 +255,26 @@ class Answerer:
         """The final on `svqa:answers`, once per question id: a redelivered question whose final
         exists calls this again, as the crash may have come between the two steps."""
         redisio.xadd_once(self.r, keys.ANSWERS, keys.once(keys.ANSWERS, qid), fields, self.answers_maxlen, ttl)
+
+
+def _seen_live(version: Version) -> dict:
+    """What an answer from a live version says it saw: the version and the ranges it holds."""
+    t_range = version.capture_range or (None, None)
+    return dict(
+        version=version.id,
+        epoch=version.epoch or None,
+        t_start=t_range[0],
+        t_end=t_range[1],
+        ranges=tuple(version.capture_ranges),
+        cache_tokens=version.tokens,
+    )
+
+
+def _seen_past(seen: Seen) -> dict:
+    """What an answer about the past says it saw: the chunks' ranges (no live version: none)."""
+    return dict(
+        t_start=seen.ranges[0][0], t_end=seen.ranges[-1][1], ranges=seen.ranges, cache_tokens=seen.version.tokens
+    )
 
 
 def queue_wait_s(entry_id: str | bytes) -> float:

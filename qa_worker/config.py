@@ -28,6 +28,13 @@ class QAConfig(ModelSettings):
     mqtt_discovery_prefix: str | None = setting(
         "homeassistant", "Home Assistant MQTT discovery of alert jobs (binary sensors) under this prefix; none: off"
     )
+    history_max_tokens: int = setting(
+        8192,
+        "a question about a past span (`since`) is answered from at most this many tokens of it, chunks chosen "
+        "evenly over the span from the frames log and encoded again for it: more sees the span more densely, "
+        "and costs its first token more encoding and the GPU's KV pool more memory while it is answered "
+        '(README "Asking about the past")',
+    )
 
     def __post_init__(self) -> None:
         ModelSettings.__post_init__(self)
@@ -35,6 +42,8 @@ class QAConfig(ModelSettings):
             raise ValueError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
         if self.claim_idle_ms < 5 * self.block_ms:
             raise ValueError("claim_idle_ms must be well above block_ms")
+        if self.history_max_tokens < 1:
+            raise ValueError(f"history_max_tokens must be at least 1, got {self.history_max_tokens}")
         if self.alerts_maxlen < 1 or self.alert_frame_ttl_s < 1:
             raise ValueError("alerts_maxlen and alert_frame_ttl_s must be at least 1")
         if self.alert_base_url and urlsplit(self.alert_base_url).scheme not in ("http", "https"):

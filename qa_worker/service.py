@@ -71,6 +71,8 @@ class QAService:
             max_reply_ttl_s=cfg.max_reply_ttl_s,
             answers_maxlen=cfg.answers_maxlen,
             max_deliveries=cfg.max_deliveries,
+            framelog_dir=cfg.framelog_dir,
+            history_max_tokens=cfg.history_max_tokens,
         )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
         alerts = AlertSettings(

@@ -644,6 +644,19 @@ def test_the_api_reads_the_recorders_frames_log_read_only(compose):
     assert read["type"] == "volume" and read["source"] == written["source"] and read.get("read_only")
 
 
+def test_the_model_services_read_the_recorders_frames_log_read_only(compose):
+    """Rebuilds (encoder) and questions about the past (qa): every model service mounts the
+    recorder's frames volume read only, where its framelog_dir points."""
+    services = compose["services"]
+    log_dir = environment(services["recorder"])["SVQA_FRAMELOG_DIR"]
+    (written,) = [m for m in mounts(services["recorder"]) if m["target"] == log_dir]
+    for name, (sub, svc) in python_services(compose).items():
+        if sub in ("encoder", "qa", "worker"):
+            target = environment(svc)["SVQA_FRAMELOG_DIR"]
+            (read,) = [m for m in mounts(svc) if m["target"] == target]
+            assert read["source"] == written["source"] and read.get("read_only"), name
+
+
 def test_compose_mount_targets_match_the_image(compose):
     """The transcript directory the qa role writes to is a volume owned by the image's user."""
     for name, (sub, svc) in python_services(compose).items():

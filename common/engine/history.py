@@ -1,0 +1,64 @@
+"""A temporary cache of chosen past frames: what a question about a past span is answered from.
+
+It is a fresh stream with the same system prefix and token layout as a live one (stream.py),
+whose frames go through the ordinary append path: the GPU scheduler encodes them (vision and
+prefill) batched with live work, as a background lane that takes only the places of an encode
+step that the cameras leave (work.py). Positions come out contiguous, as offline inference lays
+out exactly these frames, so an answer from it equals one-shot inference on them
+(tests/test_history.py). When the block ends, also on an error, the cache is let go of: its pages
+return to the pool once no question reads it any more.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from types import TracebackType
+
+import numpy as np
+
+from common.engine.grid import StreamSpec
+from common.engine.kvcache import Version
+from common.engine.runtime import Runtime
+from common.engine.stream import StreamEngine
+
+# Frames appended at once are one chunk to the scheduler: several chosen chunks of the past a step
+# (fewer encode steps than one each), but never so many tokens that one step holds cameras up long
+# (about what 4 live 448² chunks are).
+PIECE_TOKENS = 2048
+
+_numbers = itertools.count(1)
+
+
+class TemporaryCache:
+    """A cache of past frames for the length of a `with` block (see module doc)."""
+
+    def __init__(self, rt: Runtime, spec: StreamSpec):
+        # A lane of its own: history questions of one camera do not queue behind each other.
+        lane = StreamSpec(f"{spec.name}~history{next(_numbers)}", spec.fps, spec.grid, spec.chunk_frames)
+        self._engine: StreamEngine | None = StreamEngine(rt, lane, background=True)
+
+    def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float], frame_seqs: Sequence[int]) -> None:
+        """Encode these frames after those appended before (an odd count is padded, as a live
+        stream's last chunk is: only the very last append may have one)."""
+        self._held().append(frames, capture_times, frame_seqs)
+
+    @property
+    def version(self) -> Version:
+        """Everything appended so far (the prefix alone before the first append)."""
+        return self._held().head
+
+    def close(self) -> None:
+        """Let go of the cache; its pages return to the pool once no question reads it."""
+        self._engine = None
+
+    def _held(self) -> StreamEngine:
+        if self._engine is None:
+            raise RuntimeError("the temporary cache was let go of")
+        return self._engine
+
+    def __enter__(self) -> TemporaryCache:
+        return self
+
+    def __exit__(self, kind: type | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,194 @@
+"""Questions about the past: chunks of a camera's frames log, encoded again into a temporary cache.
+
+A question with `since` (and `until`) names a span. Its logged frames are cut into chunks of the
+stream's `chunk_frames` consecutive frames, oldest first (`logged_chunks`, from the log's indexes
+alone), and as many as `history_max_tokens` holds are chosen evenly over the span (`evenly`).
+`History.cache` reads exactly those frames back from the log, decodes them bit-identically to what
+the encoder saw, and appends them to a temporary cache (common/engine/history.py: the GPU
+scheduler encodes them below live cameras), which the question is then answered from like a live
+version; the cache is let go of afterwards, also on an error. The final's `ranges` are the
+capture-time ranges of the chunks encoded: exactly what was seen.
+
+Any other choice of logged chunks (a search's best matches) is answered the same way, by
+`Answerer.answer_over` (answering.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import redis
+
+from common.engine.grid import StreamSpec
+from common.engine.history import PIECE_TOKENS, TemporaryCache
+from common.engine.kvcache import Version
+from common.engine.runtime import Runtime
+from common.engine.spans import capture_ranges
+from common.framelog import FrameLog, FrameLogError, decode
+from common.wire import keys
+from common.wire.manifest import from_manifest
+from common.wire.schemas import FrameMsg, Question, SchemaError, manifest_from_bytes
+
+
+class HistoryError(Exception):
+    """Why a question about the past cannot be answered: its final's `error` (and `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True)
+class LoggedChunk:
+    """Consecutive frames of one camera as its frames log holds them: the first and last frame
+    seq, the first and last capture time, and how many frames (every chunk but a span's last has
+    the stream's `chunk_frames`, an even number, so that no padding falls between chunks)."""
+
+    frame_seqs: tuple[int, int]
+    capture_range: tuple[float, float]
+    frames: int
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What a temporary cache holds: its version, and the capture-time ranges of its chunks."""
+
+    version: Version
+    ranges: tuple[tuple[float, float], ...]
+
+
+def logged_chunks(framelog: FrameLog, cam: str, t0: float, t1: float, chunk_frames: int) -> list[LoggedChunk]:
+    """The frames the log holds captured at t0 <= ts <= t1, in chunks of `chunk_frames`, oldest
+    first (the last one may be shorter)."""
+    stamps = framelog.stamps(cam, t0, t1)
+    chunks = []
+    for i in range(0, len(stamps), chunk_frames):
+        part = stamps[i : i + chunk_frames]
+        chunks.append(LoggedChunk((part[0][0], part[-1][0]), (part[0][1], part[-1][1]), len(part)))
+    return chunks
+
+
+def evenly(chunks: Sequence[LoggedChunk], n: int) -> list[LoggedChunk]:
+    """`n` of the chunks spread evenly over them, the first and the last included (the middle one
+    alone for n = 1); all of them when they are no more than `n`."""
+    if len(chunks) <= n:
+        return list(chunks)
+    if n == 1:
+        return [chunks[len(chunks) // 2]]
+    step = (len(chunks) - 1) / (n - 1)
+    return [chunks[round(i * step)] for i in range(n)]
+
+
+def span_of(q: Question, asked_at: float, now: float | None = None) -> tuple[float, float]:
+    """The question's span as capture times (unix seconds), `since`/`until` counted from when it
+    was asked; an `until` later than now is now. HistoryError when it is in the future or empty."""
+    assert q.since is not None
+    now = time.time() if now is None else now
+    t0 = q.since.resolve(asked_at)
+    t1 = min(q.until.resolve(asked_at), now) if q.until is not None else min(asked_at, now)
+    if t0 > now:
+        raise HistoryError(f"since is {t0 - now:.0f} s in the future: ask about the past", param="since")
+    if t1 <= t0:
+        raise HistoryError("until must be later than since: the span is empty", param="until")
+    return t0, t1
+
+
+class History:
+    """What a worker needs to answer about the past: the model, the frames log and the budget."""
+
+    def __init__(self, rt: Runtime, r: redis.Redis, framelog_dir: str | None, max_tokens: int):
+        self.rt, self.r, self.max_tokens = rt, r, max_tokens
+        self.framelog = FrameLog(framelog_dir) if framelog_dir is not None else None
+
+    def spec(self, cam: str) -> StreamSpec:
+        """The stream's grid, fps and chunk size, as its encoder publishes them (its head)."""
+        raw = self.r.get(keys.head(cam))
+        if raw is None:
+            raise HistoryError(f"stream {cam!r} has no cache yet: its grid is not known")
+        try:
+            return from_manifest(manifest_from_bytes(raw)).spec
+        except SchemaError as e:
+            raise HistoryError(f"stream {cam!r}: its head does not decode ({e})") from None
+
+    def choose(self, q: Question, asked_at: float) -> tuple[StreamSpec, list[LoggedChunk]]:
+        """The chunks of the question's span to answer over, evenly spaced within the budget."""
+        log = self._log()
+        t0, t1 = span_of(q, asked_at)
+        spec = self.spec(q.stream)
+        try:
+            chunks = logged_chunks(log, q.stream, t0, t1, spec.chunk_frames)
+        except OSError as e:
+            raise HistoryError(f"the frames log is not readable: {e}") from None
+        if not chunks:
+            raise HistoryError(f"stream {q.stream!r}: the frames log holds no frame of {_span_text(t0, t1)}")
+        fit = (self.max_tokens - len(self.rt.prefix_ids())) // self.tokens(spec, spec.chunk_frames)
+        if fit < 1:
+            raise HistoryError(f"history_max_tokens ({self.max_tokens}) holds no chunk of stream {q.stream!r}")
+        return spec, evenly(chunks, fit)
+
+    def tokens(self, spec: StreamSpec, frames: int) -> int:
+        """Cache tokens of a chunk of `frames` frames (an odd one padded to whole temporal patches)."""
+        tp = self.rt.loaded.temporal_patch_size
+        return -(-frames // tp) * spec.grid.tokens_per_patch
+
+    @contextmanager
+    def cache(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[Seen]:
+        """A temporary cache of exactly these chunks' logged frames, in this order; let go of when
+        the block ends. A chunk whose frames the log no longer holds (collected meanwhile) is left
+        out, and so is it from the ranges; HistoryError if none is left."""
+        log = self._log()
+        with TemporaryCache(self.rt, spec) as cache:
+            seen: list[LoggedChunk] = []
+            for piece in self._pieces(spec, chunks):
+                read = [(chunk, frames) for chunk in piece if (frames := self._read(log, spec, chunk))]
+                frames = [m for _, chunk_frames in read for m in chunk_frames]
+                if frames:
+                    cache.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
+                    seen += [chunk for chunk, _ in read]
+            if not seen:
+                raise HistoryError(f"stream {spec.name!r}: the frames log no longer holds those frames")
+            yield Seen(cache.version, tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen)))
+
+    def _pieces(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[list[LoggedChunk]]:
+        """Runs of consecutive chunks of at most PIECE_TOKENS (a chunk larger alone): one append each."""
+        piece: list[LoggedChunk] = []
+        tokens = 0
+        for chunk in chunks:
+            n = self.tokens(spec, chunk.frames)
+            if piece and tokens + n > PIECE_TOKENS:
+                yield piece
+                piece, tokens = [], 0
+            piece.append(chunk)
+            tokens += n
+        if piece:
+            yield piece
+
+    def _read(self, log: FrameLog, spec: StreamSpec, chunk: LoggedChunk) -> list[FrameMsg]:
+        """The chunk's frames as logged (its seqs, captured in its time range), decoded; none when
+        the log lacks one of them. A frame of another size than the stream's grid (the camera was
+        set up anew since) is an error: it is not what the stream's chunks are made of."""
+        (first, last), (t0, t1) = chunk.frame_seqs, chunk.capture_range
+        try:
+            records = [rec for rec in log.between(spec.name, t0, t1) if first <= rec.seq <= last]
+            frames = [decode(rec.raw) for rec in records]
+        except (FrameLogError, OSError, ValueError) as e:  # SchemaError is a ValueError
+            raise HistoryError(f"frames {first}-{last} of the frames log are not readable: {e}") from None
+        if len(frames) != chunk.frames:
+            return []
+        grid = spec.grid
+        if any((m.h, m.w) != (grid.height, grid.width) for m in frames):
+            raise HistoryError(f"frames {first}-{last} are not on the stream's {grid.height}x{grid.width} grid")
+        return frames
+
+    def _log(self) -> FrameLog:
+        if self.framelog is None:
+            raise HistoryError("this worker has no frames log (framelog_dir): it answers about the live cache only")
+        return self.framelog
+
+
+def _span_text(t0: float, t1: float) -> str:
+    fmt = "%Y-%m-%dT%H:%M:%SZ"
+    return f"{time.strftime(fmt, time.gmtime(t0))} .. {time.strftime(fmt, time.gmtime(t1))}"
