@@ -9,7 +9,7 @@
 # (all four take about 12 minutes, past one command's 10: split them over two calls)
 #     tests      tests/test_gpu.py and the vision tower's GPU tests, the CUDA paths against eager and
 #                CPU oracles (1.5 min, 2026-11-27)
-#     questions  bench_engine's question path: lone questions at 32K and 100K, 1/8/32 at once (1.5 min)
+#     questions  bench_engine's question path: lone questions at 8K, 32K and 100K, 1/8/32 at once (1.5 min)
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count; DURATION=S for another
 #                window than 150 s; GIL=S: which worker threads hold the GIL, sampled by py-spy) with full caches, 8
@@ -88,7 +88,7 @@ for what in "$@"; do
   case $what in
     tests) step tests tests.txt python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_vision.py -k gpu ;;
     questions) step questions questions.json python3 scripts/bench_engine.py --model random-3b --questions-only \
-      --sizes 32768,100000 --batch-questions 1,8,32 --batch-cache-tokens 32768 --decode-tokens 64 \
+      --sizes 8192,32768,100000 --batch-questions 1,8,32 --batch-cache-tokens 32768 --decode-tokens 64 \
       --pool-tokens 1400000 ;;
     chunks) step chunks chunks.json python3 scripts/bench_engine.py --model random-3b --chunks-only --vision-batches 16 \
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \

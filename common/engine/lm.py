@@ -44,7 +44,11 @@ from common.engine.model import LoadedModel
 from common.engine.pool import KVPool, Region
 from common.engine.positions import apply_rope, rope_cos_sin
 
-SPLIT_KV_MIN_TOKENS = 8192  # a base shorter than this is not worth splitting
+# A base shorter than this is read whole (a piece's merge would cost more than it saves). At 8,192,
+# a lone question over a cache just short of 8K read it on 2-4 SMs and was slower than one over
+# 32K (first token 12.2 against 7.0 ms, decode 140 against 282 tok/s: issue 40). Above it the
+# split depends on the batch only, never on the length, so graphs captured at one length serve all.
+SPLIT_KV_MIN_TOKENS = 1024
 # Decode rows over long bases are cut into pieces too, and go through our Triton kernel
 # (decode_attention.py) where Triton is: a program per piece and KV head, no copies, no combine of
 # flash's own (A/B runs with either off, when both were switches: docs/BENCHMARKS-history.md)
