@@ -34,6 +34,7 @@ from common.wire.schemas import (
     decode_answer,
     encode_question,
 )
+from common.wire.timeref import TimeRef, parse_time_ref
 
 
 class Client:
@@ -105,6 +106,12 @@ def main(argv: list[str]) -> int:
         p.add_argument("question")
         p.add_argument("--max-tokens", type=int, default=128, help=f"1..{MAX_NEW_TOKENS} (default 128)")
         p.add_argument("--choices", nargs="+", default=None, help="multiple choice options")
+        p.add_argument(
+            "--since",
+            help="ask about a past span from the frames log, not the live cache: seconds before now (90, 90s, "
+            "15m, 1h, 2h30m, 1d) or an ISO 8601 time (2026-11-28T02:00; without an offset, this machine's time)",
+        )
+        p.add_argument("--until", help="the span's end, in the same forms (default: now)")
         p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the final answer")
     else:
         p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
@@ -133,7 +140,18 @@ def main(argv: list[str]) -> int:
 
 
 def _options(ns: argparse.Namespace) -> dict:
-    return {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None}
+    span = {name: _time_ref(name, getattr(ns, name)) for name in ("since", "until")}
+    return {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None, **span}
+
+
+def _time_ref(name: str, text: str | None) -> TimeRef | None:
+    """A span edge as typed at a terminal: a time without an offset is this machine's local time."""
+    if text is None:
+        return None
+    try:
+        return parse_time_ref(text, naive_is_local=True)
+    except ValueError as e:
+        raise SchemaError(name, str(e)) from None
 
 
 def _ask(client: Client, ns: argparse.Namespace) -> int:

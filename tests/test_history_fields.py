@@ -6,7 +6,9 @@ the field, before anything is queued."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from datetime import UTC, datetime
 
 import pytest
@@ -96,3 +98,35 @@ def test_redis_cli_asks_about_the_past(redis_url, redis_cli):
     q = parse_question(fields)
     assert q.since == TimeRef(at=datetime(2026, 11, 28, 1, 0, tzinfo=UTC).timestamp())
     assert q.until == TimeRef(ago_s=1800.0)
+
+
+def cli_ask(redis_url: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`streamvqa ask` with nobody answering: it queues the question and times out (exit 1)."""
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("cam1"), "fps", "2")  # the stream exists
+    argv = [sys.executable, "-m", "apps.cli", "ask", "--stream", "cam1", "--timeout", "0.3", "--redis-url", redis_url]
+    return subprocess.run([*argv, *flags, "what happened?"], capture_output=True, text=True, timeout=60, env=env)
+
+
+def test_streamvqa_ask_since_and_until(redis_url):
+    out = cli_ask(redis_url, "--since", "1h", "--until", "30m")
+    assert out.returncode == 1 and "no answer" in out.stderr, out.stderr
+    ((_, fields),) = redis.Redis.from_url(redis_url).xrange(keys.QUESTIONS)
+    assert (fields[b"since"], fields[b"until"]) == (b"3600.0", b"1800.0")
+
+
+def test_streamvqa_ask_reads_a_time_without_offset_as_the_machines_own(redis_url):
+    out = cli_ask(redis_url, "--since", "2026-11-28T02:00", env={**os.environ, "TZ": "EST+5"})  # UTC-5
+    assert out.returncode == 1, out.stderr
+    ((_, fields),) = redis.Redis.from_url(redis_url).xrange(keys.QUESTIONS)
+    assert fields[b"since"] == b"2026-11-28T07:00:00+00:00"
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [(["--since", "yesterday"], "since: expected seconds before now"), (["--until", "1h"], "until: needs since")],
+)
+def test_streamvqa_ask_refuses_a_bad_span_before_queueing_it(redis_url, flags, says):
+    out = cli_ask(redis_url, *flags)
+    assert out.returncode == 2 and says in out.stderr, out.stderr
+    assert redis.Redis.from_url(redis_url).xlen(keys.QUESTIONS) == 0

@@ -5,8 +5,8 @@ What the protocol, `streamvqa ask --since 1h` and the HTTP API all take, in one 
 - seconds before the question was asked: a number (`3600`, `90.5`) or a duration (`90s`, `15m`,
   `1h`, `2h30m`, `1d`);
 - a point in time: ISO 8601 with its UTC offset (`2026-11-28T02:00:00+01:00`, `...Z`). A time
-  without one is refused here: the worker cannot know which zone the asker meant (the CLI reads
-  one as the asker's local time and sends it with its offset).
+  without one is refused on the wire: the worker cannot know which zone the asker meant (the CLI
+  reads one as the asker's local time, `naive_is_local`).
 
 "Before it was asked", not before a worker takes it: a question that waited in the queue still
 means the span its asker meant (the worker counts from the question's entry id).
@@ -49,8 +49,9 @@ class TimeRef:
         return datetime.fromtimestamp(self.at, UTC).isoformat()
 
 
-def parse_time_ref(text: str) -> TimeRef:
-    """`text` in one of the FORMS; ValueError saying which forms are taken."""
+def parse_time_ref(text: str, naive_is_local: bool = False) -> TimeRef:
+    """`text` in one of the FORMS; ValueError saying which forms are taken. `naive_is_local`: a
+    time without a UTC offset is this machine's local time (what a person at a terminal means)."""
     s = text.strip()
     if len(s) > MAX_TEXT:
         raise ValueError(f"too long ({len(s)} characters): expected {FORMS}")
@@ -65,7 +66,7 @@ def parse_time_ref(text: str) -> TimeRef:
         when = datetime.fromisoformat(s)
     except ValueError:
         raise ValueError(f"expected {FORMS}, got {s!r}") from None
-    if when.tzinfo is None:
+    if when.tzinfo is None and not naive_is_local:
         raise ValueError(f"{s!r} has no UTC offset: add Z or one like +01:00")
     return TimeRef(at=when.timestamp())
 
