@@ -3,7 +3,9 @@
 Events: `queued` ({"position", "waited_s"}) about once every `block_ms` while the question waits
 in its stream's queue (position 1: next to be taken), `delta` ({"text"}) as tokens are decoded,
 then one `final` (the worker's final answer: text or choice and scores, version, t_start/t_end,
-queue_s, elapsed_s and the compute latencies), or `error` when none came in time.
+queue_s, elapsed_s and the compute latencies), or `error` when none came in time. With `since`
+(and `until`) the question is about that past span, answered from the frames log; its final's
+`ranges` are the capture times of the chunks it was answered over.
 `restart` ({"attempt"}) says the worker answering died and another starts over: drop the text so
 far; the deltas after it concatenate to the final text.
 """
@@ -38,6 +40,8 @@ class AskRequest(BaseModel):
     at: Annotated[int | Literal["latest"] | None, replies.NotBool] = Field(
         None, description="a cache version id, or latest (default)"
     )
+    since: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.SINCE_HELP)
+    until: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.UNTIL_HELP)
     stream: bool = Field(True, description="server-sent events (default) or one JSON object")
 
 

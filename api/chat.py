@@ -8,6 +8,11 @@ is not supported (tools, response_format, stop, logprobs, penalties, ...) is ref
 naming it, never silently ignored; bookkeeping ones (user, metadata, seed, ...) are accepted;
 `n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
 `streamvqa` object beside the standard fields.
+
+Extension fields, beside OpenAI's in the request body as vLLM takes its own (OpenAI's Python client:
+`extra_body={"since": "1h"}`): `since` and `until` ask about a past span of the stream instead of
+its live cache, in the forms `POST /api/streams/{name}/ask` takes; `streamvqa.ranges` then says
+which capture times the answer saw.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class ChatRequest(BaseModel):
     temperature: Annotated[float | None, replies.NotBool] = None
     top_p: Annotated[float | None, replies.NotBool] = None
     n: Annotated[int | None, replies.NotBool] = None
+    since: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.SINCE_HELP)
+    until: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.UNTIL_HELP)
 
 
 # Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (the final
@@ -121,7 +128,13 @@ async def chat(body: ChatRequest, request: Request):
     # OpenAI takes top_p in [0, 1]; 0 keeps the top token only, as the least top_p here does
     top_p = None if body.top_p is None else max(body.top_p, MIN_TOP_P)
     q = replies.question(
-        body.model, question_text(body.messages), max_tokens=max_tokens, temperature=body.temperature, top_p=top_p
+        body.model,
+        question_text(body.messages),
+        max_tokens=max_tokens,
+        temperature=body.temperature,
+        top_p=top_p,
+        since=body.since,
+        until=body.until,
     )
     sub = await replies.ask(request, q)
     if body.stream:
@@ -130,7 +143,7 @@ async def chat(body: ChatRequest, request: Request):
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        raise errors.ApiError(422, final.error, param="messages")
+        raise errors.ApiError(422, final.error, param=final.param if final.param in ("since", "until") else "messages")
     message = {"role": "assistant", "content": final.text}
     return _envelope(q, "chat.completion") | {
         "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],

@@ -31,6 +31,7 @@ from common.wire.schemas import (
     decode_answer,
     encode_question,
 )
+from common.wire.timeref import TimeRef, parse_time_ref
 
 
 def stream_name(name: str, field: str = "stream") -> str:
@@ -65,14 +66,32 @@ NotBool = BeforeValidator(_no_bool)  # for a request's number fields, on the who
 
 
 def question(stream: str, text: str, **options: Any) -> Question:
-    """A validated question: checked by the same parser the worker runs on what it reads."""
+    """A validated question: checked by the same parser the worker runs on what it reads. `since`
+    and `until` come as a request has them: seconds (a number) or the protocol's text."""
     options = {k: v for k, v in options.items() if v is not None}
     if "choices" in options:
         options["choices"] = tuple(options["choices"])
     try:
+        for name in ("since", "until"):
+            if name in options:
+                options[name] = _time_ref(name, options[name])
         return checked_question(stream, text, **options)
     except SchemaError as e:
         raise errors.schema_error(e) from None
+
+
+def _time_ref(name: str, value: float | str) -> TimeRef:
+    try:
+        return parse_time_ref(str(value))
+    except ValueError as e:
+        raise SchemaError(name, str(e)) from None
+
+
+SINCE_HELP = (
+    "ask about a past span, answered from the frames log (not the live cache): seconds before now (3600, "
+    '"90s", "15m", "2h30m", "1d") or an ISO 8601 time with its UTC offset'
+)
+UNTIL_HELP = "the past span's end, in the same forms as since (default: now)"
 
 
 async def submit(r: aredis.Redis, q: Question) -> None:

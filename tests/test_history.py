@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import redis
@@ -251,3 +252,46 @@ def test_what_cannot_be_answered_about_the_past_is_an_error_final_and_the_worker
     final = world.ask(since="2h")
     assert "no frames log (framelog_dir)" in final.error
     assert world.ask().error is None, "questions without since are answered from the live cache"
+
+
+def test_the_http_api_and_the_openai_endpoint_answer_about_the_past(rt, redis_url, tmp_path, frames):
+    """End to end: the API queues the span, a worker answers it over the frames it chose, and the
+    API tells the final (ranges, and evidence where it reads the same log) and the OpenAI reply."""
+    from openai import OpenAI
+
+    from api.config import ApiConfig
+    from tests.test_api import served
+
+    r = redis.Redis.from_url(redis_url)
+    world = World(rt, r, redis_url, tmp_path, frames)
+    stopped = threading.Event()
+
+    def worker() -> None:
+        while not stopped.is_set():
+            world.answerer.handle_entries(read_group(r, [keys.QUESTIONS], keys.QA_GROUP, "qa", block_ms=100))
+
+    answering = threading.Thread(target=worker, daemon=True)
+    answering.start()
+    span = {"since": iso(captured(4)), "until": iso(captured(11))}  # 8 frames, 4 chunks: all fit
+    offline = offline_answer(rt, frames[4:12], GRID, FPS, QUESTION, max_tokens=TOKENS)
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(world.log_dir))
+    try:
+        with served(cfg) as base:
+            body = {"question": QUESTION, "max_tokens": TOKENS, "stream": False} | span
+            final = httpx.post(f"{base}/api/streams/{CAM}/ask", json=body, timeout=120).json()
+            assert final["text"] == offline.text and final["ranges"] == [[captured(4), captured(11)]], final
+            assert final["evidence"]["ranges"] == final["ranges"]
+            client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
+            asked = [{"role": "user", "content": QUESTION}]
+            done = client.chat.completions.create(model=CAM, messages=asked, max_tokens=TOKENS, extra_body=span)
+            assert done.choices[0].message.content == offline.text
+            assert done.model_extra["streamvqa"]["ranges"] == final["ranges"]
+            refused = httpx.post(
+                f"{base}/api/streams/{CAM}/ask",
+                json=body | {"since": iso(T0 - 600), "until": iso(T0 - 60)},
+                timeout=120,
+            )
+            assert refused.status_code == 422 and "holds no frame" in refused.json()["error"]["message"]
+    finally:
+        stopped.set()
+        answering.join(10)

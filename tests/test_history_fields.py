@@ -11,6 +11,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
+import httpx
 import pytest
 import redis
 
@@ -130,3 +131,37 @@ def test_streamvqa_ask_refuses_a_bad_span_before_queueing_it(redis_url, flags, s
     out = cli_ask(redis_url, *flags)
     assert out.returncode == 2 and says in out.stderr, out.stderr
     assert redis.Redis.from_url(redis_url).xlen(keys.QUESTIONS) == 0
+
+
+def test_the_http_api_takes_since_and_until_and_refuses_a_bad_span(redis_url):
+    """`POST /api/streams/{cam}/ask` and, as extension fields, `/v1/chat/completions` (OpenAI's
+    client sends them with extra_body): seconds as a number or the protocol's text. A bad span is
+    400 naming the field, with nothing queued; a good one is queued as the worker reads it."""
+    from openai import OpenAI
+
+    from api.config import ApiConfig
+    from tests.test_api import assert_error, served
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("cam1"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    ask, chat = "/api/streams/cam1/ask", "/v1/chat/completions"
+    asked = {"model": "cam1", "messages": [{"role": "user", "content": "what happened?"}]}
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=0.3)) as base, httpx.Client(base_url=base) as http:
+        for body, field in (
+            ({"since": "yesterday"}, "since"),
+            ({"since": -5}, "since"),
+            ({"since": True}, "since"),
+            ({"until": "1h"}, "until"),
+            ({"since": "1h", "until": 7200}, "until"),
+            ({"since": "2026-11-28T02:00:00"}, "since"),
+        ):
+            assert_error(http.post(ask, json={"question": "what happened?", "stream": False} | body), 400, field)
+            assert_error(http.post(chat, json=asked | body), 400, field)
+        assert r.xlen(keys.QUESTIONS) == 0
+        assert http.post(ask, json={"question": "q", "stream": False, "since": 5400, "until": "30m"}).status_code == 504
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        with pytest.raises(Exception, match="no final answer"):
+            client.chat.completions.create(**asked, extra_body={"since": "2026-11-28T01:00:00Z"})
+    (_, native), (_, openai) = r.xrange(keys.QUESTIONS)
+    assert (native[b"since"], native[b"until"]) == (b"5400.0", b"1800.0")
+    assert openai[b"since"] == b"2026-11-28T01:00:00+00:00" and b"until" not in openai
