@@ -124,10 +124,15 @@ class History:
             raise HistoryError(f"the frames log is not readable: {e}") from None
         if not chunks:
             raise HistoryError(f"stream {q.stream!r}: the frames log holds no frame of {_span_text(t0, t1)}")
+        return spec, evenly(chunks, self.fit(spec))
+
+    def fit(self, spec: StreamSpec) -> int:
+        """How many of the stream's chunks a temporary cache of `history_max_tokens` holds (at
+        least one, else HistoryError): how many a question over its past may be answered over."""
         fit = (self.max_tokens - len(self.rt.prefix_ids())) // self.tokens(spec, spec.chunk_frames)
         if fit < 1:
-            raise HistoryError(f"history_max_tokens ({self.max_tokens}) holds no chunk of stream {q.stream!r}")
-        return spec, evenly(chunks, fit)
+            raise HistoryError(f"history_max_tokens ({self.max_tokens}) holds no chunk of stream {spec.name!r}")
+        return fit
 
     def tokens(self, spec: StreamSpec, frames: int) -> int:
         """Cache tokens of a chunk of `frames` frames (an odd one padded to whole temporal patches)."""

@@ -38,7 +38,15 @@ from common.engine.work import InlineExecutor
 from common.framelog import FrameLog
 from common.segment_store import DirectoryStore
 from common.wire import keys
-from common.wire.schemas import FIELD, FinalAnswer, FrameMsg, decode_answer, encode_frame, new_question_id
+from common.wire.schemas import (
+    FIELD,
+    FinalAnswer,
+    FrameMsg,
+    decode_answer,
+    encode_frame,
+    new_question_id,
+    parse_question,
+)
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
 from ingest.video import iter_file_frames
@@ -295,3 +303,32 @@ def test_the_http_api_and_the_openai_endpoint_answer_about_the_past(rt, redis_ur
     finally:
         stopped.set()
         answering.join(10)
+
+
+def test_answer_over_any_logged_chunks_says_which_it_saw(rt, redis_url, tmp_path, frames):
+    """`Answerer.answer_over`, the entry point for chunks chosen otherwise (search): the order
+    given, exactly those frames; a chunk the log no longer holds is left out of the answer and its
+    ranges; frames of another grid are an error. The pool is as before each time."""
+    r = redis.Redis.from_url(redis_url)
+    world = World(rt, r, redis_url, tmp_path, frames)
+    writer = FrameLog(world.log_dir).writer(CAM, roll_s=600)  # the camera set up anew: a larger grid
+    big = np.zeros((112, 112, 3), dtype=np.uint8)
+    for seq in range(FRAMES, FRAMES + 2):
+        writer.append(seq, captured(seq), encode_frame(FrameMsg.from_rgb(seq, captured(seq), 0.0, big))[FIELD])
+    writer.commit()
+    writer.close()
+    answerer, pool = world.answerer, rt.lm.pool.used_tokens
+
+    def chunk(first: int) -> LoggedChunk:
+        return LoggedChunk((first, first + 1), (captured(first), captured(first + 1)), 2)
+
+    gone = LoggedChunk((500, 501), (captured(500), captured(501)), 2)  # collected: not in the log
+    q = parse_question({"id": "q1", "stream": CAM, "question": QUESTION, "max_tokens": str(TOKENS)})
+    final = answerer.answer_over(q, [chunk(20), gone, chunk(2)], ttl=60)
+    assert final.ranges == ((captured(20), captured(21)), (captured(2), captured(3))), final
+    offline = offline_answer(rt, [frames[s] for s in (20, 21, 2, 3)], GRID, FPS, QUESTION, max_tokens=TOKENS)
+    assert final.text == offline.text and final.tokens == len(offline.token_ids)
+    assert "no longer holds" in answerer.answer_over(q, [gone], ttl=60).error
+    assert "not on the stream's 56x56 grid" in answerer.answer_over(q, [chunk(2), chunk(FRAMES)], ttl=60).error
+    assert rt.lm.pool.used_tokens == pool
+    assert answerer.history.fit(StreamSpec(CAM, FPS, GRID, 2)) == (4096 - len(rt.prefix_ids())) // 4
