@@ -166,6 +166,9 @@ RECORDER_COLLECTED = Counter(
     ["stream", "reason"],
     **_R,
 )
+RECORDER_INDEXED = Gauge(
+    "svqa_recorder_indexed_chunks", "Chunks in the camera's search index (their retrieval vectors)", ["stream"], **_R
+)
 RECORDER_WRITE_FAILING = Gauge(
     "svqa_recorder_write_failing",
     "1 while writes to the frames log fail (disk full, an I/O error): nothing is acked, writes are retried",
@@ -378,6 +381,7 @@ ROLES["recorder"] = (
     RECORDER_LOG_BYTES,
     RECORDER_COLLECTED,
     RECORDER_WRITE_FAILING,
+    RECORDER_INDEXED,
 )
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
 ROLES["api"] = (THREAD_CPU, API_ANSWERS, API_BUSY)

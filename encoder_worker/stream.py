@@ -36,6 +36,7 @@ from common.framelog import FrameLog, FrameLogError, decode
 from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
+from common.wire.features import FEATURES_MAXLEN, ChunkFeatures, encode_features
 from common.wire.manifest import from_manifest, new_epoch, to_manifest
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (
@@ -82,9 +83,11 @@ class OwnedStream:
         live: bool,
         frames: redis.Redis | None = None,
         writes: list[Future] | None = None,
+        features: list[tuple[Segment, torch.Tensor]] | None = None,
     ):
         self.r, self.writer, self.cfg = r, writer, cfg
         self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
+        self.features = features if features is not None else []  # the unpublished chunks' retrieval vectors
         self.frames = frames or r
         self.engine = engine
         self.name = engine.spec.name
@@ -265,9 +268,23 @@ class OwnedStream:
         if not publish_fenced(self.r, self.name, self.cfg.consumer, manifest, self.cfg.versions_maxlen):
             raise LeaseLost(self.name)
         self.published = version.id
+        self._publish_features()
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
         self.writer.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
+
+    def _publish_features(self) -> None:
+        """The published chunks' retrieval vectors to the stream's features stream (beside its
+        frames: in transit to the recorder, which indexes them with the frames log)."""
+        if not self.features:
+            return
+        model, layers = self.engine.rt.loaded.name, self.engine.feature_layers
+        pipe = self.frames.pipeline(transaction=False)
+        for segment, vector in self.features:
+            f = ChunkFeatures(segment.capture_range, segment.frame_seqs, model, layers, vector.numpy())
+            pipe.xadd(keys.features(self.name), encode_features(f), maxlen=FEATURES_MAXLEN, approximate=True)
+        pipe.execute()
+        self.features.clear()
 
     def _await_writes(self) -> None:
         """Wait for the writer to hold every segment the next version adds (a full disk is
@@ -340,14 +357,16 @@ def open_stream(
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
     writes: list[Future] = []
+    features: list[tuple[Segment, torch.Tensor]] = []
     sinks = dict(
         on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv)),
         on_embeds=lambda segment, embeds: writes.append(writer.put(name, embeds_id(segment.chunk_id), embeds)),
+        on_features=lambda segment, vector: features.append((segment, vector)),
     )
 
     def new_life() -> OwnedStream:  # version ids start over, under a new epoch
         engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
-        return OwnedStream(r, writer, cfg, engine, live, frames, writes)
+        return OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
 
     raw = r.get(keys.head(name))
     state = loaded = None
@@ -369,7 +388,7 @@ def open_stream(
         **sinks,
     )
     log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
-    return OwnedStream(r, writer, cfg, engine, live, frames, writes)
+    return OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
 
 
 def _started(owned: OwnedStream) -> OwnedStream:

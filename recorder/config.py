@@ -27,6 +27,11 @@ class RecorderConfig(ReaderSettings, StreamSettings):
         'cameras = 1 TB: README "Frames log"); none: no limit',
     )
     collect_every_s: float = setting(60.0, "how often retention runs")
+    features_save_s: float = setting(
+        30.0,
+        "each camera's search index (its chunks' retrieval vectors, beside its frames log) is saved this often, "
+        "at retention and at shutdown; a search sees the chunks saved",
+    )
     read_count: int = setting(16, "frames entries read per camera and step")
     consumer: str = setting(
         "recorder", "the recorder's name in the frames' consumer group `rec`: one recorder per frames log"
@@ -34,7 +39,7 @@ class RecorderConfig(ReaderSettings, StreamSettings):
 
     def __post_init__(self) -> None:
         StreamSettings.__post_init__(self)
-        for name in ("framelog_sync_s", "framelog_roll_s", "collect_every_s"):
+        for name in ("framelog_sync_s", "framelog_roll_s", "collect_every_s", "features_save_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("retention_hours", "retention_gb"):

@@ -11,6 +11,9 @@ pauses and the writes are retried, with backoff, from the pending entries until 
 Retention runs every `collect_every_s`: whole files last written more than `retention_hours` ago,
 then the oldest while a camera's log exceeds `retention_gb` (then an event: space forced it).
 A Redis outage is waited out for `redis_grace_s` (exit 3 past it).
+
+Search: each camera's chunk vectors (its features stream, from the encoder) go into its index
+beside its log (recorder/index.py), saved every `features_save_s` and collected with the files.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from common.framelog import CameraWriter, FrameLog, FrameLogError, LogLocked, Re
 from common.wire import keys
 from common.wire.schemas import FIELD, SchemaError, frame_header, unpack_frame
 from recorder.config import RecorderConfig
+from recorder.index import Indexes
 
 log = structlog.get_logger()
 
@@ -49,9 +53,10 @@ class Recorder:
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.log = FrameLog(cfg.framelog_dir)
         self.writers: dict[str, CameraWriter] = {}
+        self.indexes = Indexes(r, self.frames, self.log, self.names)
         self.reader = redisio.GroupReader(
             self.frames,
-            [keys.frames(n) for n in self.names],
+            [keys.frames(n) for n in self.names] + [keys.features(n) for n in self.names],
             keys.RECORDER_GROUP,
             cfg.consumer,
             count=cfg.read_count,
@@ -63,6 +68,7 @@ class Recorder:
         self.retry_at = 0.0
         self.last_commit = time.monotonic()
         self.last_collect = self.last_stats = float("-inf")
+        self.last_save = time.monotonic()
         self.started = False
 
     def open_writers(self) -> None:
@@ -83,6 +89,7 @@ class Recorder:
             redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
             with contextlib.suppress(*redisio.OUTAGE_ERRORS):  # what is left un-acked is read again
                 self.commit()
+                self.indexes.save_all()
         finally:
             for w in self.writers.values():
                 w.close()
@@ -104,7 +111,9 @@ class Recorder:
         broken: dict[str, str] = {}
         for stream, entry_id, fields in entries:
             cam = keys.stream_of(stream)
-            if cam not in broken:
+            if stream == keys.features(cam):
+                self.indexes.add(cam, entry_id, fields)
+            elif cam not in broken:
                 try:
                     self._record(cam, entry_id, fields)
                 except FrameLogError as e:
@@ -112,12 +121,15 @@ class Recorder:
         if broken or self.failing or time.monotonic() - self.last_commit >= self.cfg.framelog_sync_s:
             self._settle(broken | self.commit())
         self._collect_if_due()
+        if time.monotonic() - self.last_save >= self.cfg.features_save_s:
+            self.last_save = time.monotonic()
+            self.indexes.save_all()
         self._stats_if_due()
 
     def after_outage(self) -> None:
         """Redis is back: acks may have been lost on the way, so what is pending is read again (found
         in the log, it is acked without a second write)."""
-        for ids in self.unacked.values():
+        for ids in [*self.unacked.values(), *self.indexes.unacked.values()]:
             ids.clear()
         self.reader.reset()
 
@@ -203,7 +215,8 @@ class Recorder:
         name) become ours: one recorder writes a frames log, so nobody else is working on them."""
         self.reader.ensure_groups()
         for name in self.names:
-            redisio.claim_stale(self.frames, keys.frames(name), keys.RECORDER_GROUP, self.cfg.consumer, 0, count=10_000)
+            for key in (keys.frames(name), keys.features(name)):
+                redisio.claim_stale(self.frames, key, keys.RECORDER_GROUP, self.cfg.consumer, 0, count=10_000)
         self.reader.reset()
 
     # -- retention and gauges ------------------------------------------------------------------
@@ -215,6 +228,8 @@ class Recorder:
         for cam in self.names:
             try:
                 removed = self.log.collect(cam, self.cfg.retention_hours, self.cfg.retention_bytes())
+                if removed:
+                    self.indexes.forget_collected(cam)
             except OSError as e:
                 log.error("frames log retention failed", stream=cam, error=str(e))
                 continue

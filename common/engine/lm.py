@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import math
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate, groupby, repeat
 from operator import itemgetter
@@ -119,6 +120,7 @@ class Item:
 # slots start .. start + length of one slab. A plain tuple, not a NamedTuple: a decode step of 8
 # questions plans 520 of them in Python every step, and a NamedTuple takes 6x a tuple's time to make.
 HostPiece = tuple[int, int, int, int]  # (row0, n_rows, start, length)
+Tap = Callable[[int, torch.Tensor], None]  # (layer, its queries (T, H, hd)), see LanguageModel.forward
 
 
 class PieceKey(NamedTuple):
@@ -427,10 +429,13 @@ class LanguageModel:
         )
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def forward(
+        self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, tap: Tap | None = None
+    ) -> torch.Tensor:
         """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
-        and returns the final-norm hidden states (T, D)."""
-        h = self._layers(embeds, positions, plan, kv_only=False)
+        and returns the final-norm hidden states (T, D). `tap(layer, q)` sees each layer's queries
+        (T, H, hd), rotated (retrieval features: features.py)."""
+        h = self._layers(embeds, positions, plan, kv_only=False, tap=tap)
         assert h is not None
         return h
 
@@ -441,7 +446,9 @@ class LanguageModel:
         logits that nobody reads (1/36 of a 3B model's prefill)."""
         self._layers(embeds, positions, plan, kv_only=True)
 
-    def _layers(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, kv_only: bool) -> torch.Tensor | None:
+    def _layers(
+        self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, kv_only: bool, tap: Tap | None = None
+    ) -> torch.Tensor | None:
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)  # (T, hd) each
         x = embeds.to(self.dtype)  # (T, D): the residual stream
         h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)  # (T, D): x normed for the next layer
@@ -452,6 +459,8 @@ class LanguageModel:
             # q (T, H, hd), kv (2, kv_heads, T, hd)
             q, kv = self._attention_input(h, w.qkv, w.qkv_bias, cos, sin, self.n_heads, self.n_kv_heads)
             self._write(i, kv, plan)
+            if tap is not None:
+                tap(i, q)
             if kv_only and i == self.n_layers - 1:
                 return None
             attended = self._attention(i, q, plan)  # (T, H, hd)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from common.engine.eviction import EvictionPolicy
+from common.engine.features import chunk_vector, feature_layers
 from common.engine.frames import pad_to_temporal, patchify, stack_frames, video_grid_thw
 from common.engine.grid import FrameError, StreamSpec
 from common.engine.interleave import between_outputs
@@ -57,6 +58,7 @@ class Appended:
     segment: Segment  # the appended chunk's, as first encoded
     new: list[tuple[Segment, torch.Tensor | None]]  # segments the version adds, K/V in host memory
     embeds: torch.Tensor | None = None  # the chunk's vision embeddings in host memory, for `on_embeds`
+    features: torch.Tensor | None = None  # the chunk's retrieval vector in host memory, for `on_features`
     copied: torch.cuda.Event | None = None  # the K/V copies to the host are done (see _read_out)
 
 
@@ -67,11 +69,12 @@ class StreamEngine:
     before it is published, which is where the encoder worker persists it (re-prefilled segments
     of an exact eviction included); it runs in the thread that calls `finish` (never in the GPU
     loop). With exact eviction, `on_embeds(segment, embeds)` sees each chunk's vision embeddings
-    likewise. `restore` continues a stream from a published manifest instead of starting empty;
-    `load_embeds` then gives back the kept embeddings of its chunks (exact eviction). A stream
-    started empty gets ``epoch`` on its versions; a restored one keeps its manifest's. A
-    ``background`` stream (a temporary cache of past frames) is encoded in the places of encode
-    steps that other streams leave.
+    likewise, and `on_features(segment, vector)` each chunk's retrieval vector (features.py:
+    float16, computed on the device from the chunk's keys as prefilled). `restore` continues a
+    stream from a published manifest instead of starting empty; `load_embeds` then gives back the
+    kept embeddings of its chunks (exact eviction). A stream started empty gets ``epoch`` on its
+    versions; a restored one keeps its manifest's. A ``background`` stream (a temporary cache of
+    past frames) is encoded in the places of encode steps that other streams leave.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class StreamEngine:
         load_embeds: EmbedsSource | None = None,
         epoch: str = "",
         background: bool = False,
+        on_features: SegmentSink | None = None,
     ):
         self.rt = runtime
         self.background = background  # its chunks yield to every other stream's (work.BatchJob)
@@ -94,6 +98,8 @@ class StreamEngine:
         self.cache.epoch = epoch
         self.on_segment = on_segment
         self.on_embeds = on_embeds
+        self.on_features = on_features
+        self.feature_layers = feature_layers(runtime.lm.n_layers)
         if restore is None:
             self.finish(runtime.executor.call(self._prefill_prefix))
         else:
@@ -165,6 +171,8 @@ class StreamEngine:
             self.on_embeds(appended.segment, appended.embeds)
         if appended.copied is not None:
             appended.copied.synchronize()
+        if self.on_features is not None and appended.features is not None:
+            self.on_features(appended.segment, appended.features)
         for segment, original in appended.new:
             if self.on_segment is not None and original is not None:
                 # The page-locked copy itself, not a clone of it: the sink (the encoder's segment
@@ -214,6 +222,7 @@ class StreamEngine:
         segment: Segment,
         original: torch.Tensor | None,
         embeds: torch.Tensor,
+        features: torch.Tensor | None = None,
     ) -> Appended:
         """What `finish` hands on once `version` (the chunk's) is published over a head that held
         the segments `before`. `original` is the chunk's K/V as prefilled (read before publishing:
@@ -226,7 +235,7 @@ class StreamEngine:
             kv = original if p.segment.id == segment.id else self._read_out(p.segment, version.view, p.offset)
             new.append((p.segment, kv))
         kept = embeds.to("cpu", copy=True) if self.on_embeds is not None and self.cache.policy.exact else None
-        return Appended(version, segment, new, kept, _copies_done(*(kv for _, kv in new)))
+        return Appended(version, segment, new, kept, features, _copies_done(features, *(kv for _, kv in new)))
 
     def _read_out(self, segment: Segment, kv: torch.Tensor | KVView, start: int) -> torch.Tensor | None:
         """The segment's original K/V at `start` of `kv`, copied to host memory for `on_segment`.
@@ -238,9 +247,21 @@ class StreamEngine:
             return None
         n = segment.tokens
         src = kv.read(start, n) if isinstance(kv, KVView) else kv[:, :, :, start : start + n]
-        if src.device.type != "cuda":
-            return src.to("cpu", copy=True)
-        return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src, non_blocking=True)
+        return _to_host(src)
+
+    def _features(self, kv: torch.Tensor, start: int, n: int, positions: torch.Tensor) -> torch.Tensor | None:
+        """The chunk's retrieval vector from its keys at `start` of `kv` (rotated at `positions`),
+        float16 in host memory for `on_features`, copied like `_read_out`'s K/V."""
+        if self.on_features is None:
+            return None
+        return _to_host(chunk_vector(self.rt, kv[:, :, :, start : start + n], positions, self.feature_layers).half())
+
+
+def _to_host(src: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory; from a GPU into page-locked memory, not waited for (see _copies_done)."""
+    if src.device.type != "cuda":
+        return src.to("cpu", copy=True)
+    return torch.empty(src.shape, dtype=src.dtype, pin_memory=True).copy_(src, non_blocking=True)
 
 
 def _copies_done(*copies: torch.Tensor | None) -> torch.cuda.Event | None:
@@ -266,6 +287,8 @@ class ChunkJob(BatchJob):
         self.waiting_since = chunk.waiting_since
         self.started: tuple[Region, int, Segment] | None = None  # where the chunk was prefilled; its segment
         self.original: torch.Tensor | None = None  # its K/V as prefilled, for `on_segment`
+        self.positions: torch.Tensor | None = None  # where it was prefilled, for its retrieval vector
+        self.features: torch.Tensor | None = None  # its retrieval vector, for `on_features`
         self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled
 
     @classmethod
@@ -310,7 +333,7 @@ class ChunkJob(BatchJob):
             return self.rebuild.next_piece()
         assert self.chunk.embeds is not None  # made by _vision
         item, positions, segment = self.engine._start(self.chunk)
-        self.started = (item.dest, item.at, segment)
+        self.started, self.positions = (item.dest, item.at, segment), positions
         return self.chunk.embeds, positions, item
 
     def _output(self) -> Appended | None:
@@ -321,6 +344,8 @@ class ChunkJob(BatchJob):
         before = {p.segment.id for p in self.engine.head.placements}
         if self.rebuild is None:
             self.original = self.engine._read_out(segment, dest.kv, at)  # before an eviction turns it
+            assert self.positions is not None
+            self.features = self.engine._features(dest.kv, at, segment.tokens, self.positions)
             published = cache.publish_chunk(segment, self.chunk.embeds)
             if isinstance(published, Rebuild):
                 self.rebuild = published
@@ -330,7 +355,7 @@ class ChunkJob(BatchJob):
             version = cache.complete(self.rebuild)
         else:
             return None
-        return self.engine._appended(before, version, segment, self.original, self.chunk.embeds)
+        return self.engine._appended(before, version, segment, self.original, self.chunk.embeds, self.features)
 
 
 def _each(

@@ -112,3 +112,9 @@ def alert_acks(cam: str) -> str:
 def alert_frame(cam: str, alert_id: str) -> str:
     """The latest-frame hash as it was when an alert fired (a copy, with a TTL)."""
     return f"{PREFIX}:{{{cam}}}:alert:{alert_id}:frame"
+
+
+def features(cam: str) -> str:
+    """Each encoded chunk's retrieval vector (capped stream, common/wire/features.py): the encoder
+    adds, the recorder indexes it beside the frames log (group `rec`)."""
+    return f"{PREFIX}:{{{cam}}}:features"

@@ -1,0 +1,187 @@
+"""One camera's search index: its chunks' retrieval vectors (common/wire/features.py) beside its
+frames log, written by the recorder, read by the workers that answer searches.
+
+Two files in the camera's log directory: ``chunks.usearch``, the vectors in a USearch HNSW graph
+(cosine, float16: the library's own file, memory-mapped by readers), and ``chunks.meta``, what each
+vector's key is (msgpack: the model and layers every vector was taken at, then one row per chunk:
+key, capture-time range, frame seqs). Both are replaced whole by rename (`save`), the graph first:
+a reader or a writer that finds keys in one file and not in the other ignores them (the writer
+drops them when it opens), so a crash between the renames loses nothing that was saved before.
+
+Keys count up from 0 (``next_key`` in the meta). A chunk is one (first frame seq, first capture
+time): the same chunk encoded again (a stream rebuilt from the log) is not added twice.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import structlog
+from usearch.index import Index
+
+from common.files import fsync_dir
+from common.wire.features import ChunkFeatures
+
+log = structlog.get_logger(__name__)
+
+GRAPH_NAME, META_NAME = "chunks.usearch", "chunks.meta"
+META_VERSION = 1
+ROW = np.dtype([("key", "<u8"), ("t0", "<f8"), ("t1", "<f8"), ("s0", "<i8"), ("s1", "<i8")])
+EXACT_MAX = 4096  # a time filter leaving at most this many chunks is searched exactly, all of them
+
+
+@dataclass(frozen=True)
+class Match:
+    start: float
+    end: float
+    first_seq: int
+    last_seq: int
+    score: float  # cosine of question and chunk: the mean over the layers of each layer's
+
+
+class ChunkIndex:
+    """A camera's chunk vectors and rows. A writer's (`open`) grows and saves; a reader's (`view`)
+    is memory-mapped and only searched."""
+
+    def __init__(self, model: str, layers: tuple[int, ...], dim: int, graph: Index | None = None) -> None:
+        self.model, self.layers, self.dim = model, layers, dim
+        self.graph = graph if graph is not None else Index(ndim=dim, metric="cos", dtype="f16")
+        self.rows: dict[int, tuple[float, float, int, int]] = {}  # key -> (t0, t1, s0, s1)
+        self.chunks: dict[tuple[int, float], int] = {}  # (s0, t0) -> key
+        self.next_key = 0
+        self.dirty = False
+        self._table: np.ndarray | None = None  # the rows as an array (ROW), made again after a change
+
+    @classmethod
+    def new_for(cls, f: ChunkFeatures) -> ChunkIndex:
+        return cls(f.model, f.layers, f.vector.size)
+
+    def fits(self, f: ChunkFeatures) -> bool:
+        """Whether ``f``'s vector is comparable with this index's (same model, layers, size)."""
+        return (f.model, f.layers, f.vector.size) == (self.model, self.layers, self.dim)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def add(self, f: ChunkFeatures) -> bool:
+        """Index one chunk; False if it is there already."""
+        chunk = (f.frame_seqs[0], f.capture_range[0])
+        if chunk in self.chunks:
+            return False
+        key = self.next_key
+        self.graph.add(key, f.vector)
+        self.rows[key] = (*f.capture_range, *f.frame_seqs)
+        self.chunks[chunk] = key
+        self.next_key, self.dirty, self._table = key + 1, True, None
+        return True
+
+    def remove_before(self, ts: float) -> int:
+        """Forget the chunks captured (from their first frame) before ``ts``; how many."""
+        gone = [key for key, (t0, _, _, _) in self.rows.items() if t0 < ts]
+        if gone:
+            self.graph.remove(np.array(gone, dtype=np.uint64))
+            for key in gone:
+                t0, _, s0, _ = self.rows.pop(key)
+                del self.chunks[(s0, t0)]
+            self.dirty, self._table = True, None
+        return len(gone)
+
+    def save(self, d: Path) -> None:
+        """Both files replaced whole (written, fsynced, renamed, the directory fsynced)."""
+        graph, meta = d / GRAPH_NAME, d / META_NAME
+        self.graph.save(str(graph) + ".tmp")
+        _fsync(graph.with_name(graph.name + ".tmp"))
+        rows = self.table()
+        header = {"v": META_VERSION, "model": self.model, "layers": list(self.layers), "dim": self.dim}
+        body = msgpack.packb({**header, "next_key": self.next_key, "rows": rows.tobytes()}, use_bin_type=True)
+        tmp = meta.with_name(meta.name + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(graph.with_name(graph.name + ".tmp"), graph)
+        os.replace(tmp, meta)
+        fsync_dir(d)
+        self.dirty = False
+
+    # -- reading -------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, d: Path) -> ChunkIndex | None:
+        """The camera's saved index, to add to (None when there is none, or it does not load:
+        then a new one is built, with a warning)."""
+        return cls._load(d, view=False)
+
+    @classmethod
+    def view(cls, d: Path) -> ChunkIndex | None:
+        """The camera's saved index, memory-mapped, to search (None when there is none)."""
+        return cls._load(d, view=True)
+
+    @classmethod
+    def _load(cls, d: Path, view: bool) -> ChunkIndex | None:
+        try:
+            meta = msgpack.unpackb((d / META_NAME).read_bytes(), raw=False)
+            graph = Index.restore(str(d / GRAPH_NAME), view=view)
+            if graph is None or meta.get("v") != META_VERSION:
+                raise ValueError("not an index of this version")
+            index = cls(meta["model"], tuple(meta["layers"]), int(meta["dim"]), graph)
+            rows = np.frombuffer(meta["rows"], dtype=ROW)
+        except FileNotFoundError:
+            return None
+        except (ValueError, KeyError, TypeError, RuntimeError, msgpack.UnpackException) as e:
+            log.warning("search index unreadable; not used", dir=str(d), error=str(e)[:200])
+            return None
+        index.next_key = int(meta["next_key"])
+        in_graph = set(np.asarray(graph.keys).tolist())
+        for key, t0, t1, s0, s1 in rows.tolist():
+            if key in in_graph:  # a crash between the two renames: the graph is the newer one
+                index.rows[key] = (t0, t1, s0, s1)
+                index.chunks[(s0, t0)] = key
+        if not view and (stray := in_graph - index.rows.keys()):
+            graph.remove(np.array(sorted(stray), dtype=np.uint64))
+        return index
+
+    def table(self) -> np.ndarray:
+        if self._table is None:
+            self._table = np.array([(k, *row) for k, row in self.rows.items()], dtype=ROW)
+        return self._table
+
+    def search(self, vector: np.ndarray, k: int, since: float = -math.inf, until: float = math.inf) -> list[Match]:
+        """The ``k`` chunks nearest to ``vector`` (a question's, features.py) among those whose
+        capture range meets [since, until], best first. Few such chunks: all of them are scored
+        exactly; many: the HNSW graph is searched wider until ``k`` of its hits fall in the span."""
+        table = self.table()
+        inside = table["key"][(table["t1"] >= since) & (table["t0"] <= until)]
+        if not len(inside) or k < 1:
+            return []
+        query = vector.astype(np.float32)
+        if len(inside) <= EXACT_MAX:
+            keys = inside
+            vectors = np.atleast_2d(np.asarray(self.graph.get(keys, dtype=np.float32), dtype=np.float32))
+            scores = vectors @ query / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(query))
+            order = np.argsort(-scores, kind="stable")[:k]
+            return [self._match(int(keys[i]), float(scores[i])) for i in order]
+        wanted, count = set(inside.tolist()), 4 * k
+        while True:
+            found = self.graph.search(query, min(count, len(self.graph)))
+            hits = [(int(key), 1.0 - float(d)) for key, d in zip(found.keys, found.distances, strict=True)]
+            hits = [(key, score) for key, score in hits if key in wanted]
+            if len(hits) >= k or count >= len(self.graph):
+                return [self._match(key, score) for key, score in hits[:k]]
+            count *= 4
+
+    def _match(self, key: int, score: float) -> Match:
+        t0, t1, s0, s1 = self.rows[key]
+        return Match(t0, t1, s0, s1, score)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())

@@ -1,0 +1,234 @@
+"""Search features kept with the frames log, on a real redis-server, real files, the real index
+library (USearch) and a tiny random-weight model: the encoder publishes each chunk's vector, the
+recorder indexes it beside the camera's log; the index survives a restart (and a crash between its
+two files), and retention removes the vectors of the frames it deletes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+
+from common import redisio
+from common.chunkindex import ChunkIndex
+from common.engine.grid import Grid
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.segment_store import DirectoryStore
+from common.wire import keys
+from common.wire.features import ChunkFeatures, decode_features, encode_features
+from common.wire.schemas import FrameMsg, encode_frame
+from encoder_worker.config import EncoderConfig
+from encoder_worker.service import EncoderService
+from recorder import service as recorder_service
+from recorder.config import RecorderConfig
+from tests.engine_helpers import make_frames
+from tests.retrieval_oracle import chunk_means
+from tests.test_features import unit_layers
+from tests.test_persistence import encoded, run_until, stop
+
+CAM = "cam"
+GRID = Grid(56, 56)
+FPS, CHUNK = 2.0, 4
+T0 = 1_800_000_000.0
+LAYERS = (0, 1)
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+def push_frames(r: redis.Redis, frames: list[np.ndarray], seqs: range) -> None:
+    for s in seqs:
+        r.xadd(keys.frames(CAM), encode_frame(FrameMsg.from_rgb(s, T0 + s / FPS, s / FPS, frames[s])))
+
+
+def encoder(rt: Runtime, r: redis.Redis, url: str, tmp_path: Path) -> EncoderService:
+    r.hset(keys.meta(CAM), mapping={"fps": FPS, "height": GRID.height, "width": GRID.width, "live": 0})
+    cfg = EncoderConfig(redis_url=url, streams=(CAM,), consumer="enc", chunk_frames=CHUNK, block_ms=50)
+    return EncoderService(cfg, rt, r, DirectoryStore(tmp_path / "segments"))
+
+
+def recorder(url: str, log_dir: Path, **settings) -> recorder_service.Recorder:
+    options = dict(framelog_sync_s=0.05, features_save_s=0.05, block_ms=50) | settings
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(log_dir), **options)
+    rec = recorder_service.Recorder(cfg, redisio.connect(url, block_ms=50))
+    rec.open_writers()
+    return rec
+
+
+def end(rec: recorder_service.Recorder) -> None:
+    """The process is gone (exit or crash): its log lock with it."""
+    for w in rec.writers.values():
+        w.close()
+
+
+def unacked_features(r: redis.Redis) -> int:
+    groups = {redisio.text(g["name"]): g for g in r.xinfo_groups(keys.features(CAM))}
+    g = groups.get(keys.RECORDER_GROUP)
+    return r.xlen(keys.features(CAM)) if g is None else int(g.get("lag") or 0) + int(g["pending"])
+
+
+def step_until(rec: recorder_service.Recorder, check, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        rec.step()
+
+
+def saved(log_dir: Path) -> ChunkIndex:
+    index = ChunkIndex.view(log_dir / CAM)
+    assert index is not None
+    return index
+
+
+def rows(index: ChunkIndex) -> list[tuple[int, int]]:
+    return sorted((s0, s1) for _, _, s0, s1 in index.rows.values())
+
+
+def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vectors(rt, redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    frames = make_frames(16, GRID, seed=5)
+    svc = encoder(rt, r, redis_url, tmp_path)
+    push_frames(r, frames, range(16))
+    run_until(svc, lambda: encoded(r, CAM, 15), "16 frames")
+    stop(svc, r)
+
+    published = [decode_features(f) for _, f in r.xrange(keys.features(CAM))]
+    assert [f.frame_seqs for f in published] == [(0, 3), (4, 7), (8, 11), (12, 15)]
+    assert published[1].capture_range == (T0 + 2.0, T0 + 3.5)
+    assert {(f.model, f.layers) for f in published} == {("tiny-random", svc.owned[CAM].engine.feature_layers)}
+    oracle = chunk_means(rt, frames, GRID, FPS, CHUNK, published[0].layers)
+    for f, means in zip(published, oracle, strict=True):
+        np.testing.assert_allclose(f.vector.astype(np.float32), unit_layers(means), atol=2e-3)
+
+    rec = recorder(redis_url, tmp_path / "log")
+    step_until(rec, lambda: unacked_features(r) == 0, "the features acked")
+    index = saved(tmp_path / "log")
+    assert rows(index) == [(0, 3), (4, 7), (8, 11), (12, 15)]
+    assert (index.model, index.layers) == ("tiny-random", published[0].layers)
+    for f in published:  # the index holds the published vectors, each found as its own nearest
+        (best,) = index.search(f.vector, 1)
+        assert (best.first_seq, best.start, best.end) == (f.frame_seqs[0], *f.capture_range)
+        assert best.score == pytest.approx(1.0, abs=1e-3)
+
+
+def planted(seq: int, vector: np.ndarray, model: str = "tiny-random") -> ChunkFeatures:
+    """A chunk of 4 frames from ``seq``, captured at T0 + seq / FPS, with ``vector``."""
+    return ChunkFeatures((T0 + seq / FPS, T0 + (seq + 3) / FPS), (seq, seq + 3), model, LAYERS, vector)
+
+
+def vectors(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 64)).astype(np.float16)
+
+
+def send(r: redis.Redis, features: list[ChunkFeatures]) -> None:
+    for f in features:
+        r.xadd(keys.features(CAM), encode_features(f))
+
+
+def test_the_index_survives_a_restart_and_a_crash_before_its_save(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    vs = vectors(6)
+    send(r, [planted(4 * i, vs[i]) for i in range(3)])
+    rec = recorder(redis_url, tmp_path)
+    step_until(rec, lambda: unacked_features(r) == 0, "the first three saved and acked")
+    end(rec)
+    # a second life reads three more but dies before saving: nothing acked, nothing lost
+    send(r, [planted(4 * i, vs[i]) for i in range(3, 6)])
+    crashed = recorder(redis_url, tmp_path, features_save_s=3600)
+    step_until(crashed, lambda: len(crashed.indexes.index_of(CAM) or ()) == 6, "the next three read")
+    assert rows(saved(tmp_path)) == [(0, 3), (4, 7), (8, 11)]
+    assert unacked_features(r) == 3
+    end(crashed)
+    again = recorder(redis_url, tmp_path)
+    step_until(again, lambda: unacked_features(r) == 0, "the pending three read again and saved")
+    index = saved(tmp_path)
+    assert rows(index) == [(0, 3), (4, 7), (8, 11), (12, 15), (16, 19), (20, 23)], "each chunk once"
+    assert index.search(vs[4], 1)[0].first_seq == 16
+    # the same chunk again (a stream rebuilt from the log re-encodes it) is not added twice
+    send(r, [planted(8, vs[0])])
+    step_until(again, lambda: unacked_features(r) == 0, "the duplicate acked")
+    assert len(saved(tmp_path)) == 6
+
+
+def test_retention_removes_the_vectors_of_the_files_it_deletes(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    frames = make_frames(16, GRID, seed=1)
+    rec = recorder(redis_url, tmp_path, framelog_roll_s=0.2, retention_hours=1.0, collect_every_s=3600)
+    push_frames(r, frames, range(8))
+    step_until(rec, lambda: rec.log.span(CAM) is not None and rec.log.span(CAM).frames == 8, "the first file")
+    time.sleep(0.3)  # the next frames roll to a second file
+    push_frames(r, frames, range(8, 16))
+    vs = vectors(4, seed=2)
+    send(r, [planted(4 * i, vs[i]) for i in range(4)])
+    step_until(rec, lambda: rec.log.span(CAM).frames == 16 and unacked_features(r) == 0, "frames and vectors")
+    assert rec.log.span(CAM).files == 2
+    first = min((tmp_path / CAM).glob("*.log"))
+    old = time.time() - 2 * 3600
+    os.utime(first, (old, old))
+    rec.last_collect = float("-inf")
+    rec.step()
+    assert rec.log.span(CAM).first_seq == 8, "the older file is gone"
+    assert rows(saved(tmp_path)) == [(8, 11), (12, 15)], "and the vectors of its frames, saved at once"
+    assert rec.indexes.index_of(CAM).search(vs[0], 4)[0].first_seq != 0
+
+
+def test_vectors_of_another_model_start_the_index_anew_with_an_event(redis_url, tmp_path):
+    r = redis.Redis.from_url(redis_url)
+    vs = vectors(3)
+    send(r, [planted(0, vs[0]), planted(4, vs[1]), planted(8, vs[2], model="another")])
+    rec = recorder(redis_url, tmp_path)
+    step_until(rec, lambda: unacked_features(r) == 0, "all acked")
+    index = saved(tmp_path)
+    assert (index.model, rows(index)) == ("another", [(8, 11)])
+    (event,) = [f for _, f in r.xrange(keys.events(CAM)) if f[b"type"] == b"search_index_reset"]
+    assert event[b"was_model"] == b"tiny-random" and event[b"chunks"] == b"2"
+
+
+def test_a_planted_match_ranks_first_and_scores_are_ordered_exactly_and_through_the_graph(tmp_path, monkeypatch):
+    from common import chunkindex
+
+    vs = vectors(300, seed=3)
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    for i, v in enumerate(vs):
+        index.add(planted(4 * i, v))
+    question = vectors(1, seed=9)[0].astype(np.float32)
+    index.add(planted(4 * 300, question.astype(np.float16)))  # planted to match
+    exact = index.search(question, 10)
+    assert exact[0].first_seq == 1200 and exact[0].score == pytest.approx(1.0, abs=1e-3)
+    scores = [m.score for m in exact]
+    assert scores == sorted(scores, reverse=True)
+    cosines = sorted(
+        (
+            float(v.astype(np.float32) @ question / np.linalg.norm(v.astype(np.float32)) / np.linalg.norm(question))
+            for v in vs
+        ),
+        reverse=True,
+    )
+    np.testing.assert_allclose(scores[1:], cosines[:9], atol=1e-3)
+    span = index.search(question, 3, since=T0 + 20, until=T0 + 40)  # chunks meeting 20..40 s only
+    assert all(m.end >= T0 + 20 and m.start <= T0 + 40 for m in span) and len(span) == 3
+    assert index.search(question, 3, since=T0 + 10_000) == [], "nothing in the span: no match"
+    monkeypatch.setattr(chunkindex, "EXACT_MAX", 0)  # the graph's search, widened until k fall in the span
+    graph = index.search(question, 10)
+    assert [m.first_seq for m in graph[:3]] == [m.first_seq for m in exact[:3]]
+    assert [m.first_seq for m in index.search(question, 3, since=T0 + 20, until=T0 + 40)] == [m.first_seq for m in span]
+
+
+def test_a_crash_between_the_two_files_leaves_a_consistent_index(tmp_path):
+    vs = vectors(3)
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    index.add(planted(0, vs[0]))
+    index.save(tmp_path)
+    index.add(planted(4, vs[1]))
+    index.graph.save(str(tmp_path / "chunks.usearch"))  # the graph renamed, the meta not yet
+    reopened = ChunkIndex.open(tmp_path)
+    assert rows(reopened) == [(0, 3)] and len(reopened.graph) == 1, "the stray vector dropped"
+    reopened.add(planted(8, vs[2]))
+    assert reopened.search(vs[2], 1)[0].first_seq == 8
