@@ -219,7 +219,7 @@ def test_seconds_before_asking_and_the_budget_choose_chunks_evenly_over_the_span
     r = redis.Redis.from_url(redis_url)
     prefix = len(rt.prefix_ids())
     world = World(rt, r, redis_url, tmp_path, frames, history_max_tokens=prefix + 4 * 4)
-    ago = time.time() - T0
+    ago = time.time() - T0 + 60  # a minute before the first frame: counted from the asking, a little later
     final = world.ask(since=f"{ago:.3f}")  # the whole log, 12 chunks: 4 of them, first and last included
     assert final.error is None, final.error
     starts = [0, 8, 14, 22]  # chunks 0, round(11/3) = 4, round(22/3) = 7 and 11
