@@ -116,6 +116,14 @@ class Placement:
         return fair if self.capacity is None else min(fair, self.capacity)
 
     @staticmethod
+    def holding(others: list[WorkerLoad], free: Iterable[str]) -> list[WorkerLoad]:
+        """The workers that still hold streams or have none yet: one that says it holds streams
+        that are all free has died (its leases ran out; its heartbeat, renewed just after them, a
+        few ms later). Counted, it would halve the share of a survivor taking its streams."""
+        free = set(free)
+        return [o for o in others if not o.streams or not set(o.streams) <= free]
+
+    @staticmethod
     def should_hand_off(load: int, others: list[WorkerLoad]) -> bool:
         """Is this worker, holding ``load`` streams, two or more above a worker that has room?"""
         lighter = [o.load for o in others if o.has_room]

@@ -23,15 +23,16 @@ segment of that chunk (the original or a re-prefilled ``<chunk>.rN``) is kept.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
 import struct
 import threading
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 
 import msgpack
 import redis
@@ -124,11 +125,16 @@ def _header(head: bytes, where: str) -> tuple[dict, int]:
     return meta, _PREFIX.size + n
 
 
-def _tensor(meta: dict, payload: torch.Tensor, where: str, segment_id: str) -> torch.Tensor:
-    """Check the payload (uint8) against its header; the tensor it holds."""
+def payload_tensor(
+    meta: dict, payload: torch.Tensor, where: str, segment_id: str, crc: int | None = None
+) -> torch.Tensor:
+    """Check the payload (uint8, on any device) against its header; the tensor it holds. ``crc``:
+    the payload's CRC-32 where the reader computed it piece by piece (a payload on a GPU, say)."""
     if payload.numel() != meta["nbytes"]:
         raise SegmentStoreError(f"corrupt segment {where}: {payload.numel()} of {meta['nbytes']} bytes")
-    if zlib.crc32(memoryview(payload.numpy()).cast("B")) != meta["crc32"]:
+    if crc is None:
+        crc = zlib.crc32(memoryview(payload.numpy()).cast("B"))
+    if crc != meta["crc32"]:
         raise SegmentStoreError(f"corrupt segment {where}: checksum mismatch")
     kv = payload.view(_DTYPES[meta["dtype"]]).reshape(meta["shape"])
     try:
@@ -142,7 +148,7 @@ def decode(data: bytes, segment_id: str, where: str) -> torch.Tensor:
     """A record held in memory (a Redis value) back to its tensor (a copy of its own)."""
     meta, start = _header(data[: _MAX_HEADER + _PREFIX.size], where)
     payload = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8) if len(data) > start else torch.empty(0)
-    return _tensor(meta, payload.to(torch.uint8), where, segment_id)
+    return payload_tensor(meta, payload.to(torch.uint8), where, segment_id)
 
 
 def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
@@ -194,24 +200,31 @@ class DirectoryStore:
             tmp.unlink(missing_ok=True)
             raise _os_error(e, f"cannot write segment {final}") from e
 
-    def get(
-        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
-    ) -> torch.Tensor:
-        """``pin``: read into page-locked memory (a GPU copies it from there without a wait)."""
+    @contextlib.contextmanager
+    def open(self, stream: str, segment_id: str) -> Iterator[tuple[dict, BinaryIO, str]]:
+        """A stored record: its header, its file at the start of the payload, and where it is (for
+        errors). A missing file, a bad header or a failed read inside the block is a SegmentStoreError."""
         path = self.path(stream, segment_id)
-        device = torch.device(device)
         try:
             with open(path, "rb", buffering=0) as f:
                 meta, start = _header(f.read(_PREFIX.size + _MAX_HEADER), str(path))
                 f.seek(start)
-                # Straight into page-locked memory when it goes on to a GPU: one copy, not waited for.
-                payload = torch.empty(meta["nbytes"], dtype=torch.uint8, pin_memory=pin or device.type == "cuda")
-                got = f.readinto(memoryview(payload.numpy()).cast("B")) if payload.numel() else 0
+                yield meta, f, str(path)
         except FileNotFoundError as e:
             raise SegmentStoreError(f"missing segment {path}") from e
         except OSError as e:
             raise SegmentStoreError(f"corrupt segment {path}: {e}") from e
-        kv = _tensor(meta, payload[:got], str(path), segment_id)
+
+    def get(
+        self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
+    ) -> torch.Tensor:
+        """``pin``: read into page-locked memory (a GPU copies it from there without a wait)."""
+        device = torch.device(device)
+        with self.open(stream, segment_id) as (meta, f, where):
+            # Straight into page-locked memory when it goes on to a GPU: one copy, not waited for.
+            payload = torch.empty(meta["nbytes"], dtype=torch.uint8, pin_memory=pin or device.type == "cuda")
+            got = f.readinto(memoryview(payload.numpy()).cast("B")) if payload.numel() else 0
+        kv = payload_tensor(meta, payload[:got], where, segment_id)
         return kv.to(device, non_blocking=True)
 
     def gc(self, stream: str, keep: Iterable[str]) -> int:

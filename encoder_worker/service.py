@@ -3,10 +3,11 @@
 Placement (`common.placement`): at every lease check (at least once a second) the worker renews
 its leases, writes its heartbeat, takes free streams up to its fair share (capped by
 `max_streams`), and hands one stream off, at most every HAND_OFF_EVERY_S, when another worker
-holds two fewer. Leases and the heartbeat are also renewed by a thread of their own, so a main
-loop held up by a slow chunk does not lose them. A dead worker's streams are therefore taken
-over within about lease_ms + 2 x LEASE_CHECK_MAX_S (+ the time to restore the cache from the
-segment store).
+holds two fewer; a stream that became free (a lease ran out) is looked for every FREE_CHECK_S.
+Leases and the heartbeat are also renewed by a thread of their own, so a main loop held up by a
+slow chunk does not lose them. A dead worker's streams are therefore all taken within
+FREE_CHECK_S of their leases running out (at most lease_ms after its death), then restored from
+the segment store by RESTORE_AT_ONCE tasks sharing the restorer's readers (encoder_worker/restore.py).
 
 One loop: keep leases, read frames of owned streams (consumer group `enc`, own pending entries
 first after a restart), hand each stream's entries to a task of its own, which gives them to its
@@ -41,6 +42,7 @@ from common.wire import keys
 from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decoding import FrameDecoder
+from encoder_worker.restore import Restorer
 from encoder_worker.stream import (
     LeaseLost,
     OwnedStream,
@@ -57,13 +59,16 @@ READ_PER_STREAM = 16  # frames entries read per owned stream and step (XREADGROU
 BUSY_BLOCK_MS = 20  # a read's wait while some streams' tasks run: those are read again soon after they end
 PRUNE_EVERY_S = 600.0  # how often dead consumers are removed from the frames groups
 LEASE_CHECK_MAX_S = 1.0  # leases renewed and free streams tried at least this often
+FREE_CHECK_S = 0.2  # and free streams looked for this often (one pipelined EXISTS): a dead worker's are taken at once
 HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
 HAND_OFF_WAIT_S = 10.0  # a stream handed off waits this long at most for its partial chunk
 STOP_WAIT_S = 10.0  # at a clean stop, questions being answered here get this long to finish
-# Streams restored at once: each reads its head's segments (1.2 GB at 32K) into page-locked memory,
-# which torch's host allocator keeps and reuses. 32 at once pinned 36 GB in fresh allocations, and
-# those hold the CUDA driver: the GPU loop stood still 26 s (H200, 2026-11-28).
-RESTORE_AT_ONCE = 4
+# Streams restored at once. Their segments are read by the restorer's threads (`restore_threads`),
+# through page-locked staging allocated once (encoder_worker/restore.py), onto the device, where a
+# head waits for the GPU loop to lay it out (up to an encode step): 1.2 GB of device memory at 32K
+# each. Several at once keep the readers busy while some wait for the loop (a head takes them
+# about 0.05 s, the loop up to 0.2 s); the bound keeps that memory near the KV pool's 8 GB reserve.
+RESTORE_AT_ONCE = 8
 
 
 class EncoderService:
@@ -79,6 +84,7 @@ class EncoderService:
         self.owned: dict[str, OwnedStream] = {}
         self.opening: set[str] = set()  # leases taken, caches being restored by their tasks
         self._restoring = threading.BoundedSemaphore(RESTORE_AT_ONCE)
+        self.restorer = Restorer(rt.loaded.device, cfg.restore_threads)  # its page-locked staging: now, once
         self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms)
         self.leaving: str | None = None  # the stream being handed off to a less loaded worker
         self._leaving_since = 0.0
@@ -97,7 +103,8 @@ class EncoderService:
         self.streams_pool = futures.ThreadPoolExecutor(max(1, len(self.names)), thread_name_prefix="stream")
         self.tasks: dict[str, futures.Future] = {}  # stream -> the task handling its last read, or opening it
         self.decoder = FrameDecoder(cfg.decode_processes)  # pixels decoded out of this process's GIL
-        self._last_lease_check = 0.0
+        self._last_lease_check = self._last_free_check = 0.0
+        self._free: set[str] = set()  # streams nobody held at the last look (`_free_streams`)
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._last_prune = time.monotonic()
 
@@ -131,6 +138,7 @@ class EncoderService:
             self._settle(STOP_WAIT_S)
             self.writer.close()
             self.decoder.close()
+            self.restorer.close()
             done.set()
             keeper.join()
         # Streams are released only once the questions taken here are answered: the next owner
@@ -206,19 +214,29 @@ class EncoderService:
         return task
 
     def _keep_leases_if_due(self) -> None:
-        if time.monotonic() - self._last_lease_check > self._lease_check_s:
+        now = time.monotonic()
+        if now - self._last_lease_check > self._lease_check_s:
             self._keep_leases()
+        elif now - self._last_free_check > FREE_CHECK_S:
+            was_free = self._free
+            if set(self._free_streams()) - was_free:  # a lease ran out (a dead worker's): taken now
+                self._place()
 
     def _keep_leases(self) -> None:
         """Renew what we hold, say so (heartbeat), take free streams, maybe start one hand-off."""
         self._renew_owned()
+        self._free_streams()
+        self._place()
+        health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
+
+    def _place(self) -> None:
+        """Say what we hold (heartbeat), take free streams (`_free`, just looked up), maybe start one hand-off."""
         held = self.held()
         others = self.placement.beat(held)
         self._take_free(others)
         self._start_hand_off_if_due(others)
         if self.held() != held:
             self.placement.beat(self.held())  # the others decide on what we hold now
-        health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
 
     def held(self) -> list[str]:
         """Streams whose leases we hold: owned, and those whose caches are being restored."""
@@ -247,8 +265,8 @@ class EncoderService:
                 self._drop(name)
 
     def _take_free(self, others: list[WorkerLoad]) -> None:
-        free = self._free_streams()
-        share = self.placement.share(len(self.held()), len(free), others)
+        free = [n for n in self.names if n in self._free]  # in order: where each worker starts is its own
+        share = self.placement.share(len(self.held()), len(free), self.placement.holding(others, free))
         # Each worker starts at its own place in the list, so workers taking at once rarely collide.
         start = zlib.crc32(self.cfg.consumer.encode()) % len(free) if free else 0
         for name in free[start:] + free[:start]:
@@ -266,6 +284,7 @@ class EncoderService:
         for name in names:
             pipe.exists(keys.lease(name))
         free = [n for n, held in zip(names, pipe.execute(), strict=True) if not held]
+        self._free, self._last_free_check = set(free), time.monotonic()
         for name in set(self._free_since) - set(free):
             del self._free_since[name]
         return free
@@ -280,9 +299,11 @@ class EncoderService:
         """A stream's task after its lease was taken: restore its cache from the head (nothing
         re-encoded; the segments are read in this thread) and take over its unacked frames.
         None when it cannot be opened now; the lease is then given back or already gone."""
+        taken, taken_at = time.perf_counter(), time.time()
         try:
             with self._restoring:
-                owned = open_stream(self.rt, self.r, self.writer, self.cfg, name, self.frames)
+                waited = time.perf_counter() - taken
+                owned = open_stream(self.rt, self.r, self.writer, self.cfg, name, self.frames, self.restorer)
         except StreamNotReady:
             self.leases[name].release()  # ingest has not described the stream yet; try again later
             return None
@@ -291,15 +312,24 @@ class EncoderService:
             return None
         # Frames another consumer read but never acked belong to a dead or departed owner: take
         # them over before reading on, so nothing is skipped and the file source is not held back.
+        claim = time.perf_counter()
         redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
         redisio.claim_stale(self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
+        owned.taken_at = taken_at  # frames captured before it waited for us only since (OwnedStream.skip_late)
+        owned.opened = {
+            "waited_s": round(waited, 3),  # for one of the RESTORE_AT_ONCE slots
+            **owned.opened,
+            "claim_s": round(time.perf_counter() - claim, 3),
+            "open_s": round(time.perf_counter() - taken, 3),  # from the lease taken to here
+        }
         return owned
 
     def _attach(self, name: str, owned: OwnedStream) -> None:
         """An opened stream joins the owned ones and is read from now on (this thread only)."""
         self.owned[name] = owned
         self.reader.add(keys.frames(name))
-        event(self.r, name, "encoder_attached", consumer=self.cfg.consumer)
+        event(self.r, name, "encoder_attached", consumer=self.cfg.consumer, **owned.opened)
+        log.info("stream attached", stream=name, **owned.opened)
 
     def _start_hand_off_if_due(self, others: list[WorkerLoad]) -> None:
         """Above the fair share: stop answering one stream's questions, release it soon after."""

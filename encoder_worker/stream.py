@@ -33,7 +33,7 @@ from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream import StreamEngine
 from common.framelog import FrameLog, FrameLogError, decode
-from common.segment_store import SegmentStore, SegmentStoreError, embeds_id
+from common.segment_store import SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
 from common.wire.features import FEATURES_MAXLEN, ChunkFeatures, encode_features
@@ -51,6 +51,7 @@ from common.wire.schemas import (
     manifest_from_bytes,
 )
 from encoder_worker.config import EncoderConfig
+from encoder_worker.restore import Restorer, for_loop
 
 log = structlog.get_logger()
 
@@ -102,6 +103,8 @@ class OwnedStream:
         self.lost = False  # its task found the lease gone; the main loop drops the stream
         self.renewed_at = time.monotonic()  # when its lease was last renewed
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
+        self.taken_at = time.time()  # when this worker took the stream's lease (the service sets it)
+        self.opened: dict[str, float] = {}  # how opening it went, in seconds and GB (the `encoder_attached` event)
 
     @property
     def last_seq(self) -> int:
@@ -147,15 +150,23 @@ class OwnedStream:
         return self.flush() if len(self.pending) >= self.engine.spec.chunk_frames else None
 
     def skip_late(self, entry_id: str, ts: float | None) -> bool:
-        """Drop a live frame captured over `max_lag_s` ago (behind real time: skip rather than fall
-        further behind); the service asks before it decodes the frame's pixels. False for a
-        frame already waiting for its chunk (read again after an outage)."""
-        if not self.live or ts is None or time.time() - ts <= self.cfg.max_lag_s:
+        """Drop a live frame that waited over `max_lag_s` for this worker (behind real time: skip
+        rather than fall further behind); the service asks before it decodes the frame's pixels.
+        A frame captured before this worker took the stream waited for it only since then: the
+        backlog a failover leaves (the lease running out, the restore) is encoded if caught up
+        within `max_lag_s` of the takeover, and frames already over `max_lag_s` old at the
+        takeover are dropped as before. False for a frame already waiting for its chunk (read
+        again after an outage)."""
+        if not self.live or ts is None or not self._late(ts):
             return False
         if any(eid == entry_id for eid, _ in self.pending):
             return False
         self._drop(entry_id, "late", max_lag_s=self.cfg.max_lag_s)
         return True
+
+    def _late(self, ts: float) -> bool:
+        waited_from = max(ts, self.taken_at) if self.taken_at - ts <= self.cfg.max_lag_s else ts
+        return time.time() - waited_from > self.cfg.max_lag_s
 
     def _duplicate(self, entry_id: str, msg: FrameMsg) -> None:
         """A frame at or below the stream's last seq: acked, not encoded. A crash between a publish
@@ -347,13 +358,28 @@ def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpe
 
 
 def open_stream(
-    rt: Runtime, r: redis.Redis, writer: SegmentWriter, cfg: EncoderConfig, name: str, frames: redis.Redis | None = None
+    rt: Runtime,
+    r: redis.Redis,
+    writer: SegmentWriter,
+    cfg: EncoderConfig,
+    name: str,
+    frames: redis.Redis | None = None,
+    restorer: Restorer | None = None,
 ) -> OwnedStream:
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty.
 
-    A head whose segments cannot all be read back (missing, truncated, checksum mismatch: the
-    store was wiped or damaged) is rebuilt from the frames log (`framelog_dir`) or, without one,
-    starts this stream over (`_recover`); it never stops the worker or another stream."""
+    The head's segments are read onto the device by `restorer` (the service's, shared by the
+    streams it opens; by default one of a single reader) in this thread; the GPU loop only lays
+    them out in the cache. A head whose segments cannot all be read back (missing, truncated,
+    checksum mismatch: the store was wiped or damaged) is rebuilt from the frames log
+    (`framelog_dir`) or, without one, starts this stream over (`_recover`); it never stops the
+    worker or another stream."""
+    if restorer is None:
+        restorer = Restorer(rt.loaded.device, threads=1)
+        try:
+            return open_stream(rt, r, writer, cfg, name, frames, restorer)
+        finally:
+            restorer.close()
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
     writes: list[Future] = []
@@ -372,23 +398,35 @@ def open_stream(
     state = loaded = None
     try:
         state = from_manifest(manifest_from_bytes(raw)) if raw is not None else None
-        loaded = _read_segments(writer.store, name, state.cache, rt.device.type == "cuda") if state else None
+        loaded = restorer.load(writer.store, name, state.cache) if state else None
     except (SchemaError, SegmentStoreError, KeyError, ValueError) as e:  # a bad manifest too: never a crash loop
         return _recover(new_life(), state.cache if state else None, str(e)[:200])
     if state is None or loaded is None:
         return _started(new_life())
-    kv, embeds = loaded
-    device = rt.loaded.device
+    t0 = time.perf_counter()
     engine = StreamEngine(
         rt,
         state.spec,
         policy,
-        restore=(state.cache, lambda seg: kv[seg.id].to(device, non_blocking=True)),
-        load_embeds=lambda chunk: e.to(device, non_blocking=True) if (e := embeds.get(chunk)) is not None else None,
+        restore=(state.cache, lambda seg: for_loop(loaded.kv[seg.id])),
+        load_embeds=lambda chunk: for_loop(e) if (e := loaded.embeds.get(chunk)) is not None else None,
         **sinks,
     )
-    log.info("stream restored", stream=name, version=state.cache.version_id, last_frame_seq=engine.head.last_frame_seq)
-    return OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
+    owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
+    owned.opened = {
+        "gb": round(loaded.nbytes / 1e9, 3),
+        "read_s": round(loaded.read_s, 3),  # read, checked and on the device
+        "copy_wait_s": round(loaded.copy_wait_s, 3),  # the readers' waits for device copies, summed
+        "apply_s": round(time.perf_counter() - t0, 3),  # laid out in the cache by the GPU loop, waiting for it included
+    }
+    log.info(
+        "stream restored",
+        stream=name,
+        version=state.cache.version_id,
+        last_frame_seq=engine.head.last_frame_seq,
+        **owned.opened,
+    )
+    return owned
 
 
 def _started(owned: OwnedStream) -> OwnedStream:
@@ -467,22 +505,6 @@ def _logged_chunk(framelog: FrameLog, name: str, seg: Segment, count: int) -> li
     if len(records) != count:
         return None
     return [decode(records[seq].raw) for seq in sorted(records)]
-
-
-def _read_segments(
-    store: SegmentStore, name: str, cache: CacheState, pin: bool
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Every segment of a version (and the kept embeddings of its chunks), read in the opening
-    thread into host memory (page-locked for a GPU) before the GPU loop copies them: the loop
-    never waits on the store. SegmentStoreError when a segment cannot be read back."""
-    kv = {p.segment.id: store.get(name, p.segment.id, "cpu", pin=pin) for p in cache.placements}
-    embeds = {}
-    for chunk in {p.segment.chunk_id for p in cache.placements[1:]}:
-        try:
-            embeds[chunk] = store.get(name, embeds_id(chunk), "cpu", pin=pin)
-        except SegmentStoreError:  # e.g. encoded under rebase: evictions rebase until it is gone
-            continue
-    return kv, embeds
 
 
 def dead_letter_frame(

@@ -741,45 +741,78 @@ def dir_bytes(root: Path) -> int:
 
 FAILOVER_WAIT_S = 60.0  # for the streams of a killed worker to be restored elsewhere
 FAILOVER_SETTLE_S = 15.0  # then for their backlog to be encoded or dropped (max_lag_s is 10 s)
+# what the new owner's `encoder_attached` event says opening each stream took (encoder_worker/service.py)
+RESTORE_FIELDS = ("waited_s", "read_s", "copy_wait_s", "apply_s", "claim_s", "open_s", "gb")
 
 
 def failover(running: Services, r: redis.Redis, cameras: list[str], ports: list[int]) -> dict[str, Any]:
     """SIGKILL worker-0; its streams are restored by the others once their leases expire. Restored =
     the new owner's `encoder_attached` event (written after the head's segments were read back into
-    the cache), timed by the event's entry id against the kill, both Redis server time."""
+    the cache), timed by the event's entry id against the kill and against each lease's expiry (its
+    PTTL at the kill), all Redis server time. The events' own fields break each restore down; the
+    new owner's first version of each stream (its `versions` entry) and the moved streams' encoder
+    lag until FAILOVER_SETTLE_S after the last restore show the backlog being caught up."""
     moved = [
         c for c, owner in zip(cameras, r.mget([keys.lease(c) for c in cameras]), strict=True) if owner == b"worker-0"
     ]
     others = ports[1:]
-    before = sum(sum(v for k, v in dropped_by_camera(p).items() if k in moved) for p in others)
-    killed_ms = int(r.time()[0] * 1000 + r.time()[1] // 1000)
+    before = dropped_by_reason(others, moved)
+    pipe = r.pipeline(transaction=False)
+    pipe.time()
+    for cam in moved:
+        pipe.pttl(keys.lease(cam))
+    (secs, micros), *ttls = pipe.execute()
+    killed_ms = secs * 1000 + micros // 1000
     running.procs.pop("worker-0").kill()  # no longer one of the services a run needs alive
     progress(f"failover: worker-0 killed holding {len(moved)} streams")
-    restored: dict[str, float] = {}
+    expires_ms = {cam: killed_ms + max(0, ttl) for cam, ttl in zip(moved, ttls, strict=True)}
+    attached: dict[str, tuple[int, dict[bytes, bytes]]] = {}  # camera -> (event's server ms, its fields)
+    lags: list[float] = []
     deadline = time.monotonic() + FAILOVER_WAIT_S
-    while len(restored) < len(moved) and time.monotonic() < deadline:
-        for cam in set(moved) - set(restored):
+    while time.monotonic() < deadline:
+        for cam in set(moved) - set(attached):
             for entry_id, fields in r.xrange(keys.events(cam), min=killed_ms):
                 if fields.get(b"type") == b"encoder_attached":
-                    restored[cam] = (int(entry_id.split(b"-")[0]) - killed_ms) / 1000
-        time.sleep(0.05)
-    time.sleep(FAILOVER_SETTLE_S)
-    after = sum(sum(v for k, v in dropped_by_camera(p).items() if k in moved) for p in others)
-    times = sorted(restored.values())
+                    attached[cam] = (int(entry_id.split(b"-")[0]), fields)
+        lags += [lag for lag in head_lags(r, sorted(attached)) if lag is not None]
+        if len(attached) == len(moved) and deadline - time.monotonic() > FAILOVER_SETTLE_S:
+            deadline = time.monotonic() + FAILOVER_SETTLE_S
+        time.sleep(0.25)
+    after = dropped_by_reason(others, moved)
+    first_versions = [
+        (int(got[0][0].split(b"-")[0]) - killed_ms) / 1000
+        for cam in moved
+        if (got := r.xrange(keys.versions(cam), min=killed_ms + 1, count=1))
+    ]
     return {
         "streams_moved": len(moved),
-        "streams_restored": len(restored),
-        "restored_after_kill_s": {**percentiles(times, 50, 95), "max": max(times, default=None)},
-        "frames_dropped": int(after - before),
+        "streams_restored": len(attached),
+        "restored_after_kill_s": _spread([(ms - killed_ms) / 1000 for ms, _ in attached.values()]),
+        "lease_expired_after_kill_s": _spread([(ms - killed_ms) / 1000 for ms in expires_ms.values()]),
+        "restored_after_lease_expiry_s": _spread([(ms - expires_ms[c]) / 1000 for c, (ms, _) in attached.items()]),
+        "restore_breakdown_s": {
+            name: _spread([float(f[name.encode()]) for _, f in attached.values() if name.encode() in f])
+            for name in RESTORE_FIELDS
+        },
+        "first_version_after_kill_s": _spread(first_versions),
+        "moved_streams_lag_max_s": round(max(lags), 2) if lags else None,
+        "frames_dropped": int(sum(after.values()) - sum(before.values())),
+        "frames_dropped_by_reason": {k: int(v - before.get(k, 0)) for k, v in after.items() if v > before.get(k, 0)},
     }
 
 
-def dropped_by_camera(port: int) -> dict[str, float]:
-    """A worker's frames dropped by camera, every reason but `duplicate` (a redelivery already held)."""
+def _spread(values: list[float]) -> dict[str, float | None]:
+    return {**percentiles(values, 50, 95), "max": round(max(values), 4) if values else None}
+
+
+def dropped_by_reason(ports: list[int], cameras: list[str]) -> dict[str, float]:
+    """The workers' frames dropped of `cameras`, by reason, every reason but `duplicate` (a
+    redelivery already held)."""
     out: dict[str, float] = {}
-    for (name, cam, reason), value in scrape(port).items():
-        if name == "svqa_encoder_frames_dropped_total" and reason != "duplicate":
-            out[cam] = out.get(cam, 0.0) + value
+    for port in ports:
+        for (name, cam, reason), value in scrape(port).items():
+            if name == "svqa_encoder_frames_dropped_total" and reason != "duplicate" and cam in cameras:
+                out[reason] = out.get(reason, 0.0) + value
     return out
 
 

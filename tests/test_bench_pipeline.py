@@ -129,16 +129,16 @@ def test_client_latency_is_binned_by_when_questions_were_asked():
     assert bench_pipeline.latency_bins([], 100.0, 10.0) == []
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(360)
 def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     out = tmp_path / "result.json"
     proc = bench(
         tmp_path,
         *("--cameras", "2", "--workers", "2", "--askers", "1", "--duration", str(DURATION_S), "--warmup", "3"),
         *("--settle-timeout", "0", "--start-timeout", "120", "--out", str(out)),
-        *("--profile", str(tmp_path / "profiles"), "--profile-steps", "3"),
+        *("--profile", str(tmp_path / "profiles"), "--profile-steps", "3", "--failover"),
     )
-    stdout, _ = proc.communicate(timeout=280)
+    stdout, _ = proc.communicate(timeout=320)
     stderr = (tmp_path / "stderr.txt").read_text()
     assert proc.returncode == 0, stderr[-4000:]
     run = json.loads(stdout.strip().splitlines()[-1])
@@ -151,7 +151,21 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert (run["max_tokens"], run["max_cache_tokens"]) == (32, 32768)
     assert run["segment_store"].startswith("default (shm://")  # the product's own store kind
     assert run["worker_io"]["wchar_mb_per_s"] > 0 and run["segment_store_shm_gib"]["total"] >= 0
-    assert run["workers"] == 2 and run["streams_per_worker"] == {"worker-0": 1, "worker-1": 1}  # placement
+    assert run["workers"] == 2 and run["streams_per_worker"] == {"worker-1": 2}  # one each, then the failover
+
+    failover = run["failover"]  # worker-0 killed after the window: its camera restored by worker-1 from the store
+    assert failover["streams_moved"] == failover["streams_restored"] == 1
+    expired, after_kill = failover["lease_expired_after_kill_s"]["max"], failover["restored_after_kill_s"]["max"]
+    assert 0 < expired <= 5.0  # lease_ms: renewed at most then
+    assert 0 < failover["restored_after_lease_expiry_s"]["max"] < 30  # seconds, even on a loaded 2-core CPU
+    assert abs(after_kill - expired - failover["restored_after_lease_expiry_s"]["max"]) < 0.002
+    steps = failover["restore_breakdown_s"]
+    assert set(steps) == {"waited_s", "read_s", "copy_wait_s", "apply_s", "claim_s", "open_s", "gb"}
+    assert all(v["max"] is not None and v["max"] >= 0 for v in steps.values())
+    assert steps["open_s"]["max"] >= steps["read_s"]["max"] + steps["apply_s"]["max"]
+    first = failover["first_version_after_kill_s"]["max"]  # the new owner's first chunk, if one came in time
+    assert first is None or first >= after_kill
+    assert failover["frames_dropped"] == sum(failover["frames_dropped_by_reason"].values())
     assert DURATION_S <= run["duration_s"] < DURATION_S + 5
     assert run["warmup_s"] >= 3 and isinstance(run["settled"], bool)
 

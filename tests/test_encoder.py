@@ -127,6 +127,31 @@ def test_a_late_live_frame_is_dropped_before_its_pixels_are_decoded(rt, redis_ur
     assert r.xinfo_groups(keys.frames(cam))[0]["pending"] == 0, "every entry acked"
 
 
+def test_a_taken_over_streams_backlog_waits_from_the_takeover_and_no_longer(rt, redis_url):
+    """A live frame is late once it waited `max_lag_s` for this worker: a backlog left by a dead
+    owner counts from the takeover (a failover's gap is not this worker falling behind), but not
+    past `max_lag_s` after it, and a frame already over `max_lag_s` old at the takeover is late."""
+    r = redis.Redis.from_url(redis_url)
+    cam, lag = "takencam", 10.0
+    r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 1})
+    r.set(keys.lease(cam), "me")
+    r.xgroup_create(keys.frames(cam), keys.ENCODER_GROUP, id="0", mkstream=True)
+    cfg = EncoderConfig(redis_url=redis_url, streams=(cam,), consumer="me", chunk_frames=2, max_lag_s=lag)
+    owned = open_stream(rt, r, SegmentWriter(MemoryStore()), cfg, cam)
+    now = time.time()
+
+    def late(taken_ago: float, captured_before_taken: float) -> bool:
+        owned.taken_at = now - taken_ago
+        return owned.skip_late("1-0", owned.taken_at - captured_before_taken)
+
+    assert not late(3, 8), "11 s old, but waited 3 s for this worker"
+    assert late(3, 11), "over max_lag_s old when taken"
+    assert late(11, 1), "waited over max_lag_s since the takeover"
+    assert late(11, -0.5), "captured after the takeover: its own age counts"
+    assert not late(11, -2), "captured after the takeover, 9 s old"
+    assert owned.dropped["late"] == 3
+
+
 def test_a_frames_capture_time_is_read_without_its_pixels():
     frame = FrameMsg.from_rgb(4, 12.5, 2.0, np.zeros((56, 56, 3), np.uint8))
     assert capture_time(unpack_frame(encode_frame(frame, codec="webp"))) == 12.5

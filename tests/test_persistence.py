@@ -18,7 +18,7 @@ import torch
 from common import health
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.segment_store import DirectoryStore, MemoryStore, SegmentStore
+from common.segment_store import DirectoryStore, MemoryStore, SegmentStore, SegmentStoreError
 from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.schemas import FrameMsg, encode_frame, manifest_from_bytes
@@ -203,6 +203,48 @@ def test_a_wiped_store_restarts_every_stream_without_a_crash_loop(rt, redis_url,
         run_until(again, lambda s=again: "cam" in s.owned, "the stream owned")
         stop(again, r)
     assert len(events(r, "cam", b"cache_restarted")) == 1, "only the first start found a head it could not restore"
+
+
+def test_a_head_read_in_small_staging_pieces_is_bitwise_its_segments_and_damage_is_refused(rt, redis_url, tmp_path):
+    """The restorer reads every segment of a head in pieces (here of 1,000 bytes: many a segment,
+    with fewer readers than segments) and checks each whole; the oracle is the store's own reader.
+    A bit flipped past the first piece, or a truncated segment, is refused, and every staging piece
+    is back for the next head."""
+    from common.wire.manifest import from_manifest
+    from encoder_worker.restore import Restorer
+
+    r = redis.Redis.from_url(redis_url)
+    store = DirectoryStore(tmp_path)
+    svc = service(rt, r, redis_url, store, ("cam",))
+    push(r, "cam", range(8))
+    run_until(svc, lambda: encoded(r, "cam", 7), "8 frames")
+    stop(svc, r)
+    cache = from_manifest(head(r, "cam")).cache
+    restorer = Restorer(torch.device("cpu"), threads=3, piece_bytes=1000)
+    try:
+        loaded = restorer.load(store, "cam", cache)
+        ids = [p.segment.id for p in cache.placements]
+        assert list(loaded.kv) == ids and len(ids) > 3
+        for sid in ids:
+            want = store.get("cam", sid)
+            assert want.numel() * want.element_size() > 2000, "several pieces a segment"
+            got = loaded.kv[sid]
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), sid
+        assert loaded.nbytes == sum(store.get("cam", sid).numel() * 4 for sid in ids)
+
+        damaged = tmp_path / "cam" / f"{ids[-1]}.seg"
+        whole = damaged.read_bytes()
+        flipped = bytearray(whole)
+        flipped[-1500] ^= 0x10  # in the payload, a piece or two before its end
+        for bad, error in ((bytes(flipped), "checksum mismatch"), (whole[:-100], "bytes")):
+            damaged.write_bytes(bad)
+            with pytest.raises(SegmentStoreError, match=error):
+                restorer.load(store, "cam", cache)
+        assert restorer._pieces.qsize() == 6, "every staging piece is back"
+        damaged.write_bytes(whole)
+        assert torch.equal(restorer.load(store, "cam", cache).kv[ids[-1]], store.get("cam", ids[-1]))
+    finally:
+        restorer.close()
 
 
 def test_full_disk_keeps_frames_pending_and_fails_readiness_until_space_returns(rt, redis_url, small_disk):

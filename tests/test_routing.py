@@ -162,6 +162,17 @@ def test_many_free_streams_are_shared_in_one_round():
     assert a.share(32, 10, [load("b", 20, capacity=20)]) == 42  # a full worker takes no part
 
 
+def test_a_dead_workers_streams_are_taken_in_one_round_while_its_heartbeat_lingers():
+    """Its leases ran out a few ms before its heartbeat: the survivor takes all its streams at once."""
+    survivor = Placement(None, "a", None, 1000)  # type: ignore[arg-type]
+    dead, newcomer = load("b", 32), WorkerLoad("c", (), None)
+    free = [f"cam{i}" for i in range(32)]
+    assert survivor.share(32, 32, [dead]) == 48, "counted as alive, it would keep half of them"
+    assert survivor.share(32, 32, Placement.holding([dead], free)) == 64
+    assert Placement.holding([dead, newcomer], free[:31]) == [dead, newcomer], "a live one keeps its share"
+    assert Placement.holding([newcomer], free) == [newcomer], "one that holds nothing yet is alive"
+
+
 def test_heartbeats_show_live_workers_and_forget_dead_ones(r):
     a, b = Placement(r, "a", None, 300), Placement(r, "b", 2, 60_000)
     a.beat(["cam1", "cam2"])
