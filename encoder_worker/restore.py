@@ -84,16 +84,20 @@ class Restorer:
         self._pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
         for _ in range(2 * threads):
             buf = torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=cuda)
-            self._pieces.put(_Piece(buf, copied=torch.cuda.Event() if cuda else None))
+            # blocking: a reader waiting for a copy sleeps instead of spinning on a core the others' CRCs need
+            self._pieces.put(_Piece(buf, copied=torch.cuda.Event(blocking=True) if cuda else None))
         self._readers = futures.ThreadPoolExecutor(threads, thread_name_prefix="restore")
 
-    def load(self, store: SegmentStore, stream: str, cache: CacheState) -> Loaded:
-        """Every segment of a version, and the kept embeddings of its chunks (those missing or
-        unreadable are left out: evictions re-encode until they are gone), on the device.
-        SegmentStoreError when a segment cannot be read back whole."""
+    def load_head(self, store: SegmentStore, stream: str, cache: CacheState) -> Loaded:
+        """Every segment of a version, and the kept embeddings of its chunks, on the device."""
+        chunks = sorted({p.segment.chunk_id for p in cache.placements[1:]})  # the first is the prefix
+        return self.load(store, stream, [p.segment.id for p in cache.placements], chunks)
+
+    def load(self, store: SegmentStore, stream: str, segments: list[str], chunks: list[str]) -> Loaded:
+        """`segments` of `stream`, and the kept embeddings of `chunks` (those missing or unreadable
+        are left out: evictions re-encode until they are gone), on the device. SegmentStoreError
+        when a segment cannot be read back whole."""
         t0 = time.perf_counter()
-        segments = [p.segment.id for p in cache.placements]
-        chunks = sorted({p.segment.chunk_id for p in cache.placements[1:]})
         jobs = {sid: self._readers.submit(self._read, store, stream, sid) for sid in segments}
         embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c)) for c in chunks}
         try:

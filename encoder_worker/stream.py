@@ -398,7 +398,7 @@ def open_stream(
     state = loaded = None
     try:
         state = from_manifest(manifest_from_bytes(raw)) if raw is not None else None
-        loaded = restorer.load(writer.store, name, state.cache) if state else None
+        loaded = restorer.load_head(writer.store, name, state.cache) if state else None
     except (SchemaError, SegmentStoreError, KeyError, ValueError) as e:  # a bad manifest too: never a crash loop
         return _recover(new_life(), state.cache if state else None, str(e)[:200])
     if state is None or loaded is None:

@@ -222,7 +222,7 @@ def test_a_head_read_in_small_staging_pieces_is_bitwise_its_segments_and_damage_
     cache = from_manifest(head(r, "cam")).cache
     restorer = Restorer(torch.device("cpu"), threads=3, piece_bytes=1000)
     try:
-        loaded = restorer.load(store, "cam", cache)
+        loaded = restorer.load_head(store, "cam", cache)
         ids = [p.segment.id for p in cache.placements]
         assert list(loaded.kv) == ids and len(ids) > 3
         for sid in ids:
@@ -239,10 +239,10 @@ def test_a_head_read_in_small_staging_pieces_is_bitwise_its_segments_and_damage_
         for bad, error in ((bytes(flipped), "checksum mismatch"), (whole[:-100], "bytes")):
             damaged.write_bytes(bad)
             with pytest.raises(SegmentStoreError, match=error):
-                restorer.load(store, "cam", cache)
+                restorer.load_head(store, "cam", cache)
         assert restorer._pieces.qsize() == 6, "every staging piece is back"
         damaged.write_bytes(whole)
-        assert torch.equal(restorer.load(store, "cam", cache).kv[ids[-1]], store.get("cam", ids[-1]))
+        assert torch.equal(restorer.load_head(store, "cam", cache).kv[ids[-1]], store.get("cam", ids[-1]))
     finally:
         restorer.close()
 
