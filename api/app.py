@@ -18,7 +18,7 @@ from redis.asyncio.cluster import ClusterNode
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
-from api import ask, chat, clips, errors, guard, replies, streams
+from api import ask, chat, clips, errors, guard, replies, search, streams
 from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
 from common import metrics
@@ -99,7 +99,7 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     metrics.API_ANSWERS.set_function(app.state.answers.held)
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)
-    for module in (streams, ask, chat, clips):
+    for module in (streams, ask, chat, clips, search):
         app.include_router(module.router)
     app.get("/health/live", tags=["health"], summary="The process answers")(live)
     app.get("/health/ready", tags=["health"], summary="Redis reachable (and the stream's encoder lease held)")(ready)

@@ -27,6 +27,7 @@ SERVICES = {
     "api": ("api.service", "the HTTP API, OpenAI-compatible chat and the web page"),
     "ask": ("qa_worker.client", "ask about a stream; prints the answer as it is decoded"),
     "transcript": ("qa_worker.client", "a stream's transcript as WebVTT, SRT or JSON"),
+    "search": ("qa_worker.search_cli", "search the cameras' past: time ranges ranked by the model"),
     "status": ("apps.status", "streams, versions, queues and workers, from Redis"),
     "recorder": ("recorder.service", "keep every camera's frames on disk (the frames log), with retention"),
 }

@@ -4,7 +4,7 @@ frames log, written by the recorder, read by the workers that answer searches.
 Two files in the camera's log directory: ``chunks.usearch``, the vectors in a USearch HNSW graph
 (cosine, float16: the library's own file, memory-mapped by readers), and ``chunks.meta``, what each
 vector's key is (msgpack: the model and layers every vector was taken at, then one row per chunk:
-key, capture-time range, frame seqs). Both are replaced whole by rename (`save`), the graph first:
+key, capture-time range, frame seqs, frame count). Both are replaced whole by rename (`save`), the graph first:
 a reader or a writer that finds keys in one file and not in the other ignores them (the writer
 drops them when it opens), so a crash between the renames loses nothing that was saved before.
 
@@ -30,8 +30,8 @@ from common.wire.features import ChunkFeatures
 log = structlog.get_logger(__name__)
 
 GRAPH_NAME, META_NAME = "chunks.usearch", "chunks.meta"
-META_VERSION = 1
-ROW = np.dtype([("key", "<u8"), ("t0", "<f8"), ("t1", "<f8"), ("s0", "<i8"), ("s1", "<i8")])
+META_VERSION = 2  # 2: rows hold the frame count
+ROW = np.dtype([("key", "<u8"), ("t0", "<f8"), ("t1", "<f8"), ("s0", "<i8"), ("s1", "<i8"), ("n", "<i8")])
 EXACT_MAX = 4096  # a time filter leaving at most this many chunks is searched exactly, all of them
 
 
@@ -41,6 +41,7 @@ class Match:
     end: float
     first_seq: int
     last_seq: int
+    frames: int
     score: float  # cosine of question and chunk: the mean over the layers of each layer's
 
 
@@ -51,7 +52,7 @@ class ChunkIndex:
     def __init__(self, model: str, layers: tuple[int, ...], dim: int, graph: Index | None = None) -> None:
         self.model, self.layers, self.dim = model, layers, dim
         self.graph = graph if graph is not None else Index(ndim=dim, metric="cos", dtype="f16")
-        self.rows: dict[int, tuple[float, float, int, int]] = {}  # key -> (t0, t1, s0, s1)
+        self.rows: dict[int, tuple[float, float, int, int, int]] = {}  # key -> (t0, t1, s0, s1, frames)
         self.chunks: dict[tuple[int, float], int] = {}  # (s0, t0) -> key
         self.next_key = 0
         self.dirty = False
@@ -77,18 +78,18 @@ class ChunkIndex:
             return False
         key = self.next_key
         self.graph.add(key, f.vector)
-        self.rows[key] = (*f.capture_range, *f.frame_seqs)
+        self.rows[key] = (*f.capture_range, *f.frame_seqs, f.frames)
         self.chunks[chunk] = key
         self.next_key, self.dirty, self._table = key + 1, True, None
         return True
 
     def remove_before(self, ts: float) -> int:
         """Forget the chunks captured (from their first frame) before ``ts``; how many."""
-        gone = [key for key, (t0, _, _, _) in self.rows.items() if t0 < ts]
+        gone = [key for key, (t0, *_) in self.rows.items() if t0 < ts]
         if gone:
             self.graph.remove(np.array(gone, dtype=np.uint64))
             for key in gone:
-                t0, _, s0, _ = self.rows.pop(key)
+                t0, _, s0, *_ = self.rows.pop(key)
                 del self.chunks[(s0, t0)]
             self.dirty, self._table = True, None
         return len(gone)
@@ -140,9 +141,9 @@ class ChunkIndex:
             return None
         index.next_key = int(meta["next_key"])
         in_graph = set(np.asarray(graph.keys).tolist())
-        for key, t0, t1, s0, s1 in rows.tolist():
+        for key, t0, t1, s0, s1, n in rows.tolist():
             if key in in_graph:  # a crash between the two renames: the graph is the newer one
-                index.rows[key] = (t0, t1, s0, s1)
+                index.rows[key] = (t0, t1, s0, s1, n)
                 index.chunks[(s0, t0)] = key
         if not view and (stray := in_graph - index.rows.keys()):
             graph.remove(np.array(sorted(stray), dtype=np.uint64))
@@ -178,8 +179,7 @@ class ChunkIndex:
             count *= 4
 
     def _match(self, key: int, score: float) -> Match:
-        t0, t1, s0, s1 = self.rows[key]
-        return Match(t0, t1, s0, s1, score)
+        return Match(*self.rows[key], score)
 
 
 def _fsync(path: Path) -> None:

@@ -290,9 +290,11 @@ class OwnedStream:
         if not self.features:
             return
         model, layers = self.engine.rt.loaded.name, self.engine.feature_layers
+        tp = self.engine.rt.loaded.temporal_patch_size
         pipe = self.frames.pipeline(transaction=False)
         for segment, vector in self.features:
-            f = ChunkFeatures(segment.capture_range, segment.frame_seqs, model, layers, vector.numpy())
+            frames = segment.n_patches * tp - segment.padded_frames
+            f = ChunkFeatures(segment.capture_range, segment.frame_seqs, frames, model, layers, vector.numpy())
             pipe.xadd(keys.features(self.name), encode_features(f), maxlen=FEATURES_MAXLEN, approximate=True)
         pipe.execute()
         self.features.clear()

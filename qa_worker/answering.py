@@ -37,7 +37,9 @@ from common.wire.schemas import (
     parse_question,
     question_id_of,
 )
+from common.wire.search import is_search
 from qa_worker.history import History, HistoryError, LoggedChunk, Seen
+from qa_worker.search import Searcher
 
 log = structlog.get_logger()
 
@@ -77,6 +79,7 @@ class Answerer:
     ):
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
         self.history = History(rt, r, framelog_dir, history_max_tokens)
+        self.searcher = Searcher(rt, framelog_dir)
         self.consumer, self.max_deliveries = consumer, max_deliveries
         self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
         self.attempts = redisio.Attempts(r, consumer, reply_ttl_s)
@@ -140,7 +143,11 @@ class Answerer:
 
     def _answer(self, qid: str, fields: dict, attempt: int, bound, asked_at: float) -> tuple[FinalAnswer, int]:
         """The final answer and how long its reply stream lives (``asked_at``: when the question
-        was asked, what `since` and `until` count back from)."""
+        was asked, what `since` and `until` count back from). A search (`search` instead of
+        `question`) is answered here too: its final carries its `hits` (search.py)."""
+        if is_search(fields):
+            final, req = self.searcher.answer(qid, fields, asked_at)
+            return final, min((req.reply_ttl if req else None) or self.reply_ttl_s, self.max_reply_ttl_s)
         try:
             q = parse_question(fields)
         except SchemaError as e:

@@ -34,6 +34,7 @@ from common.wire.schemas import (
     decode_answer,
     encode_question,
 )
+from common.wire.search import checked_search, encode_search
 from common.wire.timeref import TimeRef, parse_time_ref
 
 
@@ -90,6 +91,17 @@ class Client:
                 attempt = reply.attempt
             if on_delta:
                 on_delta(reply.text)
+        raise AssertionError("unreachable")
+
+    def search(self, text: str, timeout_s: float = 120.0, **options) -> FinalAnswer:
+        """Search the cameras' past (``stream``, ``since``, ``until``, ``limit``: common/wire/search.py)
+        and wait for the final, whose ``hits`` are the ranked chunks; SchemaError, with nothing
+        sent, for a search a worker would refuse."""
+        req = checked_search(text, **options)
+        self.r.xadd(keys.QUESTIONS, encode_search(req))
+        for reply in self.replies(req.id, timeout_s):
+            if isinstance(reply, FinalAnswer):
+                return reply
         raise AssertionError("unreachable")
 
     def transcript(self, stream: str) -> list[dict[str, str]]:

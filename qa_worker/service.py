@@ -25,6 +25,7 @@ from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.segment_store import open_store
 from common.wire import keys
+from common.wire.search import is_search
 from qa_worker.alerts import AlertSettings
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
@@ -173,12 +174,13 @@ class QAService:
         """Route the shared queue's entries, answer those of the streams' queues. A suspect (an entry
         under way when a worker died: ``redisio.Attempts``) is handled alone, by this thread once
         every slot is free: should it kill this worker too, nothing else shares the blame."""
-        self._route([e for e in entries if e[0] == keys.QUESTIONS])
+        # a search needs no stream's owner (the indexes are on disk): whoever reads it answers it
+        self._route([e for e in entries if e[0] == keys.QUESTIONS and not is_search(e[2])])
         answering = set(self.versions.answering())
         for entry in entries:
-            if entry[0] == keys.QUESTIONS:
+            if entry[0] == keys.QUESTIONS and not is_search(entry[2]):
                 continue
-            if keys.stream_of(entry[0]) not in answering:
+            if entry[0] != keys.QUESTIONS and keys.stream_of(entry[0]) not in answering:
                 requeue(self.r, entry, self.cfg.consumer)  # the stream moved on: its new owner answers
                 continue
             with self._in_flight_lock:

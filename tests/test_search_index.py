@@ -48,15 +48,15 @@ def push_frames(r: redis.Redis, frames: list[np.ndarray], seqs: range) -> None:
         r.xadd(keys.frames(CAM), encode_frame(FrameMsg.from_rgb(s, T0 + s / FPS, s / FPS, frames[s])))
 
 
-def encoder(rt: Runtime, r: redis.Redis, url: str, tmp_path: Path) -> EncoderService:
-    r.hset(keys.meta(CAM), mapping={"fps": FPS, "height": GRID.height, "width": GRID.width, "live": 0})
-    cfg = EncoderConfig(redis_url=url, streams=(CAM,), consumer="enc", chunk_frames=CHUNK, block_ms=50)
+def encoder(rt: Runtime, r: redis.Redis, url: str, tmp_path: Path, cam: str = CAM) -> EncoderService:
+    r.hset(keys.meta(cam), mapping={"fps": FPS, "height": GRID.height, "width": GRID.width, "live": 0})
+    cfg = EncoderConfig(redis_url=url, streams=(cam,), consumer="enc", chunk_frames=CHUNK, block_ms=50)
     return EncoderService(cfg, rt, r, DirectoryStore(tmp_path / "segments"))
 
 
 def recorder(url: str, log_dir: Path, **settings) -> recorder_service.Recorder:
-    options = dict(framelog_sync_s=0.05, features_save_s=0.05, block_ms=50) | settings
-    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(log_dir), **options)
+    options = dict(streams=(CAM,), framelog_sync_s=0.05, features_save_s=0.05, block_ms=50) | settings
+    cfg = RecorderConfig(framelog_dir=str(log_dir), **options)
     rec = recorder_service.Recorder(cfg, redisio.connect(url, block_ms=50))
     rec.open_writers()
     return rec
@@ -68,10 +68,10 @@ def end(rec: recorder_service.Recorder) -> None:
         w.close()
 
 
-def unacked_features(r: redis.Redis) -> int:
-    groups = {redisio.text(g["name"]): g for g in r.xinfo_groups(keys.features(CAM))}
+def unacked_features(r: redis.Redis, cam: str = CAM) -> int:
+    groups = {redisio.text(g["name"]): g for g in r.xinfo_groups(keys.features(cam))}
     g = groups.get(keys.RECORDER_GROUP)
-    return r.xlen(keys.features(CAM)) if g is None else int(g.get("lag") or 0) + int(g["pending"])
+    return r.xlen(keys.features(cam)) if g is None else int(g.get("lag") or 0) + int(g["pending"])
 
 
 def step_until(rec: recorder_service.Recorder, check, what: str, timeout_s: float = 30.0) -> None:
@@ -88,7 +88,7 @@ def saved(log_dir: Path) -> ChunkIndex:
 
 
 def rows(index: ChunkIndex) -> list[tuple[int, int]]:
-    return sorted((s0, s1) for _, _, s0, s1 in index.rows.values())
+    return sorted((s0, s1) for _, _, s0, s1, _ in index.rows.values())
 
 
 def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vectors(rt, redis_url, tmp_path):
@@ -101,7 +101,7 @@ def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vector
 
     published = [decode_features(f) for _, f in r.xrange(keys.features(CAM))]
     assert [f.frame_seqs for f in published] == [(0, 3), (4, 7), (8, 11), (12, 15)]
-    assert published[1].capture_range == (T0 + 2.0, T0 + 3.5)
+    assert published[1].capture_range == (T0 + 2.0, T0 + 3.5) and published[1].frames == 4
     assert {(f.model, f.layers) for f in published} == {("tiny-random", svc.owned[CAM].engine.feature_layers)}
     oracle = chunk_means(rt, frames, GRID, FPS, CHUNK, published[0].layers)
     for f, means in zip(published, oracle, strict=True):
@@ -120,7 +120,7 @@ def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vector
 
 def planted(seq: int, vector: np.ndarray, model: str = "tiny-random") -> ChunkFeatures:
     """A chunk of 4 frames from ``seq``, captured at T0 + seq / FPS, with ``vector``."""
-    return ChunkFeatures((T0 + seq / FPS, T0 + (seq + 3) / FPS), (seq, seq + 3), model, LAYERS, vector)
+    return ChunkFeatures((T0 + seq / FPS, T0 + (seq + 3) / FPS), (seq, seq + 3), 4, model, LAYERS, vector)
 
 
 def vectors(n: int, seed: int = 0) -> np.ndarray:

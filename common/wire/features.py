@@ -1,7 +1,8 @@
 """A chunk's retrieval features on the wire: `svqa:{cam}:features` entries, encoder -> recorder.
 
 One msgpack map (schema version ``v``) in the field ``m``, like frames and manifests: the chunk's
-capture-time range and frame seqs (what a search hit names), the model and layers the vector was
+capture-time range, frame seqs and frame count (what a search hit names, and what a
+history answer reads back from the log), the model and layers the vector was
 taken at (vectors of another model or other layers are not comparable), and the vector itself,
 float16 little-endian (2 KB at Qwen2.5-VL-3B: 4 layers x 2 KV heads x 128). The vector is the
 model's own (common/engine/features.py); no torch here.
@@ -30,6 +31,7 @@ MAX_FEATURES_BYTES = 2 * MAX_DIM + 4096
 class ChunkFeatures:
     capture_range: tuple[float, float]  # the chunk's first and last frame's capture time
     frame_seqs: tuple[int, int]
+    frames: int  # how many frames it was encoded from (its seqs may skip frames the encoder dropped)
     model: str
     layers: tuple[int, ...]
     vector: np.ndarray  # (dim,) float16, each layer's part at unit length
@@ -39,6 +41,7 @@ class ChunkFeatures:
         if t1 < t0:
             raise SchemaError("t", f"range ends before it starts ({t0} > {t1})")
         _pair("seqs", self.frame_seqs, lambda n, v: _int(n, v, 0))
+        _int("frames", self.frames, 1)
         _str("model", self.model, MAX_MODEL_CHARS)
         if not 1 <= len(self.layers) <= MAX_LAYERS:
             raise SchemaError("layers", f"expected 1..{MAX_LAYERS} layers, got {len(self.layers)}")
@@ -58,6 +61,7 @@ def encode_features(f: ChunkFeatures) -> dict[str, bytes]:
     m = {
         "t": list(f.capture_range),
         "seqs": list(f.frame_seqs),
+        "frames": f.frames,
         "model": f.model,
         "layers": list(f.layers),
         "vec": f.vector.astype("<f2").tobytes(),
@@ -77,6 +81,7 @@ def decode_features(fields: Mapping[Any, Any]) -> ChunkFeatures:
     return ChunkFeatures(
         capture_range=tuple(m.get("t", ())),  # type: ignore[arg-type]  (checked in __post_init__)
         frame_seqs=tuple(m.get("seqs", ())),  # type: ignore[arg-type]
+        frames=m.get("frames"),  # type: ignore[arg-type]
         model=m.get("model"),  # type: ignore[arg-type]
         layers=tuple(layers),
         vector=np.frombuffer(raw, dtype="<f2").astype(np.float16),

@@ -606,14 +606,14 @@ class Question:
     until: TimeRef | None = None
 
 
-def _text_fields(fields: Mapping[Any, Any], max_bytes: int) -> dict[str, str]:
-    """Decode a question entry's fields to str, rejecting unknown names and oversized values."""
+def _text_fields(fields: Mapping[Any, Any], max_bytes: int, known: set[str] = _QUESTION_FIELDS) -> dict[str, str]:
+    """Decode a question entry's fields to str, rejecting names not ``known`` and oversized values."""
     if not isinstance(fields, Mapping):
         raise SchemaError("fields", f"expected a field mapping, got {type(fields).__name__}")
     out: dict[str, str] = {}
     for k, v in fields.items():
         name = k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else str(k)
-        if name not in _QUESTION_FIELDS:
+        if name not in known:
             raise SchemaError(name[:64], "unknown field")
         if isinstance(v, bytes):
             if len(v) > max_bytes:
@@ -815,6 +815,7 @@ class FinalAnswer:
     queue_s: float | None = None
     elapsed_s: float | None = None
     param: str | None = None  # with an error: the question field it is about ("at", "stream"), if one
+    hits: tuple[SearchHit, ...] | None = None  # a search's ranked chunks, best first (JSON list; common/wire/search.py)
 
     def __post_init__(self) -> None:
         _str("id", self.id, 128, QUESTION_ID_RE)
@@ -824,6 +825,31 @@ class FinalAnswer:
             _str("epoch", self.epoch, 64, EPOCH_RE)
 
 
+@dataclass(frozen=True)
+class SearchHit:
+    """One chunk a search found: its camera, capture-time range and frame seqs, and its score (the
+    cosine of question and chunk, common/engine/features.py)."""
+
+    stream: str
+    start: float
+    end: float
+    score: float
+    first_seq: int
+    last_seq: int
+    frames: int
+
+    @classmethod
+    def from_wire(cls, i: int, d: Any) -> SearchHit:
+        if not isinstance(d, dict) or set(d) != _HIT_FIELDS:
+            raise SchemaError(f"hits[{i}]", f"expected an object of {sorted(_HIT_FIELDS)}")
+        return cls(
+            check_stream_name(f"hits[{i}].stream", d["stream"]),
+            *(_float(f"hits[{i}].{k}", d[k]) for k in ("start", "end", "score")),
+            *(_int(f"hits[{i}].{k}", d[k], 0) for k in ("first_seq", "last_seq", "frames")),
+        )
+
+
+_HIT_FIELDS = {"stream", "start", "end", "score", "first_seq", "last_seq", "frames"}
 _FINAL_INTS = ("version", "cache_tokens", "tokens")
 _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s", "queue_s", "elapsed_s")
 _FINAL_STRS = ("stream", "text", "error", "choice", "epoch", "param")
@@ -844,6 +870,8 @@ def encode_final(a: FinalAnswer) -> dict[str, str]:
         v = getattr(a, k)
         if v is not None:
             out[k] = repr(float(v))  # repr round-trips exactly
+    if a.hits is not None:
+        out["hits"] = json.dumps([vars(h) for h in a.hits], allow_nan=False)
     if a.ranges is not None:
         out["ranges"] = json.dumps([[float(s), float(e)] for s, e in a.ranges], allow_nan=False)
     if a.scores is not None:
@@ -869,6 +897,8 @@ def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
             kw[k] = _parse_float(k, f[k], -math.inf, math.inf)
     if "scores" in f:
         kw["scores"] = _parse_scores(f["scores"])
+    if "hits" in f:
+        kw["hits"] = _parse_hits(f["hits"])
     if "ranges" in f:
         kw["ranges"] = _parse_ranges(f["ranges"])
     return FinalAnswer(**kw)
@@ -907,6 +937,16 @@ def _parse_ranges(s: str) -> tuple[tuple[float, float], ...]:
     if any(start > end for start, end in ranges):
         raise SchemaError("ranges", "a range ends before it starts")
     return ranges
+
+
+def _parse_hits(s: str) -> tuple[SearchHit, ...]:
+    try:
+        v = json.loads(s)
+    except (ValueError, RecursionError):
+        raise SchemaError("hits", "not valid JSON") from None
+    if not isinstance(v, list):
+        raise SchemaError("hits", f"expected a JSON list, got {type(v).__name__}")
+    return tuple(SearchHit.from_wire(i, d) for i, d in enumerate(v))
 
 
 def _parse_scores(s: str) -> dict[str, float]:

@@ -1,0 +1,109 @@
+"""Searches, answered by any worker with the frames log: the question's vector (the model's own
+queries, common/engine/features.py) against every camera's index beside the log.
+
+The indexes are the recorder's (common/chunkindex.py), read memory-mapped and kept open while
+their files are unchanged. A camera's index holds vectors of one model at some layers: the
+question is represented at those layers, once for all cameras alike; an index of another model
+than this worker's is not comparable and is left out with a warning. The hits of all cameras are
+merged by score. A search sees what the recorder saved (every `features_save_s`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import structlog
+
+from common.chunkindex import META_NAME, ChunkIndex
+from common.engine.features import question_vector
+from common.engine.params import MAX_QUESTION_TOKENS
+from common.engine.runtime import Runtime
+from common.framelog import FrameLog
+from common.wire.schemas import FinalAnswer, SchemaError, SearchHit
+from common.wire.search import SearchRequest, parse_search
+from common.wire.timeref import TimeRef
+
+log = structlog.get_logger()
+
+
+class SearchError(Exception):
+    """Why a search cannot be answered: its final's `error` (and `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+def search_span(since: TimeRef | None, until: TimeRef | None, asked_at: float) -> tuple[float, float]:
+    """The span as capture times: all the log holds without `since`, up to the asking without `until`."""
+    t0 = since.resolve(asked_at) if since is not None else -math.inf
+    t1 = until.resolve(asked_at) if until is not None else math.inf
+    if t1 <= t0:
+        raise SearchError("until must be later than since: the span is empty", param="until")
+    return t0, t1
+
+
+class Searcher:
+    def __init__(self, rt: Runtime, framelog_dir: str | None):
+        self.rt = rt
+        self.framelog = FrameLog(framelog_dir) if framelog_dir is not None else None
+        self._open: dict[str, tuple[tuple[int, int], ChunkIndex]] = {}  # camera -> (meta file's stamp, index)
+
+    def answer(self, qid: str, fields: dict, asked_at: float) -> tuple[FinalAnswer, SearchRequest | None]:
+        """A search entry's final (errors are finals) and the request, when it parsed."""
+        try:
+            req = parse_search(fields)
+        except SchemaError as e:
+            return FinalAnswer(id=qid, stream=None, error=f"bad search: {e}", param=e.field), None
+        t0 = time.perf_counter()
+        try:
+            since, until = search_span(req.since, req.until, asked_at)
+            hits = self.search(req.text, [req.stream] if req.stream else None, since, until, req.limit)
+        except SearchError as e:
+            return FinalAnswer(id=qid, stream=req.stream, error=str(e), param=e.param), req
+        log.info("searched", qid=qid, stream=req.stream, hits=len(hits), best=hits[0].score if hits else None)
+        return FinalAnswer(id=qid, stream=req.stream, text="", hits=tuple(hits), total_s=time.perf_counter() - t0), req
+
+    def search(self, text: str, streams: list[str] | None, since: float, until: float, limit: int) -> list[SearchHit]:
+        """The `limit` best chunks of ``streams`` (None: every camera the log holds) captured in
+        [since, until], best first; none when nothing of the span is indexed."""
+        if self.framelog is None:
+            raise SearchError("this worker has no frames log (framelog_dir): it cannot search")
+        indexes = [(cam, index) for cam in streams or self.framelog.cameras() if (index := self._index(cam))]
+        vectors: dict[tuple[int, ...], np.ndarray] = {}
+        hits: list[SearchHit] = []
+        for cam, index in indexes:
+            if index.model != self.rt.loaded.name:
+                log.warning("search index of another model; left out", stream=cam, model=index.model)
+                continue
+            if index.layers not in vectors:
+                vectors[index.layers] = self._question(text, index.layers)
+            for m in index.search(vectors[index.layers], limit, since, until):
+                hits.append(SearchHit(cam, m.start, m.end, m.score, m.first_seq, m.last_seq, m.frames))
+        return sorted(hits, key=lambda h: -h.score)[:limit]
+
+    def _question(self, text: str, layers: tuple[int, ...]) -> np.ndarray:
+        if len(self.rt.encode(text, user=True)) > MAX_QUESTION_TOKENS:
+            raise SearchError(f"the search is longer than {MAX_QUESTION_TOKENS} tokens", param="search")
+        return self.rt.executor.call(lambda: question_vector(self.rt, text, layers))
+
+    def _index(self, cam: str) -> ChunkIndex | None:
+        """The camera's saved index, opened again only when its files changed."""
+        assert self.framelog is not None
+        d = Path(self.framelog.root) / cam
+        try:
+            st = (d / META_NAME).stat()
+        except FileNotFoundError:
+            self._open.pop(cam, None)
+            return None
+        stamp = (st.st_mtime_ns, st.st_size)
+        held = self._open.get(cam)
+        if held is None or held[0] != stamp:
+            index = ChunkIndex.view(d)
+            if index is None:
+                return None
+            held = self._open[cam] = (stamp, index)
+        return held[1]

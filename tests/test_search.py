@@ -1,0 +1,209 @@
+"""Searching the cameras' past end to end, on a real redis-server, real frames logs and indexes
+(USearch) and a tiny random-weight model: frames encoded by the encoder, indexed by the recorder,
+searched through the question queue by a worker. The ranking oracle: the scores a search returns
+equal those computed independently from the model (transformers' own forward: pre-RoPE queries of
+the question and keys of each chunk, tests/retrieval_oracle.py), and so does their order. A span
+with nothing indexed is an empty list; bad parameters are refused at once (API 400, CLI exit 2)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from api.app import create_app
+from api.config import ApiConfig
+from common import redisio
+from common.engine.features import feature_layers
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.wire import keys
+from qa_worker.answering import Answerer
+from qa_worker.client import Client
+from tests.engine_helpers import make_frames
+from tests.retrieval_oracle import chunk_means, question_means, score
+from tests.test_persistence import encoded, run_until, stop
+from tests.test_search_index import CHUNK, FPS, GRID, encoder, recorder, step_until, unacked_features
+
+CAMS = ("gate", "yard")
+FRAMES = 16
+T0 = time.time() - 600  # the chunks were captured 10 minutes ago
+QUERY = "Is there a red van?"
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+@pytest.fixture(scope="module")
+def world(rt, tmp_path_factory) -> Iterator[dict]:
+    """Two cameras' 16 frames each encoded and indexed beside their frames logs; a Redis of the
+    module's own (the session's is flushed between tests)."""
+    from tests.conftest import RedisServer
+
+    tmp = tmp_path_factory.mktemp("search")
+    server = RedisServer(tmp)
+    server.start()
+    r = redis.Redis.from_url(server.url)
+    frames = {cam: make_frames(FRAMES, GRID, seed=i + 11) for i, cam in enumerate(CAMS)}
+    for cam in CAMS:
+        _encode(rt, r, server.url, tmp / cam, cam, frames[cam])
+    rec = recorder(server.url, tmp / "log", streams=CAMS)
+    step_until(rec, lambda: all(unacked_features(r, cam) == 0 for cam in CAMS), "both cameras indexed")
+    for w in rec.writers.values():
+        w.close()
+    yield {"r": r, "url": server.url, "log": tmp / "log", "frames": frames}
+    server.stop()
+
+
+def _encode(rt: Runtime, r: redis.Redis, url: str, tmp: Path, cam: str, frames: list[np.ndarray]) -> None:
+    from common.wire.schemas import FrameMsg, encode_frame
+
+    svc = encoder(rt, r, url, tmp, cam)
+    for s in range(FRAMES):
+        r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(s, T0 + s / FPS, s / FPS, frames[s])))
+    run_until(svc, lambda: encoded(r, cam, FRAMES - 1), f"{cam}'s frames")
+    stop(svc, r)
+
+
+@pytest.fixture
+def worker(rt, world) -> Iterator[Answerer]:
+    """A worker answering what reaches `svqa:questions` (searches need no stream owner)."""
+    r = world["r"]
+    answerer = Answerer(rt, r, lambda *_: None, lambda _: True, consumer="w", framelog_dir=str(world["log"]))
+    reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "w", block_ms=100)
+    done = threading.Event()
+
+    def serve() -> None:
+        while not done.is_set():
+            answerer.handle_entries(reader.read())
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield answerer
+    done.set()
+    thread.join(10)
+
+
+def oracle(rt: Runtime, world: dict, query: str) -> list[tuple[float, str, int]]:
+    """(score, camera, first frame seq) of every chunk, computed from transformers' forward alone."""
+    layers = feature_layers(rt.loaded.text_config.num_hidden_layers)
+    question = question_means(rt, query, layers)
+    out = []
+    for cam in CAMS:
+        means = chunk_means(rt, world["frames"][cam], GRID, FPS, CHUNK, layers)
+        out += [(score(question, m), cam, i * CHUNK) for i, m in enumerate(means)]
+    return sorted(out, reverse=True)
+
+
+@pytest.mark.parametrize("query", [QUERY, "Who walked through the gate?"])
+def test_scores_and_ranking_equal_the_models_own_computed_independently(rt, world, worker, query):
+    final = Client(world["r"]).search(query, limit=8, timeout_s=60)
+    assert final.error is None, final.error
+    expected = oracle(rt, world, query)
+    got = [(h.score, h.stream, h.first_seq) for h in final.hits]
+    assert [(cam, seq) for _, cam, seq in got] == [(cam, seq) for _, cam, seq in expected], "the same order"
+    np.testing.assert_allclose([s for s, _, _ in got], [s for s, _, _ in expected], atol=2e-3)
+    assert len({round(s, 3) for s, _, _ in expected}) > 4, "the chunks' scores differ: the order means something"
+    first = next(h for h in final.hits if h.stream == "gate" and h.first_seq == 4)
+    assert (first.start, first.end, first.last_seq, first.frames) == (T0 + 2.0, T0 + 3.5, 7, 4)
+
+
+def test_one_camera_a_span_and_the_limit(rt, world, worker):
+    client = Client(world["r"])
+    final = client.search(QUERY, stream="yard", limit=2, timeout_s=60)
+    expected = [(cam, seq) for _, cam, seq in oracle(rt, world, QUERY) if cam == "yard"][:2]
+    assert [(h.stream, h.first_seq) for h in final.hits] == expected
+    from common.wire.timeref import TimeRef
+
+    nothing = client.search(QUERY, since=TimeRef(ago_s=300), timeout_s=60)  # the chunks are 10 min old
+    assert nothing.error is None and nothing.hits == ()
+    span = client.search(QUERY, since=TimeRef(at=T0 + 4.1), until=TimeRef(at=T0 + 5.9), timeout_s=60)
+    assert {(h.stream, h.first_seq) for h in span.hits} == {(cam, 8) for cam in CAMS}, "chunks meeting the span"
+
+
+def test_the_api_gives_ranked_ranges_with_thumbnails_and_400s_for_bad_parameters(rt, world, worker):
+    cfg = ApiConfig(redis_url=world["url"], framelog_dir=str(world["log"]), block_ms=100)
+    world["r"].hset(keys.meta("gate"), "fps", "2")  # a stream the API knows
+
+    async def run() -> list[httpx.Response]:
+        app = create_app(cfg)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as c,
+        ):
+            paths = [
+                f"/api/search?q={QUERY}&limit=3",
+                f"/api/search?q={QUERY}&stream=gate&since=15m",
+                f"/api/search?q={QUERY}&since=5m",
+                "/api/search?q=van&limit=0",
+                "/api/search?q=van&since=yesterday",
+                "/api/search?q=%20",
+                "/api/search?q=van&until=1h",
+                "/api/search?q=van&stream=nope",
+                "/api/search?q=van&stream=../x",
+                "/api/search?limit=3",
+            ]
+            out = [await c.get(p) for p in paths]
+            best = out[0].json()["results"][0]
+            out.append(await c.get(best["thumbnail"]))
+            return out
+
+    best3, gate, empty, limit0, bad_since, blank, lone_until, unknown, bad_name, no_q, thumb = asyncio.run(run())
+    assert best3.status_code == 200, best3.text
+    results = best3.json()["results"]
+    expected = oracle(rt, world, QUERY)[:3]
+    assert [(x["stream"], x["first_seq"]) for x in results] == [(cam, seq) for _, cam, seq in expected]
+    np.testing.assert_allclose([x["score"] for x in results], [s for s, _, _ in expected], atol=2e-3)
+    top = results[0]
+    assert set(top) == {"stream", "start", "end", "score", "first_seq", "last_seq", "frames", "thumbnail", "clip"}
+    assert top["thumbnail"] == f"/api/streams/{top['stream']}/snapshot?at={(top['start'] + top['end']) / 2:.3f}"
+    assert top["clip"] == f"/api/streams/{top['stream']}/clip?from={top['start']:.3f}&to={top['end']:.3f}"
+    assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"
+    assert gate.status_code == 200 and {x["stream"] for x in gate.json()["results"]} == {"gate"}
+    assert len(gate.json()["results"]) == FRAMES // CHUNK
+    assert empty.status_code == 200 and empty.json()["results"] == []
+    for response, param in ((limit0, "limit"), (bad_since, "since"), (blank, "q"), (lone_until, "until")):
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    assert unknown.status_code == 404
+    assert bad_name.status_code == 400 and bad_name.json()["error"]["param"] == "stream"
+    assert no_q.status_code == 400
+
+
+def cli(url: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "apps.cli", "search", "--redis-url", url, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_cli_prints_ranked_ranges_and_exits_2_on_bad_parameters(rt, world, worker):
+    world["r"].hset(keys.meta("gate"), "fps", "2")
+    out = cli(world["url"], QUERY, "--all", "--limit", "3", "--json")
+    assert out.returncode == 0, out.stderr
+    hits = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [(h["stream"], h["first_seq"]) for h in hits] == [(cam, seq) for _, cam, seq in oracle(rt, world, QUERY)[:3]]
+    table = cli(world["url"], QUERY, "--stream", "gate", "--since", "15m", "--limit", "2")
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == 2
+    assert table.stdout.split()[1] == "gate"
+    empty = cli(world["url"], QUERY, "--since", "5m")
+    assert empty.returncode == 0 and empty.stdout == "" and "no chunk" in empty.stderr
+    for bad in (["x", "--limit", "0"], ["x", "--since", "soon"], ["x", "--until", "1h"], ["x", "--stream", "nope"]):
+        refused = cli(world["url"], *bad)
+        assert refused.returncode == 2, (bad, refused.stderr)
+        assert len(refused.stderr.strip().splitlines()) == 1
+    both = cli(world["url"], "x", "--stream", "gate", "--all")
+    assert both.returncode == 2
