@@ -40,7 +40,9 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
         "of the time, docs/BENCHMARKS.md); two decode about 320 448x448 frames a second, 2.5x what 64 "
         "cameras at 2 fps send",
     )
-    lease_ms: int = setting(5000, "stream ownership: a dead worker's streams move within about `lease_ms` + 2 s")
+    lease_ms: int = setting(
+        5000, "stream ownership: a dead worker's streams are taken within `lease_ms` + 0.2 s, then restored"
+    )
     max_streams: int | None = setting(
         None,
         'capacity: streams this worker holds at most ("Several GPUs and hosts"); on a GPU never more than '
