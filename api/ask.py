@@ -42,6 +42,11 @@ class AskRequest(BaseModel):
     )
     since: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.SINCE_HELP)
     until: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.UNTIL_HELP)
+    scope: Literal["live", "history"] | None = Field(
+        None,
+        description="history: answered over the camera's past chunks that rank best for the question (within "
+        "since/until if given), read back from the frames log; default live",
+    )
     stream: bool = Field(True, description="server-sent events (default) or one JSON object")
 
 

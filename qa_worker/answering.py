@@ -38,8 +38,8 @@ from common.wire.schemas import (
     question_id_of,
 )
 from common.wire.search import is_search
-from qa_worker.history import History, HistoryError, LoggedChunk, Seen
-from qa_worker.search import Searcher
+from qa_worker.history import History, HistoryError, LoggedChunk, Seen, span_of
+from qa_worker.search import Searcher, SearchError
 
 log = structlog.get_logger()
 
@@ -160,7 +160,7 @@ class Answerer:
         qid = q.id
         if not self.serves(q.stream):
             return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}", param="stream")
-        if q.since is not None:
+        if q.since is not None or q.scope == "history":
             return self._answer_span(q, bound, ttl, attempt, asked_at)
         version = self.lookup(q.stream, q.at)
         if version is None and q.at is not None:
@@ -182,12 +182,28 @@ class Answerer:
         return final
 
     def _answer_span(self, q: Question, bound, ttl: int, attempt: int, asked_at: float) -> FinalAnswer:
-        """A question about a past span: the span's chunks chosen from the frames log, answered over."""
+        """A question about a past span: the span's chunks chosen from the frames log (evenly, or
+        with scope history those that rank best for it), answered over."""
         try:
-            spec, chunks = self.history.choose(q, asked_at)
-        except HistoryError as e:
+            spec, chunks = self._retrieved(q, asked_at) if q.scope == "history" else self.history.choose(q, asked_at)
+        except (HistoryError, SearchError) as e:
             return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param)
         return self.answer_over(q, chunks, ttl, attempt, spec=spec, bound=bound)
+
+    def _retrieved(self, q: Question, asked_at: float) -> tuple[StreamSpec, list[LoggedChunk]]:
+        """Scope history: as many of the stream's indexed chunks (in the span, if one is given) as
+        `history_max_tokens` holds, the best ranked for the question (search.py), oldest first.
+        Chunks of whole temporal patches only: no padding falls between chunks."""
+        spec = self.history.spec(q.stream)
+        t0, t1 = span_of(q, asked_at) if q.since is not None else (-math.inf, asked_at)
+        hits = self.searcher.search(q.question, [q.stream], t0, t1, self.history.fit(spec))
+        tp = self.rt.loaded.temporal_patch_size
+        chunks = [
+            LoggedChunk((h.first_seq, h.last_seq), (h.start, h.end), h.frames) for h in hits if h.frames % tp == 0
+        ]
+        if not chunks:
+            raise HistoryError(f"stream {q.stream!r}: its search index holds no chunk of that span", param="scope")
+        return spec, sorted(chunks, key=lambda c: c.capture_range)
 
     def answer_over(
         self,

@@ -124,6 +124,13 @@ def main(argv: list[str]) -> int:
             "15m, 1h, 2h30m, 1d) or an ISO 8601 time (2026-11-28T02:00; without an offset, this machine's time)",
         )
         p.add_argument("--until", help="the span's end, in the same forms (default: now)")
+        p.add_argument(
+            "--scope",
+            choices=["live", "history"],
+            default="live",
+            help="history: answered over the camera's past chunks that rank best for the question (within "
+            "--since/--until if given), from the frames log (default: live, or the span's evenly spaced chunks)",
+        )
         p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the final answer")
     else:
         p.add_argument("--format", choices=["vtt", "srt", "json"], default="vtt")
@@ -153,7 +160,8 @@ def main(argv: list[str]) -> int:
 
 def _options(ns: argparse.Namespace) -> dict:
     span = {name: _time_ref(name, getattr(ns, name)) for name in ("since", "until")}
-    return {"max_tokens": ns.max_tokens, "choices": tuple(ns.choices) if ns.choices else None, **span}
+    choices = tuple(ns.choices) if ns.choices else None
+    return {"max_tokens": ns.max_tokens, "choices": choices, "scope": ns.scope, **span}
 
 
 def _time_ref(name: str, text: str | None) -> TimeRef | None:

@@ -207,3 +207,73 @@ def test_the_cli_prints_ranked_ranges_and_exits_2_on_bad_parameters(rt, world, w
         assert len(refused.stderr.strip().splitlines()) == 1
     both = cli(world["url"], "x", "--stream", "gate", "--all")
     assert both.returncode == 2
+
+
+def test_scope_history_answers_exactly_over_the_best_ranked_chunks(rt, world):
+    """With scope history, a question is answered over as many of its camera's chunks as
+    history_max_tokens holds (2 here), those that rank best for it, oldest first: the answer equals
+    one-shot offline inference on exactly those chunks' frames, and its ranges are theirs."""
+    from common.engine.offline import offline_answer
+    from common.engine.spans import capture_ranges
+    from common.wire.schemas import Question, encode_question
+    from common.wire.timeref import TimeRef
+
+    r = world["r"]
+    budget = len(rt.prefix_ids()) + 2 * 8  # 2 chunks of 2 temporal patches of 4 tokens
+    answerer = Answerer(
+        rt, r, lambda *_: None, lambda _: True, framelog_dir=str(world["log"]), history_max_tokens=budget
+    )
+    client = Client(r)
+
+    def asked(**options) -> object:
+        q = Question(id=f"q{time.monotonic_ns()}", stream="gate", question=QUERY, max_tokens=6, **options)
+        entry_id = r.xadd(keys.QUESTIONS, encode_question(q))
+        answerer.handle(
+            keys.QUESTIONS, entry_id.decode(), {k.encode(): v.encode() for k, v in encode_question(q).items()}
+        )
+        return next(reply for reply in client.replies(q.id, 10) if hasattr(reply, "ranges"))
+
+    final = asked(scope="history")
+    assert final.error is None, final.error
+    best = sorted(seq for _, cam, seq in [x for x in oracle(rt, world, QUERY) if x[1] == "gate"][:2])
+    frames = world["frames"]["gate"]
+    offline = offline_answer(rt, [frames[s] for b in best for s in range(b, b + CHUNK)], GRID, FPS, QUERY, max_tokens=6)
+    assert final.text == offline.text and final.tokens == len(offline.token_ids)
+    chunks = [((b, b + CHUNK - 1), (T0 + b / FPS, T0 + (b + CHUNK - 1) / FPS)) for b in best]
+    assert final.ranges == tuple(capture_ranges(chunks))
+    nothing = asked(scope="history", since=TimeRef(ago_s=300))  # the chunks are 10 minutes old
+    assert nothing.error is not None and nothing.param == "scope"
+
+
+def test_scope_is_checked_on_the_wire():
+    from common.wire.schemas import SchemaError, checked_question
+
+    assert checked_question("gate", "what?", scope="history").scope == "history"
+    assert checked_question("gate", "what?").scope == "live"
+    with pytest.raises(SchemaError) as bad:
+        checked_question("gate", "what?", scope="past")
+    assert bad.value.field == "scope"
+    with pytest.raises(SchemaError) as both:
+        checked_question("gate", "what?", scope="history", at=3)
+    assert both.value.field == "at"
+
+
+def test_the_api_takes_scope_history_and_refuses_another_scope(world):
+    cfg = ApiConfig(redis_url=world["url"], framelog_dir=str(world["log"]), block_ms=100, answer_timeout_s=1)
+
+    async def run() -> list[httpx.Response]:
+        app = create_app(cfg)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as c,
+        ):
+            body = {"question": "what?", "stream": False}
+            bad = await c.post("/api/streams/gate/ask", json=body | {"scope": "past"})
+            queued = await c.post("/api/streams/gate/ask", json=body | {"scope": "history"})
+            return [bad, queued]
+
+    bad, queued = asyncio.run(run())
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "scope", bad.text
+    assert queued.status_code == 504, "accepted and queued (no worker answers here)"
+    fields = world["r"].xrevrange(keys.QUESTIONS, count=1)[0][1]
+    assert fields[b"scope"] == b"history"

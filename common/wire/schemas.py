@@ -583,6 +583,7 @@ _QUESTION_FIELDS = {
     "reply_ttl",
     "since",
     "until",
+    "scope",
     "asked",  # written by the forwarder: the question's entry id in svqa:questions (when it was asked)
 }
 _INT_RE = re.compile(r"[+-]?[0-9]{1,19}")
@@ -604,6 +605,12 @@ class Question:
     # None = when the question was asked
     since: TimeRef | None = None
     until: TimeRef | None = None
+    # "history": answered over the chunks of the camera's past (within since/until, if given) that
+    # rank best for the question (search, common/engine/features.py), not the live cache
+    scope: str = "live"
+
+
+SCOPES = ("live", "history")
 
 
 def _text_fields(fields: Mapping[Any, Any], max_bytes: int, known: set[str] = _QUESTION_FIELDS) -> dict[str, str]:
@@ -719,6 +726,12 @@ def parse_question(fields: Mapping[Any, Any], *, limits: Limits = DEFAULT_LIMITS
         if name in f:
             kw[name] = _parse_time_ref(name, f[name])
     _check_span(kw.get("since"), kw.get("until"), kw.get("at"))
+    if "scope" in f:
+        kw["scope"] = f["scope"].strip()
+        if kw["scope"] not in SCOPES:
+            raise SchemaError("scope", f"expected one of {', '.join(SCOPES)}, got {f['scope'][:40]!r}")
+        if kw["scope"] == "history" and "at" in kw and kw["at"] is not None:
+            raise SchemaError("at", "names a cache version, and scope history the past: not both")
     return Question(**kw)
 
 
@@ -768,6 +781,8 @@ def encode_question(q: Question) -> dict[str, str]:
     if q.reply_ttl is not None:
         out["reply_ttl"] = str(q.reply_ttl)
     out |= {name: str(ref) for name, ref in (("since", q.since), ("until", q.until)) if ref is not None}
+    if q.scope != "live":
+        out["scope"] = q.scope
     return out
 
 
