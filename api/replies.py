@@ -19,7 +19,7 @@ from pydantic import BeforeValidator
 
 from api import clips, errors
 from api.answers import Subscription
-from common import redisio, status
+from common import redisio, stream_status
 from common.wire import keys
 from common.wire.schemas import (
     AnswerDelta,
@@ -47,7 +47,7 @@ async def known_stream(r: aredis.Redis, name: str, *, failing: bool = False, as_
     alone will do: a camera that never connected is listed (by them) and they say why it fails.
     ``as_model``: the stream named as an OpenAI model, refused as OpenAI refuses an unknown model."""
     field = "model" if as_model else "stream"
-    if await r.exists(*status.presence_keys(stream_name(name, field), failing=failing)):
+    if await r.exists(*stream_status.presence_keys(stream_name(name, field), failing=failing)):
         return name
     if as_model:
         message = f"The model {name!r} does not exist: models are the streams (GET /v1/models)"

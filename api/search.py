@@ -18,7 +18,7 @@ from api.clips import clip_path, snapshot_path
 from api.guard import require_token
 from common.wire import keys
 from common.wire.schemas import SchemaError, SearchHit
-from common.wire.search import DEFAULT_LIMIT, MAX_LIMIT, SearchRequest, checked_search, encode_search
+from common.wire.search_request import DEFAULT_LIMIT, MAX_LIMIT, SearchRequest, checked_search, encode_search
 from common.wire.timeref import FORMS
 
 router = APIRouter(prefix="/api", tags=["search"], dependencies=[Depends(require_token)])

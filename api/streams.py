@@ -11,9 +11,9 @@ from fastapi.responses import PlainTextResponse, Response
 
 from api import clips, errors, replies
 from api.guard import require_token
-from common import placement, redisio, status
+from common import placement, redisio, stream_status
 from common.wire import keys
-from common.wire.alerts import alert_payload
+from common.wire.alert_record import alert_payload
 from common.wire.schemas import INT64_MAX
 from common.wire.transcript import cues_of, render_transcript
 
@@ -35,27 +35,27 @@ def alerts_of(raw: list) -> list[dict]:
 
 
 async def stream_names(r: aredis.Redis) -> list[str]:
-    return status.stream_names([k for p in status.STREAM_PATTERNS async for k in r.scan_iter(p)])
+    return stream_status.stream_names([k for p in stream_status.STREAM_PATTERNS async for k in r.scan_iter(p)])
 
 
 async def collect(request: Request, names: list[str]) -> dict:
     r, frames = request.app.state.r, request.app.state.frames
     pipe = r.pipeline(transaction=False)
-    status.queue_all(pipe, names)
-    found = status.all_from(names, await pipe.execute(raise_on_error=False), time.time()) | {
+    stream_status.queue_all(pipe, names)
+    found = stream_status.all_from(names, await pipe.execute(raise_on_error=False), time.time()) | {
         "workers": await workers(r)
     }
     if frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
-    status.queue_frames(pipe, names)
-    return status.frames_from(found, await pipe.execute(raise_on_error=False))
+    stream_status.queue_frames(pipe, names)
+    return stream_status.frames_from(found, await pipe.execute(raise_on_error=False))
 
 
 async def workers(r: aredis.Redis) -> list[dict]:
     ids, pipe = placement.worker_ids(await r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
     placement.queue_workers(pipe, ids)
-    return status.workers_from(ids, await pipe.execute(raise_on_error=False))
+    return stream_status.workers_from(ids, await pipe.execute(raise_on_error=False))
 
 
 @router.get("/streams", summary="Every stream with its status, the workers holding them, and the question queue")

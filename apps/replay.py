@@ -27,7 +27,7 @@ from common.engine.names import DEFAULT_MODEL
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.logs import configure_logging
 from ingest.video import DecodedFrame, SourceError, iter_file_frames
 

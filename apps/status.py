@@ -14,32 +14,32 @@ import time
 
 import redis
 
-from common import boot, placement, status
+from common import boot, placement, stream_status
 from common.config import DEFAULT_REDIS_URL, RedisSettings, add_tool_flags, env_name
 from common.logs import configure_logging, redact_url
 from common.wire import keys
 
 
 def streams(r: redis.Redis) -> list[str]:
-    return status.stream_names(k for pattern in status.STREAM_PATTERNS for k in r.scan_iter(pattern))
+    return stream_status.stream_names(k for pattern in stream_status.STREAM_PATTERNS for k in r.scan_iter(pattern))
 
 
 def collect(r: redis.Redis, frames: redis.Redis | None = None) -> dict:
     """``frames``: the Redis holding the frames streams, when it is not ``r``."""
     names, pipe = streams(r), r.pipeline(transaction=False)
-    status.queue_all(pipe, names)
-    found = status.all_from(names, pipe.execute(raise_on_error=False), time.time()) | {"workers": workers(r)}
+    stream_status.queue_all(pipe, names)
+    found = stream_status.all_from(names, pipe.execute(raise_on_error=False), time.time()) | {"workers": workers(r)}
     if frames is None or frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
-    status.queue_frames(pipe, names)
-    return status.frames_from(found, pipe.execute(raise_on_error=False))
+    stream_status.queue_frames(pipe, names)
+    return stream_status.frames_from(found, pipe.execute(raise_on_error=False))
 
 
 def workers(r: redis.Redis) -> list[dict]:
     ids, pipe = placement.worker_ids(r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
     placement.queue_workers(pipe, ids)
-    return status.workers_from(ids, pipe.execute(raise_on_error=False))
+    return stream_status.workers_from(ids, pipe.execute(raise_on_error=False))
 
 
 def _clock(t: float, now: float) -> str:

@@ -1,4 +1,4 @@
-"""One camera's search index: its chunks' retrieval vectors (common/wire/features.py) beside its
+"""One camera's search index: its chunks' retrieval vectors (common/wire/feature_record.py) beside its
 frames log, written by the recorder, read by the workers that answer searches.
 
 Two files in the camera's log directory: ``chunks.usearch``, the vectors in a USearch HNSW graph
@@ -25,7 +25,7 @@ import structlog
 from usearch.index import Index
 
 from common.files import fsync_dir
-from common.wire.features import ChunkFeatures
+from common.wire.feature_record import ChunkFeatures
 
 log = structlog.get_logger(__name__)
 

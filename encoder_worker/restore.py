@@ -11,7 +11,7 @@ leaves dozens of them to the others at once (docs/BENCHMARKS.md, "Failover"). Wh
 - The CRC-32 check: zlib's runs at about 2 GB/s a core, the read from tmpfs at several times
   that. `threads` readers, each with two pieces of its own, read and check pieces of different
   segments at once (both release the GIL), and each piece is copied on to the device on a copy
-  stream of the restorer's while the next one is read.
+  CUDA stream of the restorer's while the next one is read.
 - The GPU loop: it gets the segments already on the device, so restoring a cache there is device
   to device (`StreamCache.apply`), never a wait on the host.
 
@@ -49,7 +49,7 @@ class Loaded:
 
 def for_loop(t: torch.Tensor) -> torch.Tensor:
     """A loaded tensor `t` for use on the calling thread's CUDA stream (the GPU loop's): its memory,
-    allocated on the copy stream, is not reused before what this stream queues on it has run."""
+    allocated on the copy CUDA stream, is not reused before what this CUDA stream queues on it has run."""
     if t.is_cuda:
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
@@ -80,7 +80,7 @@ class Restorer:
     def __init__(self, device: torch.device, threads: int, piece_bytes: int = PIECE_BYTES):
         self.device = device
         cuda = device.type == "cuda"
-        self._copies = torch.cuda.Stream(device) if cuda else None
+        self._copy_cuda_stream = torch.cuda.Stream(device) if cuda else None
         self._pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
         for _ in range(2 * threads):
             buf = torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=cuda)
@@ -98,19 +98,19 @@ class Restorer:
         are left out: evictions re-encode until they are gone), on the device. SegmentStoreError
         when a segment cannot be read back whole."""
         t0 = time.perf_counter()
-        jobs = {sid: self._readers.submit(self._read, store, stream, sid) for sid in segments}
-        embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c)) for c in chunks}
+        reads = {sid: self._readers.submit(self._read, store, stream, sid) for sid in segments}
+        embeds_reads = {c: self._readers.submit(self._read, store, stream, embeds_id(c)) for c in chunks}
         try:
-            kv = {sid: job.result() for sid, job in jobs.items()}
+            kv = {sid: read.result() for sid, read in reads.items()}
         except BaseException:
-            for job in [*jobs.values(), *embeds_jobs.values()]:
-                job.cancel()
-            futures.wait([*jobs.values(), *embeds_jobs.values()])  # none still writes when this returns
+            for read in [*reads.values(), *embeds_reads.values()]:
+                read.cancel()
+            futures.wait([*reads.values(), *embeds_reads.values()])  # none still writes when this returns
             raise
         embeds = {}
-        for chunk, job in embeds_jobs.items():
+        for chunk, read in embeds_reads.items():
             with contextlib.suppress(SegmentStoreError):
-                embeds[chunk] = job.result()
+                embeds[chunk] = read.result()
         got = [t for t, _ in kv.values()] + [t for t, _ in embeds.values()]
         return Loaded(
             kv={sid: t for sid, (t, _) in kv.items()},
@@ -126,12 +126,12 @@ class Restorer:
     def _read(self, store: SegmentStore, stream: str, segment_id: str) -> tuple[torch.Tensor, float]:
         """One segment on the device, and the seconds spent waiting for its copies there."""
         if not isinstance(store, DirectoryStore):
-            with self._on_copies():
+            with self._on_copy_cuda_stream():
                 return store.get(stream, segment_id).to(self.device), 0.0
         a, b = self._pieces.get(), self._pieces.get()
         waited = 0.0
         try:
-            with store.open(stream, segment_id) as (meta, f, where), self._on_copies():
+            with store.open(stream, segment_id) as (meta, f, where), self._on_copy_cuda_stream():
                 nbytes = meta["nbytes"]
                 out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
                 crc, at, piece = 0, 0, a
@@ -143,7 +143,7 @@ class Restorer:
                     crc = zlib.crc32(piece.view[:n], crc)
                     out[at : at + n].copy_(piece.buf[:n], non_blocking=True)
                     if piece.copied is not None:
-                        piece.copied.record(self._copies)
+                        piece.copied.record(self._copy_cuda_stream)
                     at += n
                     piece = b if piece is a else a
         finally:
@@ -152,6 +152,10 @@ class Restorer:
             self._pieces.put(b)
         return payload_tensor(meta, out[:at], where, segment_id, crc), waited
 
-    def _on_copies(self) -> contextlib.AbstractContextManager:
-        """Allocations and copies on the copy stream (on a GPU), never on the GPU loop's."""
-        return torch.cuda.stream(self._copies) if self._copies is not None else contextlib.nullcontext()
+    def _on_copy_cuda_stream(self) -> contextlib.AbstractContextManager:
+        """Allocations and copies on the copy CUDA stream (on a GPU), never on the GPU loop's."""
+        return (
+            torch.cuda.stream(self._copy_cuda_stream)
+            if self._copy_cuda_stream is not None
+            else contextlib.nullcontext()
+        )

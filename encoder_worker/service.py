@@ -42,8 +42,7 @@ from common.wire import keys
 from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decoding import FrameDecoder
-from encoder_worker.restore import Restorer
-from encoder_worker.stream import (
+from encoder_worker.owned_stream import (
     LeaseLost,
     OwnedStream,
     StreamNotReady,
@@ -52,6 +51,7 @@ from encoder_worker.stream import (
     event,
     open_stream,
 )
+from encoder_worker.restore import Restorer
 
 log = structlog.get_logger()
 

@@ -33,7 +33,7 @@ import structlog
 
 from common import metrics
 from common.version import VERSION
-from common.wire.alerts import Alert
+from common.wire.alert_record import Alert
 
 log = structlog.get_logger()
 

@@ -37,9 +37,9 @@ from common.wire.schemas import (
     parse_question,
     question_id_of,
 )
-from common.wire.search import is_search
+from common.wire.search_request import is_search
 from qa_worker.history import History, HistoryError, LoggedChunk, Seen, span_of
-from qa_worker.search import Searcher, SearchError
+from qa_worker.searching import Searcher, SearchError
 
 log = structlog.get_logger()
 

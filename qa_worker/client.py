@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 
 import redis
 
-from common import boot, redisio, status
+from common import boot, redisio, stream_status
 from common.config import RedisSettings, add_tool_flags
 from common.engine.params import MAX_NEW_TOKENS
 from common.logs import configure_logging, redact_url
@@ -34,7 +34,7 @@ from common.wire.schemas import (
     decode_answer,
     encode_question,
 )
-from common.wire.search import checked_search, encode_search
+from common.wire.search_request import checked_search, encode_search
 from common.wire.timeref import TimeRef, parse_time_ref
 
 
@@ -51,7 +51,7 @@ class Client:
     def known(self, stream: str, *also: str) -> bool:
         """Whether the stream exists (the API's check: its 404), or any of the keys ``also`` does
         (a transcript outlives the stream's head and meta, and is still worth reading)."""
-        return bool(self.r.exists(*status.presence_keys(stream), *also))
+        return bool(self.r.exists(*stream_status.presence_keys(stream), *also))
 
     def replies(self, qid: str, timeout_s: float = 120.0) -> Iterator[AnswerDelta | FinalAnswer]:
         """Deltas as they arrive, then the final answer; TimeoutError if none comes in time."""
@@ -94,7 +94,7 @@ class Client:
         raise AssertionError("unreachable")
 
     def search(self, text: str, timeout_s: float = 120.0, **options) -> FinalAnswer:
-        """Search the cameras' past (``stream``, ``since``, ``until``, ``limit``: common/wire/search.py)
+        """Search the cameras' past (``stream``, ``since``, ``until``, ``limit``: common/wire/search_request.py)
         and wait for the final, whose ``hits`` are the ranked chunks; SchemaError, with nothing
         sent, for a search a worker would refuse."""
         req = checked_search(text, **options)

@@ -4,7 +4,7 @@ A question with `since` (and `until`) names a span. Its logged frames are cut in
 stream's `chunk_frames` consecutive frames, oldest first (`logged_chunks`, from the log's indexes
 alone), and as many as `history_max_tokens` holds are chosen evenly over the span (`evenly`).
 `History.cache` reads exactly those frames back from the log, decodes them bit-identically to what
-the encoder saw, and appends them to a temporary cache (common/engine/history.py: the GPU
+the encoder saw, and appends them to a temporary cache (common/engine/temporary_cache.py: the GPU
 scheduler encodes them below live cameras), which the question is then answered from like a live
 version; the cache is let go of afterwards, also on an error. The final's `ranges` are the
 capture-time ranges of the chunks encoded: exactly what was seen.
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import redis
 
 from common.engine.grid import StreamSpec
-from common.engine.history import PIECE_TOKENS, TemporaryCache
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.engine.spans import capture_ranges
+from common.engine.temporary_cache import PIECE_TOKENS, TemporaryCache
 from common.framelog import FrameLog, FrameLogError, decode
 from common.wire import keys
 from common.wire.manifest import from_manifest

@@ -27,7 +27,7 @@ from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.wire import keys
-from common.wire.alerts import Alert, frame_path
+from common.wire.alert_record import Alert, frame_path
 from common.wire.transcript import Cue, cues_of, render_transcript
 from qa_worker.alerts import YES_NO, AlertSettings, Delivery, Gate, State, p_yes
 from qa_worker.subtitles import SUBTITLE_PROMPT, SubtitleTracker, parse_model_output

@@ -20,7 +20,7 @@ from common import boot
 from common.config import RedisSettings, add_tool_flags
 from common.logs import configure_logging, redact_url
 from common.wire.schemas import SchemaError, SearchHit
-from common.wire.search import DEFAULT_LIMIT, MAX_LIMIT, checked_search
+from common.wire.search_request import DEFAULT_LIMIT, MAX_LIMIT, checked_search
 from qa_worker.client import Client, _time_ref
 
 

@@ -25,7 +25,7 @@ from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.segment_store import open_store
 from common.wire import keys
-from common.wire.search import is_search
+from common.wire.search_request import is_search
 from qa_worker.alerts import AlertSettings
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig

@@ -20,7 +20,7 @@ from common import metrics, redisio
 from common.chunkindex import ChunkIndex
 from common.framelog import FrameLog
 from common.wire import keys
-from common.wire.features import ChunkFeatures, decode_features
+from common.wire.feature_record import ChunkFeatures, decode_features
 from common.wire.schemas import SchemaError
 
 log = structlog.get_logger()

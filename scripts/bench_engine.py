@@ -42,7 +42,7 @@ from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.stream import Chunk, ChunkJob, StreamEngine
+from common.engine.stream_engine import Chunk, ChunkWork, StreamEngine
 from common.engine.vision import VisionTower
 from common.logs import configure_logging
 
@@ -156,14 +156,14 @@ def filled_engines(
         while room := [
             (e, (n_tokens - e.head.tokens) // per_patch) for e in group if n_tokens - e.head.tokens >= per_patch
         ]:
-            jobs = []
+            chunk_work = []
             for e, patches in room:
                 patches = min(slab // per_patch, patches)
                 embeds = torch.randn(patches * per_patch, dim, device=rt.lm.device, dtype=rt.lm.dtype) * 0.02
-                jobs.append(ChunkJob(e, embeds_chunk(e, embeds, patches)))
-            ChunkJob.run_batch(jobs)
-            for job in jobs:
-                job.engine.finish(job.future.result())
+                chunk_work.append(ChunkWork(e, embeds_chunk(e, embeds, patches)))
+            ChunkWork.run_batch(chunk_work)
+            for work in chunk_work:
+                work.engine.finish(work.future.result())
     return engines
 
 
@@ -216,10 +216,10 @@ def engine_side(rt: Runtime, n_tokens: int, decode_tokens: int, profile: bool = 
 def profile_steps(rt: Runtime, versions: list, label: str, steps: int = 8) -> dict:
     """One question per version advanced together: the first step (every question's prefill),
     then `steps` decode steps, under torch.profiler (see `profiled`)."""
-    jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=steps + 4)) for v in versions]
-    out = {"label": label, "questions": len(jobs)}
-    out["prefill"] = profiled(lambda: Generation.step_batch(jobs))
-    out["decode"] = profiled(lambda: Generation.step_batch(jobs), steps, table=True)
+    questions = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=steps + 4)) for v in versions]
+    out = {"label": label, "questions": len(questions)}
+    out["prefill"] = profiled(lambda: Generation.step_batch(questions))
+    out["decode"] = profiled(lambda: Generation.step_batch(questions), steps, table=True)
     log(f"steps {out}")
     return out
 
@@ -368,15 +368,15 @@ def bench_batched(
         heads = [e.head for e in batch]
 
         def encode(with_vision: bool, batch=batch, heads=heads) -> None:
-            jobs = []
+            chunk_work = []
             for e in batch:
                 chunk = replace(prepared[id(e)])
                 if not with_vision:
                     chunk.video, chunk.embeds = None, prefill_input
-                jobs.append(ChunkJob(e, chunk))
-            ChunkJob.run_batch(jobs)
-            for job in jobs:
-                job.future.result()  # a batch that failed must not pass for a fast one
+                chunk_work.append(ChunkWork(e, chunk))
+            ChunkWork.run_batch(chunk_work)
+            for work in chunk_work:
+                work.future.result()  # a batch that failed must not pass for a fast one
             for e, head in zip(batch, heads, strict=True):
                 e.cache.rewind(head)  # every repeat sees the same cache sizes
 
@@ -421,15 +421,15 @@ def bench_fit(
     t0 = time.perf_counter()
     for _ in range(2):
         for i in range(0, n_streams, evict_batch):
-            jobs = [
-                ChunkJob(
+            batch = [
+                ChunkWork(
                     e, embeds_chunk(e, torch.randn(chunk_tokens, dim, device=rt.device, dtype=rt.lm.dtype) * 0.02, 2)
                 )
                 for e in engines[i : i + evict_batch]
             ]
-            ChunkJob.run_batch(jobs)
-            for job in jobs:
-                job.engine.finish(job.future.result())
+            ChunkWork.run_batch(batch)
+            for work in batch:
+                work.engine.finish(work.future.result())
     sync()
     out["streamed_chunks_per_s"] = round(2 * n_streams / (time.perf_counter() - t0), 1)
     out["evictions"] = sum(e.head.stats.evictions for e in engines)
@@ -469,25 +469,25 @@ def pool_report(rt: Runtime, engines: list[StreamEngine]) -> dict:
 def batched_decode(rt: Runtime, versions: list, tokens: int = 64) -> dict:
     """One question per version, all advanced together until each has `tokens` tokens (stepped
     here, or through the scheduler installed as the runtime's executor)."""
-    jobs = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=tokens)) for v in versions]
+    questions = [Generation(rt, v, QUESTION, GenerationParams(max_tokens=tokens)) for v in versions]
     sync()
     t0 = time.perf_counter()
     if isinstance(rt.executor, Scheduler):
-        for future in [rt.executor.submit(j) for j in jobs]:
+        for future in [rt.executor.submit(j) for j in questions]:
             future.result()
     else:
-        active = list(jobs)
+        active = list(questions)
         while active:
             Generation.step_batch(active)
             active = [j for j in active if not j.done]
     sync()
     seconds = time.perf_counter() - t0
-    total = sum(len(j.future.result().token_ids) for j in jobs)
-    firsts = [j.future.result().first_token_s * 1000 for j in jobs]
+    total = sum(len(j.future.result().token_ids) for j in questions)
+    firsts = [j.future.result().first_token_s * 1000 for j in questions]
     row = {
-        "questions": len(jobs),
+        "questions": len(questions),
         "aggregate_tok_s": round(total / seconds, 1),
-        "per_question_tok_s": round(total / seconds / len(jobs), 1),
+        "per_question_tok_s": round(total / seconds / len(questions), 1),
         "first_token_ms_max": round(max(firsts), 1),
     }
     log(f"batched decode {row}")

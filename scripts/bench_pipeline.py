@@ -1046,7 +1046,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ns = parse_args(argv)
     signal.signal(signal.SIGTERM, _interrupt)
-    # a shell starts a background job with SIGINT ignored, and the run would then outlive its own
+    # a shell starts a command run in the background with SIGINT ignored, and the run would then outlive its own
     # `kill -INT` (CI started with `&` did): Ctrl-C or not, an interrupt stops it
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

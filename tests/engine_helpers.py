@@ -18,7 +18,7 @@ from common.engine.lm import Item, KVView, LanguageModel
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import Appended, StreamEngine
+from common.engine.stream_engine import Appended, StreamEngine
 
 QUESTION = "What is happening in the video?"
 

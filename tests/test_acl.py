@@ -16,7 +16,7 @@ from common.lease import Lease
 from common.placement import Placement
 from common.wire import keys
 from common.wire.schemas import EndOfStream, encode_delta, encode_frame
-from encoder_worker.stream import publish_fenced
+from encoder_worker.owned_stream import publish_fenced
 from qa_worker.client import Client
 from qa_worker.routing import forward, requeue, take_over
 from tests.conftest import RedisServer

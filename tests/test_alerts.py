@@ -17,9 +17,9 @@ from common.config import ConfigError, Job
 from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.wire import keys
-from common.wire.alerts import Alert, alert_payload, frame_path
+from common.wire.alert_record import Alert, alert_payload, frame_path
 from qa_worker.alerts import AlertSettings, Delivery, Gate, Retry, p_yes
 from qa_worker.jobs import JobRunner
 from tests.alerting import broker, webhook

@@ -710,7 +710,7 @@ def test_the_page_on_a_phone_asks_multiple_choice_shows_the_queue_and_acknowledg
         pytest.skip(f"chromium not found at {CHROMIUM}")
     from api.config import ApiConfig
     from common import redisio
-    from common.wire.alerts import Alert, frame_path
+    from common.wire.alert_record import Alert, frame_path
     from qa_worker.routing import forward
 
     r = redis.Redis.from_url(redis_url)

@@ -358,7 +358,7 @@ def test_gil_holders_are_summarised_by_thread_and_by_the_call_of_ours_that_holds
     raw = "\n".join(
         [
             f"thread (101): stream_3;Thread.run ({py}:982);_process ({REPO}/encoder_worker/service.py:310);"
-            f"flush ({REPO}/encoder_worker/stream.py:172);rgb ({REPO}/common/wire/schemas.py:90);"
+            f"flush ({REPO}/encoder_worker/owned_stream.py:172);rgb ({REPO}/common/wire/schemas.py:90);"
             f"open (/x/.venv/lib/PIL/Image.py:3400) 30",
             f"thread (102): gpu-scheduler;_run ({REPO}/common/engine/scheduler.py:210);"
             f"_layers ({REPO}/common/engine/lm.py:380) 60",

@@ -26,7 +26,7 @@ from api.config import ApiConfig
 from apps.samplevideo import render_frame
 from common.framelog import FrameLog, Record
 from common.wire import keys
-from common.wire.alerts import Alert
+from common.wire.alert_record import Alert
 from common.wire.schemas import FIELD, FinalAnswer, FrameMsg, encode_final, encode_frame
 from tests.pipeline import wait_for
 from tests.test_api import CHROMIUM, CHROMIUM_ARGS, TOKEN, _parse_sse, assert_error, served

@@ -20,7 +20,7 @@ from common.config import ConfigError, check_redis_url
 from common.logs import MASK, redact_url
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, encode_final
-from encoder_worker.stream import publish_fenced
+from encoder_worker.owned_stream import publish_fenced
 from tests.conftest import RedisClusterServers
 from tests.pipeline import wait_for
 from tests.test_schemas import _manifest

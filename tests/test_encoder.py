@@ -34,7 +34,7 @@ from common.wire.schemas import (
 )
 from encoder_worker.config import EncoderConfig
 from encoder_worker.decoding import FrameDecoder
-from encoder_worker.stream import LeaseLost, open_stream
+from encoder_worker.owned_stream import LeaseLost, open_stream
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +193,7 @@ def test_a_read_takes_at_most_read_per_stream_entries_of_each_stream(rt, redis_u
 def test_a_stream_waiting_for_the_gpu_holds_back_only_its_own_reads(rt, redis_url, monkeypatch):
     """Streams are not read in rounds: while one stream's chunk waits (behind many GPU steps, say),
     the other streams' new frames are read, encoded and published."""
-    from encoder_worker import service, stream
+    from encoder_worker import owned_stream, service
 
     r = redis.Redis.from_url(redis_url)
     cams = ["held", "flowing"]
@@ -216,14 +216,14 @@ def test_a_stream_waiting_for_the_gpu_holds_back_only_its_own_reads(rt, redis_ur
         assert head_seq(cam) == seq, f"{cam}: frame {seq} not encoded while the other stream's chunk waited"
 
     release = threading.Event()
-    flush = stream.OwnedStream.flush
+    flush = owned_stream.OwnedStream.flush
 
-    def held_flush(self: stream.OwnedStream):
+    def held_flush(self: owned_stream.OwnedStream):
         if self.name == "held":
             release.wait(30)
         return flush(self)
 
-    monkeypatch.setattr(stream.OwnedStream, "flush", held_flush)
+    monkeypatch.setattr(owned_stream.OwnedStream, "flush", held_flush)
     send("held", range(2))
     send("flowing", range(2))
     cfg = EncoderConfig(redis_url=redis_url, streams=tuple(cams), consumer="me", chunk_frames=2, block_ms=50)

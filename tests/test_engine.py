@@ -22,7 +22,7 @@ from common.engine.offline import offline_answer, offline_prompt
 from common.engine.params import GenerationParams, QuestionError
 from common.engine.positions import TemporalStep, next_text_position, text_positions, video_positions
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from tests.engine_helpers import QUESTION, kept_frames, make_frames, stream
 
 

@@ -33,7 +33,7 @@ from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.salience import mean_embedding, salience
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
 from common.engine.work import InlineExecutor
 from common.wire import keys
 from common.wire.manifest import to_manifest
@@ -62,7 +62,7 @@ def rt() -> Runtime:
 
 @pytest.fixture(params=["inline", "scheduler"])
 def executor(rt: Runtime, request) -> Iterator[str]:
-    """Each oracle both ways: jobs run alone, and through a running scheduler."""
+    """Each oracle both ways: work runs alone, and through a running scheduler."""
     if request.param == "scheduler":
         rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
     yield request.param
@@ -199,7 +199,7 @@ def test_benchmark_hook_runs_on_cpu(rt):
 
 # -- the rebuild as the scheduler's work ---------------------------------------------------------
 # These drive a Scheduler step by step from the test (no loop thread), so what each step runs is
-# certain; spies on the real jobs record it.
+# certain; spies on the real work record it.
 
 B_GRID = Grid(84, 56)  # another stream "b" (3 fps, 2-frame chunks) on another grid, no eviction
 
@@ -208,23 +208,23 @@ B_GRID = Grid(84, 56)  # another stream "b" (3 fps, 2-frame chunks) on another g
 def stepped(rt: Runtime, monkeypatch) -> Iterator[tuple[Scheduler, list[list[str]]]]:
     """A scheduler driven by hand, and what each of its steps ran: "question" for a decode step
     ("beside" for one launched between the layers of an encode step's forward),
-    "<stream>:chunk" or "<stream>:rebuild" for each job of an encode step."""
+    "<stream>:chunk" or "<stream>:rebuild" for each work of an encode step."""
     ran: list[list[str]] = []
-    run_batch, launch_batch = ChunkJob.run_batch, Generation.launch_batch
+    run_batch, launch_batch = ChunkWork.run_batch, Generation.launch_batch
     # encode_share 1.0: an encode step follows every question step (a piece between tokens)
     scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4, encode_share=1.0))
 
-    def chunks(cls, jobs):
+    def chunks(cls, batch):
         if rt.executor is scheduler:
-            ran[-1].extend(f"{j.lane}:{'rebuild' if j.rebuild else 'chunk'}" for j in jobs)
-        run_batch(jobs)
+            ran[-1].extend(f"{j.lane}:{'rebuild' if j.rebuild else 'chunk'}" for j in batch)
+        run_batch(batch)
 
-    def questions(cls, jobs, alongside=False):
+    def questions(cls, batch, alongside=False):
         if rt.executor is scheduler:
             ran[-1].append("beside" if alongside else "question")
-        return launch_batch(jobs, alongside)
+        return launch_batch(batch, alongside)
 
-    monkeypatch.setattr(ChunkJob, "run_batch", classmethod(chunks))
+    monkeypatch.setattr(ChunkWork, "run_batch", classmethod(chunks))
     monkeypatch.setattr(Generation, "launch_batch", classmethod(questions))
     yield scheduler, ran
     rt.executor = InlineExecutor()

@@ -103,12 +103,12 @@ GPU_FAILS = """
 import time
 from common import boot
 from common.engine.scheduler import Scheduler
-from common.engine.work import StepJob
+from common.engine.work import StepWork
 from common.logs import configure_logging
 
-class Poisoned(StepJob):
+class Poisoned(StepWork):
     @classmethod
-    def step_batch(cls, jobs):
+    def step_batch(cls, batch):
         raise RuntimeError("CUDA error: device-side assert triggered (redis://enc:hunter2@redis:6379)")
 
 configure_logging("INFO")
@@ -124,13 +124,13 @@ import threading
 import time
 from common import boot
 from common.engine.scheduler import Scheduler
-from common.engine.work import StepJob
+from common.engine.work import StepWork
 from common.logs import configure_logging
 from common.stalls import StuckWatch
 
-class Hangs(StepJob):
+class Hangs(StepWork):
     @classmethod
-    def step_batch(cls, jobs):
+    def step_batch(cls, batch):
         threading.Event().wait()  # a step that never ends, as on a device that hung
 
 configure_logging("INFO")

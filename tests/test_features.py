@@ -14,7 +14,7 @@ from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.positions import apply_rope, rope_cos_sin, video_positions
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from tests.engine_helpers import append_chunk, make_frames
 from tests.retrieval_oracle import chunk_means, question_means, score
 

@@ -91,7 +91,7 @@ def test_the_triton_combine_of_stacked_decode_pieces_equals_the_exact_merge(copi
 
 def _engine(rt, name: str, grid, n_chunks: int, seed: int):
     from common.engine.grid import StreamSpec
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
 
     engine = StreamEngine(rt, StreamSpec(name, 2.0, grid, 4))
     rng = np.random.default_rng(seed)
@@ -217,7 +217,7 @@ def test_question_graphs_stay_the_same_while_caches_grow(rt, monkeypatch):
     from common.engine.grid import Grid, StreamSpec
     from common.engine.params import GenerationParams
     from common.engine.step_graphs import GRAPH_BASE_TOKENS
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
 
     grid = Grid(448, 448)
     policy = EvictionPolicy(max_cache_tokens=GRAPH_BASE_TOKENS)
@@ -244,7 +244,7 @@ def test_a_decode_batch_replays_its_buckets_graph_whatever_its_size(rt, monkeypa
     from common.engine import answer
     from common.engine.grid import Grid, StreamSpec
     from common.engine.params import GenerationParams
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
 
     grid = Grid(448, 448)
     engine = StreamEngine(rt, StreamSpec("buckets", 2.0, grid, 4))
@@ -278,7 +278,7 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
     from common.engine.grid import Grid, StreamSpec
     from common.engine.params import GenerationParams
     from common.engine.step_graphs import GRAPH_BASE_TOKENS
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
     from common.engine.warmup import _question_of, warm_up
 
     monkeypatch.setattr(rt.vision_tower, "graphs", True)
@@ -303,7 +303,7 @@ def test_after_the_warm_up_a_question_on_a_long_serving_cache_captures_nothing(r
 
 def test_questions_decoded_beside_an_encode_step_equal_alone(rt, monkeypatch):
     """On the GPU the decode steps launched between an encode step's layers run on a
-    high-priority stream, concurrently with it: same answer, same caches."""
+    high-priority CUDA stream, concurrently with it: same answer, same caches."""
     from tests.test_scheduler import answer_beside_encoding
 
     rt.step_graphs = None  # so the graphs are captured beside the encode step, and replayed after it
@@ -322,7 +322,7 @@ def test_questions_decoded_beside_an_encode_step_that_leaves_them_sms_equal_alon
 
 def test_a_question_joining_during_an_encode_step_equals_alone(rt, monkeypatch):
     """`join_during_encode` on the GPU: a question arriving while an encode step is launched is
-    prefilled on the high-priority stream beside it, reading a version the step does not write:
+    prefilled on the high-priority CUDA stream beside it, reading a version the step does not write:
     same answer as alone, same chunk cache as encoding alone."""
     from tests.test_scheduler import answer_joining_during_encoding
 
@@ -345,7 +345,7 @@ def test_segments_reach_the_store_as_the_pool_holds_them(rt):
     """The K/V copy to the host is asynchronous (page-locked, waited for in `finish`): what
     `on_segment` gets is what the pool holds, in ordinary host memory."""
     from common.engine.grid import Grid, StreamSpec
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
 
     got = []
     engine = StreamEngine(rt, StreamSpec("store", 2.0, Grid(56, 56), 4), on_segment=lambda s, kv: got.append((s, kv)))
@@ -368,7 +368,7 @@ def test_exact_rebuild_in_pieces_beside_another_stream_equals_one_piece_alone(rt
     from common.engine.grid import Grid, StreamSpec
     from common.engine.params import GenerationParams
     from common.engine.scheduler import Scheduler
-    from common.engine.stream import StreamEngine
+    from common.engine.stream_engine import StreamEngine
     from common.engine.work import InlineExecutor
 
     grid = Grid(56, 56)  # 8 tokens per 4-frame chunk

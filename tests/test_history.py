@@ -27,13 +27,13 @@ from apps.samplevideo import write_sample_video
 from common import redisio
 from common.engine.answer import ask
 from common.engine.grid import Grid, StreamSpec, resize_to_grid
-from common.engine.history import TemporaryCache
 from common.engine.model import load_model
 from common.engine.offline import offline_answer
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
+from common.engine.temporary_cache import TemporaryCache
 from common.engine.work import InlineExecutor
 from common.framelog import FrameLog
 from common.segment_store import DirectoryStore
@@ -174,13 +174,13 @@ def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt
     cache's chunks ride in encode steps with them (background lanes fill what the live ones leave),
     and an answer from it equals offline inference on its frames (first-token logits too)."""
     batches: list[list[tuple[str, bool]]] = []
-    run_batch = ChunkJob.run_batch.__func__
+    run_batch = ChunkWork.run_batch.__func__
 
-    def recorded(cls, jobs):
-        batches.append([(j.lane, j.background) for j in jobs])
-        run_batch(cls, jobs)
+    def recorded(cls, batch):
+        batches.append([(j.lane, j.background) for j in batch])
+        run_batch(cls, batch)
 
-    monkeypatch.setattr(ChunkJob, "run_batch", classmethod(recorded))
+    monkeypatch.setattr(ChunkWork, "run_batch", classmethod(recorded))
     rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
     try:
         live = StreamEngine(rt, StreamSpec("live", FPS, GRID, 2))

@@ -20,7 +20,7 @@ from common.engine.grid import StreamSpec, choose_grid
 from common.engine.model import load_model
 from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.segment_store import MemoryStore
 from common.wire import keys
 from common.wire.schemas import Manifest

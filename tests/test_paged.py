@@ -25,7 +25,7 @@ from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
 from tests.engine_helpers import QUESTION, append_chunk, make_frames, policy_keeping, same_kv
 
 GRID = Grid(56, 56)  # 4 tokens per temporal patch: a 4-frame chunk is 8 tokens
@@ -74,13 +74,13 @@ def test_streams_evict_all_at_once_within_their_budgets(rt):
     assert all(e.head.stats.evictions == 0 and e.head.tokens == budget for e in engines)
     rt.pool.peak_tokens = used = rt.pool.used_tokens
     assert used == n * pages(rt, budget), "each stream holds its budget, in whole pages, and nothing else"
-    jobs = [ChunkJob(e, e.prepare(frames[32:36], [16, 16.5, 17, 17.5], range(32, 36))) for e in engines]
-    ChunkJob.run_batch(jobs)  # one prefill, then every stream evicts
-    heads = [e.finish(j.future.result()) for e, j in zip(engines, jobs, strict=True)]
+    batch = [ChunkWork(e, e.prepare(frames[32:36], [16, 16.5, 17, 17.5], range(32, 36))) for e in engines]
+    ChunkWork.run_batch(batch)  # one prefill, then every stream evicts
+    heads = [e.finish(j.future.result()) for e, j in zip(engines, batch, strict=True)]
     assert all(v.stats.evictions == 1 for v in heads)
     assert rt.pool.peak_tokens == used + n * pages(rt, 8), "on top of the budgets: only the chunks that went over"
     assert all(len(v.view.extents) == 1 for v in heads), "re-laid out in place, in one extent"
-    del heads, jobs
+    del heads, batch
     assert rt.pool.used_tokens == used, "the over-budget chunks' pages are free again"
 
 
@@ -337,14 +337,14 @@ def test_no_room_for_a_copy_fails_that_chunk_alone_and_the_stream_goes_on(rt, mo
 
     monkeypatch.setattr(rt.pool, "alloc", no_room_for_a_cache)
     times = [16, 16.5, 17, 17.5]
-    jobs = [ChunkJob(e, e.prepare(frames[32:36], times, range(32, 36))) for e in (a, b)]
-    ChunkJob.run_batch(jobs)
+    batch = [ChunkWork(e, e.prepare(frames[32:36], times, range(32, 36))) for e in (a, b)]
+    ChunkWork.run_batch(batch)
     with pytest.raises(PoolFull):
-        jobs[0].future.result()
-    assert b.finish(jobs[1].future.result()).stats.evictions == 1, "the other stream's chunk went on"
+        batch[0].future.result()
+    assert b.finish(batch[1].future.result()).stats.evictions == 1, "the other stream's chunk went on"
     assert a.head.id == held.id and torch.equal(a.head.view.kv, kv) and len(a.head.view.extents) == 1
     monkeypatch.undo()
-    del held, jobs
+    del held, batch
     feed(a, frames, 36, 40)  # the version is let go: this eviction goes in place
     feed(same, frames, 36, 40)  # the same stream, never sent the refused chunk
     assert a.head.stats.evictions == 1 and same_kv(a.head, same.head)

@@ -16,7 +16,7 @@ import pytest
 import redis
 from structlog.testing import capture_logs
 
-from common import metrics, redisio, status
+from common import metrics, redisio, stream_status
 from common.config import ConfigError, load_cameras_file, load_config
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
@@ -156,8 +156,8 @@ def test_real_frames_behind_a_forged_seq_are_reported(rt, redis_url):
     r.xadd(keys.frames(CAM), frame(68, ts=time.time() - 60))  # and one late: status adds up both reasons
     drain(svc, r)
     pipe = r.pipeline()
-    status.queue_stream(pipe, CAM)
-    assert status.stream_from(CAM, pipe.execute(raise_on_error=False), time.time())["dropped"] == 1 + int(
+    stream_status.queue_stream(pipe, CAM)
+    assert stream_status.stream_from(CAM, pipe.execute(raise_on_error=False), time.time())["dropped"] == 1 + int(
         behind[-1][b"total"]
     )
 

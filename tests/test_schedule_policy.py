@@ -1,4 +1,4 @@
-"""The GPU scheduler's policy, with jobs that stand in for GPU work by taking time (no model: what
+"""The GPU scheduler's policy, with work that stands in for real GPU work by taking time (no model: what
 is under test is who gets the device when, not what runs on it).
 
 Questions that never stop asking and a backlog of chunks compete: encoding gets its guaranteed
@@ -15,37 +15,37 @@ import pytest
 
 from common.engine.interleave import between_layers, between_outputs
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.work import BatchJob, StepJob
+from common.engine.work import BatchWork, StepWork
 
 ENCODE_S = 0.010  # per chunk batch
 DECODE_S = 0.004  # per decode step
 
 
-class Busy(BatchJob):
+class Busy(BatchWork):
     def __init__(self, lane: str, order: list[str]):
         super().__init__()
         self.lane, self.order = lane, order
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
         time.sleep(ENCODE_S)
-        for job in jobs:
-            assert isinstance(job, Busy)
-            job.order.append(job.lane)
-            job.future.set_result(None)
+        for work in batch:
+            assert isinstance(work, Busy)
+            work.order.append(work.lane)
+            work.future.set_result(None)
 
 
-class Endless(StepJob):
+class Endless(StepWork):
     """A question that asks for the GPU at every step until told to stop."""
 
     stop = threading.Event()
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
         time.sleep(DECODE_S)
         if cls.stop.is_set():
-            for job in jobs:
-                job.future.set_result(None)
+            for work in batch:
+                work.future.set_result(None)
 
 
 def shares(policy: SchedulePolicy, seconds: float = 1.5, camera_behind_s: float | None = None) -> dict[str, float]:
@@ -111,9 +111,9 @@ def test_lanes_take_turns():
 
 
 def background(lane: str, order: list[str]) -> Busy:
-    job = Busy(lane, order)
-    job.background = True
-    return job
+    work = Busy(lane, order)
+    work.background = True
+    return work
 
 
 def test_a_background_lane_takes_only_the_places_the_cameras_leave():
@@ -121,8 +121,8 @@ def test_a_background_lane_takes_only_the_places_the_cameras_leave():
     encode step, however long it has waited; it rides along where there is room."""
     scheduler = Scheduler(SchedulePolicy(max_chunks=2))
     order: list[str] = []
-    for job in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
-        scheduler.submit(job)
+    for work in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
+        scheduler.submit(work)
     scheduler.submit(Busy("a", order))
     scheduler.step()  # two cameras wait: the step is theirs
     assert order == ["a", "b"]
@@ -170,15 +170,15 @@ def test_a_bad_policy_is_refused(bad):
         SchedulePolicy(**bad)
 
 
-class Broken(StepJob):
-    """A step that fails outside any job's own error handling, as a poisoned device does."""
+class Broken(StepWork):
+    """A step that fails outside any work's own error handling, as a poisoned device does."""
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
         raise RuntimeError("CUDA error: device-side assert triggered")
 
 
-def test_a_broken_loop_fails_every_job_and_reports_once():
+def test_a_broken_loop_fails_all_work_and_reports_once():
     fatal: list[BaseException] = []
     scheduler = Scheduler(on_fatal=fatal.append)
     waiting = Busy("cam", [])
@@ -195,26 +195,26 @@ def test_a_broken_loop_fails_every_job_and_reports_once():
     assert len(fatal) == 1 and "device-side assert" in str(fatal[0])
 
 
-class Layered(BatchJob):
+class Layered(BatchWork):
     """An encode step with layers: the points where questions decode beside it."""
 
     lane = "cam"
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
         for _ in range(4):
             between_layers()
-        for job in jobs:
-            job.future.set_result("encoded")
+        for work in batch:
+            work.future.set_result("encoded")
 
 
-class BreaksBeside(StepJob):
+class BreaksBeside(StepWork):
     """Its first step (in the loop) works; the next one, beside an encode step, breaks."""
 
     steps = 0
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
         cls.steps += 1
         if cls.steps > 1:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -231,7 +231,7 @@ def test_a_step_that_breaks_beside_an_encode_step_is_the_loop_failing_not_the_ch
     assert BreaksBeside.steps == 2
 
 
-class Counted(StepJob):
+class Counted(StepWork):
     """A question that counts its steps and ends after `steps`; `written`: whether what it reads is
     on the device (a version an encode step in flight published may not be)."""
 
@@ -243,15 +243,15 @@ class Counted(StepJob):
         return self.written
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
-        for job in jobs:
-            assert isinstance(job, Counted)
-            job.taken += 1
-            if job.taken == job.steps:
-                job.future.set_result(job.taken)
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
+        for work in batch:
+            assert isinstance(work, Counted)
+            work.taken += 1
+            if work.taken == work.steps:
+                work.future.set_result(work.taken)
 
 
-class Publishing(BatchJob):
+class Publishing(BatchWork):
     """An encode step's end: its chunks published one by one (`between_outputs` after each); two
     questions arrive meanwhile, one on a version already written, one on a version not written
     until the third chunk is out; then one more layer-like point comes (`between_layers`)."""
@@ -264,7 +264,7 @@ class Publishing(BatchJob):
     seen: list[tuple[int, int, int]]
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
         cls.scheduler.submit(cls.ready)
         cls.scheduler.submit(cls.unwritten)
         for k in range(3):
@@ -274,8 +274,8 @@ class Publishing(BatchJob):
                 cls.unwritten.written = True  # its version's writes finished on the device
         between_layers()
         cls.seen.append((cls.active.taken, cls.ready.taken, cls.unwritten.taken))
-        for job in jobs:
-            job.future.set_result("encoded")
+        for work in batch:
+            work.future.set_result("encoded")
 
 
 @pytest.mark.parametrize("join", [True, False])
@@ -325,7 +325,7 @@ def test_questions_take_a_step_alone_before_an_encode_step_only_if_asked_to(befo
     assert question.taken == 1, "nothing decodes beside the encode step: the questions' step comes first"
 
 
-class Timed(StepJob):
+class Timed(StepWork):
     """A question of `steps` steps that notes when its first step began and its last one ended."""
 
     def __init__(self, steps: int):
@@ -334,31 +334,31 @@ class Timed(StepJob):
         self.first_began = self.last_ended = 0.0
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
-        for job in jobs:
-            assert isinstance(job, Timed)
-            if not job.taken:
-                job.first_began = time.perf_counter()
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
+        for work in batch:
+            assert isinstance(work, Timed)
+            if not work.taken:
+                work.first_began = time.perf_counter()
             time.sleep(DECODE_S)
-            job.taken += 1
-            job.last_ended = time.perf_counter()
-            if job.taken == job.steps:
-                job.future.set_result(job.taken)
+            work.taken += 1
+            work.last_ended = time.perf_counter()
+            if work.taken == work.steps:
+                work.future.set_result(work.taken)
 
 
-class SlowToFirstLayer(BatchJob):
+class SlowToFirstLayer(BatchWork):
     """An encode step whose host work before its first layer (inputs, a plan) takes 30 ms."""
 
     lane = "cam"
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
         time.sleep(0.03)
         for _ in range(3):
             between_layers()
             time.sleep(0.002)
-        for job in jobs:
-            job.future.set_result("encoded")
+        for work in batch:
+            work.future.set_result("encoded")
 
 
 def test_a_questions_time_is_its_decode_steps_and_the_idle_time_between_them_inside_and_outside_encode_steps():

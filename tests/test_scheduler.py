@@ -24,7 +24,7 @@ from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.engine.work import InlineExecutor
 
 SPECS = [
@@ -212,9 +212,9 @@ def spy_on_launches(monkeypatch) -> list[bool]:
     launches: list[bool] = []
     launch = Generation.launch_batch
 
-    def spy(cls, jobs, alongside=False):
+    def spy(cls, batch, alongside=False):
         launches.append(alongside)
-        return launch(jobs, alongside)
+        return launch(batch, alongside)
 
     monkeypatch.setattr(Generation, "launch_batch", classmethod(spy))
     return launches
@@ -225,18 +225,18 @@ def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: f
     pass is done, one on stream a's version the step has just published. With `join` both start
     beside the step, the second only once that version is written on the device; each answers as
     alone, and stream a's cache is what encoding alone gives."""
-    from common.engine import stream as stream_module
+    from common.engine import stream_engine
 
     engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[1], 6, 4)
     want_a = ask(rt, alone.head, QUESTIONS[0], params, keep_logits=True)
     launches = spy_on_launches(monkeypatch)
-    vision, published = stream_module._vision, stream_module.between_outputs
+    vision, published = stream_engine._vision, stream_engine.between_outputs
     scheduler = Scheduler(SchedulePolicy(join_during_encode=join))
     asked: list = []
     engine_a = StreamEngine(rt, SPECS[0])
 
-    def vision_then_a_question(jobs):
-        vision(jobs)
+    def vision_then_a_question(batch):
+        vision(batch)
         if not asked:
             asked.append(scheduler.submit(Generation(rt, engine_b.head, QUESTIONS[1], params, keep_logits=True)))
 
@@ -245,8 +245,8 @@ def answer_joining_during_encoding(rt: Runtime, monkeypatch, join: bool, atol: f
             asked.append(scheduler.submit(Generation(rt, engine_a.head, QUESTIONS[0], params, keep_logits=True)))
         published()
 
-    monkeypatch.setattr(stream_module, "_vision", vision_then_a_question)
-    monkeypatch.setattr(stream_module, "between_outputs", published_then_a_question)
+    monkeypatch.setattr(stream_engine, "_vision", vision_then_a_question)
+    monkeypatch.setattr(stream_engine, "between_outputs", published_then_a_question)
     rt.executor = scheduler
     try:
         chunk = engine_a.submit(engine_a.prepare(frames, [k / 2 for k in range(4)], range(4)))
@@ -270,13 +270,13 @@ def answer_beside_encoding(
     rt: Runtime, monkeypatch, atol: float = 1e-4, decode_sms: int = 0, cache_atol: float | None = None
 ) -> None:
     """`cache_atol`: how far the chunks' caches may be from encoding alone (None: bit for bit)."""
-    from common.engine import stream as stream_module
+    from common.engine import stream_engine
 
     engine_b, params, want, frames, alone = question_and_chunks(rt, QUESTIONS[2], 12, 12)
     launches = spy_on_launches(monkeypatch)
-    forward, vision = answer._forward, stream_module._vision
+    forward, vision = answer._forward, stream_engine._vision
     inference: list[bool] = []
-    encode_streams: set[object] = set()  # where the encode steps' vision ran, on a GPU
+    encode_cuda_streams: set[object] = set()  # where the encode steps' vision ran, on a GPU
 
     def forward_spy(gens):
         # inside an encode step's forward, a step must still run as it would alone: a graph
@@ -284,12 +284,12 @@ def answer_beside_encoding(
         inference.append(torch.is_inference_mode_enabled())
         return forward(gens)
 
-    def vision_spy(jobs):
+    def vision_spy(batch):
         if rt.device.type == "cuda":
-            encode_streams.add(torch.cuda.current_stream())
-        return vision(jobs)
+            encode_cuda_streams.add(torch.cuda.current_stream())
+        return vision(batch)
 
-    outputs, between_outputs = [], stream_module.between_outputs
+    outputs, between_outputs = [], stream_engine.between_outputs
 
     def between_outputs_spy():  # a published chunk: do questions decode on here too?
         before = len(launches)
@@ -297,8 +297,8 @@ def answer_beside_encoding(
         outputs.append(len(launches) - before)
 
     monkeypatch.setattr(answer, "_forward", forward_spy)
-    monkeypatch.setattr(stream_module, "_vision", vision_spy)
-    monkeypatch.setattr(stream_module, "between_outputs", between_outputs_spy)
+    monkeypatch.setattr(stream_engine, "_vision", vision_spy)
+    monkeypatch.setattr(stream_engine, "between_outputs", between_outputs_spy)
     # driven by hand: an encode step after each decode
     scheduler = Scheduler(SchedulePolicy(encode_share=1.0, decode_sms=decode_sms))
     engine_a = StreamEngine(rt, SPECS[0])
@@ -333,9 +333,9 @@ def answer_beside_encoding(
         assert torch.equal(got_kv, want_kv)
     else:
         assert torch.allclose(got_kv.float(), want_kv.float(), atol=cache_atol, rtol=0)
-    if rt.device.type == "cuda":  # beside questions, encoding ran on a stream of fewer SMs, if asked to
+    if rt.device.type == "cuda":  # beside questions, encoding ran on a CUDA stream of fewer SMs, if asked to
         fewer = {scheduler._fewer_sms[1]} if decode_sms else set()
-        assert fewer <= encode_streams <= fewer | {torch.cuda.default_stream()}
+        assert fewer <= encode_cuda_streams <= fewer | {torch.cuda.default_stream()}
 
 
 def test_regions_return_to_the_pool(rt: Runtime):

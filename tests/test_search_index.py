@@ -20,7 +20,7 @@ from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import DirectoryStore
 from common.wire import keys
-from common.wire.features import ChunkFeatures, decode_features, encode_features
+from common.wire.feature_record import ChunkFeatures, decode_features, encode_features
 from common.wire.schemas import FrameMsg, encode_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService

@@ -14,14 +14,14 @@ from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.segment_store import DirectoryStore, embeds_id
 from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.manifest import from_manifest, to_manifest
 from common.wire.schemas import FrameMsg, decode_manifest, encode_manifest, manifest_from_bytes
 from encoder_worker.config import EncoderConfig
-from encoder_worker.stream import open_stream
+from encoder_worker.owned_stream import open_stream
 from qa_worker.mirror import StreamMirror
 from tests.engine_helpers import same_kv as same_cache
 

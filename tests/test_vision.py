@@ -212,7 +212,7 @@ def test_gpu_compiled_runtime_vision_equals_eager():
 def test_gpu_vision_graphs_replay_what_the_compiled_layers_compute(monkeypatch):
     """A batch composition is launched layer by layer the first time, captured the second and
     replayed from then on, whatever order its chunks come in, with new pixels each time: exactly
-    what the compiled layers compute launched one by one. Captured on a stream no other code
+    what the compiled layers compute launched one by one. Captured on a CUDA stream no other code
     gets from torch (so no other graph shares its cuBLAS workspace, see vision._TowerGraph)."""
     rt = Runtime(load_model("tiny-random", device="cuda"), vision_compile_min_tokens=0, vision_graphs=True)
     tower = rt.vision_tower
@@ -226,7 +226,7 @@ def test_gpu_vision_graphs_replay_what_the_compiled_layers_compute(monkeypatch):
     replayed = [tower(batch(1, [0, 1, 2])), tower(batch(2, [2, 0, 1])), tower(batch(3, [1, 2, 0]))]
     assert len(tower._graphs) == 1
     pooled = {torch.cuda.Stream(priority=p).cuda_stream for p in (0, -1) for _ in range(64)}
-    assert tower._capture_stream.cuda_stream not in pooled | {torch.cuda.default_stream().cuda_stream}
+    assert tower._capture_cuda_stream.cuda_stream not in pooled | {torch.cuda.default_stream().cuda_stream}
     monkeypatch.setattr(tower, "graphs", False)
     for seed, order, got in zip((1, 2, 3), ([0, 1, 2], [2, 0, 1], [1, 2, 0]), replayed, strict=True):
         for mine, theirs in zip(got, tower(batch(seed, order)), strict=True):

@@ -3,7 +3,7 @@
 A question costs its own tokens, whatever the length of the video behind it. The decode loop
 is ours (explicit positions, our cache), so it behaves the same on every transformers 5.x.
 
-A question is a `Generation`, a step job: each step feeds it its pending tokens (the question
+A question is a `Generation`, step work: each step feeds it its pending tokens (the question
 first, then the token just sampled) and samples the next one. `Generation.step_batch` advances
 any number of questions — on any streams and versions — in one forward, which is how the
 scheduler batches decoding; alone, the same code answers one question.
@@ -26,7 +26,7 @@ from common.engine.phases import phase
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 from common.engine.step_graphs import StepGraphs
-from common.engine.work import StepJob, fail_all
+from common.engine.work import StepWork, fail_all
 
 CUDA_GRAPHS = True  # replay question steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
@@ -91,7 +91,7 @@ class Decoded:
     first_logits: torch.Tensor | None
 
 
-class Generation(StepJob):
+class Generation(StepWork):
     """One question being answered against one version: its scratch region (the version is only
     read), the tokens so far, and what the next step feeds."""
 
@@ -125,8 +125,8 @@ class Generation(StepJob):
         return self.version.is_written()
 
     @classmethod
-    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> _Step:
-        return _Step([j for j in jobs if isinstance(j, Generation)], alongside)
+    def launch_batch(cls, batch: Sequence[StepWork], alongside: bool = False) -> _Step:
+        return _Step([j for j in batch if isinstance(j, Generation)], alongside)
 
     def _advance(self, logits: torch.Tensor, greedy: int) -> None:
         self.length += len(self.pending)
@@ -147,35 +147,35 @@ class Generation(StepJob):
 
     def _finish(self, stop: str) -> None:
         total = time.perf_counter() - self.t0
-        self.scratch = None  # back to the pool now, not when the caller drops this job
+        self.scratch = None  # back to the pool now, not when the caller drops this work
         self.future.set_result(Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits))
 
 
 class _Step:
-    """One decode step of `gens`, queued on the device: on a GPU on its own high-priority stream, so
+    """One decode step of `gens`, queued on the device: on a GPU on its own high-priority CUDA stream, so
     that beside an encode step (see interleave.py) its kernels go first as the encode step's
     finish. Its greedy picks come back to pinned host memory; `complete` reads them."""
 
     def __init__(self, gens: list[Generation], alongside: bool):
         self.gens = gens
         self.error: Exception | None = None
-        self.stream = _decode_stream(gens[0].rt.device) if gens else None
+        self.cuda_stream = _decode_cuda_stream(gens[0].rt.device) if gens else None
         self.started: torch.cuda.Event | None = None
         self.done: torch.cuda.Event | None = None
         if not gens:
             return
         try:
-            with phase("decode launch"), _outside_inference(), _on(self.stream):
-                if self.stream is not None and not alongside:  # what the caller queued comes first
-                    self.stream.wait_stream(torch.cuda.default_stream(self.stream.device))
-                if self.stream is not None:
+            with phase("decode launch"), _outside_inference(), _on(self.cuda_stream):
+                if self.cuda_stream is not None and not alongside:  # what the caller queued comes first
+                    self.cuda_stream.wait_stream(torch.cuda.default_stream(self.cuda_stream.device))
+                if self.cuda_stream is not None:
                     self.started = torch.cuda.Event(enable_timing=True)
-                    self.started.record(self.stream)
+                    self.started.record(self.cuda_stream)
                 self.logits, greedy = _forward(gens)
                 self.greedy = greedy.to("cpu", non_blocking=True)
-                if self.stream is not None:
+                if self.cuda_stream is not None:
                     self.done = torch.cuda.Event(enable_timing=True)
-                    self.done.record(self.stream)
+                    self.done.record(self.cuda_stream)
         except Exception as e:
             self.error = e
 
@@ -193,7 +193,7 @@ class _Step:
         if not self.gens:
             return
         try:
-            with phase("decode complete"), _outside_inference(), _on(self.stream):
+            with phase("decode complete"), _outside_inference(), _on(self.cuda_stream):
                 if self.done is not None:
                     with phase("decode wait"):
                         self.done.synchronize()
@@ -203,21 +203,21 @@ class _Step:
                         g._advance(self.logits[i], greedy[i])
                     except Exception as e:  # its own sampling or token callback: the others' tokens stand
                         fail_all([g], e)
-            if self.stream is not None:  # a kept copy of the logits is read on the default stream
-                torch.cuda.default_stream(self.stream.device).wait_stream(self.stream)
+            if self.cuda_stream is not None:  # a kept copy of the logits is read on the default CUDA stream
+                torch.cuda.default_stream(self.cuda_stream.device).wait_stream(self.cuda_stream)
         except Exception as e:
             fail_all(self.gens, e)
 
 
-_DECODE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+_DECODE_CUDA_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _decode_stream(device: torch.device) -> torch.cuda.Stream | None:
+def _decode_cuda_stream(device: torch.device) -> torch.cuda.Stream | None:
     if device.type != "cuda":
         return None
-    if device not in _DECODE_STREAMS:
-        _DECODE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner
-    return _DECODE_STREAMS[device]
+    if device not in _DECODE_CUDA_STREAMS:
+        _DECODE_CUDA_STREAMS[device] = torch.cuda.Stream(device, priority=-1)  # lower is sooner
+    return _DECODE_CUDA_STREAMS[device]
 
 
 def _outside_inference() -> torch.inference_mode:
@@ -226,8 +226,8 @@ def _outside_inference() -> torch.inference_mode:
     return torch.inference_mode(False)
 
 
-def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
-    return contextlib.nullcontext() if stream is None else torch.cuda.stream(stream)
+def _on(cuda_stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if cuda_stream is None else torch.cuda.stream(cuda_stream)
 
 
 def _forward(gens: Sequence[Generation]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,8 +297,8 @@ def ask(
     (in this thread: detokenizing and delivering never hold up the GPU)."""
     params = params or GenerationParams()
     updates: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-    job = Generation(rt, version, question, params, updates.put if on_delta else None, keep_logits)
-    future = rt.executor.submit(job)
+    work = Generation(rt, version, question, params, updates.put if on_delta else None, keep_logits)
+    future = rt.executor.submit(work)
     emitted = ""
     while on_delta is not None:
         tokens = _next(updates, wait=not future.done())

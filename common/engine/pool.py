@@ -17,7 +17,7 @@ last region covering it is dropped, so memory lives exactly as long as someone c
 
 Pages let go of while the device may still read them (a re-layout's old pages, read by copies an
 encode step has queued) are only safe to hand out to work on the same CUDA stream. Where a GPU
-loop starts questions beside an encode step in flight, on another stream, it has the pool
+loop starts questions beside an encode step in flight, on another CUDA stream, it has the pool
 `defer_frees()`: pages let go of return to the free list at the next `settled()` (the loop calls
 it once the device has finished each step), so a question's scratch is never a page the step is
 still reading.

@@ -15,8 +15,8 @@ that, every step guarantees:
   keep up every stream falls behind (and drops frames) alike. Background lanes (a question's
   temporary cache of past frames) come after every stream: they fill the places of an encode
   step the streams leave, and their wait never makes encoding due;
-- failures: a job that fails fails alone (its future); a failure outside any job (a CUDA error
-  that poisons the device) fails every job and stops the loop (`on_fatal`).
+- failures: work that fails fails alone (its future); a failure outside any work (a CUDA error
+  that poisons the device) fails all work and stops the loop (`on_fatal`).
 
 **A step**, in order:
 
@@ -28,7 +28,7 @@ that, every step guarantees:
 3. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
    one prefill forward. Questions being answered decode beside it, launched between its layers
    (interleave.py), and those arriving meanwhile join them once all they read is on the device
-   (`StepJob.may_start_beside`). A stream whose chunk set off an exact eviction adds one piece of
+   (`StepWork.may_start_beside`). A stream whose chunk set off an exact eviction adds one piece of
    its rebuild (at most `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead,
    until its rebuilt version is published; its next chunk waits for that, as it must.
 
@@ -66,7 +66,7 @@ import structlog
 from common.engine.interleave import interleaved
 from common.engine.phases import PhaseClock, clock_this_thread, phase
 from common.engine.settings import setting
-from common.engine.work import BatchJob, Launched, StepJob, fail_all
+from common.engine.work import BatchWork, Launched, StepWork, fail_all
 
 if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy without torch
     from common.engine.profiling import StepProfiler
@@ -176,9 +176,9 @@ class Scheduler:
         on_settled: Callable[[], None] | None = None,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
-        "encode" (chunk jobs run) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
-        runs in the loop's thread when a step fails outside any job (a CUDA error that poisons the
-        device, say): every job has failed and no more will run, so a service exits there.
+        "encode" (chunk work runs) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
+        runs in the loop's thread when a step fails outside any work (a CUDA error that poisons the
+        device, say): all work has failed and no more will run, so a service exits there.
         `profiler` traces steps when asked to (profiling.py). `on_settled()` runs after every
         step, once the device has finished it (the KV pool's deferred frees, pool.py)."""
         self.policy = policy or SchedulePolicy()
@@ -186,19 +186,19 @@ class Scheduler:
         self.on_settled = on_settled
         self._lock = threading.Condition()
         self._tasks: deque[tuple[Callable[[], Any], Future[Any]]] = deque()
-        self._lanes: OrderedDict[str, deque[BatchJob]] = OrderedDict()  # round-robin by stream
-        self._waiting: deque[StepJob] = deque()
-        self._active: list[StepJob] = []
-        self._in_flight: tuple[float, list[tuple[Launched, list[StepJob]]]] | None = None  # launched when, steps
+        self._lanes: OrderedDict[str, deque[BatchWork]] = OrderedDict()  # round-robin by stream
+        self._waiting: deque[StepWork] = deque()
+        self._active: list[StepWork] = []
+        self._in_flight: tuple[float, list[tuple[Launched, list[StepWork]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        # (green context, its stream) without `decode_sms` SMs; made here, so that a platform
+        # (green context, its CUDA stream) without `decode_sms` SMs; made here, so that a platform
         # without green contexts fails when the service starts
         self._fewer_sms: tuple[Any, Any] | None = None
         if self.policy.decode_sms and _cuda_in_use():
-            self._fewer_sms = _stream_without_sms(self.policy.decode_sms)
+            self._fewer_sms = _cuda_stream_without_sms(self.policy.decode_sms)
         self.steps = 0
         self.step_began: float | None = None  # time.monotonic() when the step running now began
         self.decode_times = DecodeTimes()
@@ -207,22 +207,22 @@ class Scheduler:
         self._encoding = False  # inside an encode step (where idle time is counted)
 
     # -- the callers' side (any thread) ----------------------------------------------------
-    def submit(self, job: BatchJob | StepJob) -> Future[Any]:
+    def submit(self, work: BatchWork | StepWork) -> Future[Any]:
         if self._stop.is_set():
-            job.future.set_exception(RuntimeError("the GPU scheduler stopped"))
-            return job.future
+            work.future.set_exception(RuntimeError("the GPU scheduler stopped"))
+            return work.future
         with self._lock:
-            if isinstance(job, BatchJob):
-                job.waiting_since = min(job.waiting_since, time.monotonic())
-                self._lanes.setdefault(job.lane, deque()).append(job)
+            if isinstance(work, BatchWork):
+                work.waiting_since = min(work.waiting_since, time.monotonic())
+                self._lanes.setdefault(work.lane, deque()).append(work)
             else:
-                self._waiting.append(job)
+                self._waiting.append(work)
             self._lock.notify()
-        return job.future
+        return work.future
 
     def call(self, fn: Callable[[], T]) -> T:
         if threading.current_thread() is self._thread:
-            return fn()  # already on the GPU loop (a job's own work)
+            return fn()  # already on the GPU loop (work calling in)
         future: Future[T] = Future()
         with self._lock:
             self._tasks.append((fn, future))
@@ -257,7 +257,7 @@ class Scheduler:
                     while not self._stop.is_set() and not (self._tasks or self._lanes or self._waiting or self._active):
                         self._lock.wait(timeout=1.0)
                 self.step()
-        except BaseException as e:  # jobs fail on their own; this is the device or the loop broken
+        except BaseException as e:  # work fails on its own; this is the device or the loop broken
             self._stop.set()
             self._fail_everything(e)
             if self.on_fatal is None:
@@ -320,15 +320,15 @@ class Scheduler:
                 future.set_exception(e)
 
     def _admit(self, beside: bool = False) -> None:
-        """Waiting jobs become active, in order, up to `max_batch`; `beside` an encode step in
+        """Waiting work becomes active, in order, up to `max_batch`; `beside` an encode step in
         flight, only those that may start there (the others keep their place)."""
         with self._lock:
-            for job in list(self._waiting):
+            for work in list(self._waiting):
                 if len(self._active) >= self.policy.max_batch:
                     return
-                if not beside or job.may_start_beside():
-                    self._waiting.remove(job)
-                    self._active.append(job)
+                if not beside or work.may_start_beside():
+                    self._waiting.remove(work)
+                    self._active.append(work)
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
@@ -339,11 +339,11 @@ class Scheduler:
     def _launch(self, alongside: bool = False) -> None:
         self._end_idle()
         launched_at = time.perf_counter()  # before: the host's launch is part of the step
-        # One class of step job today (Generation); grouped by class should another appear.
-        by_class: dict[type, list[StepJob]] = {}
-        for job in self._active:
-            by_class.setdefault(type(job), []).append(job)
-        steps = [(cls.launch_batch(jobs, alongside), jobs) for cls, jobs in by_class.items()]
+        # One class of step work today (Generation); grouped by class should another appear.
+        by_class: dict[type, list[StepWork]] = {}
+        for work in self._active:
+            by_class.setdefault(type(work), []).append(work)
+        steps = [(cls.launch_batch(group, alongside), group) for cls, group in by_class.items()]
         self._in_flight = (launched_at, steps)
 
     def _complete_in_flight(self, report: bool = True) -> None:
@@ -353,7 +353,7 @@ class Scheduler:
         self._in_flight = None
         for launched, _ in steps:
             launched.complete()
-        n = sum(len(jobs) for _, jobs in steps)
+        n = sum(len(group) for _, group in steps)
         self._active = [j for j in self._active if not j.done]
         now = time.perf_counter()
         self.decode_times.steps += now - launched_at
@@ -384,7 +384,7 @@ class Scheduler:
     def _decode_alongside(self, wait: bool = False) -> None:
         """Inside an encode step: the next decode step, once the device has finished the last (or
         after waiting for it), with the questions waiting that may start beside the step (with
-        `join_during_encode`). A failure outside any job is kept for after the encode step: it is
+        `join_during_encode`). A failure outside any work is kept for after the encode step: it is
         not the chunks'."""
         if self._broken is not None:
             return
@@ -412,14 +412,14 @@ class Scheduler:
 
     def _encode_batch(self) -> int:
         with self._lock:
-            batch: list[BatchJob] = []
+            batch: list[BatchWork] = []
             for lane in self._lanes_first()[: self.policy.max_chunks]:
                 queue = self._lanes.pop(lane)
                 batch.append(queue.popleft())
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
         alongside = self.policy.decode_during_encode and (self.policy.join_during_encode or bool(self._active))
-        waited = time.monotonic() - min(job.waiting_since for job in batch)
+        waited = time.monotonic() - min(work.waiting_since for work in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             # A decode step now, beside the step's first kernels: the first hook comes only after
@@ -428,7 +428,7 @@ class Scheduler:
             # CPU nothing runs beside anything: the hooks alone interleave there.
             if alongside and _cuda_in_use():
                 self._decode_alongside()
-            with _on_stream(self._fewer_sms[1] if leave else None):
+            with _on_cuda_stream(self._fewer_sms[1] if leave else None):
                 self._run_batches(batch)
             if alongside:
                 self._drain(_device_done())
@@ -436,7 +436,7 @@ class Scheduler:
             broken, self._broken = self._broken, None
             raise broken
         self._complete_in_flight()
-        self._requeue([job for job in batch if not job.done])
+        self._requeue([work for work in batch if not work.done])
         return len(batch)
 
     def _lanes_first(self) -> list[str]:
@@ -447,15 +447,15 @@ class Scheduler:
             n for n in lanes if self._lanes[n][0].background
         ]
 
-    def _run_batches(self, batch: list[BatchJob]) -> None:
-        by_class: dict[type, list[BatchJob]] = {}
-        for job in batch:
-            by_class.setdefault(type(job), []).append(job)
-        for cls, jobs in by_class.items():
+    def _run_batches(self, batch: list[BatchWork]) -> None:
+        by_class: dict[type, list[BatchWork]] = {}
+        for work in batch:
+            by_class.setdefault(type(work), []).append(work)
+        for cls, group in by_class.items():
             try:
-                cls.run_batch(jobs)
+                cls.run_batch(group)
             except Exception as e:
-                fail_all(jobs, e)
+                fail_all(group, e)
 
     def _drain(self, done: Callable[[], bool]) -> None:
         """Until the device has finished the encode step (`done`), decode beside it."""
@@ -468,16 +468,16 @@ class Scheduler:
         if not self.policy.join_during_encode:
             return False
         with self._lock:
-            return any(job.may_start_beside() for job in self._waiting)
+            return any(work.may_start_beside() for work in self._waiting)
 
-    def _requeue(self, unfinished: list[BatchJob]) -> None:
-        """A job that needs more batches (an exact eviction's rebuild) stays first in its lane, and
+    def _requeue(self, unfinished: list[BatchWork]) -> None:
+        """Work that needs more batches (an exact eviction's rebuild) stays first in its lane, and
         the lane goes to the back of the line like any other with work left."""
         with self._lock:
-            for job in unfinished:
-                queue = self._lanes.pop(job.lane, deque())
-                queue.appendleft(job)
-                self._lanes[job.lane] = queue
+            for work in unfinished:
+                queue = self._lanes.pop(work.lane, deque())
+                queue.appendleft(work)
+                self._lanes[work.lane] = queue
 
     def _encode_is_due(self) -> bool:
         """Questions are waiting too: encode while below the guaranteed share, or while a chunk is
@@ -512,12 +512,12 @@ class Scheduler:
 
     def _fail_everything(self, error: BaseException) -> None:
         with self._lock:
-            jobs: list[BatchJob | StepJob] = [*self._waiting, *self._active]
-            jobs += [j for lane in self._lanes.values() for j in lane]
+            pending: list[BatchWork | StepWork] = [*self._waiting, *self._active]
+            pending += [j for lane in self._lanes.values() for j in lane]
             tasks = list(self._tasks)
             self._waiting.clear(), self._lanes.clear(), self._tasks.clear()
             self._active = []
-        fail_all(jobs, error)
+        fail_all(pending, error)
         for _, future in tasks:
             future.set_exception(error)
 
@@ -537,10 +537,10 @@ def _cuda_in_use() -> bool:
     return torch is not None and torch.cuda.is_initialized()
 
 
-def _stream_without_sms(free: int) -> tuple[Any, Any]:
+def _cuda_stream_without_sms(free: int) -> tuple[Any, Any]:
     """A CUDA stream whose kernels run on every SM but `free` of them (a green context of the
     rest; on Hopper SMs are split in groups of 8, so the driver may leave a few more free). The
-    SMs left free are not the questions' alone: their stream runs on every SM."""
+    SMs left free are not the questions' alone: their CUDA stream runs on every SM."""
     import torch
     from torch.cuda import green_contexts
 
@@ -551,25 +551,25 @@ def _stream_without_sms(free: int) -> tuple[Any, Any]:
     if not (green_contexts.SUPPORTED and hasattr(green_contexts.GreenContext, "Stream")):
         raise RuntimeError("decode_sms needs CUDA green contexts: a torch built for CUDA 12.8 or later")
     context = green_contexts.GreenContext.create(num_sms=total - free, device_id=device)
-    return context, context.Stream()  # the context must live as long as its stream
+    return context, context.Stream()  # the context must live as long as its CUDA stream
 
 
 @contextlib.contextmanager
-def _on_stream(stream: Any) -> Iterator[None]:
-    """Run the block's GPU work on `stream` (None: where it would run anyway), ordered after what
+def _on_cuda_stream(cuda_stream: Any) -> Iterator[None]:
+    """Run the block's GPU work on `cuda_stream` (None: where it would run anyway), ordered after what
     was queued before it and before what is queued after it."""
-    if stream is None:
+    if cuda_stream is None:
         yield
         return
     import torch
 
     before = torch.cuda.current_stream()
-    stream.wait_stream(before)
+    cuda_stream.wait_stream(before)
     try:
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(cuda_stream):
             yield
     finally:
-        before.wait_stream(stream)
+        before.wait_stream(cuda_stream)
 
 
 def _settle() -> None:

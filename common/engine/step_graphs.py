@@ -135,11 +135,11 @@ class _Graph:
         self.plan = host_plan.to(dev)  # its buffers are the graph's index buffers
         self.io = torch.zeros(4, rows, dtype=torch.long, device=dev)  # tokens, then (t, h, w) positions
         self.last = torch.zeros(items, dtype=torch.long, device=dev)  # each item's last row
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
+        side_cuda_stream = torch.cuda.Stream()
+        side_cuda_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side_cuda_stream):
             self._step()  # warm-up outside the graph (allocations, kernel selection, compilation)
-        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.current_stream().wait_stream(side_cuda_stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=mempool, capture_error_mode="thread_local"):
             self.out = self._step()

@@ -193,7 +193,7 @@ class VisionTower:
         self._batch_plans: OrderedDict[tuple[GridTHW, ...], BatchPlan] = OrderedDict()
         self.graphs = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[GridTHW, ...], _TowerGraph] = {}
-        self._capture_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
+        self._capture_cuda_stream: torch.cuda.Stream | None = None  # and the graphs' shared memory pool,
         self._mempool = None  # both made with the first
         self.on_capture = on_capture
         self.compile_min_tokens = compile_min_tokens
@@ -256,8 +256,8 @@ class VisionTower:
         return merger.mlp(_rms_norm(merger.ln_q, x).view(-1, merger.hidden_size))
 
     def _graphable(self) -> bool:
-        """On the device's own stream only: an encode step that leaves SMs to questions runs on a
-        green context's stream (scheduler.py), where replaying a graph has not been tried."""
+        """On the device's default CUDA stream only: an encode step that leaves SMs to questions runs on a
+        green context's CUDA stream (scheduler.py), where replaying a graph has not been tried."""
         return self.graphs and torch.cuda.current_stream() == torch.cuda.default_stream()
 
     def _graph(self, key: tuple[GridTHW, ...], plan: BatchPlan, seen: bool) -> _TowerGraph | None:
@@ -270,10 +270,10 @@ class VisionTower:
 
     def _capture(self, key: tuple[GridTHW, ...], plan: BatchPlan) -> _TowerGraph:
         t0 = time.perf_counter()
-        if self._capture_stream is None:
-            self._capture_stream, self._mempool = _own_stream(self.device), torch.cuda.graph_pool_handle()
+        if self._capture_cuda_stream is None:
+            self._capture_cuda_stream, self._mempool = _own_cuda_stream(self.device), torch.cuda.graph_pool_handle()
         with interleaved(_launch_nothing):  # no decode step may be launched into the capture
-            graph = self._graphs[key] = _TowerGraph(self, plan, self._capture_stream, self._mempool)
+            graph = self._graphs[key] = _TowerGraph(self, plan, self._capture_cuda_stream, self._mempool)
         seconds = time.perf_counter() - t0
         if self.on_capture is not None:
             self.on_capture(seconds)
@@ -349,25 +349,25 @@ class _TowerGraph:
     """One batch composition's compiled forward as a CUDA graph: the chunks' pixels are copied
     into its input buffer, then one launch runs every layer.
 
-    Captured on the tower's own stream: PyTorch gives matrix products a cuBLAS workspace per
-    stream, and a graph keeps the one of the stream it was captured on. Captured on torch's
-    default capture stream, as the question step graphs are, a vision graph and a decode step
+    Captured on the tower's own CUDA stream: PyTorch gives matrix products a cuBLAS workspace per
+    CUDA stream, and a graph keeps the one of the CUDA stream it was captured on. Captured on torch's
+    default capture CUDA stream, as the question step graphs are, a vision graph and a decode step
     beside it (encode and decode steps overlap, see interleave.py) would write one workspace at
-    once. (A stream from torch's pool for the warm-up could be that one too.) And a graph is never
-    freed: freeing one frees its capture stream's workspace, which the tower's other graphs still
+    once. (A CUDA stream from torch's pool for the warm-up could be that one too.) And a graph is never
+    freed: freeing one frees its capture CUDA stream's workspace, which the tower's other graphs still
     use (pytorch/pytorch#193402)."""
 
-    def __init__(self, tower: VisionTower, plan: BatchPlan, stream: torch.cuda.Stream, mempool):
+    def __init__(self, tower: VisionTower, plan: BatchPlan, cuda_stream: torch.cuda.Stream, mempool):
         self.plan = plan  # its index tensors are the graph's
         self.pixels = torch.zeros(plan.perm.numel(), tower.patch_dim, dtype=tower.dtype, device=tower.device)
-        # warm-up outside the graph (compilation, kernel selection), on the same stream: its matrix
+        # warm-up outside the graph (compilation, kernel selection), on the same CUDA stream: its matrix
         # products use the workspace only this tower's graphs do, after the last one's replay
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        cuda_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(cuda_stream):
             tower._forward(self.pixels, plan, tower._compiled)
-        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.current_stream().wait_stream(cuda_stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool, stream=stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(self.graph, pool=mempool, stream=cuda_stream, capture_error_mode="thread_local"):
             self.out = tower._forward(self.pixels, plan, tower._compiled)
 
     def replay(self, pixels: list[torch.Tensor]) -> torch.Tensor:
@@ -380,10 +380,10 @@ class _TowerGraph:
         return self.out
 
 
-def _own_stream(device: torch.device) -> torch.cuda.ExternalStream:
-    """A CUDA stream on `device` that no other code uses: `torch.cuda.Stream()` hands out streams of
-    a pool of 32 round-robin, so one taken there may be another's (the question graphs' capture
-    stream)."""
+def _own_cuda_stream(device: torch.device) -> torch.cuda.ExternalStream:
+    """A CUDA stream on `device` that no other code uses: `torch.cuda.Stream()` hands out CUDA streams
+    of a pool of 32 round-robin, so one taken there may be another's (the question graphs' capture
+    CUDA stream)."""
     raw = ctypes.c_void_p()
     with torch.cuda.device(device):
         torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(raw)))

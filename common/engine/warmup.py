@@ -33,7 +33,7 @@ from common.engine.lm import (
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.step_graphs import GRAPH_BASE_TOKENS
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
 DECODE_BATCHES = (1, 2, 4, 8)  # decode and prefill graph buckets captured at start; larger ones on first use
@@ -64,10 +64,10 @@ def warm_up(rt: Runtime, long_tokens: int | None = None, max_chunks: int = 8) ->
     for engine in engines:  # a cache at once, from made-up embeddings
         embeds = torch.zeros(patches * GRID.tokens_per_patch, rt.lm.embed_tokens.embedding_dim, device=rt.device)
         engine.append_embeddings(embeds, patches, (0, 2 * patches - 1), (0.0, float(patches)))
-    jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
-    ChunkJob.run_batch(jobs)
-    for engine, job in zip(engines, jobs, strict=True):
-        engine.finish(job.future.result())
+    batch = [ChunkWork(e, e.prepare(frames)) for e in engines]
+    ChunkWork.run_batch(batch)
+    for engine, work in zip(engines, batch, strict=True):
+        engine.finish(work.future.result())
     _question_steps(rt, [e.head for e in engines])
     if long_tokens:
         _eviction_round(rt, frames, 2 * long_tokens)
@@ -120,10 +120,10 @@ def _eviction_round(rt: Runtime, frames: list[np.ndarray], budget: int) -> None:
     for engine in engines[::2]:
         _append_chunk(rt, engine)  # over its budget: it evicts now
     for _ in range(2):
-        jobs = [ChunkJob(e, e.prepare(frames)) for e in engines]
-        ChunkJob.run_batch(jobs)
-        for engine, job in zip(engines, jobs, strict=True):
-            engine.finish(job.future.result())
+        batch = [ChunkWork(e, e.prepare(frames)) for e in engines]
+        ChunkWork.run_batch(batch)
+        for engine, work in zip(engines, batch, strict=True):
+            engine.finish(work.future.result())
     if any(e.head.stats.evictions == 0 for e in engines):
         raise RuntimeError("the warm-up's eviction round evicted nothing")  # the budget arithmetic is off
     _question_steps(rt, [e.head for e in engines])

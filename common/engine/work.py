@@ -3,18 +3,19 @@
 Three shapes of work (vLLM's v1 engine separates the same way: the scheduler decides, the work
 knows how to run itself):
 
-- a `BatchJob` belongs to a lane (a stream); jobs of one class, one per lane, run together in one
+- a `BatchWork` belongs to a lane (a stream); work of one class, one per lane, run together in one
   call (`run_batch`), e.g. the chunks of many streams through one vision forward and one prefill
   forward. A background lane (a temporary cache for a question about the past) gets only the
-  places that the others leave. A job usually finishes in one batch; one that does not (a chunk that set off an exact
-  eviction, whose rebuild runs a piece per batch) stays first in its lane for the next;
-- a `StepJob` runs for many steps; every active job of one class advances by one step in one
+  places that the others leave. Such work usually finishes in one batch; one that does not (a
+  chunk that set off an exact eviction, whose rebuild runs a piece per batch) stays first in its
+  lane for the next;
+- a `StepWork` runs for many steps; all active work of one class advances by one step in one
   call (`step_batch`), e.g. one decode step of every question being answered. A step is launched
   (`launch_batch`: queued on the device) and completed (`Launched.complete`: its results read
-  back, the jobs advanced) apart, so the scheduler can run steps beside an encode step;
+  back, the work advanced) apart, so the scheduler can run steps beside an encode step;
 - a task is any callable that needs the GPU alone for a moment (a mirror applying a version).
 
-`InlineExecutor` runs each job alone, at once, in the caller's thread: what tests, `replay` and
+`InlineExecutor` runs each work alone, at once, in the caller's thread: what tests, `replay` and
 the benchmarks use. Services install a `Scheduler` (scheduler.py) that batches.
 """
 
@@ -29,7 +30,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 T = TypeVar("T")
 
 
-class Job:
+class Work:
     def __init__(self) -> None:
         self.future: Future[Any] = Future()
 
@@ -38,8 +39,8 @@ class Job:
         return self.future.done()
 
 
-class BatchJob(Job):
-    lane: str = ""  # jobs of one lane (a stream) run one per batch, in order
+class BatchWork(Work):
+    lane: str = ""  # work of one lane (a stream) runs one per batch, in order
     # time.monotonic() since when it has waited: when the scheduler got it, or earlier where the
     # caller knows (a live chunk: since its last frame was captured, not since the stream's
     # thread, done with the chunk before, got to it)
@@ -49,9 +50,9 @@ class BatchJob(Job):
     background: bool = False
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        """Run one batch of every job; resolve the future of each job that is finished (result or
-        exception). A job left unresolved runs again, before anything else of its lane."""
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
+        """Run one batch of every work; resolve the future of each that is finished (result or
+        exception). Work left unresolved runs again, before anything else of its lane."""
         raise NotImplementedError
 
 
@@ -63,7 +64,7 @@ class Launched(Protocol):
         ...
 
     def complete(self) -> None:
-        """Wait for it if need be, then advance its jobs; a finished job resolves its future."""
+        """Wait for it if need be, then advance its work; finished work resolves its future."""
         ...
 
     def device_s(self) -> float | None:
@@ -72,29 +73,29 @@ class Launched(Protocol):
         ...
 
 
-class StepJob(Job):
-    """A job class implements `launch_batch`, or only `step_batch` when its steps cannot be
+class StepWork(Work):
+    """A work class implements `launch_batch`, or only `step_batch` when its steps cannot be
     launched apart from their completion."""
 
     max_batch: ClassVar[int] = 64
 
     def may_start_beside(self) -> bool:
-        """Whether this job, not started yet, may start beside an encode step in flight: only if
+        """Whether this work, not started yet, may start beside an encode step in flight: only if
         all it reads is on the device already (a question's version may be one that step is still
-        writing). No, unless a job class knows."""
+        writing). No, unless a work class knows."""
         return False
 
     @classmethod
-    def launch_batch(cls, jobs: Sequence[StepJob], alongside: bool = False) -> Launched:
-        """Queue one step of every job. `alongside`: the device may still be running an encode
+    def launch_batch(cls, batch: Sequence[StepWork], alongside: bool = False) -> Launched:
+        """Queue one step of every work. `alongside`: the device may still be running an encode
         step, and the step goes beside it (it reads only what was finished before that step)."""
-        cls.step_batch(jobs)
+        cls.step_batch(batch)
         return _Finished()
 
     @classmethod
-    def step_batch(cls, jobs: Sequence[StepJob]) -> None:
-        """Advance every job by one step, now."""
-        cls.launch_batch(jobs).complete()
+    def step_batch(cls, batch: Sequence[StepWork]) -> None:
+        """Advance every work by one step, now."""
+        cls.launch_batch(batch).complete()
 
 
 class _Finished:
@@ -109,31 +110,31 @@ class _Finished:
 
 
 class Executor(Protocol):
-    def submit(self, job: BatchJob | StepJob) -> Future[Any]: ...
+    def submit(self, work: BatchWork | StepWork) -> Future[Any]: ...
     def call(self, fn: Callable[[], T]) -> T: ...
 
 
 class InlineExecutor:
-    """Runs each job alone and to its end (every batch or step of it), now, in the calling thread; a
+    """Runs each work alone and to its end (every batch or step of it), now, in the calling thread; a
     lock keeps threads out of each other's forwards (a `streamvqa qa` mirror thread and its question
     thread, for example)."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
 
-    def submit(self, job: BatchJob | StepJob) -> Future[Any]:
-        run = type(job).run_batch if isinstance(job, BatchJob) else type(job).step_batch
+    def submit(self, work: BatchWork | StepWork) -> Future[Any]:
+        run = type(work).run_batch if isinstance(work, BatchWork) else type(work).step_batch
         with self._lock:
-            while not job.done:
-                run([job])
-        return job.future
+            while not work.done:
+                run([work])
+        return work.future
 
     def call(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
 
 
-def fail_all(jobs: Sequence[BatchJob | StepJob], error: BaseException) -> None:
-    for job in jobs:
-        if not job.future.done():
-            job.future.set_exception(error)
+def fail_all(batch: Sequence[BatchWork | StepWork], error: BaseException) -> None:
+    for work in batch:
+        if not work.future.done():
+            work.future.set_exception(error)

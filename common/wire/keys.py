@@ -115,6 +115,6 @@ def alert_frame(cam: str, alert_id: str) -> str:
 
 
 def features(cam: str) -> str:
-    """Each encoded chunk's retrieval vector (capped stream, common/wire/features.py): the encoder
+    """Each encoded chunk's retrieval vector (capped stream, common/wire/feature_record.py): the encoder
     adds, the recorder indexes it beside the frames log (group `rec`)."""
     return f"{PREFIX}:{{{cam}}}:features"

@@ -830,7 +830,9 @@ class FinalAnswer:
     queue_s: float | None = None
     elapsed_s: float | None = None
     param: str | None = None  # with an error: the question field it is about ("at", "stream"), if one
-    hits: tuple[SearchHit, ...] | None = None  # a search's ranked chunks, best first (JSON list; common/wire/search.py)
+    hits: tuple[SearchHit, ...] | None = (
+        None  # a search's ranked chunks, best first (JSON list; common/wire/search_request.py)
+    )
 
     def __post_init__(self) -> None:
         _str("id", self.id, 128, QUESTION_ID_RE)

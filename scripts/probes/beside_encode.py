@@ -7,7 +7,7 @@ all through one `Scheduler` as `streamvqa worker` runs it. For each way of shari
 prints a JSON line: encode and decode ms a step, chunks/s, answer tokens/s, answer latency
 p50/p95. Modes:
   encode    encode steps alone (no askers); `decode`: questions alone (no feeder)
-  share     questions' steps on a high-priority stream (main as it is)
+  share     questions' steps on a high-priority CUDA stream (main as it is)
   sms:N     `decode_sms` N: while it keeps up, an encode step beside questions runs in a green
             context of all but N SMs (at fb17637 this script had `green:N` for that, without the
             keeping-up rule, and `sms:N` for the cuBLAS carveout `decode_sms` was then)
@@ -31,7 +31,7 @@ from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.engine.warmup import warm_up
 from common.logs import configure_logging
 
@@ -84,8 +84,8 @@ class Load:
         params = GenerationParams(max_tokens=32)
         while not self.stop.is_set():
             t0 = time.perf_counter()
-            job = Generation(self.rt, engine.head, "What happens in the video?", params)
-            got = self.rt.executor.submit(job).result()
+            work = Generation(self.rt, engine.head, "What happens in the video?", params)
+            got = self.rt.executor.submit(work).result()
             self.answers.append((time.perf_counter(), time.perf_counter() - t0, len(got.token_ids)))
 
 

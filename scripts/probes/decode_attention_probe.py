@@ -99,11 +99,11 @@ def layers_in_turn(q: torch.Tensor, layers: torch.Tensor, cut: tuple, layout: st
 
 def replay_us(fn, n: int = 200) -> float:
     """Device microseconds of one call, from a CUDA graph replayed `n` times."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    side_cuda_stream = torch.cuda.Stream()
+    side_cuda_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side_cuda_stream):
         fn()
-    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.current_stream().wait_stream(side_cuda_stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()

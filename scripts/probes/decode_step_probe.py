@@ -34,13 +34,13 @@ from bench_engine import QUESTION, filled_engine, free_gpu
 
 def steps_ms(rt: Runtime, version, n: int) -> float:
     """Mean wall ms of a decode step, the question prefilled first and not counted."""
-    job = Generation(rt, version, QUESTION, GenerationParams(max_tokens=n + 2))
-    Generation.step_batch([job])  # prefill
-    Generation.step_batch([job])
+    work = Generation(rt, version, QUESTION, GenerationParams(max_tokens=n + 2))
+    Generation.step_batch([work])  # prefill
+    Generation.step_batch([work])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
-        Generation.step_batch([job])
+        Generation.step_batch([work])
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n * 1000
 
@@ -62,13 +62,13 @@ def replay_ms(graph, n: int = 100) -> float:
 
 def host_ms(rt: Runtime, version, n: int = 50) -> dict:
     """The host's part of a step, timed apart: padding and planning, then the copies into the graph."""
-    job = Generation(rt, version, QUESTION, GenerationParams(max_tokens=4))
-    Generation.step_batch([job])
+    work = Generation(rt, version, QUESTION, GenerationParams(max_tokens=4))
+    Generation.step_batch([work])
     graphs, lm = rt.step_graphs, rt.lm
-    items = [job.item()]
+    items = [work.item()]
     t0 = time.perf_counter()
     for _ in range(n):
-        tokens, positions, padded, last = graphs.padded(job.pending, [job.pos], items)
+        tokens, positions, padded, last = graphs.padded(work.pending, [work.pos], items)
         split = lm.split_for(len(padded), 1, version.tokens)
         plan = lm.plan(padded, split, device=False, max_k_floor=(graphs.OWN_TOKENS, -(-graphs.base_tokens // split)))
     t1 = time.perf_counter()
@@ -80,7 +80,7 @@ def host_ms(rt: Runtime, version, n: int = 50) -> dict:
         graph.plan.ints.copy_(plan.ints, non_blocking=True)
     t2 = time.perf_counter()
     torch.cuda.synchronize()
-    job.scratch = None
+    work.scratch = None
     return {"plan_ms": round((t1 - t0) / n * 1000, 3), "copies_ms": round((t2 - t1) / n * 1000, 3)}
 
 
@@ -118,12 +118,12 @@ def eager_ops(rt: Runtime, version) -> list[dict]:
 
     answer.CUDA_GRAPHS = False
     try:
-        job = Generation(rt, version, QUESTION, GenerationParams(max_tokens=8))
+        work = Generation(rt, version, QUESTION, GenerationParams(max_tokens=8))
         for _ in range(3):
-            Generation.step_batch([job])
+            Generation.step_batch([work])
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            Generation.step_batch([job])
+            Generation.step_batch([work])
             torch.cuda.synchronize()
     finally:
         answer.CUDA_GRAPHS = True

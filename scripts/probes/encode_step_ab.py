@@ -20,7 +20,7 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
 from common.engine.warmup import warm_up
 
 
@@ -47,9 +47,9 @@ def main() -> None:
         s = seq[0]
         seq[0] += 4
         times, seqs = [float(s + i) for i in range(4)], list(range(s, s + 4))
-        jobs = [ChunkJob(e, e.prepare(frames, times, seqs)) for e in engines]
-        ChunkJob.run_batch(jobs)
-        for e, j in zip(engines, jobs, strict=True):
+        batch = [ChunkWork(e, e.prepare(frames, times, seqs)) for e in engines]
+        ChunkWork.run_batch(batch)
+        for e, j in zip(engines, batch, strict=True):
             e.finish(j.future.result())
 
     for _ in range(3):

@@ -23,7 +23,7 @@ from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.engine.stream import ChunkJob, StreamEngine
+from common.engine.stream_engine import ChunkWork, StreamEngine
 from common.engine.warmup import warm_up
 from common.logs import configure_logging
 
@@ -72,9 +72,9 @@ def main() -> None:
         times, seqs = [seq / 2 + i / 2 for i in range(4)], list(range(seq, seq + 4))
         evicting = "profile" in sys.argv and engines[0].head.tokens + 2 * tpp > budget
         with profile(activities=ACTIVITIES[device]) if evicting else contextlib.nullcontext() as prof:
-            jobs = [ChunkJob(e, e.prepare(frames, times, seqs)) for e in engines]
-            ChunkJob.run_batch(jobs)
-            for e, j in zip(engines, jobs, strict=True):
+            batch = [ChunkWork(e, e.prepare(frames, times, seqs)) for e in engines]
+            ChunkWork.run_batch(batch)
+            for e, j in zip(engines, batch, strict=True):
                 e.finish(j.future.result())
             sync()
         if evicting:  # where the host spent the evicting step

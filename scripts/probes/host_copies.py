@@ -1,4 +1,4 @@
-"""Does a small host-to-device copy wait for the work queued before it? (CUDA documents a stream
+"""Does a small host-to-device copy wait for the work queued before it? (CUDA documents a CUDA stream
 sync before a copy from pageable memory; if it happened, every step's index copies would hold the
 host until the device had run the step before, and chained steps could not overlap.)
 

@@ -1,6 +1,6 @@
 """A temporary cache of chosen past frames: what a question about a past span is answered from.
 
-It is a fresh stream with the same system prefix and token layout as a live one (stream.py),
+It is a fresh stream with the same system prefix and token layout as a live one (stream_engine.py),
 whose frames go through the ordinary append path: the GPU scheduler encodes them (vision and
 prefill) batched with live work, as a background lane that takes only the places of an encode
 step that the cameras leave (work.py). Positions come out contiguous, as offline inference lays
@@ -20,7 +20,7 @@ import numpy as np
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 
 # Frames appended at once are one chunk to the scheduler: several chosen chunks of the past a step
 # (fewer encode steps than one each), but never so many tokens that one step holds cameras up long

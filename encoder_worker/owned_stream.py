@@ -31,12 +31,12 @@ from common import metrics, redisio
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.runtime import Runtime
-from common.engine.stream import StreamEngine
+from common.engine.stream_engine import StreamEngine
 from common.framelog import FrameLog, FrameLogError, decode
 from common.segment_store import SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
-from common.wire.features import FEATURES_MAXLEN, ChunkFeatures, encode_features
+from common.wire.feature_record import FEATURES_MAXLEN, ChunkFeatures, encode_features
 from common.wire.manifest import from_manifest, new_epoch, to_manifest
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (

@@ -23,7 +23,7 @@ from common.engine.params import MAX_QUESTION_TOKENS
 from common.engine.runtime import Runtime
 from common.framelog import FrameLog
 from common.wire.schemas import FinalAnswer, SchemaError, SearchHit
-from common.wire.search import SearchRequest, parse_search
+from common.wire.search_request import SearchRequest, parse_search
 from common.wire.timeref import TimeRef
 
 log = structlog.get_logger()

@@ -30,7 +30,7 @@ from common.engine.phases import phase
 from common.engine.pool import Region
 from common.engine.positions import text_positions, video_positions
 from common.engine.runtime import Runtime
-from common.engine.work import BatchJob, fail_all
+from common.engine.work import BatchWork, fail_all
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ class Chunk:
     padded_frames: int = 0
     video: torch.Tensor | None = None  # (T, H, W, 3) uint8, patchified on the device (frames.py)
     embeds: torch.Tensor | None = None
-    waiting_since: float = math.inf  # time.monotonic() since when its camera waits (BatchJob's)
+    waiting_since: float = math.inf  # time.monotonic() since when its camera waits (BatchWork's)
 
 
 @dataclass
@@ -92,7 +92,7 @@ class StreamEngine:
         on_features: SegmentSink | None = None,
     ):
         self.rt = runtime
-        self.background = background  # its chunks yield to every other stream's (work.BatchJob)
+        self.background = background  # its chunks yield to every other stream's (work.BatchWork)
         self.spec = spec
         self.cache = runtime.new_cache(spec, policy or EvictionPolicy())
         self.cache.epoch = epoch
@@ -162,7 +162,7 @@ class StreamEngine:
 
     def submit(self, chunk: Chunk):
         """Queue the chunk for the GPU; the future gives an `Appended` for `finish`."""
-        return self.rt.executor.submit(ChunkJob(self, chunk))
+        return self.rt.executor.submit(ChunkWork(self, chunk))
 
     def finish(self, appended: Appended) -> Version:
         """Hand the new segments to `on_segment`, the chunk's embeddings to `on_embeds` (storage
@@ -273,8 +273,8 @@ def _copies_done(*copies: torch.Tensor | None) -> torch.cuda.Event | None:
     return event
 
 
-class ChunkJob(BatchJob):
-    """One chunk of one stream. A batch holds at most one job per stream (each writes its stream's
+class ChunkWork(BatchWork):
+    """One chunk of one stream. A batch holds at most one per stream (each writes its stream's
     head) and runs them through one vision forward and one prefill forward. A chunk that sets off
     an exact eviction stays in its lane for more batches, adding one piece of the rebuild to each
     batch's prefill, until the rebuilt version is published; other streams' chunks ride along."""
@@ -292,24 +292,24 @@ class ChunkJob(BatchJob):
         self.rebuild: Rebuild | None = None  # the exact eviction it set off, while being prefilled
 
     @classmethod
-    def run_batch(cls, jobs: Sequence[BatchJob]) -> None:
-        chunk_jobs = [j for j in jobs if isinstance(j, ChunkJob)]
-        if len({id(j.engine) for j in chunk_jobs}) != len(chunk_jobs):
+    def run_batch(cls, batch: Sequence[BatchWork]) -> None:
+        chunk_work = [j for j in batch if isinstance(j, ChunkWork)]
+        if len({id(j.engine) for j in chunk_work}) != len(chunk_work):
             raise ValueError("a batch holds at most one chunk per stream")
         try:
             with phase("vision"):
-                _vision(chunk_jobs)
+                _vision(chunk_work)
         except Exception as e:
-            fail_all(chunk_jobs, e)
+            fail_all(chunk_work, e)
             return
         # What one stream's cache refuses (no room in the pool for its chunk, or for the copy its
         # eviction needs) fails that stream's chunk alone; the batch goes on without it.
         with phase("inputs"):
-            started = _each(chunk_jobs, ChunkJob._input)
+            started = _each(chunk_work, ChunkWork._input)
         if not started:
             return
         try:
-            lm = chunk_jobs[0].engine.rt.lm
+            lm = chunk_work[0].engine.rt.lm
             inputs = list(started.values())
             with phase("plan"):
                 embeds = torch.cat([e for e, _, _ in inputs])
@@ -322,13 +322,13 @@ class ChunkJob(BatchJob):
             return
         del inputs, started  # their bases hold the heads' pages, which an eviction may now turn in place
         with phase("publish"):
-            outputs = _each(chunk_jobs, ChunkJob._output, between=between_outputs)
-        for job, result in outputs.items():
+            outputs = _each(chunk_work, ChunkWork._output, between=between_outputs)
+        for work, result in outputs.items():
             if result is not None:
-                job.future.set_result(result)
+                work.future.set_result(result)
 
     def _input(self) -> tuple[torch.Tensor, torch.Tensor, Item]:
-        """What this job adds to the batch's prefill: its chunk, or the next piece of its rebuild."""
+        """What this work adds to the batch's prefill: its chunk, or the next piece of its rebuild."""
         if self.rebuild is not None:
             return self.rebuild.next_piece()
         assert self.chunk.embeds is not None  # made by _vision
@@ -359,28 +359,28 @@ class ChunkJob(BatchJob):
 
 
 def _each(
-    jobs: Sequence[ChunkJob], step: Callable[[ChunkJob], T], between: Callable[[], None] = lambda: None
-) -> dict[ChunkJob, T]:
-    """`step` of every job not failed yet, by job, with `between()` after each; a job whose step
+    batch: Sequence[ChunkWork], step: Callable[[ChunkWork], T], between: Callable[[], None] = lambda: None
+) -> dict[ChunkWork, T]:
+    """`step` of every work not failed yet, by work, with `between()` after each; a work whose step
     raises fails alone."""
-    out: dict[ChunkJob, T] = {}
-    for job in jobs:
-        if job.future.done():
+    out: dict[ChunkWork, T] = {}
+    for work in batch:
+        if work.future.done():
             continue
         try:
-            out[job] = step(job)
+            out[work] = step(work)
         except Exception as e:
-            job.future.set_exception(e)
+            work.future.set_exception(e)
         between()
     return out
 
 
-def _vision(jobs: Sequence[ChunkJob]) -> None:
+def _vision(batch: Sequence[ChunkWork]) -> None:
     """The vision tower for every chunk still in frames, as one batch."""
-    todo = [j.chunk for j in jobs if j.chunk.embeds is None]
+    todo = [j.chunk for j in batch if j.chunk.embeds is None]
     if not todo:
         return
-    rt = jobs[0].engine.rt
+    rt = batch[0].engine.rt
     tp = rt.loaded.temporal_patch_size
     pixels = [patchify(c.video.to(rt.device, non_blocking=True), temporal_patch_size=tp) for c in todo]
     for chunk, embeds in zip(todo, rt.vision_batch(pixels), strict=True):
