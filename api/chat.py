@@ -11,15 +11,16 @@ naming it, never silently ignored; bookkeeping ones (user, metadata, seed, ...) 
 
 Extension fields, beside OpenAI's in the request body as vLLM takes its own (OpenAI's Python client:
 `extra_body={"since": "1h"}`): `since` and `until` ask about a past span of the stream instead of
-its live cache, in the forms `POST /api/streams/{name}/ask` takes; `streamvqa.ranges` then says
-which capture times the answer saw.
+its live cache, in the forms `POST /api/streams/{name}/ask` takes, and `scope` "history" answers
+over the stream's past chunks that rank best for the question (README "Search");
+`streamvqa.ranges` then says which capture times the answer saw.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
@@ -56,6 +57,9 @@ class ChatRequest(BaseModel):
     n: Annotated[int | None, replies.NotBool] = None
     since: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.SINCE_HELP)
     until: Annotated[float | str | None, replies.NotBool] = Field(None, description=replies.UNTIL_HELP)
+    scope: Literal["live", "history"] | None = Field(
+        None, description="history: answered over the stream's past chunks that rank best for the question"
+    )
 
 
 # Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (the final
@@ -135,6 +139,7 @@ async def chat(body: ChatRequest, request: Request):
         top_p=top_p,
         since=body.since,
         until=body.until,
+        scope=body.scope,
     )
     sub = await replies.ask(request, q)
     if body.stream:
@@ -143,7 +148,8 @@ async def chat(body: ChatRequest, request: Request):
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        raise errors.ApiError(422, final.error, param=final.param if final.param in ("since", "until") else "messages")
+        param = final.param if final.param in ("since", "until", "scope") else "messages"
+        raise errors.ApiError(422, final.error, param=param)
     message = {"role": "assistant", "content": final.text}
     return _envelope(q, "chat.completion") | {
         "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],

@@ -270,6 +270,11 @@ def test_the_api_takes_scope_history_and_refuses_another_scope(world):
             body = {"question": "what?", "stream": False}
             bad = await c.post("/api/streams/gate/ask", json=body | {"scope": "past"})
             queued = await c.post("/api/streams/gate/ask", json=body | {"scope": "history"})
+            chat = {"model": "gate", "messages": [{"role": "user", "content": "what?"}]}
+            bad_chat = await c.post("/v1/chat/completions", json=chat | {"scope": "past"})
+            queued_chat = await c.post("/v1/chat/completions", json=chat | {"scope": "history"})
+            assert bad_chat.status_code == 400 and bad_chat.json()["error"]["param"] == "scope", bad_chat.text
+            assert queued_chat.status_code == 504, queued_chat.text
             return [bad, queued]
 
     bad, queued = asyncio.run(run())
