@@ -11,7 +11,8 @@ streams at a time, for each case:
   other by its own thread (`SegmentStore.get`, page-locked on a GPU: cudaHostAlloc per segment).
 
 Reported: GB/s over all streams, each stream's time (p50, max), and, once, one core's rate of the
-two steps a reader runs per byte (tmpfs read, CRC-32): what a number of readers can feed.
+two steps a reader runs per byte (tmpfs read, CRC-32): what a number of readers can feed; last,
+whether a head restored onto --device is bitwise what the store's own reader gives back.
 
     PYTHONPATH=. python scripts/bench_restore.py --streams 4 --gb-per-stream 0.6 --threads 1,2,4
 """
@@ -107,6 +108,19 @@ def case(name: str, read_one, heads: dict[str, list[str]], nbytes: int, ns: argp
     }
 
 
+def same_as_stored(store: DirectoryStore, stream: str, ids: list[str], device: torch.device) -> bool:
+    """The oracle: a head restored through the staging pieces (and, on a GPU, the copy stream)
+    holds exactly the bytes the store's own reader gives back."""
+    restorer = Restorer(device, threads=4)
+    try:
+        loaded = restorer.load(store, stream, ids, [])
+    finally:
+        restorer.close()
+    return all(
+        torch.equal(loaded.kv[sid].cpu().view(torch.uint8), store.get(stream, sid).view(torch.uint8)) for sid in ids
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     device = torch.device(ns.device)
@@ -132,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 restorer.close()
             print(json.dumps(run), flush=True)
+        print(json.dumps({"bitwise_equal": same_as_stored(store, first, heads[first], device)}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
