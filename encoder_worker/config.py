@@ -55,8 +55,8 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
     store_writers: int = setting(4, "threads writing segments off the stream threads; a stream's writes stay on one")
     restore_threads: int = setting(
         RESTORE_THREADS,
-        "threads reading and checking the segments of streams taken over (a dead worker's) onto the device; "
-        "each checks about 2 GB/s of CRC-32 (a 32K cache is 1.2 GB)",
+        "threads reading and checking the segments of streams taken over (a dead worker's) into page-locked "
+        "memory, from which the GPU loop copies them; each checks about 3 GB/s of CRC-32 (a 32K cache is 1.2 GB)",
         shown="the host's cores, at most 16",
     )
 

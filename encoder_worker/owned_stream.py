@@ -51,7 +51,7 @@ from common.wire.schemas import (
     manifest_from_bytes,
 )
 from encoder_worker.config import EncoderConfig
-from encoder_worker.restore import Restorer, for_loop
+from encoder_worker.restore import Restorer
 
 log = structlog.get_logger()
 
@@ -370,14 +370,14 @@ def open_stream(
 ) -> OwnedStream:
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty.
 
-    The head's segments are read onto the device by `restorer` (the service's, shared by the
-    streams it opens; by default one of a single reader) in this thread; the GPU loop only lays
-    them out in the cache. A head whose segments cannot all be read back (missing, truncated,
-    checksum mismatch: the store was wiped or damaged) is rebuilt from the frames log
-    (`framelog_dir`) or, without one, starts this stream over (`_recover`); it never stops the
-    worker or another stream."""
+    The head's segments are read into host memory by `restorer` (the service's, shared by the
+    streams it opens; by default one of a single reader and slot) from this thread; the GPU loop
+    copies them to the device as it lays them out in the cache. A head whose segments cannot all
+    be read back (missing, truncated, checksum mismatch: the store was wiped or damaged) is rebuilt
+    from the frames log (`framelog_dir`) or, without one, starts this stream over (`_recover`); it
+    never stops the worker or another stream."""
     if restorer is None:
-        restorer = Restorer(rt.loaded.device, threads=1)
+        restorer = Restorer(rt.loaded.device, threads=1, slot_bytes=0)  # every segment in memory of its own
         try:
             return open_stream(rt, r, writer, cfg, name, frames, restorer)
         finally:
@@ -406,20 +406,23 @@ def open_stream(
     if state is None or loaded is None:
         return _started(new_life())
     t0 = time.perf_counter()
-    engine = StreamEngine(
-        rt,
-        state.spec,
-        policy,
-        restore=(state.cache, lambda seg: for_loop(loaded.kv[seg.id])),
-        load_embeds=lambda chunk: for_loop(e) if (e := loaded.embeds.get(chunk)) is not None else None,
-        **sinks,
-    )
+    device = rt.loaded.device
+    try:  # the loop copies each segment to the device as it lays it out
+        engine = StreamEngine(
+            rt,
+            state.spec,
+            policy,
+            restore=(state.cache, lambda seg: loaded.to(loaded.kv[seg.id], device)),
+            load_embeds=lambda chunk: loaded.to(e, device) if (e := loaded.embeds.get(chunk)) is not None else None,
+            **sinks,
+        )
+    finally:
+        loaded.release()  # its copies are queued: the slot is reused once they are done
     owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
     owned.opened = {
         "gb": round(loaded.nbytes / 1e9, 3),
-        "read_s": round(loaded.read_s, 3),  # read, checked and on the device
-        "copy_wait_s": round(loaded.copy_wait_s, 3),  # the readers' waits for device copies, summed
-        "apply_s": round(time.perf_counter() - t0, 3),  # laid out in the cache by the GPU loop, waiting for it included
+        "read_s": round(loaded.read_s, 3),  # read and checked into host memory, a slot's wait included
+        "apply_s": round(time.perf_counter() - t0, 3),  # copied and laid out by the GPU loop, waiting for it included
     }
     log.info(
         "stream restored",

@@ -1,161 +1,174 @@
-"""A stream's head read back from the segment store onto the device, off the GPU loop.
+"""A stream's head read back from the segment store into host memory, off the GPU loop.
 
 A head of a full 32K cache is about 1.2 GB of K/V in some 64 segments, and a worker that dies
 leaves dozens of them to the others at once (docs/BENCHMARKS.md, "Failover"). What it costs:
 
 - Page-locked memory. Reading each segment into a fresh pinned tensor took cudaHostAlloc
   0.2-0.5 s a GB, and those calls hold the CUDA driver: the GPU loop stood still while they ran
-  (26 s with 32 restores at once on an H200). Here every segment passes through a few staging
-  pieces of page-locked memory allocated once, when the worker starts (`Restorer`), like the
-  bounce buffers of vLLM's and LMCache's CPU offload.
-- The CRC-32 check: zlib's runs at about 2 GB/s a core, the read from tmpfs at several times
-  that. `threads` readers, each with two pieces of its own, read and check pieces of different
-  segments at once (both release the GIL), and each piece is copied on to the device on a copy
-  CUDA stream of the restorer's while the next one is read.
-- The GPU loop: it gets the segments already on the device, so restoring a cache there is device
-  to device (`StreamCache.apply`), never a wait on the host.
+  (26 s with 32 restores at once on an H200). Here a head is read into a slot of one page-locked
+  arena allocated when the worker starts (`Restorer`), like the bounce buffers of vLLM's and
+  LMCache's CPU offload; a slot is reused once the GPU loop's copies out of it are done.
+- The CRC-32 check: zlib's runs at about 3 GB/s a core, the read from tmpfs at about 3.6 (an
+  H200 host). `threads` readers read and check different segments at once (both release the
+  GIL), each a piece at a time, so the piece is still in cache for its CRC.
+- Device memory: none here. The KV pool holds all of a GPU but a reserve for activations, so a
+  head is not staged there whole; the GPU loop copies each segment from the slot (asynchronous,
+  page-locked) and lays it out in the cache (`StreamCache.apply`), one segment's memory at a time.
 
-On a CPU the same path runs with ordinary memory and synchronous copies (what the tests run).
-A store other than a directory (Redis, memory) hands whole segments over (`SegmentStore.get`).
+On a CPU the arena is ordinary memory. A segment that does not fit in its slot (a head over its
+budget) is read into ordinary memory instead; a store other than a directory (Redis, memory)
+hands whole segments over (`SegmentStore.get`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import queue
+import threading
 import time
 import zlib
+from collections.abc import Callable
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from common.engine.kvcache import CacheState
 from common.segment_store import DirectoryStore, SegmentStore, SegmentStoreError, embeds_id, payload_tensor
 
-PIECE_BYTES = 8 << 20  # a staging piece: large enough for few calls a GB, small enough to stay in cache for the CRC
+PIECE_BYTES = 8 << 20  # read and checked at a time: a few calls a segment, still in cache for the CRC
+ALIGN = 4096  # where a segment starts in a slot: any dtype's view, and page-aligned copies
+
+
+class _Slot:
+    """One head's room in the arena: segments are placed one after the other as readers ask."""
+
+    def __init__(self, buf: torch.Tensor, cuda: bool):
+        self.buf = buf  # (bytes,) uint8, a view of the arena
+        self.view = memoryview(buf.numpy()).cast("B")
+        self.copied = torch.cuda.Event(blocking=True) if cuda else None  # the loop's last copy out of it
+        self._used = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor | None:
+        """`nbytes` of the slot, or None when it has no more room."""
+        with self._lock:
+            at = self._used
+            if at + nbytes > len(self.view):
+                return None
+            self._used = -(-(at + nbytes) // ALIGN) * ALIGN
+        return self.buf[at : at + nbytes]
+
+    def reuse(self) -> float:
+        """Empty, once the copies out of it are done (blocking: a reader waits asleep); seconds waited."""
+        t0 = time.perf_counter()
+        if self.copied is not None:
+            self.copied.synchronize()
+        self._used = 0
+        return time.perf_counter() - t0
 
 
 @dataclass
 class Loaded:
-    """A head's segments and kept embeddings on the restorer's device, and what reading them took."""
+    """A head's segments and kept embeddings in host memory (a slot of the arena), what reading them
+    took, and the slot's way back: `release` once the GPU loop has queued its copies."""
 
     kv: dict[str, torch.Tensor]
     embeds: dict[str, torch.Tensor]
     nbytes: int
-    read_s: float  # wall time from the first read to the last byte on the device
-    copy_wait_s: float  # summed over the readers: time they waited for a piece's device copy
+    read_s: float  # wall time to read and check them all
+    _slot: _Slot | None
+    _release: Callable[[], None]
+
+    def to(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`t` (one of kv's or embeds') on `device`, on the calling thread's stream (the GPU loop's):
+        an asynchronous copy out of page-locked memory; a copy of its own on the CPU (the slot is
+        reused once released)."""
+        if device.type != "cuda":
+            return t.clone()
+        on_device = t.to(device, non_blocking=True)
+        if self._slot is not None and self._slot.copied is not None:
+            self._slot.copied.record()  # after every copy queued so far: the slot's next reuse waits for it
+        return on_device
+
+    def release(self) -> None:
+        """The slot back to the restorer (its reuse waits for the copies out of it)."""
+        self._release()
+        self._release = _nothing
 
 
-def for_loop(t: torch.Tensor) -> torch.Tensor:
-    """A loaded tensor `t` for use on the calling thread's CUDA stream (the GPU loop's): its memory,
-    allocated on the copy CUDA stream, is not reused before what this CUDA stream queues on it has run."""
-    if t.is_cuda:
-        t.record_stream(torch.cuda.current_stream(t.device))
-    return t
-
-
-@dataclass
-class _Piece:
-    buf: torch.Tensor  # (PIECE_BYTES,) uint8, page-locked on a GPU host
-    view: memoryview = field(init=False)
-    copied: torch.cuda.Event | None = None  # its last copy to the device, on a GPU
-
-    def __post_init__(self) -> None:
-        self.view = memoryview(self.buf.numpy()).cast("B")
-
-    def wait(self) -> float:
-        """Until its last copy to the device is done (it may be written again); seconds waited."""
-        if self.copied is None:
-            return 0.0
-        t0 = time.perf_counter()
-        self.copied.synchronize()
-        return time.perf_counter() - t0
+def _nothing() -> None:
+    return None
 
 
 class Restorer:
-    """Reads heads' segments with `threads` readers through `2 x threads` staging pieces (all
-    allocated here, once) onto `device`. Thread-safe: streams restored at once share the readers."""
+    """Reads heads with `threads` readers into `slots` slots of `slot_bytes` each (one arena,
+    page-locked on a GPU host, allocated here, once). Thread-safe: up to `slots` heads at once."""
 
-    def __init__(self, device: torch.device, threads: int, piece_bytes: int = PIECE_BYTES):
+    def __init__(self, device: torch.device, threads: int, slots: int = 1, slot_bytes: int = 64 << 20):
         self.device = device
         cuda = device.type == "cuda"
-        self._copy_cuda_stream = torch.cuda.Stream(device) if cuda else None
-        self._pieces: queue.SimpleQueue[_Piece] = queue.SimpleQueue()
-        for _ in range(2 * threads):
-            buf = torch.empty(piece_bytes, dtype=torch.uint8, pin_memory=cuda)
-            # blocking: a reader waiting for a copy sleeps instead of spinning on a core the others' CRCs need
-            self._pieces.put(_Piece(buf, copied=torch.cuda.Event(blocking=True) if cuda else None))
+        slot_bytes = -(-slot_bytes // ALIGN) * ALIGN  # every slot starts aligned too
+        arena = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=cuda)
+        self._slots: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
+        for i in range(slots):
+            self._slots.put(_Slot(arena[i * slot_bytes : (i + 1) * slot_bytes], cuda))
         self._readers = futures.ThreadPoolExecutor(threads, thread_name_prefix="restore")
 
     def load_head(self, store: SegmentStore, stream: str, cache: CacheState) -> Loaded:
-        """Every segment of a version, and the kept embeddings of its chunks, on the device."""
+        """Every segment of a version, and the kept embeddings of its chunks."""
         chunks = sorted({p.segment.chunk_id for p in cache.placements[1:]})  # the first is the prefix
         return self.load(store, stream, [p.segment.id for p in cache.placements], chunks)
 
     def load(self, store: SegmentStore, stream: str, segments: list[str], chunks: list[str]) -> Loaded:
         """`segments` of `stream`, and the kept embeddings of `chunks` (those missing or unreadable
-        are left out: evictions re-encode until they are gone), on the device. SegmentStoreError
-        when a segment cannot be read back whole."""
+        are left out: evictions re-encode until they are gone), in a slot the caller releases.
+        SegmentStoreError when a segment cannot be read back whole (the slot is then released)."""
+        slot = self._slots.get()
         t0 = time.perf_counter()
-        reads = {sid: self._readers.submit(self._read, store, stream, sid) for sid in segments}
-        embeds_reads = {c: self._readers.submit(self._read, store, stream, embeds_id(c)) for c in chunks}
+        slot.reuse()
+        jobs = {sid: self._readers.submit(self._read, store, stream, sid, slot) for sid in segments}
+        embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c), slot) for c in chunks}
         try:
-            kv = {sid: read.result() for sid, read in reads.items()}
+            kv = {sid: job.result() for sid, job in jobs.items()}
         except BaseException:
-            for read in [*reads.values(), *embeds_reads.values()]:
-                read.cancel()
-            futures.wait([*reads.values(), *embeds_reads.values()])  # none still writes when this returns
+            for job in [*jobs.values(), *embeds_jobs.values()]:
+                job.cancel()
+            futures.wait([*jobs.values(), *embeds_jobs.values()])  # none still writes into the slot
+            self._slots.put(slot)
             raise
         embeds = {}
-        for chunk, read in embeds_reads.items():
+        for chunk, job in embeds_jobs.items():
             with contextlib.suppress(SegmentStoreError):
-                embeds[chunk] = read.result()
-        got = [t for t, _ in kv.values()] + [t for t, _ in embeds.values()]
+                embeds[chunk] = job.result()
         return Loaded(
-            kv={sid: t for sid, (t, _) in kv.items()},
-            embeds={c: t for c, (t, _) in embeds.items()},
-            nbytes=sum(t.numel() * t.element_size() for t in got),
+            kv=kv,
+            embeds=embeds,
+            nbytes=sum(t.numel() * t.element_size() for t in [*kv.values(), *embeds.values()]),
             read_s=time.perf_counter() - t0,
-            copy_wait_s=sum(w for _, w in [*kv.values(), *embeds.values()]),
+            _slot=slot,
+            _release=lambda: self._slots.put(slot),
         )
 
     def close(self) -> None:
         self._readers.shutdown(wait=True, cancel_futures=True)
 
-    def _read(self, store: SegmentStore, stream: str, segment_id: str) -> tuple[torch.Tensor, float]:
-        """One segment on the device, and the seconds spent waiting for its copies there."""
+    @staticmethod
+    def _read(store: SegmentStore, stream: str, segment_id: str, slot: _Slot) -> torch.Tensor:
+        """One segment, checked, in the slot (in ordinary memory when the slot is full)."""
         if not isinstance(store, DirectoryStore):
-            with self._on_copy_cuda_stream():
-                return store.get(stream, segment_id).to(self.device), 0.0
-        a, b = self._pieces.get(), self._pieces.get()
-        waited = 0.0
-        try:
-            with store.open(stream, segment_id) as (meta, f, where), self._on_copy_cuda_stream():
-                nbytes = meta["nbytes"]
-                out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-                crc, at, piece = 0, 0, a
-                while at < nbytes:
-                    waited += piece.wait()
-                    n = f.readinto(piece.view[: min(len(piece.view), nbytes - at)])
-                    if not n:
-                        break  # truncated: payload_tensor says so
-                    crc = zlib.crc32(piece.view[:n], crc)
-                    out[at : at + n].copy_(piece.buf[:n], non_blocking=True)
-                    if piece.copied is not None:
-                        piece.copied.record(self._copy_cuda_stream)
-                    at += n
-                    piece = b if piece is a else a
-        finally:
-            waited += a.wait() + b.wait()  # their copies are done: the pieces are free, `out` is whole
-            self._pieces.put(a)
-            self._pieces.put(b)
-        return payload_tensor(meta, out[:at], where, segment_id, crc), waited
-
-    def _on_copy_cuda_stream(self) -> contextlib.AbstractContextManager:
-        """Allocations and copies on the copy CUDA stream (on a GPU), never on the GPU loop's."""
-        return (
-            torch.cuda.stream(self._copy_cuda_stream)
-            if self._copy_cuda_stream is not None
-            else contextlib.nullcontext()
-        )
+            return store.get(stream, segment_id)
+        with store.open(stream, segment_id) as (meta, f, where):
+            nbytes = meta["nbytes"]
+            out = slot.take(nbytes)
+            if out is None:
+                out = torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(out.numpy()).cast("B")
+            crc, at = 0, 0
+            while at < nbytes:
+                n = f.readinto(view[at : min(at + PIECE_BYTES, nbytes)])
+                if not n:
+                    break  # truncated: payload_tensor says so
+                crc = zlib.crc32(view[at : at + n], crc)
+                at += n
+        return payload_tensor(meta, out[:at], where, segment_id, crc)

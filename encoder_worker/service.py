@@ -63,13 +63,14 @@ FREE_CHECK_S = 0.2  # and free streams looked for this often (one pipelined EXIS
 HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
 HAND_OFF_WAIT_S = 10.0  # a stream handed off waits this long at most for its partial chunk
 STOP_WAIT_S = 10.0  # at a clean stop, questions being answered here get this long to finish
-# Streams restored at once. Their segments are read by the restorer's threads (`restore_threads`),
-# through page-locked staging allocated once (encoder_worker/restore.py), onto the device, where a
-# head waits for the GPU loop to lay it out (up to an encode step): 1.2 GB of device memory at 32K
-# each. Several at once keep the readers busy while some wait for the loop (16 readers read 8 heads
-# of 1.2 GB in 0.64 s on a 2xH200 host; the loop takes up to an encode step, 0.2 s); the bound keeps
-# that memory near the KV pool's 8 GB reserve.
-RESTORE_AT_ONCE = 8
+# Streams restored at once: each has a slot of the restorer's page-locked arena (encoder_worker/
+# restore.py), which its segments are read into by the restorer's threads (`restore_threads`) and
+# copied out of by the GPU loop. Enough to keep the readers busy while heads wait for the loop (up
+# to an encode step, 0.2 s; 16 readers read 1.2 GB in about 0.08 s on a 2xH200 host); each costs
+# its slot of host memory for good (1.4 GB at 32K with random-3b, `_head_bytes`).
+RESTORE_AT_ONCE = 4
+UNBOUNDED_HEAD_TOKENS = 32768  # a slot's head without an eviction budget
+HEAD_SLACK = 1.15  # a slot holds a head of `max_cache_tokens` and this much more (a chunk over, embeddings)
 
 
 class EncoderService:
@@ -85,7 +86,8 @@ class EncoderService:
         self.owned: dict[str, OwnedStream] = {}
         self.opening: set[str] = set()  # leases taken, caches being restored by their tasks
         self._restoring = threading.BoundedSemaphore(RESTORE_AT_ONCE)
-        self.restorer = Restorer(rt.loaded.device, cfg.restore_threads)  # its page-locked staging: now, once
+        # its page-locked arena: now, once (not while a GPU loop serves)
+        self.restorer = Restorer(rt.loaded.device, cfg.restore_threads, RESTORE_AT_ONCE, _head_bytes(cfg, rt))
         self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms)
         self.leaving: str | None = None  # the stream being handed off to a less loaded worker
         self._leaving_since = 0.0
@@ -443,6 +445,12 @@ class EncoderService:
     def _release(self, name: str) -> None:
         self._drop(name)
         self.leases[name].release()
+
+
+def _head_bytes(cfg: EncoderConfig, rt: Runtime) -> int:
+    """A restore slot's bytes: a head at the eviction budget (a longer one reads its overflow into
+    memory of its own)."""
+    return int((cfg.max_cache_tokens or UNBOUNDED_HEAD_TOKENS) * rt.pool.bytes_per_token * HEAD_SLACK)
 
 
 def main(argv: list[str]) -> int:

@@ -742,7 +742,7 @@ def dir_bytes(root: Path) -> int:
 FAILOVER_WAIT_S = 60.0  # for the streams of a killed worker to be restored elsewhere
 FAILOVER_SETTLE_S = 15.0  # then for their backlog to be encoded or dropped (max_lag_s is 10 s)
 # what the new owner's `encoder_attached` event says opening each stream took (encoder_worker/service.py)
-RESTORE_FIELDS = ("waited_s", "read_s", "copy_wait_s", "apply_s", "claim_s", "open_s", "gb")
+RESTORE_FIELDS = ("waited_s", "read_s", "apply_s", "claim_s", "open_s", "gb")
 
 
 def failover(running: Services, r: redis.Redis, cameras: list[str], ports: list[int]) -> dict[str, Any]:

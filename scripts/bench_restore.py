@@ -6,7 +6,8 @@ of random-3b at 448x448 is 512 tokens x 36,864 bytes = 18.9 MB; a full 32K head 
 `shm://` store of its own under /dev/shm (removed after), then restores them all, --at-once
 streams at a time, for each case:
 
-- `restorer`: the Restorer with N reader threads, through its staging pieces, onto --device;
+- `restorer`: the Restorer with N reader threads into its page-locked slots (--at-once of them),
+  then each segment copied to --device from there, as the GPU loop copies it;
 - `store_get`: what restoring did before the Restorer: each stream's segments read one after the
   other by its own thread (`SegmentStore.get`, page-locked on a GPU: cudaHostAlloc per segment).
 
@@ -108,17 +109,32 @@ def case(name: str, read_one, heads: dict[str, list[str]], nbytes: int, ns: argp
     }
 
 
-def same_as_stored(store: DirectoryStore, stream: str, ids: list[str], device: torch.device) -> bool:
-    """The oracle: a head restored through the staging pieces (and, on a GPU, the copy stream)
-    holds exactly the bytes the store's own reader gives back."""
-    restorer = Restorer(device, threads=4)
+def restore(restorer: Restorer, store: DirectoryStore, stream: str, ids: list[str]) -> dict[str, torch.Tensor]:
+    """A head read into a slot, then on the restorer's device, as the GPU loop copies it (then synced)."""
+    loaded = restorer.load(store, stream, ids, [])
     try:
-        loaded = restorer.load(store, stream, ids, [])
+        on_device = {sid: loaded.to(t, restorer.device) for sid, t in loaded.kv.items()}
+    finally:
+        loaded.release()
+    if restorer.device.type == "cuda":
+        torch.cuda.synchronize(restorer.device)
+    return on_device
+
+
+def same_as_stored(store: DirectoryStore, stream: str, ids: list[str], ns: argparse.Namespace) -> bool:
+    """The oracle: a head restored through a slot onto the device holds exactly the bytes the
+    store's own reader gives back."""
+    restorer = Restorer(torch.device(ns.device), 4, 1, slot_bytes(ns))
+    try:
+        on_device = restore(restorer, store, stream, ids)
     finally:
         restorer.close()
-    return all(
-        torch.equal(loaded.kv[sid].cpu().view(torch.uint8), store.get(stream, sid).view(torch.uint8)) for sid in ids
-    )
+    stored = {sid: store.get(stream, sid).view(torch.uint8) for sid in ids}
+    return all(torch.equal(on_device[sid].cpu().view(torch.uint8), stored[sid]) for sid in ids)
+
+
+def slot_bytes(ns: argparse.Namespace) -> int:
+    return int(ns.gb_per_stream * 1e9 * 1.15)  # the worker's slack (encoder_worker/service.py HEAD_SLACK)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,15 +154,15 @@ def main(argv: list[str] | None = None) -> int:
 
         print(json.dumps(case("store_get", store_get, heads, nbytes, ns, threads=1)))
         for threads in (int(t) for t in ns.threads.split(",")):
-            restorer = Restorer(device, threads)
+            restorer = Restorer(device, threads, ns.at_once, slot_bytes(ns))
             try:
                 run = case(
-                    "restorer", lambda s, ids, r=restorer: r.load(store, s, ids, []), heads, nbytes, ns, threads=threads
+                    "restorer", lambda s, ids, r=restorer: restore(r, store, s, ids), heads, nbytes, ns, threads=threads
                 )
             finally:
                 restorer.close()
             print(json.dumps(run), flush=True)
-        print(json.dumps({"bitwise_equal": same_as_stored(store, first, heads[first], device)}))
+        print(json.dumps({"bitwise_equal": same_as_stored(store, first, heads[first], ns)}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

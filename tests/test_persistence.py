@@ -205,11 +205,11 @@ def test_a_wiped_store_restarts_every_stream_without_a_crash_loop(rt, redis_url,
     assert len(events(r, "cam", b"cache_restarted")) == 1, "only the first start found a head it could not restore"
 
 
-def test_a_head_read_in_small_staging_pieces_is_bitwise_its_segments_and_damage_is_refused(rt, redis_url, tmp_path):
-    """The restorer reads every segment of a head in pieces (here of 1,000 bytes: many a segment,
-    with fewer readers than segments) and checks each whole; the oracle is the store's own reader.
-    A bit flipped past the first piece, or a truncated segment, is refused, and every staging piece
-    is back for the next head."""
+def test_a_head_read_into_a_restore_slot_is_bitwise_its_segments_and_damage_is_refused(rt, redis_url, tmp_path):
+    """The restorer reads a head's segments with fewer readers than segments into its slot, those
+    that do not fit (a slot of half the head) into memory of their own, checking each piece by
+    piece; the oracle is the store's own reader. A bit flipped anywhere, or a truncated segment,
+    is refused, and the slot is back for the next head; a released slot is reused."""
     from common.wire.manifest import from_manifest
     from encoder_worker.restore import Restorer
 
@@ -220,29 +220,34 @@ def test_a_head_read_in_small_staging_pieces_is_bitwise_its_segments_and_damage_
     run_until(svc, lambda: encoded(r, "cam", 7), "8 frames")
     stop(svc, r)
     cache = from_manifest(head(r, "cam")).cache
-    restorer = Restorer(torch.device("cpu"), threads=3, piece_bytes=1000)
+    ids = [p.segment.id for p in cache.placements]
+    stored = {sid: store.get("cam", sid) for sid in ids}
+    nbytes = sum(t.numel() * t.element_size() for t in stored.values())
+    assert len(ids) > 3
+    restorer = Restorer(torch.device("cpu"), threads=3, slots=1, slot_bytes=nbytes // 2)
     try:
-        loaded = restorer.load_head(store, "cam", cache)
-        ids = [p.segment.id for p in cache.placements]
-        assert list(loaded.kv) == ids and len(ids) > 3
-        for sid in ids:
-            want = store.get("cam", sid)
-            assert want.numel() * want.element_size() > 2000, "several pieces a segment"
-            got = loaded.kv[sid]
-            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8)), sid
-        assert loaded.nbytes == sum(store.get("cam", sid).numel() * 4 for sid in ids)
+        for _ in range(2):  # the second into the slot the first released
+            loaded = restorer.load_head(store, "cam", cache)
+            assert list(loaded.kv) == ids and loaded.nbytes == nbytes
+            in_slot = [t for t in loaded.kv.values() if t.untyped_storage().nbytes() > t.numel() * t.element_size()]
+            assert 0 < len(in_slot) < len(ids), "some in the slot, the rest in memory of their own"
+            for sid in ids:
+                got, want = loaded.kv[sid], stored[sid]
+                assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+                assert torch.equal(loaded.to(got, torch.device("cpu")), got)
+            loaded.release()
 
         damaged = tmp_path / "cam" / f"{ids[-1]}.seg"
         whole = damaged.read_bytes()
         flipped = bytearray(whole)
-        flipped[-1500] ^= 0x10  # in the payload, a piece or two before its end
+        flipped[-1500] ^= 0x10  # in the payload
         for bad, error in ((bytes(flipped), "checksum mismatch"), (whole[:-100], "bytes")):
             damaged.write_bytes(bad)
             with pytest.raises(SegmentStoreError, match=error):
                 restorer.load_head(store, "cam", cache)
-        assert restorer._pieces.qsize() == 6, "every staging piece is back"
+            assert restorer._slots.qsize() == 1, "the slot is back"
         damaged.write_bytes(whole)
-        assert torch.equal(restorer.load_head(store, "cam", cache).kv[ids[-1]], store.get("cam", ids[-1]))
+        assert torch.equal(restorer.load_head(store, "cam", cache).kv[ids[-1]], stored[ids[-1]])
     finally:
         restorer.close()
 
