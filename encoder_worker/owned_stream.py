@@ -242,7 +242,8 @@ class OwnedStream:
         if self.engine.head.last_frame_seq < frames[-1].seq:
             t0 = time.perf_counter()
             seqs, since = [m.seq for m in frames], self._waiting_since(frames[-1])
-            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], seqs, waiting_since=since)
+            deadline = since + self.cfg.max_lag_s  # the frames after it are dropped from then on (skip_late)
+            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], seqs, since, deadline)
             metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
             metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
         version = self.engine.head

@@ -445,6 +445,8 @@ def test_prefills_padded_as_their_graph_runs_them_give_each_question_its_own_log
     ]
     questions = ["What is on the left?", "Is anything red here?", "What happens next in the scene?"]
     gens = [Generation(rt, engines[i % 2].head, q, GenerationParams(max_tokens=4)) for i, q in enumerate(questions)]
+    for g in gens:
+        g.start()  # what the executor does as it takes them from the queue: their scratch
     lengths = [len(g.pending) for g in gens]
     assert len(set(lengths)) == 3 and len({StepGraphs.prefill_room(n) for n in lengths}) == 1  # one bucket
     graphs = StepGraphs(rt.lm)

@@ -7,6 +7,7 @@ share, more (up to the cap) once a chunk is past its deadline, and questions alw
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -379,3 +380,34 @@ def test_a_questions_time_is_its_decode_steps_and_the_idle_time_between_them_ins
     span = question.last_ended - question.first_began
     parts = times.steps + times.idle_encode + times.idle_between
     assert span <= parts < span + 0.015, (span, times)  # less than the 20 ms idle it could count twice
+
+
+def test_a_chunk_near_its_deadline_takes_the_device_however_small_the_share():
+    """Cameras first: with encoding's shares at 0 a chunk that has used `deadline_share` of the
+    time to its deadline is still encoded at once, ahead of the questions' own step; no waiting
+    question starts meanwhile, and the one being answered takes one decode step beside it (of the
+    encode step's 4 layers). Once no chunk is at risk, the waiting question starts."""
+    ticks = itertools.count()
+    policy = SchedulePolicy(encode_share=0.0, max_encode_share=0.0, deadline_share=0.5, join_during_encode=True)
+    scheduler = Scheduler(policy, clock=lambda: 100.0 + next(ticks) * 1e-6)  # driven by hand; steps take time
+    answering, waiting = Counted(), Counted()
+    scheduler.submit(answering)
+    scheduler.step()  # no chunk: the question's step alone
+    assert answering.taken == 1
+    safe, late = Layered(), Layered()
+    safe.waiting_since, safe.deadline = 99.0, 110.0  # waited 1 s of 11
+    scheduler.submit(safe)
+    scheduler.submit(waiting)
+    scheduler.step()
+    assert not scheduler.at_risk and safe.done is False, "shares of 0: questions first while no camera is at risk"
+    assert (answering.taken, waiting.taken) == (2, 1)
+    late.waiting_since, late.deadline = 94.0, 104.0  # waited 6 s of 10
+    late.lane = "cam2"
+    scheduler.submit(late)
+    starting = Counted()
+    scheduler.submit(starting)
+    scheduler.step()
+    assert scheduler.at_risk and late.done and safe.done, "at risk: encoded at once, with no share limit"
+    assert (answering.taken, waiting.taken, starting.taken) == (3, 2, 0), "one decode step beside, none started"
+    scheduler.step()
+    assert not scheduler.at_risk and starting.taken == 1

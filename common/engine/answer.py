@@ -16,6 +16,7 @@ import queue
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,7 +27,10 @@ from common.engine.phases import phase
 from common.engine.positions import text_positions
 from common.engine.runtime import Runtime
 from common.engine.step_graphs import StepGraphs
-from common.engine.work import StepWork, fail_all
+from common.engine.work import StepWork, fail_all, start
+
+if TYPE_CHECKING:
+    from common.engine.pool import Region
 
 CUDA_GRAPHS = True  # replay question steps from CUDA graphs on GPUs (off: the same steps, launched eagerly)
 
@@ -93,7 +97,8 @@ class Decoded:
 
 class Generation(StepWork):
     """One question being answered against one version: its scratch region (the version is only
-    read), the tokens so far, and what the next step feeds."""
+    read), the tokens so far, and what the next step feeds. Its scratch is taken and its clock
+    starts when it leaves the queue (`start`): `first_token_s` and `total_s` count from there."""
 
     def __init__(
         self,
@@ -103,18 +108,30 @@ class Generation(StepWork):
         params: GenerationParams,
         on_tokens: Callable[[list[int]], None] | None = None,
         keep_logits: bool = False,
+        on_start: Callable[[], None] | None = None,
     ):
         super().__init__()
         ids = _question_ids(rt, question)  # a bad question fails here, before it is queued
         self.rt, self.version, self.params = rt, version, params
-        self.on_tokens, self.keep_logits = on_tokens, keep_logits
-        self.scratch = rt.lm.pool.alloc(max(len(ids) + params.max_tokens, StepGraphs.prefill_room(len(ids))))
+        self.on_tokens, self.keep_logits, self.on_start = on_tokens, keep_logits, on_start
+        self.scratch: Region | None = None
+        self.started = False
         self.pending, self.length, self.pos = ids, 0, version.text_start
         self.tokens: list[int] = []
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.stops = {rt.ids.im_end, rt.ids.endoftext}
         self.t0, self.first_token_s = time.perf_counter(), 0.0
         self.first_logits: torch.Tensor | None = None
+
+    def start(self) -> None:
+        """Its scratch now, not while it waits: a long queue would hold pool pages for nothing."""
+        if self.started:
+            return
+        ids = self.pending
+        self.scratch = self.rt.lm.pool.alloc(max(len(ids) + self.params.max_tokens, StepGraphs.prefill_room(len(ids))))
+        self.started, self.t0 = True, time.perf_counter()
+        if self.on_start is not None:
+            self.on_start()
 
     def item(self) -> Item:
         return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
@@ -126,7 +143,8 @@ class Generation(StepWork):
 
     @classmethod
     def launch_batch(cls, batch: Sequence[StepWork], alongside: bool = False) -> _Step:
-        return _Step([j for j in batch if isinstance(j, Generation)], alongside)
+        gens = [j for j in batch if isinstance(j, Generation)]
+        return _Step([g for g in gens if g.started or start(g)], alongside)  # started here when stepped by hand
 
     def _advance(self, logits: torch.Tensor, greedy: int) -> None:
         self.length += len(self.pending)
@@ -285,6 +303,20 @@ def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None)
     return logits, logits.argmax(dim=-1)
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """How `ask` tells its caller, in the caller's thread, that the question waits for the GPU:
+    `on_start` once it starts; `on_queued` after `first_s` of waiting, then every `every_s`."""
+
+    on_queued: Callable[[], None] | None = None
+    on_start: Callable[[], None] | None = None
+    first_s: float = 0.2
+    every_s: float = 1.0
+
+
+_STARTED, _DONE = object(), object()  # besides token lists, what a question's thread is told
+
+
 def ask(
     rt: Runtime,
     version: Version,
@@ -292,25 +324,33 @@ def ask(
     params: GenerationParams | None = None,
     on_delta: Callable[[str], None] | None = None,
     keep_logits: bool = False,
+    waiting: Waiting | None = None,
 ) -> Answer:
     """Answer `question` against `version`, calling `on_delta(text)` as text becomes printable
-    (in this thread: detokenizing and delivering never hold up the GPU)."""
-    params = params or GenerationParams()
-    updates: queue.SimpleQueue[list[int]] = queue.SimpleQueue()
-    work = Generation(rt, version, question, params, updates.put if on_delta else None, keep_logits)
-    future = rt.executor.submit(work)
-    emitted = ""
-    while on_delta is not None:
-        tokens = _next(updates, wait=not future.done())
-        if tokens is None:
-            if future.done() and updates.empty():
-                break
-            continue
-        text = rt.tokenizer.decode(tokens, skip_special_tokens=True)
-        if not text.endswith("\ufffd") and len(text) > len(emitted):  # never half a UTF-8 character
-            on_delta(text[len(emitted) :])
-            emitted = text
-    done: Decoded = future.result()
+    (in this thread: detokenizing and delivering never hold up the GPU), and `waiting`'s calls
+    while it waits for the GPU."""
+    params, waiting = params or GenerationParams(), waiting or Waiting()
+    updates: queue.SimpleQueue[object] = queue.SimpleQueue()
+    tokens = updates.put if on_delta else None
+    work = Generation(rt, version, question, params, tokens, keep_logits, lambda: updates.put(_STARTED))
+    work.future.add_done_callback(lambda _: updates.put(_DONE))
+    rt.executor.submit(work)
+    emitted, report_in = "", waiting.first_s
+    while (update := _next(updates, report_in if waiting.on_queued else None)) is not _DONE:
+        if update is None:  # still waiting to start
+            if waiting.on_queued is not None:
+                waiting.on_queued()
+            report_in = waiting.every_s
+        elif update is _STARTED:
+            report_in = None
+            if waiting.on_start is not None:
+                waiting.on_start()
+        elif on_delta is not None:
+            text = rt.tokenizer.decode(update, skip_special_tokens=True)
+            if not text.endswith("\ufffd") and len(text) > len(emitted):  # never half a UTF-8 character
+                on_delta(text[len(emitted) :])
+                emitted = text
+    done: Decoded = work.future.result()
     text = rt.tokenizer.decode(done.token_ids, skip_special_tokens=True)
     if on_delta and len(text) > len(emitted):
         on_delta(text[len(emitted) :])
@@ -327,10 +367,10 @@ def ask(
     )
 
 
-def _next(updates: queue.SimpleQueue[list[int]], wait: bool) -> list[int] | None:
-    """The next token list the generation reported, or None after a short wait."""
+def _next(updates: queue.SimpleQueue[object], timeout_s: float | None) -> object:
+    """What the generation reported next, or None after `timeout_s` (None: no limit)."""
     try:
-        return updates.get(timeout=0.02) if wait else updates.get_nowait()
+        return updates.get(timeout=timeout_s)
     except queue.Empty:
         return None
 

@@ -6,15 +6,22 @@ each ends with the device idle (a sync): what a step wrote is on the device befo
 is chosen, and pages the pool let go of during it are free again only then (`on_settled`). Given
 that, every step guarantees:
 
-- questions: every active question advances one token a step (at most `max_batch` active, the
-  rest wait in order), and with `decode_during_encode` never waits out a whole encode step: it
-  decodes beside the step's layers;
-- encoding: whenever chunks wait, they get at least `encode_share` of recent GPU time, up to
-  `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no question
-  waits; streams are served round-robin, one chunk each an encode step, so when the GPU cannot
-  keep up every stream falls behind (and drops frames) alike. Background lanes (a question's
-  temporary cache of past frames) come after every stream: they fill the places of an encode
-  step the streams leave, and their wait never makes encoding due;
+- cameras first: a live chunk carries its deadline, when its camera starts dropping frames (its
+  newest frame's capture plus the encoder's `max_lag_s`). Once a waiting chunk has used
+  `deadline_share` of the time to its deadline, the cameras are at risk: every step encodes, first,
+  with no share limit; no question starts, and those being answered take one decode step an
+  encode step, beside it, until no chunk is that late. Questions can slow encoding down (their
+  steps beside it, their batch growing), but not past that point: they never make a camera that
+  encoding alone keeps up with drop a frame;
+- encoding: otherwise, whenever chunks wait, they get at least `encode_share` of recent GPU time,
+  up to `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no
+  question waits; streams are served round-robin, one chunk each an encode step, so when the GPU
+  cannot keep up every stream falls behind (and drops frames) alike. Background lanes (a
+  question's temporary cache of past frames) come after every stream: they fill the places of an
+  encode step the streams leave, and their wait never makes encoding due;
+- questions: every active question advances one token a step (at most `max_batch` active), and
+  with `decode_during_encode` never waits out a whole encode step: it decodes beside the step's
+  layers. The others wait in order of arrival, and start (`StepWork.start`) in that order;
 - failures: work that fails fails alone (its future); a failure outside any work (a CUDA error
   that poisons the device) fails all work and stops the loop (`on_fatal`).
 
@@ -22,15 +29,17 @@ that, every step guarantees:
 
 1. tasks (a mirror applying a version, a stream restoring from the store): short, and questions
    may be waiting on them;
-2. questions: one batched forward advances every active generation by a token; waiting ones join
-   it (their prefill rides in the same forward). Skipped when an encode step is due and
-   `decode_before_encode` is off: it then runs beside that step's first kernels;
+2. questions: unless the cameras are at risk, waiting ones start, in order, up to `max_batch`; one
+   batched forward advances every active generation by a token (the prefill of those just started
+   rides in it). Skipped when an encode step is due and `decode_before_encode` is off, or the
+   cameras are at risk: it then runs beside that step's first kernels;
 3. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
    one prefill forward. Questions being answered decode beside it, launched between its layers
    (interleave.py), and those arriving meanwhile join them once all they read is on the device
-   (`StepWork.may_start_beside`). A stream whose chunk set off an exact eviction adds one piece of
-   its rebuild (at most `EvictionPolicy.rebuild_piece_tokens` tokens) to each encode step instead,
-   until its rebuilt version is published; its next chunk waits for that, as it must.
+   (`StepWork.may_start_beside`), unless the cameras are at risk. A stream whose chunk set off an
+   exact eviction adds one piece of its rebuild (at most `EvictionPolicy.rebuild_piece_tokens`
+   tokens) to each encode step instead, until its rebuilt version is published; its next chunk
+   waits for that, as it must.
 
 **Settings** (`SchedulePolicy` declares each with its default and help; the services set them as
 `gpu_*`, see README):
@@ -41,7 +50,8 @@ that, every step guarantees:
 | `max_chunks` | chunks encoded together: bounds how long one encode step holds up questions |
 | `encode_share` | share of recent GPU time encoding always gets while questions also wait |
 | `chunk_deadline_s` | a chunk waiting longer makes encoding due up to `max_encode_share` |
-| `max_encode_share` | the most encoding takes from waiting questions (they keep the rest) |
+| `max_encode_share` | the most encoding takes from waiting questions while no camera is at risk |
+| `deadline_share` | a chunk that used this share of the time to its deadline puts the cameras at risk (above) |
 | `window_s` | about how long the shares are measured over (an exponential decay) |
 | `decode_during_encode` | questions being answered decode beside an encode step, between its layers |
 | `decode_before_encode` | questions take a step alone before each encode step; off, beside its first kernels |
@@ -52,6 +62,7 @@ that, every step guarantees:
 from __future__ import annotations
 
 import contextlib
+import math
 import sys
 import threading
 import time
@@ -66,7 +77,7 @@ import structlog
 from common.engine.interleave import interleaved
 from common.engine.phases import PhaseClock, clock_this_thread, phase
 from common.engine.settings import setting
-from common.engine.work import BatchWork, Launched, StepWork, fail_all
+from common.engine.work import BatchWork, Launched, StepWork, fail_all, start
 
 if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy without torch
     from common.engine.profiling import StepProfiler
@@ -115,7 +126,13 @@ class SchedulePolicy:
         1.0, "a chunk waiting longer than this gets encoding up to `gpu_max_encode_share` (live cameras stay live)"
     )
     max_encode_share: float = setting(
-        0.9, "encoding's share of GPU time while a chunk is late (questions keep the rest)"
+        0.9, "encoding's share of GPU time while a chunk is late and no camera is at risk (questions keep the rest)"
+    )
+    deadline_share: float = setting(
+        0.5,
+        "cameras first: once a live chunk has waited this share of the time its camera allows (the encoder's "
+        "`max_lag_s`, after which its frames are dropped), every step encodes, with no share limit, no question "
+        "starts, and questions being answered take one decode step an encode step, until no chunk is that late",
     )
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = setting(
@@ -153,6 +170,8 @@ class SchedulePolicy:
             raise ValueError("max_batch and max_chunks must be at least 1")
         if not (0.0 <= self.encode_share <= 1.0 and 0.0 <= self.max_encode_share <= 1.0):
             raise ValueError("encode_share and max_encode_share are shares of GPU time, from 0 to 1")
+        if not 0.0 < self.deadline_share <= 1.0:
+            raise ValueError("deadline_share is a share of the time to a chunk's deadline: above 0, at most 1")
         if self.decode_sms < 0:
             raise ValueError("decode_sms must be >= 0")
         if self.chunk_deadline_s < 0 or self.window_s <= 0:
@@ -174,14 +193,17 @@ class Scheduler:
         on_fatal: Callable[[BaseException], None] | None = None,
         profiler: StepProfiler | None = None,
         on_settled: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
         "encode" (chunk work runs) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
         runs in the loop's thread when a step fails outside any work (a CUDA error that poisons the
         device, say): all work has failed and no more will run, so a service exits there.
         `profiler` traces steps when asked to (profiling.py). `on_settled()` runs after every
-        step, once the device has finished it (the KV pool's deferred frees, pool.py)."""
+        step, once the device has finished it (the KV pool's deferred frees, pool.py). `clock`: what
+        the decisions read (waits, deadlines, the shares' step times); tests drive one by hand."""
         self.policy = policy or SchedulePolicy()
+        self.clock = clock
         self.on_step, self.on_fatal, self.profiler = on_step, on_fatal, profiler
         self.on_settled = on_settled
         self._lock = threading.Condition()
@@ -192,6 +214,8 @@ class Scheduler:
         self._in_flight: tuple[float, list[tuple[Launched, list[StepWork]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
+        self.at_risk = False  # this step: a waiting chunk is near its deadline (cameras first)
+        self._beside = 0  # decode steps launched beside the encode step under way
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         # (green context, its CUDA stream) without `decode_sms` SMs; made here, so that a platform
@@ -213,7 +237,7 @@ class Scheduler:
             return work.future
         with self._lock:
             if isinstance(work, BatchWork):
-                work.waiting_since = min(work.waiting_since, time.monotonic())
+                work.waiting_since = min(work.waiting_since, self.clock())
                 self._lanes.setdefault(work.lane, deque()).append(work)
             else:
                 self._waiting.append(work)
@@ -266,6 +290,11 @@ class Scheduler:
         self._fail_everything(RuntimeError("the GPU scheduler stopped"))
 
     @property
+    def queued(self) -> int:
+        """Step work (questions) waiting to start."""
+        return len(self._waiting)
+
+    @property
     def thread(self) -> threading.Thread | None:
         """The loop's thread, once started."""
         return self._thread
@@ -282,7 +311,9 @@ class Scheduler:
 
     def _step(self) -> None:
         self._run_tasks()
-        self._admit()
+        self.at_risk = self._cameras_at_risk()
+        if not self.at_risk:
+            self._admit()
         questions = bool(self._active)
         encode_first = questions and self._encodes_first()
         if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
@@ -291,15 +322,27 @@ class Scheduler:
             self._timed("encode", self._encode)
 
     def _encodes_first(self) -> bool:
-        """Without `decode_before_encode`, an encode step that is due starts at once, and the
-        questions' step goes beside its first kernels (_encode_batch) instead of alone before it,
-        the device half idle (a decode step alone leaves the GPU's compute unused)."""
+        """Without `decode_before_encode`, or with the cameras at risk, an encode step that is due
+        starts at once, and the questions' step goes beside its first kernels (_encode_batch)
+        instead of alone before it, the device half idle (a decode step alone leaves the GPU's
+        compute unused)."""
         policy = self.policy
         return (
-            not policy.decode_before_encode
+            (self.at_risk or not policy.decode_before_encode)
             and policy.decode_during_encode
             and bool(self._lanes)
             and self._encode_is_due()
+        )
+
+    def _cameras_at_risk(self) -> bool:
+        """Whether a waiting chunk has used `deadline_share` of the time from when it began to
+        wait to its deadline (when its camera would start dropping frames)."""
+        share, now = self.policy.deadline_share, self.clock()
+        with self._lock:
+            heads = [lane[0] for lane in self._lanes.values() if lane]
+        return any(
+            work.deadline != math.inf and now >= work.waiting_since + share * (work.deadline - work.waiting_since)
+            for work in heads
         )
 
     def _run_tasks(self) -> None:
@@ -320,15 +363,17 @@ class Scheduler:
                 future.set_exception(e)
 
     def _admit(self, beside: bool = False) -> None:
-        """Waiting work becomes active, in order, up to `max_batch`; `beside` an encode step in
-        flight, only those that may start there (the others keep their place)."""
+        """Waiting work starts and becomes active, in order, up to `max_batch`; `beside` an encode
+        step in flight, only what may start there (the rest keeps its place)."""
         with self._lock:
+            starting = []
             for work in list(self._waiting):
-                if len(self._active) >= self.policy.max_batch:
-                    return
+                if len(self._active) + len(starting) >= self.policy.max_batch:
+                    break
                 if not beside or work.may_start_beside():
                     self._waiting.remove(work)
-                    self._active.append(work)
+                    starting.append(work)
+        self._active += [work for work in starting if start(work)]  # outside the lock: callers submit meanwhile
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
@@ -398,10 +443,11 @@ class Scheduler:
             if not wait and not all(launched.ready() for launched, _ in self._in_flight[1]):
                 return
             self._complete_in_flight()
-        if self.policy.join_during_encode:
+        if self.policy.join_during_encode and not self.at_risk:
             self._admit(beside=True)
-        if self._active:
+        if self._active and not (self.at_risk and self._beside):  # at risk: one a step, the rest is encoding's
             self._launch(alongside=True)
+            self._beside += 1
 
     def _encode(self) -> int:
         self._count_idle_as(encoding=True)
@@ -411,6 +457,7 @@ class Scheduler:
             self._count_idle_as(encoding=False)
 
     def _encode_batch(self) -> int:
+        self._beside = 0
         with self._lock:
             batch: list[BatchWork] = []
             for lane in self._lanes_first()[: self.policy.max_chunks]:
@@ -419,7 +466,7 @@ class Scheduler:
                 if queue:
                     self._lanes[lane] = queue  # back of the line: the next batch starts elsewhere
         alongside = self.policy.decode_during_encode and (self.policy.join_during_encode or bool(self._active))
-        waited = time.monotonic() - min(work.waiting_since for work in batch)
+        waited = self.clock() - min(work.waiting_since for work in batch)
         leave = self._fewer_sms is not None and self.policy.leaves_sms(alongside, waited)
         with interleaved(self._decode_alongside) if alongside else contextlib.nullcontext():
             # A decode step now, beside the step's first kernels: the first hook comes only after
@@ -465,7 +512,7 @@ class Scheduler:
             self._decode_alongside(wait=True)  # a high-priority step: a few milliseconds
 
     def _may_join(self) -> bool:
-        if not self.policy.join_during_encode:
+        if not self.policy.join_during_encode or self.at_risk:
             return False
         with self._lock:
             return any(work.may_start_beside() for work in self._waiting)
@@ -480,9 +527,10 @@ class Scheduler:
                 self._lanes[work.lane] = queue
 
     def _encode_is_due(self) -> bool:
-        """Questions are waiting too: encode while below the guaranteed share, or while a chunk is
-        past its deadline and below the most encoding may take from questions."""
-        if self._total_s == 0.0:
+        """Questions are waiting too: encode while the cameras are at risk, while below the
+        guaranteed share, or while a chunk is past `chunk_deadline_s` and below the most encoding
+        may take from questions."""
+        if self.at_risk or self._total_s == 0.0:
             return True
         share = self._encode_s / self._total_s
         return share < self.policy.encode_share or (
@@ -493,17 +541,17 @@ class Scheduler:
         with self._lock:
             waits = (lane[0].waiting_since for lane in self._lanes.values() if lane and not lane[0].background)
             oldest = min(waits, default=None)
-        return 0.0 if oldest is None else time.monotonic() - oldest
+        return 0.0 if oldest is None else self.clock() - oldest
 
     def _timed(self, kind: str, fn: Callable[[], int]) -> None:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         with phase(kind):  # also the step's range in a trace being taken
             units = fn()
             with phase("device wait"):
                 _settle()
         if self.on_settled is not None:
             self.on_settled()
-        spent = time.perf_counter() - t0
+        spent = self.clock() - t0
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
         self._total_s = self._total_s * decay + spent

@@ -50,6 +50,7 @@ class Chunk:
     video: torch.Tensor | None = None  # (T, H, W, 3) uint8, patchified on the device (frames.py)
     embeds: torch.Tensor | None = None
     waiting_since: float = math.inf  # time.monotonic() since when its camera waits (BatchWork's)
+    deadline: float = math.inf  # time.monotonic() when its camera starts dropping frames (BatchWork's)
 
 
 @dataclass
@@ -118,13 +119,16 @@ class StreamEngine:
         capture_times: Sequence[float] | None = None,
         frame_seqs: Sequence[int] | None = None,
         waiting_since: float = math.inf,
+        deadline: float = math.inf,
     ) -> Version:
         """Encode one chunk (any positive count; an odd tail is padded by repeating the last
         frame) and publish the version that contains it. Bad input raises before any state
         changes. `waiting_since`: time.monotonic() since when the chunk has been ready, where that
-        was before this call (a live camera's backlog): the scheduler's deadline counts from it."""
+        was before this call (a live camera's backlog): the scheduler's deadline counts from it.
+        `deadline`: when the camera starts dropping frames if the chunk is not done (scheduler.py:
+        cameras first)."""
         chunk = self.prepare(frames, capture_times, frame_seqs)
-        chunk.waiting_since = waiting_since
+        chunk.waiting_since, chunk.deadline = waiting_since, deadline
         return self.finish(self.submit(chunk).result())
 
     def append_embeddings(
@@ -284,7 +288,7 @@ class ChunkWork(BatchWork):
         self.engine, self.chunk = engine, chunk
         self.lane = engine.spec.name
         self.background = engine.background
-        self.waiting_since = chunk.waiting_since
+        self.waiting_since, self.deadline = chunk.waiting_since, chunk.deadline
         self.started: tuple[Region, int, Segment] | None = None  # where the chunk was prefilled; its segment
         self.original: torch.Tensor | None = None  # its K/V as prefilled, for `on_segment`
         self.positions: torch.Tensor | None = None  # where it was prefilled, for its retrieval vector

@@ -48,6 +48,9 @@ class BatchWork(Work):
     # below every lane that is not: it takes only the places of an encode step those leave, and
     # its wait never makes encoding due (a history question's re-encode yields to live cameras)
     background: bool = False
+    # time.monotonic() by which it must be done, or its camera drops frames (a live chunk: its
+    # newest frame's capture plus the encoder's lag limit); inf: none (a file, a rebuild)
+    deadline: float = math.inf
 
     @classmethod
     def run_batch(cls, batch: Sequence[BatchWork]) -> None:
@@ -78,6 +81,10 @@ class StepWork(Work):
     launched apart from their completion."""
 
     max_batch: ClassVar[int] = 64
+
+    def start(self) -> None:
+        """It leaves the queue for its first step: the executor calls this once, before that
+        step, in the thread that runs it (work takes what it needs only now, not while it waits)."""
 
     def may_start_beside(self) -> bool:
         """Whether this work, not started yet, may start beside an encode step in flight: only if
@@ -125,6 +132,8 @@ class InlineExecutor:
     def submit(self, work: BatchWork | StepWork) -> Future[Any]:
         run = type(work).run_batch if isinstance(work, BatchWork) else type(work).step_batch
         with self._lock:
+            if isinstance(work, StepWork):
+                start(work)
             while not work.done:
                 run([work])
         return work.future
@@ -132,6 +141,16 @@ class InlineExecutor:
     def call(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
+
+
+def start(work: StepWork) -> bool:
+    """`work.start()`; False, with the work failed, if that raised (its own failure, e.g. no room)."""
+    try:
+        work.start()
+    except Exception as e:
+        fail_all([work], e)
+        return False
+    return True
 
 
 def fail_all(batch: Sequence[BatchWork | StepWork], error: BaseException) -> None:
