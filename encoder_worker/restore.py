@@ -109,7 +109,7 @@ class Restorer:
         self.device = device
         cuda = device.type == "cuda"
         slot_bytes = -(-slot_bytes // ALIGN) * ALIGN  # every slot starts aligned too
-        arena = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=cuda)
+        arena = torch.empty(slots * slot_bytes, dtype=torch.uint8, pin_memory=cuda and slots * slot_bytes > 0)
         self._slots: queue.SimpleQueue[_Slot] = queue.SimpleQueue()
         for i in range(slots):
             self._slots.put(_Slot(arena[i * slot_bytes : (i + 1) * slot_bytes], cuda))
