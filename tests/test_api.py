@@ -762,8 +762,8 @@ def test_the_page_on_a_phone_asks_multiple_choice_shows_the_queue_and_acknowledg
             assert page.evaluate("document.documentElement.scrollWidth") <= 390, "sideways overflow once answered"
 
             page.locator(f'#alerts li[data-alert="{alert.id}"]').click()
-            page.wait_for_function("document.querySelector('#alert-dialog img').naturalWidth === 64")
-            page.locator("#alert-dialog button.ack").click()
+            page.wait_for_function("document.querySelector('#evidence-dialog img').naturalWidth === 64")
+            page.locator("#evidence-dialog button.ack").click()
             page.wait_for_selector(f'#alerts li.acked[data-alert="{alert.id}"]')
         finally:
             browser.close()

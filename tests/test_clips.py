@@ -282,8 +282,8 @@ def test_the_page_plays_an_answers_and_an_alerts_evidence_clip(redis_url, frames
             assert 4.0 <= duration <= 5.5, duration  # frames T0+1 .. T0+5, and the last one shown a while
 
             page.locator('#alerts li[data-alert="a1"]').click()
-            page.locator("#alert-dialog .evidence button.clip").click()
-            width, height, duration = page.wait_for_function(_PLAYABLE, arg="#alert-dialog").json_value()
+            page.locator("#evidence-dialog .evidence button.clip").click()
+            width, height, duration = page.wait_for_function(_PLAYABLE, arg="#evidence-dialog").json_value()
             assert [width, height] == [W, H] and 2.0 <= duration <= 3.5, duration  # T0+5 .. T0+7
         finally:
             browser.close()

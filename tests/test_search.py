@@ -8,6 +8,7 @@ with nothing indexed is an empty list; bad parameters are refused at once (API 4
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -79,11 +80,12 @@ def _encode(rt: Runtime, r: redis.Redis, url: str, tmp: Path, cam: str, frames: 
     stop(svc, r)
 
 
-@pytest.fixture
-def worker(rt, world) -> Iterator[Answerer]:
-    """A worker answering what reaches `svqa:questions` (searches need no stream owner)."""
+@contextlib.contextmanager
+def answering(rt: Runtime, world: dict, **options) -> Iterator[Answerer]:
+    """A worker answering what reaches `svqa:questions` (searches need no stream owner), in a
+    thread; ``options``: the Answerer's (history_max_tokens)."""
     r = world["r"]
-    answerer = Answerer(rt, r, lambda *_: None, lambda _: True, consumer="w", framelog_dir=str(world["log"]))
+    answerer = Answerer(rt, r, lambda *_: None, lambda _: True, consumer="w", framelog_dir=str(world["log"]), **options)
     reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "w", block_ms=100)
     done = threading.Event()
 
@@ -93,9 +95,17 @@ def worker(rt, world) -> Iterator[Answerer]:
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    yield answerer
-    done.set()
-    thread.join(10)
+    try:
+        yield answerer
+    finally:
+        done.set()
+        thread.join(10)
+
+
+@pytest.fixture
+def worker(rt, world) -> Iterator[Answerer]:
+    with answering(rt, world) as answerer:
+        yield answerer
 
 
 def oracle(rt: Runtime, world: dict, query: str) -> list[tuple[float, str, int]]:

@@ -1,8 +1,10 @@
-// streamvqa web page: cameras (latest frame, status), ask with a streamed answer, transcript, alerts.
+// streamvqa web page: cameras (latest frame, status), ask with a streamed answer (now or about a
+// past span), transcript, alerts, search of the past with thumbnails, and the clips of what was seen.
 // Plain JS over the HTTP API; text from the model or the cameras file is only ever set as textContent.
 "use strict";
 
 const REFRESH = { frame: 1000, status: 2000, transcript: 3000, alerts: 3000 };
+const SEARCH_LIMIT = 24; // results a search shows
 // The source's newest state (ingest events) -> badge text and style.
 const BADGES = {
   connected: ["live", "up"], eof: ["file ended", "ended"], reconnecting: ["reconnecting", "down"],
@@ -15,16 +17,37 @@ function authHeaders(extra = {}) {
   return token ? { ...extra, Authorization: `Bearer ${token}` } : extra;
 }
 
+// A failed request as an Error: the API's message, the field it names (`param`: prefixed where the
+// message does not say it) and, for a busy API (503, 429), when to try again (Retry-After).
 async function api(path, options = {}) {
   const res = await fetch(path, { ...options, headers: authHeaders(options.headers) });
   if (!res.ok) {
-    let message = `${res.status} ${res.statusText}`;
-    try { message = (await res.json()).error.message; } catch (_) { /* not our JSON */ }
-    const err = new Error(message);
+    let error = {};
+    try { error = (await res.json()).error || {}; } catch (_) { /* not our JSON */ }
+    const retry = res.headers.get("Retry-After");
+    const err = failure(error.message || `${res.status} ${res.statusText}`, error.param, retry);
     err.status = res.status;
     throw err;
   }
   return res;
+}
+
+function failure(message, param, retryAfter) {
+  let text = param && !message.includes(param) ? `${param}: ${message}` : message;
+  if (retryAfter) text += ` (try again in ${retryAfter} s)`;
+  const err = new Error(text);
+  err.param = param || null;
+  return err;
+}
+
+// The control a refused field names is marked (aria-invalid) until the form is sent again; a span
+// chosen from the presets is the preset's.
+function markInvalid(form, param) {
+  form.querySelectorAll("[aria-invalid]").forEach((c) => c.removeAttribute("aria-invalid"));
+  const custom = form.querySelector(".custom");
+  const name = ["since", "until"].includes(param) && custom && custom.hidden ? "preset" : param;
+  const control = name && form.elements[name];
+  if (control instanceof Element) control.setAttribute("aria-invalid", "true");
 }
 
 function showError(message) {
@@ -42,6 +65,17 @@ function fmtTime(t) {
   return `${m}:${(t - m * 60).toFixed(1).padStart(4, "0")}`;
 }
 
+// A unix time with its date when it is not today's (the past reaches back days).
+function fmtWhen(t) {
+  const d = new Date(t * 1000);
+  const time = d.toLocaleTimeString();
+  return d.toDateString() === new Date().toDateString() ? time : `${d.toLocaleDateString()} ${time}`;
+}
+
+function fmtRange(start, end) {
+  return `${fmtWhen(start)} – ${fmtTime(end)}`;
+}
+
 function el(tag, text, cls) {
   const node = document.createElement(tag);
   if (text !== undefined) node.textContent = text;
@@ -54,8 +88,13 @@ function card(name) {
   const node = document.getElementById("camera").content.firstElementChild.cloneNode(true);
   node.dataset.stream = name;
   node.querySelector(".name").textContent = name;
-  node.querySelector("form.ask").addEventListener("submit", (e) => { e.preventDefault(); ask(name, node); });
+  const form = node.querySelector("form.ask");
+  addSpan(form, form.querySelector(".scope"), "now (live)");
+  form.addEventListener("submit", (e) => { e.preventDefault(); ask(name, node); });
   document.getElementById("cameras").appendChild(node);
+  const option = el("option", name);
+  option.value = name;
+  document.querySelector("form.search select[name=stream]").append(option);
   const entry = { el: node, frameUrl: null };
   cards.set(name, entry);
   refreshFrame(name);
@@ -147,71 +186,223 @@ async function refreshAlerts() {
   } catch (_) { /* shown by the status refresh */ }
 }
 
-// An alert opened: the frame it fired on (fetched with the token, so as a blob), and a button
-// that acknowledges it for everyone (POST .../ack: the first acknowledgement stands).
-let alertFrameUrl = null;
-async function openAlert(a) {
-  const dialog = document.getElementById("alert-dialog");
+// An alert opened: the frame it fired on, its clip, and a button that acknowledges it for
+// everyone (POST .../ack: the first acknowledgement stands).
+function openAlert(a) {
   const path = `/api/streams/${encodeURIComponent(a.stream)}/alerts/${encodeURIComponent(a.id)}`;
-  dialog.querySelector("#alert-title").textContent = `${a.stream} · ${a.job}`;
-  dialog.querySelector(".alert-question").textContent = a.question;
-  const when = dialog.querySelector(".alert-when");
-  when.textContent = alertWhen(a) + (a.acked ? ` · acknowledged ${new Date(a.acked * 1000).toLocaleString()}` : "");
-  const img = dialog.querySelector(".alert-frame");
-  img.removeAttribute("src");
-  img.alt = "the frame the alert fired on";
-  showEvidence(dialog.querySelector(".evidence"), a.evidence);
+  const acked = (t) => ` · acknowledged ${new Date(t * 1000).toLocaleString()}`;
+  const dialog = openEvidence({
+    title: `${a.stream} · ${a.job}`, about: a.question, when: alertWhen(a) + (a.acked ? acked(a.acked) : ""),
+    picture: `${path}/frame.jpg`, alt: "the frame the alert fired on", evidence: a.evidence,
+  });
+  const when = dialog.querySelector(".when");
   const ack = dialog.querySelector("button.ack");
+  ack.hidden = false;
   ack.disabled = Boolean(a.acked);
   ack.onclick = async () => {
     ack.disabled = true;
     try {
-      const { acked } = await (await api(`${path}/ack`, { method: "POST" })).json();
-      a.acked = acked;
-      when.textContent = `${alertWhen(a)} · acknowledged ${new Date(acked * 1000).toLocaleString()}`;
+      a.acked = (await (await api(`${path}/ack`, { method: "POST" })).json()).acked;
+      when.textContent = alertWhen(a) + acked(a.acked);
       document.querySelector(`#alerts li[data-alert="${a.id}"]`)?.classList.add("acked");
     } catch (err) {
       ack.disabled = false;
       when.textContent = `could not acknowledge: ${err.message}`;
     }
   };
-  dialog.showModal();
-  try {
-    const url = URL.createObjectURL(await (await api(`${path}/frame.jpg`)).blob());
-    if (alertFrameUrl) URL.revokeObjectURL(alertFrameUrl);
-    alertFrameUrl = img.src = url;
-  } catch (err) {
-    img.alt = `no frame: ${err.message}`;
-  }
 }
 
-// An answer's or an alert's evidence (its `evidence` field, where the API reads a frames log): a
-// button that fetches its clip with the token (a <video src> would send no Authorization header)
-// and plays it.
+// The dialog for an alert or a search result: a title, what it is about, a picture (fetched with
+// the token, so as a blob), when, and its evidence; `play`: its clip starts at once.
+let pictureUrl = null;
+function openEvidence({ title, about, when, picture, alt, evidence, play = false }) {
+  const dialog = document.getElementById("evidence-dialog");
+  dialog.querySelector("#evidence-title").textContent = title;
+  dialog.querySelector(".about").textContent = about;
+  dialog.querySelector(".when").textContent = when;
+  dialog.querySelector("button.ack").hidden = true;
+  const img = dialog.querySelector("img.picture");
+  img.removeAttribute("src");
+  img.alt = alt;
+  const box = dialog.querySelector(".evidence");
+  showEvidence(box, evidence);
+  if (!dialog.open) dialog.showModal();
+  if (play) box.querySelector("button.clip").click();
+  (async () => {
+    try {
+      const url = URL.createObjectURL(await (await api(picture)).blob());
+      if (pictureUrl) URL.revokeObjectURL(pictureUrl);
+      pictureUrl = img.src = url;
+    } catch (err) {
+      img.alt = `no picture: ${err.message}`;
+    }
+  })();
+  return dialog;
+}
+
+// An answer's or an alert's evidence (its `evidence` field, where the API reads a frames log): what
+// was seen, a button for each of its capture ranges and, with several, one for the evidence's own
+// clip (button.clip: from the first to the last, their newest 10 minutes when they stretch
+// further); a button fetches its clip with the token (a <video src> would send no Authorization
+// header) and plays it.
 const clipUrls = new WeakMap(); // video -> the object URL it plays
 function showEvidence(box, evidence) {
-  const button = box.querySelector("button.clip");
   const video = box.querySelector("video");
   box.hidden = !evidence;
   video.hidden = true;
+  video.pause();
   video.removeAttribute("src");
   if (clipUrls.has(video)) URL.revokeObjectURL(clipUrls.get(video));
   clipUrls.delete(video);
-  button.disabled = false;
-  button.textContent = "▶ clip";
   if (!evidence) return;
-  button.onclick = async () => {
-    button.disabled = true;
-    try {
-      const url = URL.createObjectURL(await (await api(evidence.clip)).blob());
-      clipUrls.set(video, url);
-      video.src = url;
-      video.hidden = false;
-      video.play().catch(() => { /* autoplay refused: the controls are there */ });
-    } catch (err) {
-      button.textContent = `no clip: ${err.message}`;
-    }
+  const ranges = evidence.ranges;
+  const button = (label, path, cls, range) => {
+    const b = el("button", label, cls);
+    b.type = "button";
+    if (range) [b.dataset.from, b.dataset.to] = range;
+    b.addEventListener("click", () => playClip(box, b, path));
+    return b;
   };
+  const buttons = ranges.length === 1
+    ? [button(`▶ ${fmtRange(...ranges[0])}`, evidence.clip, "clip", ranges[0])]
+    : [...ranges.map((r) => button(`▶ ${fmtRange(...r)}`, clipOf(evidence.clip, r), "range", r)),
+      button(`▶ in one clip: ${fmtRange(...clipSpan(evidence.clip))}`, evidence.clip, "clip")];
+  box.querySelector(".ranges").replaceChildren(el("span", "seen", "muted"), ...buttons);
+}
+
+// A clip URL's span, and the same URL for another span.
+function clipSpan(clip) {
+  const params = new URL(clip, location.href).searchParams;
+  return [Number(params.get("from")), Number(params.get("to"))];
+}
+
+function clipOf(clip, [start, end]) {
+  const url = new URL(clip, location.href);
+  url.searchParams.set("from", start.toFixed(3));
+  url.searchParams.set("to", end.toFixed(3));
+  return url.pathname + url.search;
+}
+
+async function playClip(box, button, path) {
+  const video = box.querySelector("video");
+  box.querySelectorAll("button[aria-current]").forEach((b) => b.removeAttribute("aria-current"));
+  button.disabled = true;
+  try {
+    const url = URL.createObjectURL(await (await api(path)).blob());
+    if (clipUrls.has(video)) URL.revokeObjectURL(clipUrls.get(video));
+    clipUrls.set(video, url);
+    video.src = url;
+    video.hidden = false;
+    button.setAttribute("aria-current", "true");
+    video.play().catch(() => { /* autoplay refused: the controls are there */ });
+  } catch (err) {
+    button.textContent = `no clip: ${err.message}`;
+  } finally {
+    button.disabled = false;
+  }
+}
+
+// The span control (template#span) of a search or question, put before `before`; `now`: what no
+// span means there ("any time", "now (live)").
+function addSpan(form, before, now) {
+  const part = document.getElementById("span").content.cloneNode(true);
+  part.querySelector("option").textContent = now;
+  const preset = part.querySelector("select");
+  const custom = part.querySelector(".custom");
+  preset.addEventListener("change", () => {
+    custom.hidden = preset.value !== "custom";
+    if (!custom.hidden) custom.querySelector("input").focus();
+  });
+  form.insertBefore(part, before);
+}
+
+// since/until as the API takes them: a preset, or the free fields.
+function spanOf(form) {
+  const preset = form.elements.preset.value;
+  if (preset !== "custom") return preset ? { since: preset } : {};
+  const span = {};
+  for (const name of ["since", "until"]) {
+    const value = form.elements[name].value.trim();
+    if (value) span[name] = withOffset(value);
+  }
+  return span;
+}
+
+// The API needs a time's UTC offset: one typed without it is the viewer's local time (as the CLI reads it).
+const NAIVE_TIME = /^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d+)?)?$/;
+function withOffset(value) {
+  if (!NAIVE_TIME.test(value)) return value;
+  const local = value.replace(" ", "T");
+  const east = -new Date(local).getTimezoneOffset(); // minutes east of UTC, at that time
+  if (Number.isNaN(east)) return value; // no such day: the API says what is wrong
+  const abs = Math.abs(east);
+  const hhmm = `${String(Math.floor(abs / 60)).padStart(2, "0")}:${String(abs % 60).padStart(2, "0")}`;
+  return `${local}${east < 0 ? "-" : "+"}${hhmm}`;
+}
+
+// A search of the cameras' past: results best first, each its thumbnail, camera, time range and
+// score; a result opens the dialog on its clip, playing.
+const thumbnailUrls = [];
+async function search(form) {
+  const status = document.querySelector("#search .search-status");
+  const list = document.querySelector("#search .results");
+  const button = form.querySelector("button[type=submit]");
+  const q = form.elements.q.value;
+  const params = new URLSearchParams({ q, ...spanOf(form), limit: String(SEARCH_LIMIT) });
+  if (form.elements.stream.value) params.set("stream", form.elements.stream.value);
+  markInvalid(form, null);
+  button.disabled = true;
+  status.className = "search-status muted";
+  status.textContent = "searching…";
+  try {
+    const found = await (await api(`/api/search?${params}`)).json();
+    const took = found.elapsed_s != null ? ` · ${found.elapsed_s.toFixed(2)} s` : "";
+    status.textContent = found.results.length
+      ? `${found.results.length} result(s), best first${took}`
+      : "nothing kept from that span: no chunk of it is indexed";
+    showResults(list, found.results, q);
+  } catch (err) {
+    status.className = "search-status failed";
+    status.textContent = err.message;
+    markInvalid(form, err.param);
+    showResults(list, [], q);
+  } finally {
+    button.disabled = false;
+  }
+}
+
+function showResults(list, results, q) {
+  thumbnailUrls.splice(0).forEach((url) => URL.revokeObjectURL(url));
+  list.replaceChildren(...results.map((hit) => {
+    const range = fmtRange(hit.start, hit.end);
+    const item = el("button", undefined, "result");
+    item.type = "button";
+    [item.dataset.stream, item.dataset.score] = [hit.stream, hit.score];
+    const img = el("img");
+    img.alt = `${hit.stream}, ${range}`;
+    item.append(img, el("span", hit.stream, "stream"), el("span", range, "time"),
+      el("span", `score ${hit.score.toFixed(3)}`, "score"));
+    item.addEventListener("click", () => openEvidence({
+      title: `${hit.stream} · ${range}`, about: `“${q}”: score ${hit.score.toFixed(3)}`,
+      when: `frames ${hit.first_seq}–${hit.last_seq}`, picture: hit.thumbnail,
+      alt: `the frame at the middle of ${range}`, evidence: { ranges: [[hit.start, hit.end]], clip: hit.clip },
+      play: true,
+    }));
+    thumbnail(img, hit.thumbnail);
+    const li = el("li");
+    li.append(item);
+    return li;
+  }));
+}
+
+async function thumbnail(img, path) {
+  try {
+    const url = URL.createObjectURL(await (await api(path)).blob());
+    thumbnailUrls.push(url);
+    img.src = url;
+  } catch (err) {
+    img.alt = `no thumbnail: ${err.message}`;
+  }
 }
 
 // Server-sent events from a POST: read the body and split it into events ourselves.
@@ -258,8 +449,11 @@ function renderScores(box, data) {
   }));
 }
 
+// What an answer saw: a live version's video, or (about the past) the ranges it was answered over.
 function answerMeta(data) {
-  const video = `version ${data.version} · video ${fmtTime(data.t_start)} – ${fmtTime(data.t_end)}`;
+  const video = data.version != null
+    ? `version ${data.version} · video ${fmtTime(data.t_start)} – ${fmtTime(data.t_end)}`
+    : `the past: ${(data.ranges || []).length} range(s) of ${fmtRange(data.t_start, data.t_end)}`;
   const compute = data.first_token_s != null
     ? `first token ${(data.first_token_s * 1000).toFixed(0)} ms · ${data.tokens} tokens in ${data.total_s.toFixed(2)} s`
     : `answered in ${data.total_s.toFixed(2)} s`;
@@ -268,22 +462,28 @@ function answerMeta(data) {
   return `${video} · ${compute}${waited}${total}`;
 }
 
+// A question, now or (with a span, or "search the past": scope history) about the camera's past.
 async function ask(name, node) {
-  const input = node.querySelector("input[name=question]");
-  const choices = node.querySelector("input[name=choices]").value.split(",").map((c) => c.trim()).filter(Boolean);
-  const button = node.querySelector("button");
+  const form = node.querySelector("form.ask");
+  const choices = form.elements.choices.value.split(",").map((c) => c.trim()).filter(Boolean);
+  const button = form.querySelector("button[type=submit]");
   const answer = node.querySelector(".answer");
   const meta = node.querySelector(".answer-meta");
   answer.textContent = "";
   answer.className = "answer streaming";
   meta.textContent = "";
   showEvidence(node.querySelector(".evidence"), null);
+  markInvalid(form, null);
   button.disabled = true;
+  const body = {
+    question: form.elements.question.value, stream: true, ...spanOf(form),
+    ...(choices.length ? { choices } : {}), ...(form.elements.scope.checked ? { scope: "history" } : {}),
+  };
   try {
     const res = await api(`/api/streams/${encodeURIComponent(name)}/ask`, {
       method: "POST",
       headers: { "Content-Type": "application/json", Accept: "text/event-stream" },
-      body: JSON.stringify({ question: input.value, stream: true, ...(choices.length ? { choices } : {}) }),
+      body: JSON.stringify(body),
     });
     for await (const { event, data } of sseEvents(res)) {
       if (event === "queued") {
@@ -294,7 +494,7 @@ async function ask(name, node) {
       }
       else if (event === "restart") answer.textContent = ""; // its worker died: another answers from the start
       else if (event === "final") {
-        if (data.error) throw new Error(data.error);
+        if (data.error) throw failure(data.error, data.param);
         answer.textContent = data.text;
         if (data.scores) {
           const box = el("div", undefined, "scores");
@@ -304,12 +504,13 @@ async function ask(name, node) {
         meta.textContent = answerMeta(data);
         showEvidence(node.querySelector(".evidence"), data.evidence);
         node.dataset.answered = "1";
-      } else if (event === "error") throw new Error(data.error.message);
+      } else if (event === "error") throw failure(data.error.message, data.error.param);
     }
     answer.className = "answer";
   } catch (err) {
     answer.className = "answer failed";
     answer.textContent = err.message;
+    markInvalid(form, err.param);
   } finally {
     button.disabled = false;
   }
@@ -325,6 +526,11 @@ document.addEventListener("DOMContentLoaded", () => {
     localStorage.setItem("svqa-token", token);
     refreshStatus();
   });
+  const searchForm = document.querySelector("form.search");
+  addSpan(searchForm, searchForm.querySelector("button[type=submit]"), "any time");
+  searchForm.addEventListener("submit", (e) => { e.preventDefault(); search(searchForm); });
+  const dialog = document.getElementById("evidence-dialog");
+  dialog.addEventListener("close", () => dialog.querySelector("video").pause());
   every(REFRESH.status, refreshStatus);
   every(REFRESH.alerts, refreshAlerts);
   setInterval(() => cards.forEach((_, name) => refreshFrame(name)), REFRESH.frame);
