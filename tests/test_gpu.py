@@ -343,7 +343,8 @@ def test_frames_patchified_on_the_gpu_equal_the_cpu_pixels():
 
 def test_segments_reach_the_store_as_the_pool_holds_them(rt):
     """The K/V copy to the host is asynchronous (page-locked, waited for in `finish`): what
-    `on_segment` gets is what the pool holds, in ordinary host memory."""
+    `on_segment` gets is what the pool holds, in that page-locked host memory (the segment writer
+    takes it as it is, with no clone)."""
     from common.engine.grid import Grid, StreamSpec
     from common.engine.stream_engine import StreamEngine
 
@@ -354,7 +355,7 @@ def test_segments_reach_the_store_as_the_pool_holds_them(rt):
     view = engine.head.view
     offset = 0
     for segment, kv in got:
-        assert kv.device.type == "cpu" and not kv.is_pinned()
+        assert kv.device.type == "cpu" and kv.is_pinned()
         assert torch.equal(kv, view.kv[:, :, :, offset : offset + segment.tokens].cpu())
         offset += segment.tokens
     assert got[0][0].id == "prefix" and offset == engine.head.tokens
