@@ -39,6 +39,7 @@ import redis
 import torch
 
 from common.engine.kvcache import chunk_id
+from common.faults import fault_point
 from common.files import fsync_dir, write_all
 from common.redisio import connect
 from common.wire import keys
@@ -241,7 +242,9 @@ class DirectoryStore:
                 Path(entry.path).unlink(missing_ok=True)
         stored = [e.name[: -len(_SUFFIX)] for e in entries if e.name.endswith(_SUFFIX) and not e.name.startswith(".")]
         drop = _unkept(stored, keep)
-        for segment_id in drop:
+        for i, segment_id in enumerate(drop):
+            if i:
+                fault_point("persist.mid_gc")
             self.path(stream, segment_id).unlink(missing_ok=True)
         return len(drop)
 

@@ -32,6 +32,7 @@ import structlog
 import torch
 
 from common import health, metrics
+from common.faults import fault_point
 from common.segment_store import SegmentStore, StoreUnavailable
 
 log = structlog.get_logger()
@@ -78,7 +79,9 @@ class SegmentWriter:
                 self._room.wait(0.5)
             self._queued += nbytes
             metrics.STORE_QUEUE_BYTES.set(self._queued)
-        return self._submit(_Op(stream, segment_id, lambda: self.store.put(stream, segment_id, kv), nbytes))
+        future = self._submit(_Op(stream, segment_id, lambda: self.store.put(stream, segment_id, kv), nbytes))
+        fault_point("persist.copy_queued")
+        return future
 
     def gc(self, stream: str, keep: Iterable[str]) -> Future:
         """Queue the collection of the stream's segments not in ``keep`` (after its queued puts)."""

@@ -32,6 +32,7 @@ from common.engine.grid import StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.runtime import Runtime
 from common.engine.stream_engine import StreamEngine
+from common.faults import fault_point
 from common.framelog import FrameLog, FrameLogError, decode
 from common.segment_store import SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
@@ -249,6 +250,7 @@ class OwnedStream:
         version = self.engine.head
         if self.published != version.id:
             self.publish(version)
+        fault_point("persist.before_ack")
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
         self.pending = []
         lag = time.time() - frames[-1].ts if self.live else None
@@ -276,6 +278,7 @@ class OwnedStream:
         """Manifest to `versions` and `head`, once its new segments are written (queued by
         `on_segment`); then the segments no recent version holds are collected, by the writer."""
         self._await_writes()
+        fault_point("persist.before_publish")
         manifest = to_manifest(version, self.engine.spec)
         if not publish_fenced(self.r, self.name, self.cfg.consumer, manifest, self.cfg.versions_maxlen):
             raise LeaseLost(self.name)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine.kvcache import CacheState
+from common.faults import fault_point
 from common.segment_store import DirectoryStore, SegmentStore, SegmentStoreError, embeds_id, payload_tensor
 
 PIECE_BYTES = 8 << 20  # read and checked at a time: a few calls a segment, still in cache for the CRC
@@ -130,7 +131,10 @@ class Restorer:
         jobs = {sid: self._readers.submit(self._read, store, stream, sid, slot) for sid in segments}
         embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c), slot) for c in chunks}
         try:
-            kv = {sid: job.result() for sid, job in jobs.items()}
+            kv = {}
+            for sid, job in jobs.items():
+                kv[sid] = job.result()
+                fault_point("persist.mid_restore")
         except BaseException:
             for job in [*jobs.values(), *embeds_jobs.values()]:
                 job.cancel()
