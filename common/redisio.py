@@ -317,11 +317,15 @@ class GroupReader:
         for s in streams:
             self.add(s)
 
-    def add(self, stream: str) -> None:
+    def add(self, stream: str, *, claimed: bool = False) -> None:
         """Follow ``stream`` from the next read on. Its group is made there, not here: a read runs
-        where the caller rides out Redis outages, a constructor does not."""
+        where the caller rides out Redis outages, a constructor does not. ``claimed``: this life
+        took the stream's pending entries with ``claim_stale``, which counted its delivery of them;
+        its history is then re-read without counting another."""
         self.groupless.add(stream)
         self.cursors[stream] = "0"
+        if claimed:
+            self.quiet.add(stream)
 
     def remove(self, stream: str) -> None:
         self.cursors.pop(stream, None)

@@ -330,7 +330,7 @@ class EncoderService:
     def _attach(self, name: str, owned: OwnedStream) -> None:
         """An opened stream joins the owned ones and is read from now on (this thread only)."""
         self.owned[name] = owned
-        self.reader.add(keys.frames(name))
+        self.reader.add(keys.frames(name), claimed=True)  # `_open` claimed them: one delivery this life
         event(self.r, name, "encoder_attached", consumer=self.cfg.consumer, **owned.opened)
         log.info("stream attached", stream=name, **owned.opened)
 
