@@ -46,6 +46,7 @@ from common.wire.schemas import (
     FrameMsg,
     Manifest,
     SchemaError,
+    decode_manifest,
     encode_manifest,
     frame_entry_cap,
     frame_follow_problem,
@@ -86,7 +87,10 @@ class OwnedStream:
         frames: redis.Redis | None = None,
         writes: list[Future] | None = None,
         features: list[tuple[Segment, torch.Tensor]] | None = None,
+        recent_manifests: list[Manifest] | None = None,
     ):
+        """``recent_manifests``: the newest versions already published (a new owner's), whose
+        segments collections keep until newer versions take their place."""
         self.r, self.writer, self.cfg = r, writer, cfg
         self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
         self.features = features if features is not None else []  # the unpublished chunks' retrieval vectors
@@ -95,7 +99,7 @@ class OwnedStream:
         self.name = engine.spec.name
         self.live = live
         self.pending: list[tuple[str, FrameMsg]] = []
-        self.recent_manifests: list[Manifest] = []
+        self.recent_manifests: list[Manifest] = list(recent_manifests or [])
         self.dropped: Counter[str] = Counter()  # frames dropped, by reason
         self._drop_event_at: dict[str, float] = {}  # when each reason's last `dropped` event went out
         self.duplicate_run = 0  # duplicates since the last frame taken
@@ -388,6 +392,7 @@ def open_stream(
             restorer.close()
     policy = cfg.eviction_policy()
     spec, live = stream_spec(r, name, cfg.chunk_frames)
+    kept = _kept_manifests(r, name, cfg.keep_versions)
     writes: list[Future] = []
     features: list[tuple[Segment, torch.Tensor]] = []
     sinks = dict(
@@ -398,7 +403,7 @@ def open_stream(
 
     def new_life() -> OwnedStream:  # version ids start over, under a new epoch
         engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
-        return OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
+        return OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept)
 
     raw = r.get(keys.head(name))
     state = loaded = None
@@ -422,7 +427,7 @@ def open_stream(
         )
     finally:
         loaded.release()  # its copies are queued: the slot is reused once they are done
-    owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features)
+    owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept)
     owned.opened = {
         "gb": round(loaded.nbytes / 1e9, 3),
         "read_s": round(loaded.read_s, 3),  # read and checked into host memory, a slot's wait included
@@ -436,6 +441,19 @@ def open_stream(
         **owned.opened,
     )
     return owned
+
+
+def _kept_manifests(r: redis.Redis, name: str, keep: int) -> list[Manifest]:
+    """The newest ``keep`` manifests on the stream's versions, oldest first. A new owner's first
+    collections keep their segments too: a mirror may still be loading one of those versions, and
+    collected with only the new owner's own versions in mind, they were gone at its first publish."""
+    kept = []
+    for _, fields in reversed(r.xrevrange(keys.versions(name), count=keep)):
+        try:
+            kept.append(decode_manifest(fields))
+        except SchemaError:
+            continue  # a damaged entry names nothing to keep
+    return kept
 
 
 def _started(owned: OwnedStream) -> OwnedStream:

@@ -86,6 +86,7 @@ def encoder_job(r: redis.Redis) -> None:
     redisio.claim_stale(r, keys.frames(CAM), keys.ENCODER_GROUP, "enc", 0)
     assert Lease(r, CAM, "enc", 5000).acquire()
     assert publish_fenced(r, CAM, "enc", _manifest(stream=CAM), 100)
+    r.xrevrange(keys.versions(CAM), count=4)  # a new owner keeps what the newest versions name
     r.hgetall(keys.meta(CAM))
     r.set(keys.segment(CAM, "s1"), b"kv")
     redisio.dead_letter(r, keys.frames(CAM), entries[0][1], entries[0][2], "test", group=keys.ENCODER_GROUP)
