@@ -21,7 +21,9 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future
+from typing import Any
 
 import redis
 import structlog
@@ -46,11 +48,14 @@ from common.wire.schemas import (
     FrameMsg,
     Manifest,
     SchemaError,
+    check_frame_entry,
     decode_manifest,
     encode_manifest,
     frame_entry_cap,
     frame_follow_problem,
+    frame_header,
     manifest_from_bytes,
+    unpack_frame,
 )
 from encoder_worker.config import EncoderConfig
 from encoder_worker.restore import Restorer
@@ -136,7 +141,7 @@ class OwnedStream:
         if isinstance(msg, EndOfStream):
             return self._end(entry_id, msg)
         if msg.seq <= self.last_seq:
-            self._duplicate(entry_id, msg)
+            self._duplicate(entry_id, msg.seq)
             return None
         grid = self.engine.spec.grid
         if (msg.h, msg.w) != (grid.height, grid.width):
@@ -173,7 +178,23 @@ class OwnedStream:
         waited_from = max(ts, self.taken_at) if self.taken_at - ts <= self.cfg.max_lag_s else ts
         return time.time() - waited_from > self.cfg.max_lag_s
 
-    def _duplicate(self, entry_id: str, msg: FrameMsg) -> None:
+    def refused_duplicate(self, entry_id: str, fields: Mapping[Any, Any]) -> bool:
+        """An entry refused (delivered too often, say) whose frame the stream already holds: crashes
+        between its chunk's publish and its ack redelivered it to every life since. It is taken as
+        the duplicate it is, not dead-lettered: a frame in the cache must not also be reported as
+        dropped. Its pixels are not decoded; False for anything but a frame's valid header."""
+        try:
+            check_frame_entry(fields, self.entry_cap)
+            m = unpack_frame(fields)
+            seq = None if m.get("eos", False) else frame_header(m)[0]
+        except SchemaError:
+            return False
+        if seq is None or seq > self.engine.head.last_frame_seq:  # not in the cache (perhaps pending)
+            return False
+        self._duplicate(entry_id, seq)
+        return True
+
+    def _duplicate(self, entry_id: str, seq: int) -> None:
         """A frame at or below the stream's last seq: acked, not encoded. A crash between a publish
         and its ack redelivers at most one chunk of them; a longer run is real frames behind a seq
         that ran ahead of them (a forged frame inside the bound): dropped as `seq_behind`, reported."""
@@ -182,7 +203,7 @@ class OwnedStream:
             metrics.FRAMES_DROPPED.labels(self.name, "duplicate").inc()
             self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
             return
-        self._drop(entry_id, "seq_behind", seq=msg.seq, last_frame_seq=self.last_seq, run=self.duplicate_run)
+        self._drop(entry_id, "seq_behind", seq=seq, last_frame_seq=self.last_seq, run=self.duplicate_run)
 
     def _taken(self, msg: FrameMsg) -> None:
         """A frame goes into the next chunk: a run of duplicates is over, and an end-of-stream

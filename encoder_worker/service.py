@@ -430,6 +430,8 @@ class EncoderService:
     def _reject(self, frames_key: str, entry_id: str, fields: dict, reason: str) -> None:
         name = keys.stream_of(frames_key)
         owned = self.owned.get(name)
+        if owned is not None and owned.refused_duplicate(entry_id, fields):
+            return
         if owned is not None:
             owned.reject(entry_id, fields, reason)
         else:
