@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,15 +74,26 @@ class ChunkIndex:
 
     def add(self, f: ChunkFeatures) -> bool:
         """Index one chunk; False if it is there already."""
-        chunk = (f.frame_seqs[0], f.capture_range[0])
-        if chunk in self.chunks:
-            return False
-        key = self.next_key
-        self.graph.add(key, f.vector)
-        self.rows[key] = (*f.capture_range, *f.frame_seqs, f.frames)
-        self.chunks[chunk] = key
-        self.next_key, self.dirty, self._table = key + 1, True, None
-        return True
+        return self.extend([f]) == 1
+
+    def extend(self, features: Sequence[ChunkFeatures]) -> int:
+        """Index these chunks, the new ones in one call to the graph (built by all its threads:
+        a day of a camera's chunks at once); how many were new (one already indexed, or given
+        twice, is added once)."""
+        new: dict[tuple[int, float], ChunkFeatures] = {}
+        for f in features:
+            chunk = (f.frame_seqs[0], f.capture_range[0])
+            if chunk not in self.chunks:
+                new.setdefault(chunk, f)
+        if not new:
+            return 0
+        keys = range(self.next_key, self.next_key + len(new))
+        self.graph.add(np.array(keys, dtype=np.uint64), np.stack([f.vector for f in new.values()]))
+        for key, (chunk, f) in zip(keys, new.items(), strict=True):
+            self.rows[key] = (*f.capture_range, *f.frame_seqs, f.frames)
+            self.chunks[chunk] = key
+        self.next_key, self.dirty, self._table = keys.stop, True, None
+        return len(new)
 
     def remove_before(self, ts: float) -> int:
         """Forget the chunks captured (from their first frame) before ``ts``; how many."""

@@ -232,3 +232,24 @@ def test_a_crash_between_the_two_files_leaves_a_consistent_index(tmp_path):
     assert rows(reopened) == [(0, 3)] and len(reopened.graph) == 1, "the stray vector dropped"
     reopened.add(planted(8, vs[2]))
     assert reopened.search(vs[2], 1)[0].first_seq == 8
+
+
+def test_chunks_added_at_once_are_indexed_as_one_by_one(tmp_path):
+    """`extend` (a day of chunks in one call to the graph) keeps what `add` keeps: the same rows
+    under the same keys, each chunk once (given twice, or indexed already), each vector its own
+    nearest; and it survives a save like any index."""
+    vs = vectors(40, seed=5)
+    chunks = [planted(4 * i, v) for i, v in enumerate(vs)]
+    one_by_one = ChunkIndex("tiny-random", LAYERS, 64)
+    assert [one_by_one.add(f) for f in chunks[:30]] == [True] * 30
+    at_once = ChunkIndex("tiny-random", LAYERS, 64)
+    assert at_once.extend([*chunks[:30], chunks[3]]) == 30, "a chunk given twice, once"
+    assert at_once.rows == one_by_one.rows and at_once.next_key == one_by_one.next_key == 30
+    assert at_once.extend(chunks[25:]) == 10, "those indexed already are left out"
+    assert at_once.extend([]) == 0 and not at_once.add(chunks[0])
+    (tmp_path / CAM).mkdir()
+    at_once.save(tmp_path / CAM)
+    reopened = saved(tmp_path)
+    assert rows(reopened) == [(4 * i, 4 * i + 3) for i in range(40)]
+    for i in (0, 29, 39):
+        assert reopened.search(vs[i], 1)[0].first_seq == 4 * i
