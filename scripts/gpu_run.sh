@@ -22,6 +22,13 @@
 #                window or just before it changes the numbers: the worker's logs say which.
 #                STORE=URL: another segment store than the product's default (shm://, about 1.3 GB
 #                of /dev/shm a camera: 64 cameras need it remounted larger than half of 128 GiB)
+#     history    bench_pipeline with the past (issue 39 point 5): the pipeline's 64 cameras and 8 live askers
+#                beside 1 asker `since 10m`, 1 retrieval asker (`scope: history`, `since 1h`) and 1 client
+#                searching all 64 cameras' 24 h, measured for 120 s (DURATION=S; CAMERAS=N). Before the
+#                services start, each camera's last hour of frames and 24 h of chunk vectors are pre-filled
+#                (scripts/history_fixture.py; 64 cameras: about 24 GB of frames log and 6 GB of indexes on
+#                the disk under TMPDIR, written while the model loads); /dev/shm remounted as for `pipeline`.
+#                Its logs go in history-logs.tgz. About 7-8 minutes: alone in its call
 #     storm      scripts/probes/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     copies     scripts/probes/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
@@ -98,11 +105,17 @@ for what in "$@"; do
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
       --gil "${GIL:-0}" ${STORE:+--segment-store "$STORE"} --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
+    history) step history history.json timeout 560 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
+      --history-askers 1 --retrieval-askers 1 --search-clients 1 --log-hours 1 --index-hours 24 \
+      --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-120}" --start-timeout 200 \
+      --logs /tmp/history-logs
+      tar czf "$OUT/history-logs.tgz" -C /tmp history-logs ;;
     storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
     copies) step copies copies.json python3 scripts/probes/host_copies.py ;;
     launches) step launches launches.json python3 scripts/probes/decode_beside_launches.py ;;
     beside) step beside beside.jsonl python3 scripts/probes/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline, storm, copies, beside, launches)" >&2; exit 2 ;;
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, history, storm, copies, beside, launches)" >&2
+      exit 2 ;;
   esac
 done
 exit $status

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -271,6 +272,65 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert_nothing_left(tmp_path)
 
 
+@pytest.mark.timeout(420)
+def test_smoke_run_about_the_past_reports_every_field_with_sane_values(tmp_path, monkeypatch):
+    """--history-askers, --retrieval-askers, --search-clients beside the live askers: the past
+    pre-filled (3 minutes of frames, 90 chunks a camera), a recorder going on with it live, and
+    every question and search answered from it."""
+    monkeypatch.setenv("SVQA_FEATURES_SAVE_S", "2")  # the recorder's: live chunks reach the index in the window
+    monkeypatch.setenv("SVQA_HISTORY_MAX_TOKENS", "1100")  # the workers': two chunks a question (a CPU is slow)
+    out = tmp_path / "result.json"
+    proc = bench(
+        tmp_path,
+        *("--cameras", "2", "--askers", "1", "--history-askers", "1", "--retrieval-askers", "1"),
+        *("--search-clients", "1", "--log-hours", "0.05", "--index-hours", "0.05"),
+        *("--duration", str(DURATION_S), "--warmup", "3", "--settle-timeout", "0", "--start-timeout", "120"),
+        *("--out", str(out)),
+    )
+    stdout, _ = proc.communicate(timeout=380)
+    stderr = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, stderr[-4000:]
+    run = json.loads(stdout.strip().splitlines()[-1])
+    assert json.loads(out.read_text())["runs"] == [run]
+    assert "the past pre-filled in" in stderr
+    assert run["errors"] == 0 and run["answers"] > 0  # the live askers, as ever
+
+    for kind, since, scope in (("history", 600.0, "the span's chunks, evenly"), ("retrieval", 3600.0, "history")):
+        past = run[kind]
+        assert (past["askers"], past["since_s"], past["scope"]) == (1, since, scope)
+        assert past["errors"] == 0 and past["error_samples"] == [] and past["answers"] >= 1, past
+        client, server = past["client_first_token_s"], past["server_first_token_s"]
+        assert 0 < client["p50"] <= client["p95"] <= past["client_latency_s"]["p95"]
+        parts = past["queue_s"]["p50"] + past["prepare_s"]["p50"] + past["first_token_from_cache_s"]["p50"]
+        assert past["answers"] > 1 or server["p50"] == pytest.approx(parts, abs=0.01)  # one answer: its parts
+        assert (
+            past["queue_s"]["p50"] >= 0 and min(past["prepare_s"]["p50"], past["first_token_from_cache_s"]["p50"]) > 0
+        )
+        assert 0 < server["p50"] <= client["p50"] + 0.05  # the server's clock counts from the entry id (ms)
+
+    search = run["search"]
+    assert (search["clients"], search["since_s"]) == (1, 180.0)
+    assert search["errors"] == 0 and search["searches"] >= 1
+    assert search["hits"] == {"min": 10, "max": 10}  # the default limit; 2 x 90 chunks indexed
+    assert 0 < search["server_s"]["p50"] <= search["client_latency_s"]["p50"]
+
+    prefilled = run["past"]["prefilled"]
+    assert (prefilled["cameras"], prefilled["frames_per_camera"], prefilled["chunks_per_camera"]) == (2, 360, 90)
+    assert prefilled["distinct_frames"] == 120 and prefilled["log_bytes"] > 0 and prefilled["seconds"] > 0
+    log = run["past"]["log"]  # the live frames joined the past's, in one log
+    assert log["frames"]["min"] > 360 and log["hours"]["min"] > 0.05 and 0 <= log["newest_frame_age_s"] < 30
+    index = run["past"]["index"]
+    assert index["chunks"] > 2 * 90, "the recorder added live chunks to the pre-filled indexes (same model, size)"
+    assert index["camera_hours"] == round(index["chunks"] * 4 / 2.0 / 3600, 3)
+    vectors = 1800 * 64 * 2  # bytes of a camera-hour's vectors: 1,800 chunks of 64 float16 (tiny-random)
+    assert index["disk_bytes_per_camera_hour"] > vectors and index["held_bytes_per_camera_hour"] > vectors
+    mapped = index["mapped"]["worker-0"]  # the worker searched: it maps every camera's graph
+    assert 0 < mapped["resident_bytes"] <= mapped["mapped_bytes"]
+    recorder = run["past"]["recorder"]
+    assert recorder["memory_gib"]["rss"] > 0 and recorder["io"]["wchar_mb_per_s"] > 0
+    assert_nothing_left(tmp_path)
+
+
 @pytest.mark.timeout(240)
 def test_interrupt_stops_every_process_and_removes_the_temp_dir(tmp_path):
     proc = bench(
@@ -378,3 +438,64 @@ def test_gil_holders_are_summarised_by_thread_and_by_the_call_of_ours_that_holds
             {"thread": "stream", "call": "(outside the repository)", "share": 0.1},
         ],
     }
+
+
+def test_the_prefilled_past_is_what_ingest_and_a_recorder_would_have_left(tmp_path, monkeypatch):
+    """scripts/history_fixture.py: every logged record is byte for byte the frames entry ingest
+    publishes for that frame of the video (played in a loop) at that seq and capture time, in files
+    of ROLL_S of capture time ending now; the index holds a vector a chunk of the model's size,
+    each layer's part of unit length, and over the logged span exactly the chunks a history
+    question reads back from the log; every camera has its own copy."""
+    from apps.samplevideo import write_sample_video
+    from common.chunkindex import GRAPH_NAME, META_NAME, ChunkIndex
+    from common.framelog import FrameLog
+    from common.wire.schemas import FIELD, FrameMsg, encode_frame
+    from ingest.video import iter_file_frames
+    from qa_worker.history import logged_chunks
+    from scripts import history_fixture
+
+    monkeypatch.setattr(history_fixture, "ROLL_S", 60.0)  # 120 frames a file at 2 fps
+    video = write_sample_video(str(tmp_path / "camera.mp4"), seconds=8, fps=2, width=64, height=48)
+    frames = [f.rgb for f in iter_file_frames(video, 2.0)]
+    now = 1_800_000_000.0
+    past = history_fixture.Past.ending(now, 2.0, 4, log_hours=0.05, index_hours=0.1)
+    cams = ["cam000", "cam001"]
+    done = history_fixture.prefill(tmp_path / "log", cams, video, "tiny-random", past)
+    assert (done["frames_per_camera"], done["chunks_per_camera"], done["distinct_frames"]) == (360, 180, len(frames))
+    assert done["log_hours"] == 0.05 and done["index_hours"] == 0.1 and done["ended_at"] == now - 0.5
+
+    log = FrameLog(tmp_path / "log")
+    span = log.span("cam001")
+    assert (span.first_seq, span.last_seq, span.frames, span.files) == (360, 719, 360, 3)
+    assert (span.first_ts, span.last_ts) == (now - 180.0, now - 0.5)
+    assert done["log_bytes"] == log.size("cam000") + log.size("cam001")
+    for rec in log.between("cam001", now - 200, now):
+        msg = FrameMsg.from_rgb(rec.seq, now - (720 - rec.seq) / 2, rec.seq / 2, frames[rec.seq % len(frames)])
+        assert (rec.ts, rec.raw) == (msg.ts, encode_frame(msg, codec="webp")[FIELD])
+
+    layers, dim = history_fixture.feature_shape("tiny-random")
+    index = ChunkIndex.view(tmp_path / "log" / "cam001")
+    assert index is not None and (index.model, index.layers, index.dim, len(index)) == ("tiny-random", layers, dim, 180)
+    rows = sorted(index.rows.values())
+    assert rows[0][:4] == (now - 360.0, now - 358.5, 0, 3)
+    logged = logged_chunks(log, "cam001", now - 180.0, now, 4)
+    assert [(*c.capture_range, *c.frame_seqs, c.frames) for c in logged] == rows[90:]
+    vectors = np.asarray(index.graph.get(np.array(sorted(index.rows), dtype=np.uint64)), dtype=np.float32)
+    norms = np.linalg.norm(vectors.reshape(180, len(layers), -1), axis=2)
+    np.testing.assert_allclose(norms, 1.0, atol=2e-3)
+    for name in (GRAPH_NAME, META_NAME):
+        assert (tmp_path / "log" / "cam000" / name).read_bytes() == (tmp_path / "log" / "cam001" / name).read_bytes()
+
+
+def test_the_feature_shape_is_the_engines():
+    """What the fixture reads from a model's config is what the engine's vectors are made of
+    (tiny-random; random-3b's is the same code on a larger config: 4 layers x 2 x 128)."""
+    from common.engine.features import feature_layers
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime
+    from scripts import history_fixture
+
+    lm = Runtime(load_model("tiny-random")).lm
+    layers = feature_layers(lm.n_layers)
+    assert history_fixture.feature_shape("tiny-random") == (layers, len(layers) * lm.n_kv_heads * lm.head_dim)
+    assert history_fixture.feature_shape("random-3b") == ((13, 18, 22, 27), 1024)
