@@ -462,7 +462,7 @@ def head_lags(r: redis.Redis, cameras: list[str]) -> list[float | None]:
 class Asked:
     sent: float  # monotonic
     latency_s: float  # XADD to the final entry
-    first_token_s: float | None  # the server's, from the final entry: from the cache being ready
+    first_token_s: float | None  # the server's, from the final entry: from the question starting in the engine
     total_s: float | None  # the server's, from the final entry
     error: str | None
     kind: str = "live"  # or one of PAST: a question about the past
@@ -472,7 +472,7 @@ class Asked:
 
     @property
     def prepare_s(self) -> float | None:
-        """From a worker taking the question to its cache being ready: for a question about the
+        """From a worker taking the question to its start in the engine: for a question about the
         past, choosing (or searching for) its chunks, reading them back and encoding them again."""
         if self.elapsed_s is None or self.queue_s is None or self.total_s is None:
             return None
@@ -1143,9 +1143,9 @@ def past_answers(ns: argparse.Namespace, load: Load, kind: str, t_end: float) ->
     """Questions about the past asked in the window, beside the live ones: the first token as the
     asker sees it (XADD to the first delta read) and on the server, split where it went: the
     queue, `prepare` (choosing the chunks, by a search for retrieval, reading them back from the
-    log, encoding them again into a temporary cache) and the first token from that cache (the
-    final's first_token_s, which is all a live question's server first token counts); all of
-    them on the server's clock from the asking: `server_first_token_s`."""
+    log, encoding them again into a temporary cache, then its turn to start) and the first token
+    from its start in the engine (the final's first_token_s, which is all a live question's server
+    first token counts); all of them on the server's clock from the asking: `server_first_token_s`."""
     asked = [a for a in load.asked if a.sent <= t_end and a.kind == kind]
     answered = [a for a in asked if a.error is None]
     errors = [a.error for a in asked if a.error is not None]
@@ -1162,7 +1162,7 @@ def past_answers(ns: argparse.Namespace, load: Load, kind: str, t_end: float) ->
         "server_first_token_s": spread_of([a.server_first_token_s for a in answered]),
         "queue_s": spread_of([a.queue_s for a in answered]),
         "prepare_s": spread_of([a.prepare_s for a in answered]),
-        "first_token_from_cache_s": spread_of([a.first_token_s for a in answered]),
+        "first_token_from_start_s": spread_of([a.first_token_s for a in answered]),
         "client_latency_s": spread_of([a.latency_s for a in answered]),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
