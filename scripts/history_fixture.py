@@ -8,16 +8,18 @@ live would take an hour; a benchmark call has 10 minutes.
   (`iter_file_frames`) and encoded as ingest encodes a frame (`encode_frame`, ingest's default
   `frame_codec`). Its first `DISTINCT_FRAMES` are encoded (compressing 7,200 frames a camera-hour
   would take longer than the benchmark) and played in a loop; each record is its frame's payload
-  stamped with its own seq, capture time and pts (`restamp`: byte for byte what `encode_frame`
+  stamped with its own seq, capture time and pts (`stamped`: byte for byte what `encode_frame`
   gives for that frame at that seq and time). They are written by the log's writer
   (`FrameLog.writer`), a file per `framelog_roll_s` of capture time, as the recorder rolls them.
 - **Vectors.** Random, each layer's part at unit length, float16 of the model's real size (its
-  feature layers x KV heads x head dim): a search's time does not depend on what the vectors
-  mean, and random weights rank nothing anyway. One a chunk of `chunk_frames` frames; the chunks
-  of the logged hours are exactly the logged frames (a retrieval reads them back). Building the
-  HNSW graph of a camera-day takes long (tens of seconds for 43,200 vectors of 1,024 on many
-  cores), so one camera's index is built (`ChunkIndex.extend`) and saved, and every other camera
-  gets a copy of its two files: each camera's search does the same work on its own copy.
+  feature layers x KV heads x head dim): a search's time depends on their number and size far
+  more than on what they mean (random vectors are, if anything, the graph's hard case), and
+  random weights rank nothing anyway. One a chunk of `chunk_frames` frames; the chunks of the
+  logged hours are exactly the logged frames (a retrieval reads them back). Building the HNSW
+  graph of a camera-day takes long (43,200 vectors of 1,024: 6 minutes on a loaded 2-core
+  machine), so one camera's index is built (`ChunkIndex.extend`, all cores) and saved, and every
+  other camera gets a copy of its two files: each camera's search does the same work on its own
+  copy.
 
 Seqs count from 0 at the start of the past; the live cameras' start at 0 again after it (a fresh
 Redis knows nothing of the log), so the one chunk of the log across the join has descending seqs
@@ -84,14 +86,9 @@ class Past:
         return range(len(self.ts) - self.index_chunks * self.chunk_frames, len(self.ts), self.chunk_frames)
 
 
-def restamp(payload: bytes, seq: int, ts: float, pts: float) -> bytes:
-    """A frame's payload (`encode_frame`'s ``m``) as that frame at another seq and time: its
-    pixels as encoded, not compressed again."""
-    m = msgpack.unpackb(payload, raw=False)
-    return _packed(m, seq, ts, pts)
-
-
-def _packed(m: dict[str, Any], seq: int, ts: float, pts: float) -> bytes:
+def stamped(m: dict[str, Any], seq: int, ts: float, pts: float) -> bytes:
+    """A frame's unpacked payload (`encode_frame`'s ``m``) packed again as that frame at another
+    seq and time: its pixels as encoded, not compressed again."""
     return msgpack.packb({**m, "seq": int(seq), "ts": float(ts), "pts": float(pts)}, use_bin_type=True)
 
 
@@ -121,7 +118,7 @@ def write_log(root: Path, cam: str, past: Past, payloads: Sequence[bytes]) -> in
         for start in range(seqs.start, seqs.stop, per_file):
             for seq in range(start, min(start + per_file, seqs.stop)):
                 ts = float(past.ts[seq])
-                writer.append(seq, ts, _packed(maps[seq % len(maps)], seq, ts, seq / past.fps))
+                writer.append(seq, ts, stamped(maps[seq % len(maps)], seq, ts, seq / past.fps))
             written += writer.commit()
             time.sleep(1e-3)  # the next file's name (its start, in ms) comes after this one's
     finally:
