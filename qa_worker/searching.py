@@ -1,16 +1,21 @@
 """Searches, answered by any worker with the frames log: the question's vector (the model's own
 queries, common/engine/features.py) against every camera's index beside the log.
 
-The indexes are the recorder's (common/chunkindex.py), read memory-mapped and kept open while
-their files are unchanged. A camera's index holds vectors of one model at some layers: the
-question is represented at those layers, once for all cameras alike; an index of another model
-than this worker's is not comparable and is left out with a warning. The hits of all cameras are
-merged by score. A search sees what the recorder saved (every `features_save_s`).
+The indexes are the recorder's (common/chunkindex.py), read memory-mapped. A camera's index is
+opened by the first search that needs it; after that a thread opens it again whenever the
+recorder saved it (every `features_save_s`, all cameras at once), so a search never waits for
+that: opening a camera-day's index and building its table took 100-200 ms on a CPU, which at 64
+cameras made the first search after every save take seconds. A camera's index holds vectors of
+one model at some layers: the question is represented at those layers, once for all cameras
+alike; an index of another model than this worker's is not comparable and is left out with a
+warning. The hits of all cameras are merged by score. A search sees what the recorder saved
+(every `features_save_s`), up to `REFRESH_S` and an opening later.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +32,8 @@ from common.wire.search_request import SearchRequest, parse_search
 from common.wire.timeref import TimeRef
 
 log = structlog.get_logger()
+
+REFRESH_S = 1.0  # how often the held indexes are checked for a newer save
 
 
 class SearchError(Exception):
@@ -51,6 +58,7 @@ class Searcher:
         self.rt = rt
         self.framelog = FrameLog(framelog_dir) if framelog_dir is not None else None
         self._open: dict[str, tuple[tuple[int, int], ChunkIndex]] = {}  # camera -> (meta file's stamp, index)
+        self._refresher: threading.Thread | None = None
 
     def answer(self, qid: str, fields: dict, asked_at: float) -> tuple[FinalAnswer, SearchRequest | None]:
         """A search entry's final (errors are finals) and the request, when it parsed."""
@@ -91,7 +99,16 @@ class Searcher:
         return self.rt.executor.call(lambda: question_vector(self.rt, text, layers))
 
     def _index(self, cam: str) -> ChunkIndex | None:
-        """The camera's saved index, opened again only when its files changed."""
+        """The camera's index as last opened; opened now only the first time it is searched."""
+        held = self._open.get(cam) or self._reopen(cam)
+        if self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh_forever, name="search-indexes", daemon=True)
+            self._refresher.start()
+        return held[1] if held else None
+
+    def _reopen(self, cam: str) -> tuple[tuple[int, int], ChunkIndex] | None:
+        """Open the camera's saved index again if its files changed since it was opened (its
+        table built here too, not in a search); the index held now, None when there is none."""
         assert self.framelog is not None
         d = Path(self.framelog.root) / cam
         try:
@@ -104,6 +121,16 @@ class Searcher:
         if held is None or held[0] != stamp:
             index = ChunkIndex.view(d)
             if index is None:
-                return None
+                return held  # unreadable mid-save, say: the last one opened serves until the next
+            index.table()
             held = self._open[cam] = (stamp, index)
-        return held[1]
+        return held
+
+    def _refresh_forever(self) -> None:
+        while True:
+            time.sleep(REFRESH_S)
+            for cam in list(self._open):
+                try:
+                    self._reopen(cam)
+                except Exception as e:  # a bad file must not end the refreshing of the others
+                    log.warning("search index not reopened", stream=cam, error=str(e)[:200])
