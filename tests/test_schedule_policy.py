@@ -411,3 +411,21 @@ def test_a_chunk_near_its_deadline_takes_the_device_however_small_the_share():
     assert (answering.taken, waiting.taken, starting.taken) == (3, 2, 0), "one decode step beside, none started"
     scheduler.step()
     assert not scheduler.at_risk and starting.taken == 1
+
+
+def test_at_risk_questions_are_answered_one_at_a_time_never_starved():
+    """Cameras that stay at risk (encoding alone cannot keep up) still let questions through: one
+    starts whenever none is being answered, and takes a decode step at each encode step."""
+    ticks = itertools.count()
+    scheduler = Scheduler(SchedulePolicy(deadline_share=0.5), clock=lambda: 100.0 + next(ticks) * 1e-6)
+    questions = [Counted(steps=2) for _ in range(3)]
+    for q in questions:
+        scheduler.submit(q)
+    for _ in range(6):  # a chunk at risk in every step
+        late = Layered()
+        late.waiting_since, late.deadline = 90.0, 100.0
+        scheduler.submit(late)
+        scheduler.step()
+        assert scheduler.at_risk and late.done
+        assert sum(q.taken > 0 and not q.done for q in questions) <= 1, "one at a time"
+    assert [q.taken for q in questions] == [2, 2, 2] and all(q.done for q in questions)

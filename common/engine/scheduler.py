@@ -9,9 +9,10 @@ that, every step guarantees:
 - cameras first: a live chunk carries its deadline, when its camera starts dropping frames (its
   newest frame's capture plus the encoder's `max_lag_s`). Once a waiting chunk has used
   `deadline_share` of the time to its deadline, the cameras are at risk: every step encodes, first,
-  with no share limit; no question starts, and those being answered take one decode step an
-  encode step, beside it, until no chunk is that late. Questions can slow encoding down (their
-  steps beside it, their batch growing), but not past that point: they never make a camera that
+  with no share limit; questions take one decode step an encode step, beside it, and start only
+  while none is being answered (one at a time: never starved, and one question's steps cost
+  encoding little), until no chunk is that late. Questions can slow encoding down (their steps
+  beside it, their batch growing), but not past that point: they never make a camera that
   encoding alone keeps up with drop a frame;
 - encoding: otherwise, whenever chunks wait, they get at least `encode_share` of recent GPU time,
   up to `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no
@@ -29,7 +30,7 @@ that, every step guarantees:
 
 1. tasks (a mirror applying a version, a stream restoring from the store): short, and questions
    may be waiting on them;
-2. questions: unless the cameras are at risk, waiting ones start, in order, up to `max_batch`; one
+2. questions: waiting ones start, in order, up to `max_batch` (one at a time at risk); one
    batched forward advances every active generation by a token (the prefill of those just started
    rides in it). Skipped when an encode step is due and `decode_before_encode` is off, or the
    cameras are at risk: it then runs beside that step's first kernels;
@@ -131,8 +132,8 @@ class SchedulePolicy:
     deadline_share: float = setting(
         0.5,
         "cameras first: once a live chunk has waited this share of the time its camera allows (the encoder's "
-        "`max_lag_s`, after which its frames are dropped), every step encodes, with no share limit, no question "
-        "starts, and questions being answered take one decode step an encode step, until no chunk is that late",
+        "`max_lag_s`, after which its frames are dropped), every step encodes, with no share limit, questions take "
+        "one decode step an encode step and are answered one at a time, until no chunk is that late",
     )
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = setting(
@@ -312,8 +313,7 @@ class Scheduler:
     def _step(self) -> None:
         self._run_tasks()
         self.at_risk = self._cameras_at_risk()
-        if not self.at_risk:
-            self._admit()
+        self._admit()
         questions = bool(self._active)
         encode_first = questions and self._encodes_first()
         if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
@@ -363,12 +363,14 @@ class Scheduler:
                 future.set_exception(e)
 
     def _admit(self, beside: bool = False) -> None:
-        """Waiting work starts and becomes active, in order, up to `max_batch`; `beside` an encode
-        step in flight, only what may start there (the rest keeps its place)."""
+        """Waiting work starts and becomes active, in order, up to `max_batch` (with the cameras at
+        risk, 1); `beside` an encode step in flight, only what may start there (the rest keeps its
+        place)."""
+        most = 1 if self.at_risk else self.policy.max_batch
         with self._lock:
             starting = []
             for work in list(self._waiting):
-                if len(self._active) + len(starting) >= self.policy.max_batch:
+                if len(self._active) + len(starting) >= most:
                     break
                 if not beside or work.may_start_beside():
                     self._waiting.remove(work)
