@@ -1,7 +1,10 @@
 """`POST /api/streams/{name}/ask`: a question answered as server-sent events or as one JSON object.
 
 Events: `queued` ({"position", "waited_s"}) about once every `block_ms` while the question waits
-in its stream's queue (position 1: next to be taken), `delta` ({"text"}) as tokens are decoded,
+in its stream's queue (position 1: next to be taken), then, once a worker has taken it, whenever
+the worker tells it its place while it waits for the GPU ({"position", "waited_s", "wait_s"}:
+position 1 is next to start, `wait_s` the estimated wait, null until the worker has measured how
+fast it answers), `delta` ({"text"}) as tokens are decoded,
 then one `final` (the worker's final answer: text or choice and scores, version, t_start/t_end,
 queue_s, elapsed_s and the compute latencies), or `error` when none came in time. With `since`
 (and `until`) the question is about that past span, answered from the frames log; its final's
@@ -85,10 +88,13 @@ async def _events(request: Request, q: Question, sub: Subscription) -> AsyncIter
                 if not started and (position := await replies.queue_position(r, q.stream, q.id)) is not None:
                     yield replies.sse("queued", {"position": position, "waited_s": round(time.monotonic() - asked, 1)})
                 continue
-            started = True
+            started = True  # a worker has taken it: no longer in its stream's queue
             if restarted:
                 yield replies.sse("restart", {"attempt": reply.attempt})
-            if isinstance(reply, AnswerDelta):
+            if isinstance(reply, AnswerDelta) and reply.position is not None:
+                waited = round(time.monotonic() - asked, 1)
+                yield replies.sse("queued", {"position": reply.position, "waited_s": waited, "wait_s": reply.wait_s})
+            elif isinstance(reply, AnswerDelta):
                 yield replies.sse("delta", {"text": reply.text})
             elif isinstance(reply, FinalAnswer):
                 yield replies.sse("final", replies.final_json(reply, request))

@@ -29,6 +29,7 @@ _CODES = {
     405: "method_not_allowed",
     413: "request_too_large",
     422: "question_refused",
+    429: "queue_full",
     499: "client_closed",
     503: "redis_unreachable",
     504: "timeout",
@@ -40,6 +41,7 @@ _TYPES = {
     405: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
+    429: "rate_limit_error",
     503: "unavailable",
     504: "timeout",
 }

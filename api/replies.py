@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -19,8 +20,9 @@ from pydantic import BeforeValidator
 
 from api import clips, errors
 from api.answers import Subscription
-from common import redisio, stream_status
+from common import metrics, redisio, stream_status
 from common.wire import keys
+from common.wire.admission import estimated_wait_s
 from common.wire.schemas import (
     AnswerDelta,
     FinalAnswer,
@@ -100,7 +102,9 @@ async def submit(r: aredis.Redis, q: Question) -> None:
 
 async def ask(request: Request, q: Question) -> Subscription:
     """Read the answer stream from before the question is asked (nothing missed); 503 busy, with
-    nothing queued, when this process holds all the answers it may."""
+    nothing queued, when this process holds all the answers it may; 429 when the question would
+    wait longer than `max_queue_wait_s` for the GPU."""
+    await admit(request.app.state.r, q.stream, request.app.state.cfg.max_queue_wait_s)
     sub = request.app.state.answers.open(q.id, request.app.state.cfg.answer_timeout_s)
     try:
         await submit(request.app.state.r, q)
@@ -108,6 +112,34 @@ async def ask(request: Request, q: Question) -> Subscription:
         sub.close()
         raise
     return sub
+
+
+async def admit(r: aredis.Redis, stream: str, max_wait_s: float) -> None:
+    """429, with `Retry-After`, for a question the GPU answering ``stream`` could not start within
+    ``max_wait_s``, by the estimate its workers publish (common/wire/admission.py) with the
+    questions in the stream's queue no worker has taken yet; nothing is refused without one."""
+    entries = await r.hgetall(keys.admission(stream))
+    if not entries:
+        return
+    wait_s = estimated_wait_s(entries, await _untaken(r, stream))
+    if wait_s is None or wait_s <= max_wait_s:
+        return
+    retry_after = max(1, math.ceil(wait_s - max_wait_s))  # by then the queue ahead has moved on that much
+    message = (
+        f"busy: a question on {stream!r} would wait about {wait_s:.0f} s to start (max_queue_wait_s {max_wait_s:g})"
+    )
+    metrics.API_QUEUE_FULL.inc()
+    raise errors.ApiError(429, message, headers={"Retry-After": str(retry_after)})
+
+
+async def _untaken(r: aredis.Redis, stream: str) -> int:
+    """Questions in the stream's queue that no worker has taken yet (0 with no queue)."""
+    try:
+        groups = await r.xinfo_groups(keys.questions(stream))
+    except aredis.ResponseError:
+        return 0
+    lag = next((g.get("lag") for g in groups if redisio.text(g["name"]) == keys.QA_GROUP), None)
+    return int(lag or 0)
 
 
 async def replies(

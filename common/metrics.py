@@ -118,9 +118,12 @@ QUESTIONS_IN_FLIGHT = Gauge("svqa_qa_questions_in_flight", "Questions being answ
 QUESTIONS = Counter("svqa_qa_questions_total", "Questions finished", ["outcome"], **_R)
 QUEUE_WAIT_SECONDS = Histogram(
     "svqa_qa_queue_wait_seconds",
-    "Question entry (its stream id's time) to the start of answering",
+    "Question entry (its stream id's time) to its start on the GPU: in its stream's queue, then in this worker's",
     buckets=_LATENCY_BUCKETS,
     **_R,
+)
+QUESTIONS_QUEUED = Gauge(
+    "svqa_qa_questions_queued", "Questions this worker has taken that wait for the GPU (cameras first)", **_R
 )
 FIRST_TOKEN_SECONDS = Histogram(
     "svqa_qa_first_token_seconds", "Question start to first answer token", buckets=_LATENCY_BUCKETS, **_R
@@ -332,6 +335,9 @@ _GPU = (
 # api (streamvqa api)
 API_ANSWERS = Gauge("svqa_api_answers_in_flight", "Answers this API process is waiting for or streaming", **_R)
 API_BUSY = Counter("svqa_api_busy_total", "Requests refused with 503 busy (max_answers, no pooled connection)", **_R)
+API_QUEUE_FULL = Counter(
+    "svqa_api_queue_full_total", "Questions refused with 429: they would wait past max_queue_wait_s for the GPU", **_R
+)
 
 _CACHE = (CACHE_TOKENS, CACHE_BYTES, EVICTIONS, TOKENS_EVICTED, VERSION_ID)
 _STORE = (STORE_QUEUE_BYTES, STORE_WRITTEN_BYTES, STORE_WRITE_SECONDS, STORE_FAILURES, CACHE_RESTARTS, CACHE_REBUILDS)
@@ -362,6 +368,7 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         QUESTIONS_IN_FLIGHT,
         QUESTIONS,
         QUEUE_WAIT_SECONDS,
+        QUESTIONS_QUEUED,
         FIRST_TOKEN_SECONDS,
         ANSWER_SECONDS,
         JOB_RUNS,
@@ -384,7 +391,7 @@ ROLES["recorder"] = (
     RECORDER_INDEXED,
 )
 ROLES["worker"] = tuple(dict.fromkeys(ROLES["encoder"] + ROLES["qa"]))
-ROLES["api"] = (THREAD_CPU, API_ANSWERS, API_BUSY)
+ROLES["api"] = (THREAD_CPU, API_ANSWERS, API_BUSY, API_QUEUE_FULL)
 
 
 def registry_for(roles: Iterable[str]) -> CollectorRegistry:

@@ -22,7 +22,7 @@ import redis
 import structlog
 
 from common import metrics, redisio
-from common.engine.answer import ask, choose
+from common.engine.answer import Waiting, ask, choose
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
@@ -34,10 +34,12 @@ from common.wire.schemas import (
     SchemaError,
     encode_delta,
     encode_final,
+    encode_queued,
     parse_question,
     question_id_of,
 )
 from common.wire.search_request import is_search
+from qa_worker.admission import Admission, Ticket
 from qa_worker.history import History, HistoryError, LoggedChunk, Seen, span_of
 from qa_worker.searching import Searcher, SearchError
 
@@ -76,8 +78,10 @@ class Answerer:
         max_deliveries: int = redisio.MAX_DELIVERIES,
         framelog_dir: str | None = None,
         history_max_tokens: int = 8192,
+        admission: Admission | None = None,
     ):
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
+        self.admission = admission or Admission()
         self.history = History(rt, r, framelog_dir, history_max_tokens)
         self.searcher = Searcher(rt, framelog_dir)
         self.consumer, self.max_deliveries = consumer, max_deliveries
@@ -114,11 +118,12 @@ class Answerer:
             self._audit(qid, existing, self.max_reply_ttl_s)  # in case the crash came before it
         else:
             waited = queue_wait_s(fields.get(b"asked") or entry_id)  # asked: where it was forwarded from
-            metrics.QUEUE_WAIT_SECONDS.observe(waited)
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, fields, attempt, bound, asked_at=time.time() - waited)
             elapsed = waited + time.perf_counter() - t0
+            waited += final.queue_s or 0.0  # what it then waited here for the GPU (_run)
+            metrics.QUEUE_WAIT_SECONDS.observe(waited)
             self._finish(dataclasses.replace(final, queue_s=round(waited, 3), elapsed_s=round(elapsed, 3)), ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
@@ -247,18 +252,35 @@ class Answerer:
         params = GenerationParams(max_tokens=q.max_tokens, temperature=q.temperature, top_p=q.top_p)
         reply = keys.answer(q.id)
 
-        def delta(text: str) -> None:
-            self.r.xadd(reply, encode_delta(text, attempt))
+        def write(entry: dict[str, str]) -> None:
+            self.r.xadd(reply, entry)
             self.r.expire(reply, ttl)
 
-        answer = ask(self.rt, version, q.question, params, on_delta=delta)
+        def delta(text: str) -> None:
+            write(encode_delta(text, attempt))
+
+        ticket = self.admission.take()
+        waiting = Waiting(lambda: self._tell_place(ticket, write, attempt), lambda: self.admission.start(ticket))
+        try:
+            answer = ask(self.rt, version, q.question, params, on_delta=delta, waiting=waiting)
+        finally:
+            self.admission.done(ticket)
         return FinalAnswer(
             text=answer.text,
             first_token_s=answer.first_token_s,
             total_s=answer.total_s,
             tokens=len(answer.token_ids),
+            queue_s=ticket.waited_s,  # handle adds the wait before the question was taken
             **common,
         )
+
+    def _tell_place(self, ticket: Ticket, write: Callable[[dict[str, str]], None], attempt: int) -> None:
+        """A question waiting for the GPU: its place and estimated wait, when they changed."""
+        position = self.admission.position(ticket)
+        if position is None or position == ticket.told:
+            return
+        ticket.told = position
+        write(encode_queued(position, self.admission.wait_s(position), attempt))
 
     def _final_of(self, qid: str) -> dict | None:
         """The fields of the question's final entry, if it has one."""

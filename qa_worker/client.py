@@ -7,7 +7,8 @@ Answer-stream entries: `type=delta` with `text` and `attempt` (1, 2, …: how of
 was taken up), then one `type=final`. When a worker dies mid-answer, another answers again from
 the start with the next attempt number: a reader keeps only the deltas of the highest attempt it
 has seen and drops what it held of earlier ones, so the deltas it keeps concatenate to the
-final text.
+final text. While the question waits for the GPU, deltas with no text carry its `position` and
+estimated `wait_s` (common/wire/schemas.py AnswerDelta).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import TextIO
 
 import redis
 
@@ -74,10 +76,12 @@ class Client:
         on_delta: Callable[[str], None] | None = None,
         timeout_s: float = 120.0,
         on_restart: Callable[[int], None] | None = None,
+        on_queued: Callable[[int, float | None], None] | None = None,
         **options,
     ) -> FinalAnswer:
         """Ask and wait for the final answer. ``on_delta`` gets text as it is decoded; when the
-        answer starts over (its worker died), ``on_restart(attempt)`` says to drop what it got."""
+        answer starts over (its worker died), ``on_restart(attempt)`` says to drop what it got;
+        while it waits for the GPU, ``on_queued(position, wait_s)`` its place and estimated wait."""
         qid = self.submit(stream, question, **options)
         attempt = 0
         for reply in self.replies(qid, timeout_s):
@@ -89,7 +93,10 @@ class Client:
                 if attempt and on_restart:
                     on_restart(reply.attempt)
                 attempt = reply.attempt
-            if on_delta:
+            if reply.position is not None:
+                if on_queued:
+                    on_queued(reply.position, reply.wait_s)
+            elif on_delta:
                 on_delta(reply.text)
         raise AssertionError("unreachable")
 
@@ -175,14 +182,22 @@ def _time_ref(name: str, text: str | None) -> TimeRef | None:
 
 
 def _ask(client: Client, ns: argparse.Namespace) -> int:
+    place = Place(sys.stderr)
+
+    def delta(text: str) -> None:
+        place.clear()
+        print(text, end="", flush=True)
+
     final = client.ask(
         ns.stream,
         ns.question,
-        on_delta=lambda t: print(t, end="", flush=True),
+        on_delta=delta,
         timeout_s=ns.timeout,
         on_restart=_restarted,
+        on_queued=place.show,
         **_options(ns),
     )
+    place.clear()
     if final.error:
         print(f"error: {final.error}", file=sys.stderr)
         return 1
@@ -194,6 +209,37 @@ def _ask(client: Client, ns: argparse.Namespace) -> int:
         print(timing, file=sys.stderr)
     print(json.dumps({k: v for k, v in vars(final).items() if k != "text"}, default=str), file=sys.stderr)
     return 0
+
+
+class Place:
+    """A question's place in the queue on stderr while it waits: on a terminal one line, rewritten
+    as the place changes and erased when the answer begins; elsewhere a line each time."""
+
+    def __init__(self, out: TextIO):
+        self.out, self.shown = out, False
+        self.terminal = out.isatty()
+
+    def show(self, position: int, wait_s: float | None) -> None:
+        line = queued_line(position, wait_s)
+        if self.terminal:
+            self.out.write(f"\r\x1b[K{line}")
+            self.shown = True
+        else:
+            self.out.write(line + "\n")
+        self.out.flush()
+
+    def clear(self) -> None:
+        if self.shown:
+            self.out.write("\r\x1b[K")
+            self.out.flush()
+            self.shown = False
+
+
+def queued_line(position: int, wait_s: float | None) -> str:
+    """`queued: position 3, ~2.5 s`; without the estimate while the worker has none."""
+    if wait_s is None:
+        return f"queued: position {position}"
+    return f"queued: position {position}, ~{wait_s:.{0 if wait_s >= 10 else 1}f} s"
 
 
 def timing_line(final: FinalAnswer) -> str | None:

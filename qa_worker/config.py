@@ -17,7 +17,11 @@ class QAConfig(ModelSettings):
     claim_idle_ms: int = setting(60_000, "questions pending this long on a dead worker are taken over")
     transcript_dir: str | None = setting(None, "where subtitle jobs write `<stream>.vtt` / `.srt`")
     max_reply_ttl_s: int = setting(86_400, "cap on a question's own `reply_ttl`")
-    max_in_flight: int = setting(32, "questions answered at once; their decode steps share the GPU scheduler's batches")
+    max_in_flight: int = setting(
+        128,
+        "questions taken at once: being answered (`gpu_max_batch` at most, their decode steps batched) or waiting, "
+        "in order and told their place, for the GPU; further ones wait in their stream's queue",
+    )
     alerts_maxlen: int = setting(10_000, "alerts kept per stream (`svqa:{cam}:alerts`), the oldest trimmed")
     alert_frame_ttl_s: int = setting(7 * 24 * 3600, "seconds the frame an alert fired on is kept (7 days)")
     alert_base_url: str | None = setting(

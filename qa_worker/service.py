@@ -26,6 +26,7 @@ from common.engine.runtime import Runtime
 from common.segment_store import open_store
 from common.wire import keys
 from common.wire.search_request import is_search
+from qa_worker.admission import PUBLISH_EVERY_S
 from qa_worker.alerts import AlertSettings
 from qa_worker.answering import Answerer
 from qa_worker.config import QAConfig
@@ -102,13 +103,14 @@ class QAService:
             r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
         self.queues: set[str] = set()  # the per-stream question queues the reader follows now
-        # Questions are answered side by side, so the GPU scheduler batches their decode steps; a
-        # free slot is taken before an entry is answered, so at most max_in_flight are at once.
+        # Questions are answered side by side, so the GPU scheduler batches their decode steps and
+        # starts them in order (cameras first); a free slot is taken before an entry is answered,
+        # so at most max_in_flight are taken at once, answered or waiting for the GPU.
         self.questions_pool = ThreadPoolExecutor(max_workers=cfg.max_in_flight, thread_name_prefix="question")
         self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
         self.in_flight: set[tuple[str, str]] = set()  # (queue, entry id) being answered: never twice at once
         self._in_flight_lock = threading.Lock()
-        self._last_claim = 0.0
+        self._last_claim = self._last_published = 0.0
         self._last_prune = time.monotonic()
         self.versions_failed: BaseException | None = None
 
@@ -143,11 +145,18 @@ class QAService:
                 self._dispatch(stale)
                 redisio.trim_consumed(self.r, queue, keys.QA_GROUP)
         self._dispatch(self.reader.read())
+        self._publish_admission()
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
             for queue in [keys.QUESTIONS, *sorted(self.queues)]:
                 redisio.prune_consumers(self.r, queue, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
+
+    def _publish_admission(self) -> None:
+        """What the API reads before it accepts a question (qa_worker/admission.py), when due."""
+        if time.monotonic() - self._last_published > PUBLISH_EVERY_S:
+            self._last_published = time.monotonic()
+            self.answerer.admission.publish(self.r, self.cfg.consumer, self.versions.answering())
 
     def _keep_in_flight_alive(self) -> None:
         with self._in_flight_lock:
@@ -192,7 +201,8 @@ class QAService:
                 continue
             with self._in_flight_lock:
                 self.in_flight.add(entry[:2])
-            self.slots.acquire()
+            while not self.slots.acquire(timeout=PUBLISH_EVERY_S):  # every slot taken: the API still learns so
+                self._publish_admission()
             self.questions_pool.submit(self._answer_beside_others, entry)
 
     def _route(self, shared: list[redisio.Entry]) -> None:

@@ -487,7 +487,8 @@ async function ask(name, node) {
     });
     for await (const { event, data } of sseEvents(res)) {
       if (event === "queued") {
-        meta.textContent = `waiting: ${ordinal(data.position)} in the queue · ${data.waited_s.toFixed(0)} s so far`;
+        const left = data.wait_s == null ? "" : ` · about ${data.wait_s.toFixed(0)} s to go`;
+        meta.textContent = `waiting: ${ordinal(data.position)} in the queue · ${data.waited_s.toFixed(0)} s so far${left}`;
       } else if (event === "delta") {
         if (!answer.textContent) meta.textContent = "";
         answer.textContent += data.text;

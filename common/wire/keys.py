@@ -118,3 +118,8 @@ def features(cam: str) -> str:
     """Each encoded chunk's retrieval vector (capped stream, common/wire/feature_record.py): the encoder
     adds, the recorder indexes it beside the frames log (group `rec`)."""
     return f"{PREFIX}:{{{cam}}}:features"
+
+
+def admission(cam: str) -> str:
+    """Hash: QA consumer -> its queue and answer rate (common/wire/admission.py), for the API's 429."""
+    return f"{PREFIX}:{{{cam}}}:admission"

@@ -796,10 +796,17 @@ FINAL = "final"
 class AnswerDelta:
     """Text as it is decoded. ``attempt`` counts how often the question was taken up: a worker
     that died mid-answer leaves deltas of attempt n, its successor writes attempt n+1 from the
-    start, so a reader drops what it kept of earlier attempts (``qa_worker.client``)."""
+    start, so a reader drops what it kept of earlier attempts (``qa_worker.client``).
+
+    A question that waits for the GPU gets deltas with empty ``text`` and its ``position`` (1:
+    next to start), first and whenever it changes (at most every second), with ``wait_s``, the
+    estimated wait, when the worker has measured how fast it answers. Readers that know nothing of
+    them see empty text."""
 
     text: str
     attempt: int = 1
+    position: int | None = None
+    wait_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -876,6 +883,12 @@ def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
     return {"type": DELTA, "text": text, "attempt": str(attempt)}
 
 
+def encode_queued(position: int, wait_s: float | None, attempt: int = 1) -> dict[str, str]:
+    """The delta that tells a question waiting for the GPU its place (AnswerDelta): no text."""
+    out = encode_delta("", attempt) | {"position": str(position)}
+    return out | ({"wait_s": repr(round(float(wait_s), 1))} if wait_s is not None else {})
+
+
 def encode_final(a: FinalAnswer) -> dict[str, str]:
     """String fields of the final entry; absent (None) values are left out."""
     out = {"type": FINAL, "id": a.id}
@@ -926,7 +939,9 @@ def decode_answer(fields: Mapping[Any, Any]) -> AnswerDelta | FinalAnswer:
     f = _answer_fields(fields)
     if f.get("type") == DELTA:
         attempt = _parse_int("attempt", f["attempt"], 1, INT64_MAX) if "attempt" in f else 1
-        return AnswerDelta(text=_require(f, "text"), attempt=attempt)
+        position = _parse_int("position", f["position"], 1, INT64_MAX) if "position" in f else None
+        wait_s = _parse_float("wait_s", f["wait_s"], 0.0, math.inf) if "wait_s" in f else None
+        return AnswerDelta(text=_require(f, "text"), attempt=attempt, position=position, wait_s=wait_s)
     return decode_final(fields)
 
 

@@ -1,0 +1,268 @@
+"""Questions beyond what the GPU can start wait in order, and their wait is visible: their place and
+estimated wait in the reply stream (qa_worker/admission.py), the API's 429 past
+`max_queue_wait_s`, the CLI's "queued:" line. Real redis-server, tiny-random, a GPU scheduler
+driven by hand so that questions wait exactly as long as the test says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import redis
+
+from api.app import create_app
+from api.config import ApiConfig
+from common import metrics
+from common.engine.answer import ask
+from common.engine.grid import Grid, StreamSpec
+from common.engine.model import load_model
+from common.engine.params import GenerationParams
+from common.engine.runtime import Runtime
+from common.engine.scheduler import SchedulePolicy, Scheduler
+from common.engine.stream_engine import StreamEngine
+from common.engine.work import InlineExecutor
+from common.wire import keys
+from common.wire.admission import AdmissionEntry, estimated_wait_s
+from common.wire.schemas import AnswerDelta, FinalAnswer, decode_answer, encode_delta, encode_final, encode_queued
+from qa_worker.admission import RATE_WINDOW_S, Admission
+from qa_worker.answering import Answerer
+from tests.pipeline import wait_for
+from tests.test_api import _parse_sse
+
+CAM = "cam"
+QUESTIONS = ["What is happening?", "Is anything red?", "Describe the scene.", "Who is there?", "Why?"]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_positions_count_the_questions_taken_before_that_have_not_started():
+    admission = Admission()
+    a, b, c = admission.take(), admission.take(), admission.take()
+    assert [admission.position(t) for t in (a, b, c)] == [1, 2, 3] and admission.queued == 3
+    admission.start(b)
+    assert [admission.position(t) for t in (a, b, c)] == [1, None, 2]
+    admission.done(a)  # failed before it started: no answer for the rate
+    assert admission.position(c) == 1 and admission.queued == 1 and admission.rate() is None
+    admission.start(c), admission.done(b), admission.done(c)
+    assert admission.queued == 0
+
+
+def test_the_rate_counts_answers_over_busy_time_only():
+    """Answers a second while questions were open, over the last RATE_WINDOW_S of such time: an
+    idle hour before a burst does not read as a slow GPU."""
+    clock = Clock()
+    admission = Admission(clock)
+    first = admission.take()
+    clock.now += 0.5
+    admission.start(first)
+    clock.now += 1.5
+    admission.done(first)  # 1 answer in 2 s of busy time
+    assert admission.rate() == pytest.approx(0.5)
+    clock.now += 3600  # idle
+    assert admission.rate() == pytest.approx(0.5) and admission.wait_s(3) == pytest.approx(6.0)
+    for _ in range(40):  # then busy: 2 answers a second
+        tickets = [admission.take(), admission.take()]
+        for t in tickets:
+            admission.start(t)
+        clock.now += 1.0
+        for t in tickets:
+            admission.done(t)
+    assert admission.rate() == pytest.approx(2.0, rel=0.05), "the window holds the last RATE_WINDOW_S only"
+    assert RATE_WINDOW_S < 40
+
+
+def test_a_new_questions_estimated_wait_is_the_best_of_the_fresh_entries():
+    now = 5000.0
+    entries = {
+        b"busy": AdmissionEntry(queued=30, rate=2.0, at=now - 1).to_json(),
+        b"quick": AdmissionEntry(queued=9, rate=5.0, at=now - 1).to_json(),
+        b"gone": AdmissionEntry(queued=0, rate=100.0, at=now - 60).to_json(),  # stale: a process gone
+        b"new": AdmissionEntry(queued=0, rate=None, at=now).to_json(),  # no answer yet: no estimate
+        b"bad": b"{not json",
+    }
+    assert estimated_wait_s(entries, now=now) == pytest.approx((9 + 1) / 5.0)
+    assert estimated_wait_s(entries, backlog=5, now=now) == pytest.approx((9 + 5 + 1) / 5.0)
+    assert estimated_wait_s({b"new": entries[b"new"]}, now=now) is None
+    assert estimated_wait_s({}, now=now) is None
+
+
+@pytest.fixture(scope="module")
+def rt() -> Runtime:
+    return Runtime(load_model("tiny-random"))
+
+
+@pytest.fixture(scope="module")
+def head(rt: Runtime):
+    spec = StreamSpec(CAM, 2, Grid(56, 56), 2)
+    engine = StreamEngine(rt, spec)
+    rng = np.random.default_rng(0)
+    frames = [rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(4)]
+    engine.append(frames, [0.0, 0.5, 1.0, 1.5], [0, 1, 2, 3])
+    return engine.head
+
+
+def _replies(r: redis.Redis, qid: str) -> list[AnswerDelta | FinalAnswer]:
+    return [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
+
+
+def _places(replies: list) -> list[int]:
+    return [d.position for d in replies if isinstance(d, AnswerDelta) and d.position is not None]
+
+
+def test_questions_waiting_for_the_gpu_are_told_their_place_in_order_then_answered_as_alone(rt, head, redis_url):
+    """A worker's questions wait while the GPU starts none (the scheduler is stepped by hand, two
+    questions at most at once): each one's reply stream begins with its place, 1 to 4 in the order
+    taken, and an estimated wait that grows with it; places move up as questions ahead start; the
+    answers are those each question gets alone."""
+    r = redis.Redis.from_url(redis_url)
+    params = GenerationParams(max_tokens=3)
+    alone = {q: ask(rt, head, q, params).text for q in QUESTIONS}
+    scheduler = Scheduler(SchedulePolicy(max_batch=2))  # never started: it steps when the test says
+    rt.executor = scheduler
+    admission = Admission()
+    answerer = Answerer(rt, r, lambda s, at: head, lambda s: s == CAM, consumer="qa", admission=admission)
+    queued_before = metrics.QUESTIONS_QUEUED._value.get()
+
+    def asked(question: str) -> tuple[str, threading.Thread]:
+        qid = f"q{QUESTIONS.index(question)}"
+        fields = {b"id": qid.encode(), b"stream": CAM.encode(), b"question": question.encode(), b"max_tokens": b"3"}
+        eid = r.xadd(keys.QUESTIONS, fields).decode()
+        thread = threading.Thread(target=answerer.handle, args=(keys.QUESTIONS, eid, fields), daemon=True)
+        thread.start()
+        return qid, thread
+
+    def step_until(done) -> None:
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            scheduler.step()
+            time.sleep(0.005)
+        assert done()
+
+    try:
+        first, thread = asked(QUESTIONS[0])  # one answered first: the worker measures its rate
+        step_until(lambda: not thread.is_alive())
+        assert admission.rate() is not None
+        waiting = []
+        for n, question in enumerate(QUESTIONS[1:], 1):
+            waiting.append(asked(question))
+            wait_for(lambda n=n: admission.queued == n, 10, "the question taken")
+        for qid, _ in waiting:
+            wait_for(lambda qid=qid: _places(_replies(r, qid)), 10, f"{qid} told its place")
+        told = [_replies(r, qid)[0] for qid, _ in waiting]
+        assert [d.position for d in told] == [1, 2, 3, 4], "in the order taken"
+        assert all(d.text == "" for d in told) and [d.wait_s for d in told] == sorted(d.wait_s for d in told)
+        assert told[0].wait_s > 0
+        assert metrics.QUESTIONS_QUEUED._value.get() == queued_before + 4
+
+        scheduler.step()  # two start; the other two move up, and are told so within a second
+        last = waiting[-1][0]
+        wait_for(lambda: _places(_replies(r, last))[-1] == 2, 10, "the last question told it moved up")
+        step_until(lambda: not any(t.is_alive() for _, t in waiting))
+    finally:
+        rt.executor = InlineExecutor()
+    for qid, _ in [(first, thread), *waiting]:
+        replies = _replies(r, qid)
+        final = replies[-1]
+        assert isinstance(final, FinalAnswer) and final.error is None
+        assert final.text == alone[QUESTIONS[int(qid[1:])]]
+        places = _places(replies)
+        assert places == sorted(places, reverse=True), "a place only moves up"
+        text = [d for d in replies[:-1] if d.position is None]
+        assert replies[: len(places)] == [d for d in replies if d not in text and d is not final], "places first"
+        assert "".join(d.text for d in text) == final.text
+        assert final.queue_s >= (0.2 if qid != first else 0.0)  # its wait for the GPU is in it
+    assert metrics.QUESTIONS_QUEUED._value.get() == queued_before
+
+
+def _api(cfg: ApiConfig) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://api", timeout=30)
+
+
+def _worker_says(r: redis.Redis, queued: int, rate: float) -> None:
+    """What the QA process answering CAM publishes (its queue and rate), as Admission.publish does."""
+    r.hset(keys.admission(CAM), "qa-1", AdmissionEntry(queued, rate, time.time()).to_json())
+
+
+def _answer_with_places(r: redis.Redis, places: list[tuple[int, float | None]]) -> None:
+    """A worker: once a question is asked, its places as it waits, then its answer."""
+    wait_for(lambda: r.xlen(keys.QUESTIONS) >= 1, 30, "a question")
+    (_, fields), *_ = r.xrange(keys.QUESTIONS)
+    qid = fields[b"id"].decode()
+    for position, wait_s in places:
+        r.xadd(keys.answer(qid), encode_queued(position, wait_s))
+    r.xadd(keys.answer(qid), encode_delta("a van"))
+    final = FinalAnswer(id=qid, stream=CAM, text="a van", tokens=2, total_s=0.5, queue_s=3.0)
+    r.xadd(keys.answer(qid), encode_final(final))
+
+
+def test_the_api_refuses_with_429_a_question_it_could_not_start_in_time(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta(CAM), mapping={"fps": "2", "height": "56", "width": "56", "live": "1"})
+    cfg = ApiConfig(redis_url=redis_url, max_queue_wait_s=10.0, answer_timeout_s=20, block_ms=100)
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with _api(cfg) as client:
+            _worker_says(r, queued=59, rate=2.0)  # a new question: (59 + 1) / 2 = 30 s
+            chat = {"model": CAM, "messages": [{"role": "user", "content": "hi"}]}
+            refused = [
+                await client.post(f"/api/streams/{CAM}/ask", json={"question": "hi"}),
+                await client.post("/v1/chat/completions", json=chat),
+            ]
+            assert not r.exists(keys.QUESTIONS), "nothing queued"
+            _worker_says(r, queued=9, rate=2.0)  # 5 s: taken, waits, is told its place
+            worker = threading.Thread(target=_answer_with_places, args=(r, [(3, 2.5), (1, 0.5)]), daemon=True)
+            worker.start()
+            accepted = await client.post(f"/api/streams/{CAM}/ask", json={"question": "hi"})
+            worker.join(10)
+            return refused, accepted
+
+    refused, accepted = asyncio.run(run())
+    for response in refused:
+        assert response.status_code == 429, response.text
+        assert response.headers["Retry-After"] == "20"  # 30 s estimated, 10 s allowed
+        error = response.json()["error"]
+        assert error["code"] == "queue_full" and "30 s" in error["message"]
+    events = _parse_sse(accepted.text)
+    queued = [data for event, data in events if event == "queued"]
+    assert [(d["position"], d["wait_s"]) for d in queued] == [(3, 2.5), (1, 0.5)]
+    assert [event for event, _ in events][-2:] == ["delta", "final"] and events[-2][1] == {"text": "a van"}
+
+
+def test_old_readers_see_a_place_as_empty_text():
+    """A client that knows nothing of places reads a delta with no text: its answer is unchanged."""
+    fields = {k.encode(): v.encode() for k, v in encode_queued(4, 12.5, attempt=2).items()}
+    delta = decode_answer(fields)
+    assert delta == AnswerDelta("", attempt=2, position=4, wait_s=12.5)
+    assert decode_answer({k: v for k, v in fields.items() if k not in (b"position", b"wait_s")}) == AnswerDelta("", 2)
+
+
+def test_streamvqa_ask_shows_the_place_while_it_waits(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta(CAM), mapping={"fps": "2", "height": "56", "width": "56", "live": "1"})
+    worker = threading.Thread(target=_answer_with_places, args=(r, [(2, 14.4), (1, None)]), daemon=True)
+    worker.start()
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "ask", "--stream", CAM, "--redis-url", redis_url, "hi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    worker.join(10)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "a van\n"
+    lines = out.stderr.splitlines()
+    assert lines[:2] == ["queued: position 2, ~14 s", "queued: position 1"], out.stderr
+    assert lines[2].startswith("waited 3.00 s in the queue")
