@@ -16,9 +16,12 @@ Reported over the measured window:
   most every 5 s per stream and a head's last_frame_seq jumps over dropped frames;
 - encoder lag: now - last_ts of every camera's head manifest, sampled (p50, p95, max);
 - answers/s, client latency (XADD to the final entry), server first token and total (the final
-  entries' first_token_s and total_s: from the question reaching the engine) and the rest of
+  entries' first_token_s and total_s: from the question's start on the GPU) and the rest of
   each answer's latency outside them (queues, Redis, the reply), p50/p95; errors (error replies
   and timeouts);
+- the queue: each answer's wait from its asking to its start on the GPU (the final's queue_s:
+  in its stream's queue, then waiting in order behind cameras and other questions), p50/p95/max,
+  and the share of questions told a place in the queue and the furthest place told;
 - each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM);
 - the workers' CPU by thread role, and the whole machine's busy cores every 50 ms (mean, p95,
   and the share of intervals with 90 % of the cores busy, when the GPU loop waits for one).
@@ -467,13 +470,15 @@ class Asked:
     error: str | None
     kind: str = "live"  # or one of PAST: a question about the past
     first_delta_s: float | None = None  # XADD to the first delta read: the first token as the asker sees it
-    queue_s: float | None = None  # the final's: from the asking to a worker taking it
+    queue_s: float | None = None  # the final's: from the asking to its start on the GPU
     elapsed_s: float | None = None  # the final's: from the asking to the final
+    place: int | None = None  # the first place in the queue it was told, if it had to wait for the GPU
 
     @property
     def prepare_s(self) -> float | None:
-        """From a worker taking the question to its start in the engine: for a question about the
-        past, choosing (or searching for) its chunks, reading them back and encoding them again."""
+        """From a worker taking the question to its start in the engine, less its wait for the GPU:
+        for a question about the past, choosing (or searching for) its chunks, reading them back
+        and encoding them again."""
         if self.elapsed_s is None or self.queue_s is None or self.total_s is None:
             return None
         return self.elapsed_s - self.queue_s - self.total_s
@@ -545,11 +550,13 @@ class Load:
     def _ask_one(self, client: Client, cam: str, question: str, kind: str) -> Asked:
         sent = time.monotonic()
         first: list[float] = []  # when the first delta was read
+        places: list[int] = []  # the places it was told while it waited for the GPU
         try:
             final = client.ask(
                 cam,
                 question,
                 on_delta=lambda _: first or first.append(time.monotonic() - sent),
+                on_queued=lambda position, _wait: places.append(position),
                 timeout_s=self.ns.ask_timeout,
                 max_tokens=self.ns.max_tokens,
                 **PAST.get(kind, {}),
@@ -557,9 +564,9 @@ class Load:
         except (TimeoutError, redis.RedisError, SchemaError) as e:
             return Asked(sent, time.monotonic() - sent, None, None, f"{type(e).__name__}: {e}", kind)
         server = (final.first_token_s, final.total_s, final.error)
-        return Asked(
-            sent, time.monotonic() - sent, *server, kind, min(first, default=None), final.queue_s, final.elapsed_s
-        )
+        told = places[0] if places else None
+        first_delta = min(first, default=None)
+        return Asked(sent, time.monotonic() - sent, *server, kind, first_delta, final.queue_s, final.elapsed_s, told)
 
     def _search(self, index: int) -> None:
         """Searches over every camera's indexed past (--index-hours), back to back."""
@@ -1127,6 +1134,7 @@ def summarize(
         "server_first_token_s": percentiles([a.first_token_s for a in answered if a.first_token_s is not None], 50, 95),
         "server_total_s": percentiles([a.total_s for a in answered if a.total_s is not None], 50, 95),
         "outside_server_s": percentiles([a.latency_s - a.total_s for a in answered if a.total_s is not None], 50, 95),
+        "queue_wait_s": queue_summary(answered),
         "client_latency_by_bin": latency_bins(answered, t0, LATENCY_BIN_S),
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
@@ -1142,8 +1150,9 @@ def past_askers(ns: argparse.Namespace, kind: str) -> int:
 def past_answers(ns: argparse.Namespace, load: Load, kind: str, t_end: float) -> dict[str, Any]:
     """Questions about the past asked in the window, beside the live ones: the first token as the
     asker sees it (XADD to the first delta read) and on the server, split where it went: the
-    queue, `prepare` (choosing the chunks, by a search for retrieval, reading them back from the
-    log, encoding them again into a temporary cache, then its turn to start) and the first token
+    queue (its stream's, then its turn to start on the GPU), `prepare` (choosing the chunks, by a
+    search for retrieval, reading them back from the log, encoding them again into a temporary
+    cache) and the first token
     from its start in the engine (the final's first_token_s, which is all a live question's server
     first token counts); all of them on the server's clock from the asking: `server_first_token_s`."""
     asked = [a for a in load.asked if a.sent <= t_end and a.kind == kind]
@@ -1184,6 +1193,18 @@ def searches(ns: argparse.Namespace, load: Load, t_end: float) -> dict[str, Any]
         "hits": {"min": min((x.hits for x in ok), default=None), "max": max((x.hits for x in ok), default=None)},
         "errors": len(errors),
         "error_samples": sorted(set(errors))[:3],
+    }
+
+
+def queue_summary(answered: list[Asked]) -> dict[str, Any]:
+    """Asked to started on the GPU (the finals' queue_s), and how many were told a place."""
+    waits = [a.queue_s for a in answered if a.queue_s is not None]
+    places = [a.place for a in answered if a.place is not None]
+    return {
+        **percentiles(waits, 50, 95),
+        "max": round(max(waits), 4) if waits else None,
+        "told_a_place": round(len(places) / len(answered), 4) if answered else None,
+        "furthest_place": max(places, default=None),
     }
 
 

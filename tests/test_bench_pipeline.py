@@ -202,6 +202,10 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert client["p50"] >= server["p50"]  # each question's wait includes its first token
     total, outside = run["server_total_s"], run["outside_server_s"]
     assert server["p50"] <= total["p50"] <= client["p50"] and 0 <= outside["p50"] <= outside["p95"]
+    queue = run["queue_wait_s"]  # asked to started on the GPU: inside each client's latency
+    assert 0 <= queue["p50"] <= queue["p95"] <= queue["max"]
+    assert queue["p50"] <= client["p50"] and 0 <= queue["told_a_place"] <= 1
+    assert (queue["furthest_place"] is None) == (queue["told_a_place"] == 0)
     bins = run["client_latency_by_bin"]  # every answer in the bin it was asked in, bins in order
     assert sum(b["answers"] for b in bins) == run["answers"]
     assert [b["from_s"] for b in bins] == sorted({b["from_s"] for b in bins}) and bins[0]["from_s"] >= 0
