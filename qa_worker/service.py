@@ -111,6 +111,7 @@ class QAService:
         self.in_flight: set[tuple[str, str]] = set()  # (queue, entry id) being answered: never twice at once
         self._in_flight_lock = threading.Lock()
         self._last_claim = self._last_published = 0.0
+        self._publish_refused = False  # said once
         self._last_prune = time.monotonic()
         self.versions_failed: BaseException | None = None
 
@@ -153,10 +154,18 @@ class QAService:
         self.jobs.run_due()  # questions first: a person is waiting on those
 
     def _publish_admission(self) -> None:
-        """What the API reads before it accepts a question (qa_worker/admission.py), when due."""
-        if time.monotonic() - self._last_published > PUBLISH_EVERY_S:
-            self._last_published = time.monotonic()
+        """What the API reads before it accepts a question (qa_worker/admission.py), when due. A
+        Redis user not allowed to write it (an ACL file older than the key) costs the API its 429s,
+        not the worker its life."""
+        if time.monotonic() - self._last_published <= PUBLISH_EVERY_S:
+            return
+        self._last_published = time.monotonic()
+        try:
             self.answerer.admission.publish(self.r, self.cfg.consumer, self.versions.answering())
+        except redis.ResponseError as e:
+            if not self._publish_refused:
+                log.warning("queue not published for the API: Redis refused it", error=str(e)[:200])
+            self._publish_refused = True
 
     def _keep_in_flight_alive(self) -> None:
         with self._in_flight_lock:
