@@ -13,7 +13,7 @@
 #     chunks     bench_engine's chunk path: vision and prefill batches, 32 streams x 32K (4 min)
 #     pipeline   bench_pipeline: 64 live cameras (CAMERAS=N for another count; DURATION=S for another
 #                window than 150 s; GIL=S: which worker threads hold the GIL, sampled by py-spy) with full caches, 8
-#                askers, measured for 150 s (6.5 min; its JSON says where answers' time went,
+#                askers (ASKERS=N for more: 32 and 64 show whether questions cost frames), measured for 150 s (6.5 min; its JSON says where answers' time went,
 #                gpu_steps.decode.answering, and what the lease's GPU clocked, machine_gpu: leases
 #                differed by 12-33 % a chunk on 2026-11-27): a 30 s window called a 64-camera run kept up
 #                whose backlog then grew to 13 s and dropped frames (2026-11-27); 64 cameras' 32K
@@ -101,7 +101,7 @@ for what in "$@"; do
     chunks) step chunks chunks.json python3 scripts/bench_engine.py --model random-3b --chunks-only --vision-batches 16 \
       --batch-streams 4,16 --batch-questions 1,8,32 --batch-cache-tokens 32768 --fit-streams 32 \
       --evict-batch 4 --decode-tokens 64 ;;
-    pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
+    pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers "${ASKERS:-8}" \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
       --gil "${GIL:-0}" ${STORE:+--segment-store "$STORE"} --logs /tmp/pipeline-logs
       tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
