@@ -76,7 +76,11 @@ class _Reader:
             del self.subs[sub.key]
 
     async def run(self) -> None:
-        while True:
+        me = asyncio.current_task()
+        # until cancelled, even by a cancellation a read swallowed (redis-py's cluster pipeline can
+        # turn one into a connection error, which would otherwise count as an outage and loop on:
+        # shutting the API down hung)
+        while me is None or not me.cancelling():
             self._expire()
             if not self.subs:
                 self.added.clear()
