@@ -286,3 +286,18 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield d
     finally:
         subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+@pytest.fixture(params=["inline", "scheduler"])
+def executor(rt, request) -> Iterator[str]:
+    """An engine oracle both ways: work runs alone, and through a running GPU scheduler (`rt`: the
+    test module's runtime). Imported here, not at the top: most tests never load torch."""
+    from common.engine.scheduler import SchedulePolicy, Scheduler
+    from common.engine.work import InlineExecutor
+
+    if request.param == "scheduler":
+        rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
+    yield request.param
+    if isinstance(rt.executor, Scheduler):
+        rt.executor.stop()
+    rt.executor = InlineExecutor()

@@ -40,7 +40,7 @@ from common.wire.manifest import to_manifest
 from common.wire.schemas import manifest_to_bytes
 from encoder_worker.config import EncoderConfig
 from ingest.video import iter_file_frames
-from tests.engine_helpers import (
+from tests.engine_helpers import (  # executor: a fixture
     QUESTION,
     append_chunk,
     compare_with_offline,
@@ -58,17 +58,6 @@ GRID = Grid(56, 56)  # 4 tokens per temporal patch (2 frames)
 @pytest.fixture(scope="module")
 def rt() -> Runtime:
     return Runtime(load_model("tiny-random"))
-
-
-@pytest.fixture(params=["inline", "scheduler"])
-def executor(rt: Runtime, request) -> Iterator[str]:
-    """Each oracle both ways: work runs alone, and through a running scheduler."""
-    if request.param == "scheduler":
-        rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
-    yield request.param
-    if isinstance(rt.executor, Scheduler):
-        rt.executor.stop()
-    rt.executor = InlineExecutor()
 
 
 # fps (0.75 and 3: fractional seconds per grid), sink chunks, frames per chunk

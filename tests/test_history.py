@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -77,17 +76,6 @@ def frames(tmp_path_factory) -> list[np.ndarray]:
     out = [resize_to_grid(f.rgb, GRID) for f in iter_file_frames(path, FPS)]
     assert len(out) >= FRAMES
     return out[:FRAMES]
-
-
-@pytest.fixture(params=["inline", "scheduler"])
-def executor(rt: Runtime, request) -> Iterator[str]:
-    """Jobs run alone, and through a running GPU scheduler."""
-    if request.param == "scheduler":
-        rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
-    yield request.param
-    if isinstance(rt.executor, Scheduler):
-        rt.executor.stop()
-    rt.executor = InlineExecutor()
 
 
 def captured(seq: int) -> float:
