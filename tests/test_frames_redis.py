@@ -55,7 +55,8 @@ def test_frames_live_only_on_the_frames_redis_and_questions_are_answered(two_red
         assert worker.poll() is None, services.logs()
 
         on_frames, on_durable = all_keys(rf), all_keys(rd)
-        assert on_frames == {keys.frames(CAM), keys.latest_frame(CAM)}, "only frames and the picture"
+        # frames, the picture, and the chunks' search vectors (bounded, for the recorder's index)
+        assert on_frames == {keys.frames(CAM), keys.latest_frame(CAM), keys.features(CAM)}, "only frames and their kin"
         durable_only = {keys.meta(CAM), keys.events(CAM), keys.versions(CAM), keys.head(CAM), keys.lease(CAM)}
         durable_only |= {keys.QUESTIONS, keys.ANSWERS, keys.answer(final.id)}
         assert durable_only <= on_durable and not on_durable & on_frames, sorted(on_durable)
