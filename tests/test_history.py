@@ -172,7 +172,15 @@ def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt
     rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
     try:
         live = StreamEngine(rt, StreamSpec("live", FPS, GRID, 2))
-        feeding = threading.Thread(target=lambda: [live.append(frames[i : i + 2]) for i in range(0, FRAMES, 2)])
+        fed = threading.Event()
+
+        def feed() -> None:  # live chunks all the while the history cache is encoded: steps to share
+            i = 0
+            while not fed.is_set():
+                live.append(frames[i : i + 2])
+                i = (i + 2) % (FRAMES - 1)
+
+        feeding = threading.Thread(target=feed)
         feeding.start()
         chosen = list(range(4, 20))
         with TemporaryCache(rt, StreamSpec(CAM, FPS, GRID, 2)) as cache:
@@ -180,6 +188,7 @@ def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt
                 part = chosen[i : i + 2]
                 cache.append([frames[s] for s in part], [captured(s) for s in part], part)
             streamed = ask(rt, cache.version, QUESTION, GenerationParams(max_tokens=TOKENS), keep_logits=True)
+        fed.set()
         feeding.join()
     finally:
         rt.executor.stop()
