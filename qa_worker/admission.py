@@ -37,11 +37,6 @@ class Ticket:
     started_at: float | None = None
     told: int | None = None  # the position it was last told
 
-    @property
-    def waited_s(self) -> float:
-        """From being taken to its start on the GPU (0 until it starts)."""
-        return 0.0 if self.started_at is None else self.started_at - self.taken_at
-
 
 class Admission:
     def __init__(self, clock: Callable[[], float] = time.monotonic):

@@ -270,7 +270,7 @@ class Answerer:
             first_token_s=answer.first_token_s,
             total_s=answer.total_s,
             tokens=len(answer.token_ids),
-            queue_s=ticket.waited_s,  # handle adds the wait before the question was taken
+            queue_s=answer.queued_s,  # handle adds the wait before the question was taken
             **common,
         )
 

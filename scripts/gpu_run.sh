@@ -90,6 +90,7 @@ OUT="${OUT:-out}"
 mkdir -p "$OUT"
 install_carried
 export PYTHONUNBUFFERED=1
+logs=$(mktemp -d)  # the services' logs: a directory of this call's own, so that two calls can run side by side
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader >&2
 status=0
 for what in "$@"; do
@@ -103,13 +104,13 @@ for what in "$@"; do
       --evict-batch 4 --decode-tokens 64 ;;
     pipeline) step pipeline pipeline.json timeout 540 python3 scripts/bench_pipeline.py --device cuda --askers "${ASKERS:-8}" \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-150}" --start-timeout 200 \
-      --gil "${GIL:-0}" ${STORE:+--segment-store "$STORE"} --logs /tmp/pipeline-logs
-      tar czf "$OUT/pipeline-logs.tgz" -C /tmp pipeline-logs ;;
+      --gil "${GIL:-0}" ${STORE:+--segment-store "$STORE"} --logs "$logs/pipeline-logs"
+      tar czf "$OUT/pipeline-logs.tgz" -C "$logs" pipeline-logs ;;
     history) step history history.json timeout 560 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
       --history-askers 1 --retrieval-askers 1 --search-clients 1 --log-hours 1 --index-hours 24 \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-120}" --start-timeout 200 \
-      --logs /tmp/history-logs
-      tar czf "$OUT/history-logs.tgz" -C /tmp history-logs ;;
+      --logs "$logs/history-logs"
+      tar czf "$OUT/history-logs.tgz" -C "$logs" history-logs ;;
     storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
     copies) step copies copies.json python3 scripts/probes/host_copies.py ;;
     launches) step launches launches.json python3 scripts/probes/decode_beside_launches.py ;;

@@ -52,6 +52,7 @@ from ingest.video import iter_file_frames
 from qa_worker.answering import Answerer
 from qa_worker.history import LoggedChunk, evenly
 from tests.groupread import read_group
+from tests.pipeline import wait_for
 from tests.test_persistence import encoded, run_until, stop
 
 CAM = "cam"
@@ -158,8 +159,8 @@ def test_a_span_across_the_live_windows_edge_equals_offline_inference_on_the_fra
 
 
 def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt, frames, monkeypatch):
-    """Through a running scheduler, with a live stream's chunks queued alongside: the temporary
-    cache's chunks ride in encode steps with them (background lanes fill what the live ones leave),
+    """Through a running scheduler, with a live stream's chunk queued alongside: the temporary
+    cache's chunks ride in encode steps with it (background lanes fill what the live ones leave),
     and an answer from it equals offline inference on its frames (first-token logits too)."""
     batches: list[list[tuple[str, bool]]] = []
     run_batch = ChunkWork.run_batch.__func__
@@ -169,27 +170,31 @@ def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt
         run_batch(cls, batch)
 
     monkeypatch.setattr(ChunkWork, "run_batch", classmethod(recorded))
-    rt.executor = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4)).start()
+    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4))
+    rt.executor = scheduler.start()
+    chosen = list(range(4, 20))
     try:
         live = StreamEngine(rt, StreamSpec("live", FPS, GRID, 2))
-        fed = threading.Event()
-
-        def feed() -> None:  # live chunks all the while the history cache is encoded: steps to share
-            i = 0
-            while not fed.is_set():
-                live.append(frames[i : i + 2])
-                i = (i + 2) % (FRAMES - 1)
-
-        feeding = threading.Thread(target=feed)
-        feeding.start()
-        chosen = list(range(4, 20))
         with TemporaryCache(rt, StreamSpec(CAM, FPS, GRID, 2)) as cache:
-            for i in range(0, len(chosen), 2):  # one chunk an append: several encode steps
-                part = chosen[i : i + 2]
-                cache.append([frames[s] for s in part], [captured(s) for s in part], part)
+
+            def history() -> None:
+                for i in range(0, len(chosen), 2):  # one chunk an append: several encode steps
+                    part = chosen[i : i + 2]
+                    cache.append([frames[s] for s in part], [captured(s) for s in part], part)
+
+            # The loop is held in a task until both lanes have a chunk queued, so that the next
+            # encode step finds both (without the hold, which comes first is a matter of timing).
+            gate = threading.Event()
+            holding = threading.Thread(target=scheduler.call, args=(gate.wait,))
+            holding.start()
+            appends = [threading.Thread(target=history), threading.Thread(target=live.append, args=(frames[:2],))]
+            for thread in appends:
+                thread.start()
+            wait_for(lambda: len(scheduler._lanes) == 2, 30, "a live and a history chunk queued")
+            gate.set()
+            for thread in [holding, *appends]:
+                thread.join(60)
             streamed = ask(rt, cache.version, QUESTION, GenerationParams(max_tokens=TOKENS), keep_logits=True)
-        fed.set()
-        feeding.join()
     finally:
         rt.executor.stop()
         rt.executor = InlineExecutor()

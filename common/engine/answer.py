@@ -46,6 +46,7 @@ class Answer:
     total_s: float
     stop: str  # "eos" or "length"
     first_logits: torch.Tensor | None = None  # what the first token was drawn from, when asked for
+    queued_s: float = 0.0  # from submission to its start on the GPU, on the clock total_s counts on
 
     @property
     def tokens_per_s(self) -> float:
@@ -93,6 +94,7 @@ class Decoded:
     total_s: float
     stop: str
     first_logits: torch.Tensor | None
+    queued_s: float
 
 
 class Generation(StepWork):
@@ -121,6 +123,7 @@ class Generation(StepWork):
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.stops = {rt.ids.im_end, rt.ids.endoftext}
         self.t0, self.first_token_s = time.perf_counter(), 0.0
+        self.queued_s = 0.0
         self.first_logits: torch.Tensor | None = None
 
     def start(self) -> None:
@@ -129,7 +132,7 @@ class Generation(StepWork):
             return
         ids = self.pending
         self.scratch = self.rt.lm.pool.alloc(max(len(ids) + self.params.max_tokens, StepGraphs.prefill_room(len(ids))))
-        self.started, self.t0 = True, time.perf_counter()
+        self.started, self.queued_s, self.t0 = True, time.perf_counter() - self.t0, time.perf_counter()
         if self.on_start is not None:
             self.on_start()
 
@@ -166,7 +169,9 @@ class Generation(StepWork):
     def _finish(self, stop: str) -> None:
         total = time.perf_counter() - self.t0
         self.scratch = None  # back to the pool now, not when the caller drops this work
-        self.future.set_result(Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits))
+        self.future.set_result(
+            Decoded(self.tokens, self.first_token_s or total, total, stop, self.first_logits, self.queued_s)
+        )
 
 
 class _Step:
@@ -364,6 +369,7 @@ def ask(
         total_s=done.total_s,
         stop=done.stop,
         first_logits=done.first_logits,
+        queued_s=done.queued_s,
     )
 
 
