@@ -1,10 +1,12 @@
 """`GET /api/search?q=&stream=&since=&until=&limit=`: the cameras' past ranked by the model's own
 retrieval features (README "Search"), answered by a worker through the question queue.
 
-Each result is a chunk: its camera, capture-time range (unix seconds), frame seqs and score (the
-cosine of question and chunk, in [-1, 1], best first), with the URLs of a snapshot (its thumbnail,
-the frame nearest the chunk's middle) and of its clip, both served from the frames log
-(api/clips.py). A span with nothing indexed gives an empty list; a bad parameter 400 naming it.
+Each result is a moment: a camera's run of adjacent matching chunks (qa_worker/moments.py), its
+capture-time range (unix seconds), frame seqs, how many chunks, and its score, its best chunk's
+(the cosine of question and chunk, in [-1, 1], best first) with that chunk's range and seqs
+(`best_*`); with the URLs of a snapshot (its thumbnail: the frame nearest the best chunk's middle)
+and of the whole range's clip, both served from the frames log (api/clips.py). A span with nothing
+indexed gives an empty list; a bad parameter 400 naming it.
 """
 
 from __future__ import annotations
@@ -66,6 +68,6 @@ def _request(text: str, **options: Any) -> SearchRequest:
 def _result(hit: SearchHit) -> dict[str, Any]:
     return {
         **vars(hit),
-        "thumbnail": snapshot_path(hit.stream, (hit.start + hit.end) / 2),
+        "thumbnail": snapshot_path(hit.stream, (hit.best_start + hit.best_end) / 2),
         "clip": clip_path(hit.stream, hit.start, hit.end),
     }

@@ -201,7 +201,7 @@ class Answerer:
         Chunks of whole temporal patches only: no padding falls between chunks."""
         spec = self.history.spec(q.stream)
         t0, t1 = span_of(q, asked_at) if q.since is not None else (-math.inf, asked_at)
-        hits = self.searcher.search(q.question, [q.stream], t0, t1, self.history.fit(spec))
+        hits = self.searcher.chunks(q.question, [q.stream], t0, t1, self.history.fit(spec))
         tp = self.rt.loaded.temporal_patch_size
         chunks = [
             LoggedChunk((h.first_seq, h.last_seq), (h.start, h.end), h.frames) for h in hits if h.frames % tp == 0

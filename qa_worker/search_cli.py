@@ -1,10 +1,11 @@
 """`streamvqa search "red van" [--stream cam1 | --all] [--since 6h] [--until 1h] [--limit 10]`:
 the cameras' past, ranked by the model's own retrieval features (README "Search").
 
-One line per hit on stdout, best first: score, camera, the capture-time range in this machine's
-local time, the frame seqs; `--json`: one JSON object per hit instead. Nothing found prints nothing
-(and says so on stderr). A bad parameter or an unknown camera exits 2 before anything is sent; a
-worker's error exits 1.
+One line per result (a moment: a camera's adjacent matching chunks, qa_worker/moments.py) on
+stdout, best first: score (its best chunk's), camera, the capture-time range in this machine's
+local time, the frame seqs, how many chunks, and the best chunk's time range; `--json`: one JSON
+object per result instead. Nothing found prints nothing (and says so on stderr). A bad parameter
+or an unknown camera exits 2 before anything is sent; a worker's error exits 1.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--until", help="only chunks captured until, in the same forms (default: now)")
     p.add_argument("--limit", type=int, default=DEFAULT_LIMIT, help=f"ranges, 1..{MAX_LIMIT} (default {DEFAULT_LIMIT})")
-    p.add_argument("--json", action="store_true", help="one JSON object per hit")
+    p.add_argument("--json", action="store_true", help="one JSON object per result")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the worker")
     ns = p.parse_args(argv[1:])
     configure_logging("WARNING")
@@ -71,5 +72,10 @@ def main(argv: list[str]) -> int:
 
 def line(hit: SearchHit) -> str:
     fmt = "%Y-%m-%d %H:%M:%S"
-    start, end = time.strftime(fmt, time.localtime(hit.start)), time.strftime("%H:%M:%S", time.localtime(hit.end))
-    return f"{hit.score:.3f}  {hit.stream}  {start}..{end}  frames {hit.first_seq}-{hit.last_seq}"
+    start, end = time.strftime(fmt, time.localtime(hit.start)), _clock(hit.end)
+    frames, best = f"frames {hit.first_seq}-{hit.last_seq}", f"best {_clock(hit.best_start)}..{_clock(hit.best_end)}"
+    return f"{hit.score:.3f}  {hit.stream}  {start}..{end}  {frames}  chunks {hit.chunks}  {best}"
+
+
+def _clock(t: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t))

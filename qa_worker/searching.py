@@ -8,7 +8,8 @@ that: opening a camera-day's index and building its table took 100-200 ms on a C
 cameras made the first search after every save take seconds. A camera's index holds vectors of
 one model at some layers: the question is represented at those layers, once for all cameras
 alike; an index of another model than this worker's is not comparable and is left out with a
-warning. The hits of all cameras are merged by score. A search sees what the recorder saved
+warning. The chunks of all cameras are ranked by score and made into moments (moments.py): a
+camera's adjacent matching chunks are one result. A search sees what the recorder saved
 (every `features_save_s`), up to `REFRESH_S` and an opening later.
 """
 
@@ -30,10 +31,14 @@ from common.framelog import FrameLog
 from common.wire.schemas import FinalAnswer, SchemaError, SearchHit
 from common.wire.search_request import SearchRequest, parse_search
 from common.wire.timeref import TimeRef
+from qa_worker import moments
 
 log = structlog.get_logger()
 
 REFRESH_S = 1.0  # how often the held indexes are checked for a newer save
+# A search asks each camera for this many chunks per moment wanted, and this many times more each
+# time that was not enough to know the moments (an event of many chunks took them up).
+CANDIDATES = 4
 
 
 class SearchError(Exception):
@@ -76,22 +81,52 @@ class Searcher:
         return FinalAnswer(id=qid, stream=req.stream, text="", hits=tuple(hits), total_s=time.perf_counter() - t0), req
 
     def search(self, text: str, streams: list[str] | None, since: float, until: float, limit: int) -> list[SearchHit]:
-        """The `limit` best chunks of ``streams`` (None: every camera the log holds) captured in
-        [since, until], best first; none when nothing of the span is indexed."""
+        """The `limit` best moments of ``streams`` (None: every camera the log holds) captured in
+        [since, until], best first: runs of adjacent chunks that match (moments.py); none when
+        nothing of the span is indexed. Each camera's best chunks are asked for, more each time
+        until the chunks taken stop above the score of every camera's last one given (so none
+        not given could have been taken), or every camera has given all it has."""
+        indexes = self._indexes(text, streams)
+        k = CANDIDATES * limit
+        while True:
+            found = [self._chunks(cam, index, vector, k, since, until) for cam, index, vector in indexes]
+            found_moments, stop = moments.moments(moments.order([c for cs in found for c in cs]), limit)
+            unseen = max((cs[-1].score for cs in found if len(cs) == k), default=None)
+            if unseen is None or (stop is not None and stop > unseen):
+                return found_moments
+            k *= CANDIDATES
+
+    def chunks(self, text: str, streams: list[str] | None, since: float, until: float, limit: int) -> list[SearchHit]:
+        """The `limit` best chunks, one by one (scope history answers over them), best first."""
+        found = [
+            self._chunks(cam, index, vector, limit, since, until) for cam, index, vector in self._indexes(text, streams)
+        ]
+        return moments.order([c for cs in found for c in cs])[:limit]
+
+    def _indexes(self, text: str, streams: list[str] | None) -> list[tuple[str, ChunkIndex, np.ndarray]]:
+        """The cameras' indexes comparable with this worker's model, each with the question's vector
+        at its layers (computed once per layers)."""
         if self.framelog is None:
             raise SearchError("this worker has no frames log (framelog_dir): it cannot search")
         indexes = [(cam, index) for cam in streams or self.framelog.cameras() if (index := self._index(cam))]
         vectors: dict[tuple[int, ...], np.ndarray] = {}
-        hits: list[SearchHit] = []
+        out = []
         for cam, index in indexes:
             if index.model != self.rt.loaded.name:
                 log.warning("search index of another model; left out", stream=cam, model=index.model)
                 continue
             if index.layers not in vectors:
                 vectors[index.layers] = self._question(text, index.layers)
-            for m in index.search(vectors[index.layers], limit, since, until):
-                hits.append(SearchHit(cam, m.start, m.end, m.score, m.first_seq, m.last_seq, m.frames))
-        return sorted(hits, key=lambda h: -h.score)[:limit]
+            out.append((cam, index, vectors[index.layers]))
+        return out
+
+    @staticmethod
+    def _chunks(cam: str, index: ChunkIndex, vector: np.ndarray, k: int, since: float, until: float) -> list[SearchHit]:
+        """The camera's ``k`` best chunks in the span, best first."""
+        return [
+            SearchHit.chunk(cam, m.start, m.end, m.score, m.first_seq, m.last_seq, m.frames)
+            for m in index.search(vector, k, since, until)
+        ]
 
     def _question(self, text: str, layers: tuple[int, ...]) -> np.ndarray:
         if len(self.rt.encode(text, user=True)) > MAX_QUESTION_TOKENS:

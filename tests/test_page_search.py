@@ -2,7 +2,8 @@
 (on uvicorn, with a token): two cameras' frames encoded and indexed beside their frames logs, and a
 worker with a tiny random-weight model answering searches and questions (tests/test_search.py's
 world). Oracles: the page's results come in the order, with the scores, computed independently from
-transformers' own forward (tests/retrieval_oracle.py), each thumbnail is its chunk's middle frame;
+transformers' own forward (tests/retrieval_oracle.py), made into moments (tests/test_search.py's
+`moments_oracle`), each thumbnail is its best chunk's middle frame;
 an answer shows as ranges exactly the chunks the worker must have chosen; refusals are the API's."""
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from api.config import ApiConfig
 from common.engine.spans import capture_ranges
 from tests import test_search
 from tests.test_api import CHROMIUM, CHROMIUM_ARGS, TOKEN, served
-from tests.test_search import CAMS, FRAMES, QUERY, T0, answering, oracle
+from tests.test_search import CAMS, FRAMES, QUERY, T0, answering, moments_oracle, oracle
 from tests.test_search_index import CHUNK, FPS, GRID
 
 rt, world = test_search.rt, test_search.world  # its fixtures, made again for this module
 
 ZONE = "Asia/Kolkata"  # the browser's: UTC+05:30, so a time typed without an offset must get one
 PHONE = {"width": 390, "height": 844}
+SEARCH_LIMIT = 24  # the page's (api/web/app.js)
 
 # Each search result's thumbnail as RGBA pixels, in the page's order (drawn from the loaded <img>).
 _THUMBNAILS = """() => [...document.querySelectorAll('#search .results img')].map((img) => {
@@ -98,25 +100,26 @@ def test_a_search_shows_thumbnails_in_score_order_and_a_result_plays_its_clip(rt
     with answering(rt, world):
         status = search(page, QUERY)
         assert "best first" in status, status
-        expected = oracle(rt, world, QUERY)
+        expected = moments_oracle(oracle(rt, world, QUERY), SEARCH_LIMIT)
         results = shown(page)
-        assert [cam for cam, _, _ in results] == [cam for _, cam, _ in expected], "the oracle's order"
-        np.testing.assert_allclose([s for _, s, _ in results], [s for s, _, _ in expected], atol=2e-3)
+        assert [cam for cam, _, _ in results] == [cam for _, cam, _, _, _ in expected], "the oracle's order"
+        np.testing.assert_allclose([s for _, s, _ in results], [s for s, _, _, _, _ in expected], atol=2e-3)
         assert [s for _, s, _ in results] == sorted((s for _, s, _ in results), reverse=True)
-        times = [fmt_range(page, T0 + seq / FPS, T0 + (seq + CHUNK - 1) / FPS) for _, _, seq in expected]
+        times = [fmt_range(page, T0 + first / FPS, T0 + last / FPS) for _, _, _, first, last in expected]
         assert [t for _, _, t in results] == times
 
         page.wait_for_function("[...document.querySelectorAll('#search .results img')].every((i) => i.naturalWidth)")
-        for thumb, (_, cam, seq) in zip(page.evaluate(_THUMBNAILS), expected, strict=True):
+        for thumb, (_, cam, best, _, _) in zip(page.evaluate(_THUMBNAILS), expected, strict=True):
             pixels = np.array(thumb, np.uint8).reshape(GRID.height, GRID.width, 4)[..., :3].astype(np.int16)
             error = [np.abs(pixels - f).mean() for f in world["frames"][cam]]
-            middle = seq + (CHUNK - 1) / 2  # between two frames: the snapshot is either
-            assert np.argmin(error) in (int(middle), int(middle) + 1), (cam, seq, error)
+            middle = best + (CHUNK - 1) / 2  # the best chunk's middle, between two frames: the snapshot is either
+            assert np.argmin(error) in (int(middle), int(middle) + 1), (cam, best, error)
         no_sideways_overflow(page)
 
         page.locator("#search .results .result").first.click()  # the best: its clip plays
         width, duration = page.wait_for_function(_PLAYED).json_value()
-        assert width == GRID.width and 1.4 <= duration <= 2.6, duration  # 4 frames 0.5 s apart
+        seconds = (expected[0][4] + 1 - expected[0][3]) / FPS  # the moment's frames, 0.5 s apart
+        assert width == GRID.width and seconds - 0.6 <= duration <= seconds + 0.6, (duration, seconds)
         dialog = page.locator("#evidence-dialog")
         assert dialog.locator("#evidence-title").inner_text() == f"{expected[0][1]} · {times[0]}"
         assert dialog.locator("button.ack").is_hidden()

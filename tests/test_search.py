@@ -1,15 +1,18 @@
 """Searching the cameras' past end to end, on a real redis-server, real frames logs and indexes
 (USearch) and a tiny random-weight model: frames encoded by the encoder, indexed by the recorder,
-searched through the question queue by a worker. The ranking oracle: the scores a search returns
-equal those computed independently from the model (transformers' own forward: pre-RoPE queries of
-the question and keys of each chunk, tests/retrieval_oracle.py), and so does their order. A span
-with nothing indexed is an empty list; bad parameters are refused at once (API 400, CLI exit 2)."""
+searched through the question queue by a worker. The ranking oracle: the chunks' scores equal those
+computed independently from the model (transformers' own forward: pre-RoPE queries of the question
+and keys of each chunk, tests/retrieval_oracle.py), and so does their order; a search's results
+are the moments (qa_worker/moments.py) those scores make, worked out here from them afresh. Moments
+are also held to planted vectors (a search of chosen scores). A span with nothing indexed is an
+empty list; bad parameters are refused at once (API 400, CLI exit 2)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +33,7 @@ from common.engine.features import feature_layers
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.wire import keys
+from common.wire.schemas import SearchHit
 from qa_worker.answering import Answerer
 from qa_worker.client import Client
 from tests.engine_helpers import make_frames
@@ -127,30 +131,79 @@ def oracle(rt: Runtime, world: dict, query: str) -> list[tuple[float, str, int]]
     return sorted(out, reverse=True)
 
 
+def moments_oracle(chunks: list[tuple[float, str, int]], limit: int) -> list[tuple[float, str, int, int, int]]:
+    """(score, camera, best chunk's first seq, first seq, last seq) of each moment the ranked
+    ``chunks`` (oracle's) make, best first, found afresh: the world's chunks are CHUNK frames each,
+    back to back, so adjacent is the next chunk of the camera. Taken best first, each prefix's runs
+    counted from scratch; the taking stops before the chunk that would make limit + 1 runs, else
+    after the last that started a run (adjacent to none taken), but never before the limit best."""
+
+    def runs(taken: list[tuple[float, str, int]]) -> list[list[tuple[float, str, int]]]:
+        out: list[list[tuple[float, str, int]]] = []
+        for c in sorted(taken, key=lambda c: (c[1], c[2])):
+            if out and out[-1][-1][1] == c[1] and out[-1][-1][2] + CHUNK == c[2]:
+                out[-1].append(c)
+            else:
+                out.append([c])
+        return out
+
+    def started(i: int) -> bool:
+        _, cam, seq = chunks[i]
+        return not {(cam, seq - CHUNK), (cam, seq + CHUNK)} & {(c, s) for _, c, s in chunks[:i]}
+
+    stop = next((i for i in range(len(chunks)) if len(runs(chunks[: i + 1])) > limit), None)
+    if stop is None:
+        stop = max([i + 1 for i in range(len(chunks)) if started(i)] + [min(limit, len(chunks))])
+    taken = chunks[:stop]
+    found = [(max(run)[0], run[0][1], max(run)[2], run[0][2], run[-1][2] + CHUNK - 1) for run in runs(taken)]
+    return sorted(found, key=lambda m: -m[0])
+
+
+def assert_moments(hits, expected: list[tuple[float, str, int, int, int]]) -> None:
+    """``hits`` are the oracle's moments: in its order, each its camera, range, best chunk and score."""
+    got = [(h.stream, h.best_first_seq, h.first_seq, h.last_seq) for h in hits]
+    assert got == [(cam, best, first, last) for _, cam, best, first, last in expected]
+    np.testing.assert_allclose([h.score for h in hits], [m[0] for m in expected], atol=2e-3)
+    for h in hits:
+        assert (h.start, h.end) == pytest.approx((T0 + h.first_seq / FPS, T0 + h.last_seq / FPS))
+        best_last = h.best_first_seq + CHUNK - 1
+        assert h.best_last_seq == best_last
+        assert (h.best_start, h.best_end) == pytest.approx((T0 + h.best_first_seq / FPS, T0 + best_last / FPS))
+        assert h.chunks == (h.last_seq + 1 - h.first_seq) // CHUNK and h.frames == h.chunks * CHUNK
+
+
+def of(cam: str, chunks: list[tuple[float, str, int]]) -> list[tuple[float, str, int]]:
+    return [c for c in chunks if c[1] == cam]
+
+
 @pytest.mark.parametrize("query", [QUERY, "Who walked through the gate?"])
 def test_scores_and_ranking_equal_the_models_own_computed_independently(rt, world, worker, query):
-    final = Client(world["r"]).search(query, limit=8, timeout_s=60)
-    assert final.error is None, final.error
     expected = oracle(rt, world, query)
-    got = [(h.score, h.stream, h.first_seq) for h in final.hits]
+    chunks = worker.searcher.chunks(query, None, -math.inf, math.inf, 8)  # one by one, as scope history's
+    got = [(h.score, h.stream, h.first_seq) for h in chunks]
     assert [(cam, seq) for _, cam, seq in got] == [(cam, seq) for _, cam, seq in expected], "the same order"
     np.testing.assert_allclose([s for s, _, _ in got], [s for s, _, _ in expected], atol=2e-3)
     assert len({round(s, 3) for s, _, _ in expected}) > 4, "the chunks' scores differ: the order means something"
-    first = next(h for h in final.hits if h.stream == "gate" and h.first_seq == 4)
+    first = next(h for h in chunks if h.stream == "gate" and h.first_seq == 4)
     assert (first.start, first.end, first.last_seq, first.frames) == (T0 + 2.0, T0 + 3.5, 7, 4)
+    assert (first.chunks, first.best_start, first.best_end) == (1, first.start, first.end)
+    final = Client(world["r"]).search(query, limit=8, timeout_s=60)
+    assert final.error is None, final.error
+    assert_moments(final.hits, moments_oracle(expected, 8))
 
 
 def test_one_camera_a_span_and_the_limit(rt, world, worker):
     client = Client(world["r"])
     final = client.search(QUERY, stream="yard", limit=2, timeout_s=60)
-    expected = [(cam, seq) for _, cam, seq in oracle(rt, world, QUERY) if cam == "yard"][:2]
-    assert [(h.stream, h.first_seq) for h in final.hits] == expected
+    assert_moments(final.hits, moments_oracle(of("yard", oracle(rt, world, QUERY)), 2))
     from common.wire.timeref import TimeRef
 
     nothing = client.search(QUERY, since=TimeRef(ago_s=300), timeout_s=60)  # the chunks are 10 min old
     assert nothing.error is None and nothing.hits == ()
     span = client.search(QUERY, since=TimeRef(at=T0 + 4.1), until=TimeRef(at=T0 + 5.9), timeout_s=60)
-    assert {(h.stream, h.first_seq) for h in span.hits} == {(cam, 8) for cam in CAMS}, "chunks meeting the span"
+    assert {(h.stream, h.first_seq, h.chunks) for h in span.hits} == {(cam, 8, 1) for cam in CAMS}, (
+        "chunks meeting the span"
+    )
 
 
 def test_the_api_gives_ranked_ranges_with_thumbnails_and_400s_for_bad_parameters(rt, world, worker):
@@ -183,16 +236,18 @@ def test_the_api_gives_ranked_ranges_with_thumbnails_and_400s_for_bad_parameters
     best3, gate, empty, limit0, bad_since, blank, lone_until, unknown, bad_name, no_q, thumb = asyncio.run(run())
     assert best3.status_code == 200, best3.text
     results = best3.json()["results"]
-    expected = oracle(rt, world, QUERY)[:3]
-    assert [(x["stream"], x["first_seq"]) for x in results] == [(cam, seq) for _, cam, seq in expected]
-    np.testing.assert_allclose([x["score"] for x in results], [s for s, _, _ in expected], atol=2e-3)
-    top = results[0]
-    assert set(top) == {"stream", "start", "end", "score", "first_seq", "last_seq", "frames", "thumbnail", "clip"}
-    assert top["thumbnail"] == f"/api/streams/{top['stream']}/snapshot?at={(top['start'] + top['end']) / 2:.3f}"
-    assert top["clip"] == f"/api/streams/{top['stream']}/clip?from={top['start']:.3f}&to={top['end']:.3f}"
+    expected = oracle(rt, world, QUERY)
+    fields = {"stream", "start", "end", "score", "first_seq", "last_seq", "frames", "chunks"}
+    fields |= {"best_start", "best_end", "best_first_seq", "best_last_seq"}
+    assert_moments([SearchHit(**{k: x[k] for k in fields}) for x in results], moments_oracle(expected, 3))
+    for x in results:
+        assert set(x) == fields | {"thumbnail", "clip"}
+        best_middle = (x["best_start"] + x["best_end"]) / 2  # the best chunk's, not the range's
+        assert x["thumbnail"] == f"/api/streams/{x['stream']}/snapshot?at={best_middle:.3f}"
+        assert x["clip"] == f"/api/streams/{x['stream']}/clip?from={x['start']:.3f}&to={x['end']:.3f}"
     assert thumb.status_code == 200 and thumb.headers["content-type"] == "image/jpeg"
     assert gate.status_code == 200 and {x["stream"] for x in gate.json()["results"]} == {"gate"}
-    assert len(gate.json()["results"]) == FRAMES // CHUNK
+    assert len(gate.json()["results"]) == len(moments_oracle(of("gate", expected), 10))
     assert empty.status_code == 200 and empty.json()["results"] == []
     for response, param in ((limit0, "limit"), (bad_since, "since"), (blank, "q"), (lone_until, "until")):
         assert response.status_code == 400, response.text
@@ -212,11 +267,15 @@ def test_the_cli_prints_ranked_ranges_and_exits_2_on_bad_parameters(rt, world, w
     world["r"].hset(keys.meta("gate"), "fps", "2")
     out = cli(world["url"], QUERY, "--all", "--limit", "3", "--json")
     assert out.returncode == 0, out.stderr
-    hits = [json.loads(line) for line in out.stdout.splitlines()]
-    assert [(h["stream"], h["first_seq"]) for h in hits] == [(cam, seq) for _, cam, seq in oracle(rt, world, QUERY)[:3]]
+    hits = [SearchHit(**json.loads(line)) for line in out.stdout.splitlines()]
+    assert_moments(hits, moments_oracle(oracle(rt, world, QUERY), 3))
     table = cli(world["url"], QUERY, "--stream", "gate", "--since", since_before_the_chunks(), "--limit", "2")
-    assert table.returncode == 0 and len(table.stdout.splitlines()) == 2
-    assert table.stdout.split()[1] == "gate"
+    expected = moments_oracle(of("gate", oracle(rt, world, QUERY)), 2)
+    assert table.returncode == 0 and len(table.stdout.splitlines()) == len(expected)
+    assert (
+        table.stdout.split()[1] == "gate"
+        and f"chunks {expected[0][4] // CHUNK - expected[0][3] // CHUNK + 1}" in table.stdout.splitlines()[0]
+    )
     empty = cli(world["url"], QUERY, "--since", "5m")
     assert empty.returncode == 0 and empty.stdout == "" and "no chunk" in empty.stderr
     for bad in (["x", "--limit", "0"], ["x", "--since", "soon"], ["x", "--until", "1h"], ["x", "--stream", "nope"]):
@@ -300,3 +359,107 @@ def test_the_api_takes_scope_history_and_refuses_another_scope(world):
     assert queued.status_code == 504, "accepted and queued (no worker answers here)"
     fields = world["r"].xrevrange(keys.QUESTIONS, count=1)[0][1]
     assert fields[b"scope"] == b"history"
+
+
+def planted_searcher(tmp_path: Path, scores: dict[str, list[float]]):
+    """A worker's searcher over cameras whose chunks (CHUNK frames each, back to back from seq 0,
+    tests/test_search_index.py's `planted`) score exactly ``scores`` against the question (to
+    float16's precision): each vector is the score's part along the question and the rest at right
+    angles to it. The real index (USearch, saved and opened as the recorder's)."""
+    from types import SimpleNamespace
+
+    from common.chunkindex import ChunkIndex
+    from qa_worker.searching import Searcher
+    from tests.test_search_index import LAYERS, planted
+
+    rng = np.random.default_rng(7)
+    question = rng.standard_normal(64)
+    question /= np.linalg.norm(question)
+    for cam, cam_scores in scores.items():
+        index = ChunkIndex("tiny-random", LAYERS, 64)
+        for i, a in enumerate(cam_scores):
+            other = rng.standard_normal(64)
+            other -= (other @ question) * question
+            other /= np.linalg.norm(other)
+            index.add(planted(CHUNK * i, (a * question + math.sqrt(1 - a * a) * other).astype(np.float16)))
+        (tmp_path / cam).mkdir()
+        index.save(tmp_path / cam)
+    searcher = Searcher(SimpleNamespace(loaded=SimpleNamespace(name="tiny-random")), str(tmp_path))  # type: ignore[arg-type]
+    searcher._question = lambda text, layers: question.astype(np.float32)  # type: ignore[method-assign]
+    return searcher
+
+
+def planted_moment(cam: str, scores: list[float], first: int, last: int) -> tuple:
+    """What the moment of chunks ``first``..``last`` (indexes of ``scores``) must be: (camera, start,
+    end, first seq, last seq, frames, chunks, best start, best end, best seqs), and its score."""
+    from tests.test_search_index import T0 as T
+
+    best = max(range(first, last + 1), key=lambda i: scores[i])
+    span = (CHUNK - 1) / FPS
+    place = (cam, T + first * CHUNK / FPS, T + last * CHUNK / FPS + span, first * CHUNK, last * CHUNK + CHUNK - 1)
+    place += ((last - first + 1) * CHUNK, last - first + 1, T + best * CHUNK / FPS, T + best * CHUNK / FPS + span)
+    return (*place, best * CHUNK, best * CHUNK + CHUNK - 1), scores[best]
+
+
+def assert_planted(hits: list[SearchHit], expected: list[tuple]) -> None:
+    fields = ("stream", "start", "end", "first_seq", "last_seq", "frames", "chunks", "best_start", "best_end")
+    got = [tuple(getattr(h, k) for k in (*fields, "best_first_seq", "best_last_seq")) for h in hits]
+    assert got == [place for place, _ in expected]
+    np.testing.assert_allclose([h.score for h in hits], [score for _, score in expected], atol=2e-3)
+
+
+# chunks 2-4 match (the best is 3), 9 alone; 5 is a weak neighbour of 4; 7 a weaker moment of its own
+ONE_CAMERA = [0.0, 0.1, 0.8, 0.95, 0.85, 0.3, 0.0, 0.5, 0.0, 0.7, 0.1, 0.0]
+
+
+def test_adjacent_matching_chunks_are_one_result_with_its_best_chunks_score_and_place(tmp_path):
+    searcher = planted_searcher(tmp_path, {"cam": ONE_CAMERA})
+    event, alone, weaker = (planted_moment("cam", ONE_CAMERA, *r) for r in ((2, 4), (9, 9), (7, 7)))
+    found = searcher.search("a red van", ["cam"], -math.inf, math.inf, 2)
+    assert_planted(found, [event, alone])  # 3 consecutive chunks and a distant one: 2 results
+    assert event[0][2] < found[1].start, "the weak neighbour (chunk 5) is not merged in: the event ends at 4"
+    assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 1), [event])
+    assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 3), [event, alone, weaker])
+    chunks = searcher.chunks("a red van", ["cam"], -math.inf, math.inf, 2)  # one by one: the event's two best
+    assert [(c.first_seq, c.chunks) for c in chunks] == [(12, 1), (16, 1)]
+
+
+def test_moments_of_several_cameras_ranked_and_an_event_longer_than_the_chunks_first_asked_for(tmp_path):
+    """A 12-chunk event takes all the chunks first asked of its camera (4 a moment wanted): the
+    searcher asks for more until the moments are known, and finds the moment after it too."""
+    gate = [0.9 - 0.004 * abs(i - 6) for i in range(12)]  # the event: best at 6, less either side
+    gate += [0.1, 0.6] + [-0.1 - 0.05 * i for i in range(6)]
+    yard = [0.0, 0.75, 0.7, 0.0]
+    searcher = planted_searcher(tmp_path, {"gate": gate, "yard": yard})
+    event, later = planted_moment("gate", gate, 0, 11), planted_moment("gate", gate, 13, 13)
+    yards = planted_moment("yard", yard, 1, 2)
+    assert_planted(searcher.search("a red van", ["yard", "gate"], -math.inf, math.inf, 3), [event, yards, later])
+    assert_planted(searcher.search("a red van", ["gate", "yard"], -math.inf, math.inf, 2), [event, yards])
+    assert_planted(searcher.search("a red van", ["gate"], -math.inf, math.inf, 10), [event, later])
+
+
+def test_adjacent_is_no_whole_chunk_between():
+    from qa_worker.moments import adjacent
+
+    def chunk(start: float, end: float) -> SearchHit:
+        return SearchHit.chunk("cam", start, end, 0.5, 0, 3, 4)
+
+    assert adjacent(chunk(0, 1.5), chunk(2, 3.5)), "the next chunk: one frame interval on"
+    assert adjacent(chunk(0, 1.5), chunk(2.5, 4)), "a frame dropped between them"
+    assert adjacent(chunk(0, 1.5), chunk(1, 2.5)), "overlapping"
+    assert not adjacent(chunk(0, 1.5), chunk(4, 5.5)), "a chunk between them"
+
+
+def test_a_moment_round_trips_on_the_wire_and_a_hit_without_its_fields_is_one_chunk():
+    from common.wire.schemas import FinalAnswer, SchemaError, decode_final, encode_final
+
+    moment = SearchHit("gate", 1.0, 9.5, 0.95, 2, 19, 12, 3, 6.0, 7.5, 12, 15)
+    final = FinalAnswer(id="q1", stream=None, text="", hits=(moment, SearchHit.chunk("yard", 3.0, 4.5, 0.5, 6, 9, 4)))
+    assert decode_final(encode_final(final)) == final
+    wire = encode_final(FinalAnswer(id="q1", stream=None, text=""))
+    old = {"stream": "gate", "start": 6.0, "end": 7.5, "score": 0.5, "first_seq": 12, "last_seq": 15, "frames": 4}
+    (hit,) = decode_final(wire | {"hits": json.dumps([old])}).hits
+    assert hit == SearchHit("gate", 6.0, 7.5, 0.5, 12, 15, 4, 1, 6.0, 7.5, 12, 15)
+    for bad in ({"chunks": 0}, {"best_start": "x"}, {"best": 1}):
+        with pytest.raises(SchemaError):
+            decode_final(wire | {"hits": json.dumps([old | bad])})

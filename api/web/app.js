@@ -340,8 +340,9 @@ function withOffset(value) {
   return `${local}${east < 0 ? "-" : "+"}${hhmm}`;
 }
 
-// A search of the cameras' past: results best first, each its thumbnail, camera, time range and
-// score; a result opens the dialog on its clip, playing.
+// A search of the cameras' past: results best first, each a moment (a camera's adjacent matching
+// chunks) with its thumbnail (its best chunk's middle frame), camera, time range and score (its
+// best chunk's); a result opens the dialog on its clip, playing.
 const thumbnailUrls = [];
 async function search(form) {
   const status = document.querySelector("#search .search-status");
@@ -382,10 +383,12 @@ function showResults(list, results, q) {
     img.alt = `${hit.stream}, ${range}`;
     item.append(img, el("span", hit.stream, "stream"), el("span", range, "time"),
       el("span", `score ${hit.score.toFixed(3)}`, "score"));
+    const best = hit.chunks > 1 ? `, best of ${hit.chunks} chunks at ${fmtRange(hit.best_start, hit.best_end)}` : "";
     item.addEventListener("click", () => openEvidence({
-      title: `${hit.stream} · ${range}`, about: `“${q}”: score ${hit.score.toFixed(3)}`,
+      title: `${hit.stream} · ${range}`, about: `“${q}”: score ${hit.score.toFixed(3)}${best}`,
       when: `frames ${hit.first_seq}–${hit.last_seq}`, picture: hit.thumbnail,
-      alt: `the frame at the middle of ${range}`, evidence: { ranges: [[hit.start, hit.end]], clip: hit.clip },
+      alt: `the frame at the middle of ${fmtRange(hit.best_start, hit.best_end)}`,
+      evidence: { ranges: [[hit.start, hit.end]], clip: hit.clip },
       play: true,
     }));
     thumbnail(img, hit.thumbnail);

@@ -18,7 +18,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
@@ -838,7 +838,7 @@ class FinalAnswer:
     elapsed_s: float | None = None
     param: str | None = None  # with an error: the question field it is about ("at", "stream"), if one
     hits: tuple[SearchHit, ...] | None = (
-        None  # a search's ranked chunks, best first (JSON list; common/wire/search_request.py)
+        None  # a search's ranked moments, best first (JSON list; common/wire/search_request.py)
     )
 
     def __post_init__(self) -> None:
@@ -851,8 +851,14 @@ class FinalAnswer:
 
 @dataclass(frozen=True)
 class SearchHit:
-    """One chunk a search found: its camera, capture-time range and frame seqs, and its score (the
-    cosine of question and chunk, common/engine/features.py)."""
+    """One moment a search found (qa_worker/moments.py): a camera's run of adjacent matching
+    chunks, its capture-time range and frame seqs (the first chunk's first to the last chunk's
+    last) and frame count over all its chunks; its score is its best chunk's (the cosine of
+    question and chunk, common/engine/features.py), and `best_*` say where that chunk is (the
+    thumbnail's frame). A single chunk is a moment of 1: its best is itself.
+
+    On the wire the `chunks` and `best_*` fields may be absent (a worker from before moments):
+    a hit is then one chunk."""
 
     stream: str
     start: float
@@ -861,19 +867,39 @@ class SearchHit:
     first_seq: int
     last_seq: int
     frames: int
+    chunks: int
+    best_start: float
+    best_end: float
+    best_first_seq: int
+    best_last_seq: int
+
+    @classmethod
+    def chunk(
+        cls, stream: str, start: float, end: float, score: float, first_seq: int, last_seq: int, frames: int
+    ) -> SearchHit:
+        """One chunk, as a moment of its own."""
+        return cls(stream, start, end, score, first_seq, last_seq, frames, 1, start, end, first_seq, last_seq)
 
     @classmethod
     def from_wire(cls, i: int, d: Any) -> SearchHit:
-        if not isinstance(d, dict) or set(d) != _HIT_FIELDS:
-            raise SchemaError(f"hits[{i}]", f"expected an object of {sorted(_HIT_FIELDS)}")
-        return cls(
+        if not isinstance(d, dict) or not _HIT_FIELDS <= set(d) <= _HIT_FIELDS | _MOMENT_FIELDS:
+            raise SchemaError(
+                f"hits[{i}]", f"expected an object of {sorted(_HIT_FIELDS)} (and {sorted(_MOMENT_FIELDS)})"
+            )
+        hit = cls.chunk(
             check_stream_name(f"hits[{i}].stream", d["stream"]),
             *(_float(f"hits[{i}].{k}", d[k]) for k in ("start", "end", "score")),
             *(_int(f"hits[{i}].{k}", d[k], 0) for k in ("first_seq", "last_seq", "frames")),
         )
+        moment = {k: _float(f"hits[{i}].{k}", d[k]) for k in ("best_start", "best_end") if k in d}
+        moment |= {k: _int(f"hits[{i}].{k}", d[k], 0) for k in ("best_first_seq", "best_last_seq") if k in d}
+        if "chunks" in d:
+            moment["chunks"] = _int(f"hits[{i}].chunks", d["chunks"], 1)
+        return replace(hit, **moment)
 
 
 _HIT_FIELDS = {"stream", "start", "end", "score", "first_seq", "last_seq", "frames"}
+_MOMENT_FIELDS = {"chunks", "best_start", "best_end", "best_first_seq", "best_last_seq"}
 _FINAL_INTS = ("version", "cache_tokens", "tokens")
 _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s", "queue_s", "elapsed_s")
 _FINAL_STRS = ("stream", "text", "error", "choice", "epoch", "param")

@@ -4,7 +4,8 @@ Fields: `id` (required, as a question's: it names the reply stream `svqa:answer:
 (the text), optional `stream` (one camera; absent: every camera), `since` and `until` (a span, in
 a question's forms: timeref.py), `limit` (ranges wanted, 1..100, default 10) and `reply_ttl`.
 Any QA process with the frames log answers it (no stream owner needed: the indexes are on disk),
-with one final entry whose `hits` are the ranked chunks (`SearchHit`), best first; `text` is empty.
+with one final entry whose `hits` are the ranked moments (`SearchHit`: a camera's adjacent matching
+chunks, qa_worker/moments.py), best first; `text` is empty.
 """
 
 from __future__ import annotations
