@@ -5,13 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from common.config import ReaderSettings, ServiceSettings, setting
+from common.config import QueueSettings, ReaderSettings, ServiceSettings, setting
 
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass(frozen=True)
-class ApiConfig(ReaderSettings, ServiceSettings):
+class ApiConfig(QueueSettings, ReaderSettings, ServiceSettings):
     """`streamvqa api`: the HTTP API and web page over the Redis protocol."""
 
     ENV_PREFIX: ClassVar[str] = "SVQA_API_"  # SVQA_API_PORT; shared settings (SVQA_REDIS_URL) still apply
@@ -25,11 +25,6 @@ class ApiConfig(ReaderSettings, ServiceSettings):
     )
     max_body_bytes: int = setting(64 * 1024, "larger request bodies get 413")
     answer_timeout_s: float = setting(120.0, "longest wait for a final answer")
-    max_queue_wait_s: float = setting(
-        30.0,
-        "a question that would wait longer than this for the GPU (the questions queued ahead over the answering "
-        "worker's answers a second) is refused with 429 and `Retry-After`, not queued",
-    )
     keep_alive_s: float = setting(
         15.0,
         "a streamed answer sends an SSE comment after this long without an event: a question queued behind "
@@ -56,8 +51,7 @@ class ApiConfig(ReaderSettings, ServiceSettings):
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if not 0 < self.answer_timeout_s <= 3600:
             raise ValueError(f"answer_timeout_s must be in (0, 3600], got {self.answer_timeout_s}")
-        if not self.max_queue_wait_s > 0:
-            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+        QueueSettings.__post_init__(self)
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
         for name in ("redis_max_connections", "answer_readers", "max_answers"):

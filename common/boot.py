@@ -48,14 +48,16 @@ LOCAL_WEIGHTS_HINT = (
 )
 
 
-def stream_capacity(cfg: T, rt: Runtime) -> T:
-    """`cfg` with `max_streams` capped by what the device's KV pool holds at `max_cache_tokens`: a
-    worker never takes a stream its memory cannot hold (placement leaves it to another worker, or
-    free), where it would fail every chunk of it. Exit 2 when not one stream fits."""
-    fits = rt.streams_fit(cfg.max_cache_tokens)
+def stream_capacity(cfg: T, rt: Runtime, beside_tokens: int = 0) -> T:
+    """`cfg` with `max_streams` capped by what the device's KV pool holds at `max_cache_tokens`,
+    `beside_tokens` kept for questions' temporary caches: a worker never takes a stream its memory
+    cannot hold (placement leaves it to another worker, or free), where it would fail every chunk
+    of it. Exit 2 when not one stream fits."""
+    fits = rt.streams_fit(cfg.max_cache_tokens, beside_tokens)
     if fits is None or (cfg.max_streams is not None and cfg.max_streams <= fits):
         return cfg
     pool = {"max_cache_tokens": cfg.max_cache_tokens, "kv_pool_tokens": rt.pool.limit_tokens()}
+    pool |= {"history_tokens": beside_tokens} if beside_tokens else {}
     if fits == 0:
         fail(EXIT_CONFIG, "no stream fits in the KV pool: lower max_cache_tokens", **pool)
     log.info("max_streams from the KV pool", max_streams=fits, configured=cfg.max_streams, **pool)

@@ -441,6 +441,23 @@ class ReaderSettings:
 
 
 @dataclass(frozen=True)
+class QueueSettings:
+    """Settings of whoever makes questions wait: the API before it queues one, qa for a history cache."""
+
+    max_queue_wait_s: float = setting(
+        30.0,
+        "a question that would wait longer than this for the GPU (the questions queued ahead over the answering "
+        "worker's answers a second) is refused with 429 and `Retry-After`, not queued (api); a question about "
+        "the past that has waited this long for its turn at a history cache (`history_max_concurrent`) gets an "
+        "error final (qa)",
+    )
+
+    def __post_init__(self) -> None:
+        if not self.max_queue_wait_s > 0:
+            raise ValueError(f"max_queue_wait_s must be > 0, got {self.max_queue_wait_s}")
+
+
+@dataclass(frozen=True)
 class StreamSettings(CamerasSettings):
     """Settings of a service that serves a set of streams: encoder, qa, worker, recorder."""
 
@@ -485,9 +502,20 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
         'question gets an error (README "Asking about the past")',
     )
 
+    decode_processes: int = setting(
+        2,
+        "processes decoding frames' pixels, out of the worker's GIL (the GPU loop waits for the GIL after "
+        "every kernel launch: decoded in the worker's threads, 64 cameras' frames held it 12 % of the time, "
+        "docs/BENCHMARKS.md): the encoder's live frames, and the logged frames a question about the past "
+        "reads (qa, only with `framelog_dir`; a worker's encoder and qa share them); two decode about 320 "
+        "448x448 frames a second, 2.5x what 64 cameras at 2 fps send",
+    )
+
     def __post_init__(self) -> None:
         GPUSettings.__post_init__(self)
         StreamSettings.__post_init__(self)
+        if self.decode_processes < 1:
+            raise ValueError(f"decode_processes must be 1 or more, got {self.decode_processes}")
 
 
 # --------------------------------------------------------------------------- cameras file

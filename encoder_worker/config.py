@@ -33,13 +33,6 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
         "live frames stamped further ahead of this host's clock are dead-lettered (ingest and encoder hosts "
         "must keep time, e.g. NTP)",
     )
-    decode_processes: int = setting(
-        2,
-        "processes decoding frames' pixels for all streams, out of the worker's GIL (the GPU loop waits for "
-        "the GIL after every kernel launch: decoded in the worker's threads, 64 cameras' frames held it 12 % "
-        "of the time, docs/BENCHMARKS.md); two decode about 320 448x448 frames a second, 2.5x what 64 "
-        "cameras at 2 fps send",
-    )
     lease_ms: int = setting(
         5000, "stream ownership: a dead worker's streams are taken within `lease_ms` + 0.2 s, then restored"
     )
@@ -47,7 +40,8 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
         None,
         'capacity: streams this worker holds at most ("Several GPUs and hosts"); on a GPU never more than '
         "fit in its KV pool at `max_cache_tokens` with 4 budgets to spare (a stream past that would fail "
-        "every chunk), unbounded on a CPU",
+        "every chunk) and, in a worker with `framelog_dir`, room for `history_max_concurrent` history caches, "
+        "unbounded on a CPU",
         shown="what the GPU's KV pool holds",
     )
     versions_maxlen: int = setting(1000, "versions kept in each stream's history")
@@ -72,8 +66,6 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
             raise ValueError(f"store_writers must be 1 or more, got {self.store_writers}")
         if self.restore_threads < 1:
             raise ValueError(f"restore_threads must be 1 or more, got {self.restore_threads}")
-        if self.decode_processes < 1:
-            raise ValueError(f"decode_processes must be 1 or more, got {self.decode_processes}")
         if self.max_streams is not None and self.max_streams < 0:
             raise ValueError(f"max_streams must be 0 or more, got {self.max_streams}")
         if not self.rebase and self.eviction == "exact":

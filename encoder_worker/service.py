@@ -32,6 +32,7 @@ import structlog
 
 from common import boot, health, redisio
 from common.config import load_cameras_file
+from common.decoding import FrameDecoder
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.lease import Lease
@@ -41,7 +42,6 @@ from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
-from encoder_worker.decoding import FrameDecoder
 from encoder_worker.owned_stream import (
     LeaseLost,
     OwnedStream,

@@ -22,6 +22,7 @@ import redis
 import structlog
 
 from common import metrics, redisio
+from common.decoding import FrameDecoder
 from common.engine.answer import Waiting, ask, choose
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
@@ -79,10 +80,25 @@ class Answerer:
         framelog_dir: str | None = None,
         history_max_tokens: int = 8192,
         admission: Admission | None = None,
+        history_max_concurrent: int = 2,
+        max_queue_wait_s: float = 30.0,
+        live_tokens: int | None = None,
+        decoder: FrameDecoder | None = None,
     ):
+        """`live_tokens`, `decoder`: what `History` takes (history.py): the KV pool tokens the live
+        streams are guaranteed, the processes that decode logged frames."""
         self.rt, self.r, self.lookup, self.serves = rt, r, lookup, serves
         self.admission = admission or Admission()
-        self.history = History(rt, r, framelog_dir, history_max_tokens)
+        self.history = History(
+            rt,
+            r,
+            framelog_dir,
+            history_max_tokens,
+            max_concurrent=history_max_concurrent,
+            max_wait_s=max_queue_wait_s,
+            live_tokens=live_tokens,
+            decoder=decoder,
+        )
         self.searcher = Searcher(rt, framelog_dir)
         self.consumer, self.max_deliveries = consumer, max_deliveries
         self.reply_ttl_s, self.max_reply_ttl_s, self.answers_maxlen = reply_ttl_s, max_reply_ttl_s, answers_maxlen
@@ -224,10 +240,16 @@ class Answerer:
         a search's best): their frames read back from the frames log, encoded again into a
         temporary cache beside live work, answered there as from a live version, and let go of.
         The final's `ranges` are the chunks' capture-time ranges; errors are finals. Deltas go to
-        the question's reply stream like any answer's (``attempt``: their attempt number)."""
+        the question's reply stream like any answer's (``attempt``: their attempt number), after
+        its place while it waits for its turn at a temporary cache (`History.gate`)."""
         self.r.delete(keys.answer(q.id))  # deltas of an attempt that died before its final entry
+        write, gate = self._writer(q.id, ttl), self.history.gate.queue
+
+        def tell(ticket: Ticket) -> None:
+            self._tell_place(gate, ticket, write, attempt)
+
         try:
-            with self.history.cache(spec or self.history.spec(q.stream), chunks) as seen:
+            with self.history.cache(spec or self.history.spec(q.stream), chunks, tell) as seen:
                 final = self._run(q, seen.version, ttl, attempt, _seen_past(seen))
         except HistoryError as e:
             return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param)
@@ -250,17 +272,14 @@ class Answerer:
                 text=result.choice, choice=result.choice, scores=scores, total_s=time.perf_counter() - t0, **common
             )
         params = GenerationParams(max_tokens=q.max_tokens, temperature=q.temperature, top_p=q.top_p)
-        reply = keys.answer(q.id)
-
-        def write(entry: dict[str, str]) -> None:
-            self.r.xadd(reply, entry)
-            self.r.expire(reply, ttl)
+        write = self._writer(q.id, ttl)
 
         def delta(text: str) -> None:
             write(encode_delta(text, attempt))
 
-        ticket = self.admission.take()
-        waiting = Waiting(lambda: self._tell_place(ticket, write, attempt), lambda: self.admission.start(ticket))
+        admission = self.admission
+        ticket = admission.take()
+        waiting = Waiting(lambda: self._tell_place(admission, ticket, write, attempt), lambda: admission.start(ticket))
         try:
             answer = ask(self.rt, version, q.question, params, on_delta=delta, waiting=waiting)
         finally:
@@ -274,13 +293,26 @@ class Answerer:
             **common,
         )
 
-    def _tell_place(self, ticket: Ticket, write: Callable[[dict[str, str]], None], attempt: int) -> None:
-        """A question waiting for the GPU: its place and estimated wait, when they changed."""
-        position = self.admission.position(ticket)
+    def _writer(self, qid: str, ttl: int) -> Callable[[dict[str, str]], None]:
+        """What appends an entry to the question's reply stream (and keeps it for `ttl`)."""
+        reply = keys.answer(qid)
+
+        def write(entry: dict[str, str]) -> None:
+            self.r.xadd(reply, entry)
+            self.r.expire(reply, ttl)
+
+        return write
+
+    def _tell_place(
+        self, admission: Admission, ticket: Ticket, write: Callable[[dict[str, str]], None], attempt: int
+    ) -> None:
+        """A question waiting (for the GPU, or its turn at a history cache: `admission` counts
+        those): its place and estimated wait, when they changed."""
+        position = admission.position(ticket)
         if position is None or position == ticket.told:
             return
         ticket.told = position
-        write(encode_queued(position, self.admission.wait_s(position), attempt))
+        write(encode_queued(position, admission.wait_s(position), attempt))
 
     def _final_of(self, qid: str) -> dict | None:
         """The fields of the question's final entry, if it has one."""

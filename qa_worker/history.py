@@ -11,26 +11,37 @@ capture-time ranges of the chunks encoded: exactly what was seen.
 
 Any other choice of logged chunks (a search's best matches) is answered the same way, by
 `Answerer.answer_over` (answering.py).
+
+Cameras first (docs/DESIGN.md "Admission"): a temporary cache takes its pages from the pool the
+live streams write to, so `CacheGate` lets at most `history_max_concurrent` of them exist at once,
+their tokens within the room the pool has beyond what the live streams are guaranteed; the other
+questions wait for their turn in order, told their place, and get an error past
+`max_queue_wait_s`. Logged frames are decoded in the worker's decoder processes
+(common/decoding.py), not in the question's thread, which would hold the GPU loop's GIL.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import redis
 
+from common.decoding import FrameDecoder
+from common.engine.answer import Waiting
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.engine.spans import capture_ranges
 from common.engine.temporary_cache import PIECE_TOKENS, TemporaryCache
-from common.framelog import FrameLog, FrameLogError, decode
+from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire import keys
 from common.wire.manifest import from_manifest
 from common.wire.schemas import FrameMsg, Question, SchemaError, manifest_from_bytes
+from qa_worker.admission import Admission, Ticket
 
 
 class HistoryError(Exception):
@@ -96,12 +107,89 @@ def span_of(q: Question, asked_at: float, now: float | None = None) -> tuple[flo
     return t0, t1
 
 
-class History:
-    """What a worker needs to answer about the past: the model, the frames log and the budget."""
+class CacheGate:
+    """Turns at holding a temporary cache: at most `at_once` at a time, their tokens within
+    `room()` (None: no bound); the others wait in the order they came, for `max_wait_s` at most.
+    Their places and estimated waits are counted by an `Admission` (admission.py), as the GPU
+    queue's are."""
 
-    def __init__(self, rt: Runtime, r: redis.Redis, framelog_dir: str | None, max_tokens: int):
+    def __init__(self, at_once: int, room: Callable[[], int | None], max_wait_s: float):
+        self.at_once, self.room, self.max_wait_s = at_once, room, max_wait_s
+        self.queue = Admission()
+        self._changed = threading.Condition()
+        self._held: dict[int, int] = {}  # ticket seq -> the tokens its cache may hold
+
+    @contextmanager
+    def turn(self, tokens: int, tell: Callable[[Ticket], None]) -> Iterator[None]:
+        """The block runs once a cache of `tokens` may be held; `tell(ticket)` while it waits (after
+        `Waiting.first_s`, then every `Waiting.every_s`). HistoryError past `max_wait_s`."""
+        ticket = self.queue.take()
+        try:
+            self._wait(ticket, tokens, tell)
+            yield
+        finally:
+            with self._changed:
+                self._held.pop(ticket.seq, None)
+                self.queue.done(ticket)
+                self._changed.notify_all()
+
+    def _wait(self, ticket: Ticket, tokens: int, tell: Callable[[Ticket], None]) -> None:
+        start = time.monotonic()
+        deadline, report_at = start + self.max_wait_s, start + Waiting.first_s
+        while True:
+            with self._changed:
+                if self._may_start(ticket, tokens):
+                    self._held[ticket.seq] = tokens
+                    self.queue.start(ticket)
+                    return
+                if time.monotonic() >= deadline:
+                    raise HistoryError(
+                        f"busy: this question about the past waited {time.monotonic() - start:.1f} s for a history "
+                        f"cache (history_max_concurrent {self.at_once}, and the KV pool's room beside the live "
+                        f"streams), past max_queue_wait_s ({self.max_wait_s:g} s): ask again later"
+                    )
+                self._changed.wait(max(0.0, min(report_at, deadline) - time.monotonic()))
+            if time.monotonic() >= report_at:  # outside the lock: telling writes to Redis
+                tell(ticket)
+                report_at = time.monotonic() + Waiting.every_s
+
+    def _may_start(self, ticket: Ticket, tokens: int) -> bool:
+        """First in line, a turn free, and room for its tokens (under the lock)."""
+        if self.queue.position(ticket) != 1 or len(self._held) >= self.at_once:
+            return False
+        room = self.room()
+        return room is None or sum(self._held.values()) + tokens <= room
+
+
+class History:
+    """What a worker needs to answer about the past: the model, the frames log, the budget, the
+    turns at a temporary cache (`gate`) and the processes that decode logged frames (none: this
+    thread decodes them)."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        r: redis.Redis,
+        framelog_dir: str | None,
+        max_tokens: int,
+        *,
+        max_concurrent: int = 2,
+        max_wait_s: float = 30.0,
+        live_tokens: int | None = None,
+        decoder: FrameDecoder | None = None,
+    ):
+        """`live_tokens`: the KV pool tokens the live streams of this process are guaranteed
+        (`Runtime.live_tokens`); None: no bound but the pool's own."""
         self.rt, self.r, self.max_tokens = rt, r, max_tokens
         self.framelog = FrameLog(framelog_dir) if framelog_dir is not None else None
+        self.live_tokens, self.decoder = live_tokens, decoder
+        self.gate = CacheGate(max_concurrent, self.room, max_wait_s)
+
+    def room(self) -> int | None:
+        """The KV pool tokens temporary caches may hold together: the pool's limit less what the
+        live streams are guaranteed; None when either is unbounded (a CPU pool grows as needed)."""
+        limit = self.rt.pool.limit_tokens()
+        return None if limit is None or self.live_tokens is None else limit - self.live_tokens
 
     def spec(self, cam: str) -> StreamSpec:
         """The stream's grid, fps and chunk size, as its encoder publishes them (its head)."""
@@ -140,19 +228,29 @@ class History:
         return -(-frames // tp) * spec.grid.tokens_per_patch
 
     @contextmanager
-    def cache(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[Seen]:
-        """A temporary cache of exactly these chunks' logged frames, in this order; let go of when
-        the block ends. A chunk whose frames the log no longer holds (collected meanwhile) is left
-        out, and so is it from the ranges; HistoryError if none is left."""
+    def cache(
+        self, spec: StreamSpec, chunks: Sequence[LoggedChunk], tell: Callable[[Ticket], None] = lambda _: None
+    ) -> Iterator[Seen]:
+        """A temporary cache of exactly these chunks' logged frames, in this order, once it is this
+        question's turn (`gate`; `tell(ticket)` while it waits); let go of when the block ends. A
+        chunk whose frames the log no longer holds (collected meanwhile) is left out, and so is it
+        from the ranges; HistoryError if none is left, or if the pool can never hold such a cache."""
         log = self._log()
-        with TemporaryCache(self.rt, spec) as cache:
+        room = self.room()
+        if room is not None and self.rt.in_pages(self.max_tokens) > room:
+            raise HistoryError(
+                f"history_max_tokens ({self.max_tokens}) is more than the KV pool holds for questions about the "
+                f"past ({max(room, 0)} tokens beside what the live streams are guaranteed): lower history_max_tokens"
+            )
+        tokens = len(self.rt.prefix_ids()) + sum(self.tokens(spec, c.frames) for c in chunks)
+        with self.gate.turn(self.rt.in_pages(tokens), tell), TemporaryCache(self.rt, spec, tokens) as cache:
             seen: list[LoggedChunk] = []
             for piece in self._pieces(spec, chunks):
-                read = [(chunk, frames) for chunk in piece if (frames := self._read(log, spec, chunk))]
-                frames = [m for _, chunk_frames in read for m in chunk_frames]
+                found = [(chunk, records) for chunk in piece if (records := self._records(log, spec, chunk))]
+                frames = self._decoded(spec, [rec for _, records in found for rec in records])
                 if frames:
                     cache.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
-                    seen += [chunk for chunk, _ in read]
+                    seen += [chunk for chunk, _ in found]
             if not seen:
                 raise HistoryError(f"stream {spec.name!r}: the frames log no longer holds those frames")
             yield Seen(cache.version, tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen)))
@@ -171,21 +269,29 @@ class History:
         if piece:
             yield piece
 
-    def _read(self, log: FrameLog, spec: StreamSpec, chunk: LoggedChunk) -> list[FrameMsg]:
-        """The chunk's frames as logged (its seqs, captured in its time range), decoded; none when
-        the log lacks one of them. A frame of another size than the stream's grid (the camera was
-        set up anew since) is an error: it is not what the stream's chunks are made of."""
+    def _records(self, log: FrameLog, spec: StreamSpec, chunk: LoggedChunk) -> list[Record]:
+        """The chunk's records as logged (its seqs, captured in its time range); none when the log
+        lacks one of them."""
         (first, last), (t0, t1) = chunk.frame_seqs, chunk.capture_range
         try:
             records = [rec for rec in log.between(spec.name, t0, t1) if first <= rec.seq <= last]
-            frames = [decode(rec.raw) for rec in records]
-        except (FrameLogError, OSError, ValueError) as e:  # SchemaError is a ValueError
+        except (FrameLogError, OSError) as e:
             raise HistoryError(f"frames {first}-{last} of the frames log are not readable: {e}") from None
-        if len(frames) != chunk.frames:
-            return []
+        return records if len(records) == chunk.frames else []
+
+    def _decoded(self, spec: StreamSpec, records: Sequence[Record]) -> list[FrameMsg]:
+        """The records' frames, decoded bit-identically to what the encoder saw (in the decoder's
+        processes when there are some). A frame of another size than the stream's grid (the camera
+        was set up anew since) is an error: it is not what the stream's chunks are made of."""
+        try:
+            raws = [rec.raw for rec in records]
+            frames = self.decoder.decode_logged(raws) if self.decoder else [decode(raw) for raw in raws]
+        except ValueError as e:  # SchemaError is a ValueError
+            raise HistoryError(f"frames of the frames log do not decode: {e}") from None
         grid = spec.grid
-        if any((m.h, m.w) != (grid.height, grid.width) for m in frames):
-            raise HistoryError(f"frames {first}-{last} are not on the stream's {grid.height}x{grid.width} grid")
+        for m in frames:
+            if (m.h, m.w) != (grid.height, grid.width):
+                raise HistoryError(f"frame {m.seq} is not on the stream's {grid.height}x{grid.width} grid")
         return frames
 
     def _log(self) -> FrameLog:

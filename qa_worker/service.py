@@ -21,6 +21,7 @@ import structlog
 
 from common import boot, redisio
 from common.config import load_cameras_file
+from common.decoding import FrameDecoder
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.segment_store import open_store
@@ -58,11 +59,25 @@ def served_streams(cfg: QAConfig) -> list[str]:
 
 class QAService:
     def __init__(
-        self, cfg: QAConfig, rt: Runtime, r: redis.Redis, versions: VersionSource, frames: redis.Redis | None = None
+        self,
+        cfg: QAConfig,
+        rt: Runtime,
+        r: redis.Redis,
+        versions: VersionSource,
+        frames: redis.Redis | None = None,
+        *,
+        decoder: FrameDecoder | None = None,
+        live_tokens: int | None = None,
     ):
-        """``frames``: the Redis holding frame pictures, for alerts (default ``r``)."""
+        """``frames``: the Redis holding frame pictures, for alerts (default ``r``). ``decoder``: the
+        processes that decode logged frames for questions about the past (a worker's encoder's; by
+        default its own, with `framelog_dir`). ``live_tokens``: the KV pool tokens the live streams
+        of this process are guaranteed (a worker's: `Runtime.live_tokens`); None: no live stream
+        writes to its pool (qa alone), the number of history caches at once is their only bound."""
         self.cfg, self.rt, self.r = cfg, rt, r
         self.versions = versions
+        self.own_decoder = decoder is None and cfg.framelog_dir is not None
+        self.decoder = FrameDecoder(cfg.decode_processes) if self.own_decoder else decoder
         self.answerer = Answerer(
             rt,
             r,
@@ -75,6 +90,10 @@ class QAService:
             max_deliveries=cfg.max_deliveries,
             framelog_dir=cfg.framelog_dir,
             history_max_tokens=cfg.history_max_tokens,
+            history_max_concurrent=cfg.history_max_concurrent,
+            max_queue_wait_s=cfg.max_queue_wait_s,
+            live_tokens=live_tokens,
+            decoder=self.decoder,
         )
         jobs = list(load_cameras_file(cfg.cameras_file).jobs) if cfg.cameras_file else []
         alerts = AlertSettings(
@@ -121,6 +140,8 @@ class QAService:
         versions.start()
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.reader.reset)
         self.questions_pool.shutdown(wait=True)  # questions in flight get their final answers
+        if self.own_decoder and self.decoder is not None:
+            self.decoder.close()
         self.jobs.flush()
         versions.join(timeout=30)
         if self.versions_failed is not None:

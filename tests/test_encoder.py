@@ -16,6 +16,7 @@ import pytest
 import redis
 import structlog.testing
 
+from common.decoding import FrameDecoder
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.segment_store import MemoryStore
@@ -33,7 +34,6 @@ from common.wire.schemas import (
     unpack_frame,
 )
 from encoder_worker.config import EncoderConfig
-from encoder_worker.decoding import FrameDecoder
 from encoder_worker.owned_stream import LeaseLost, open_stream
 
 
@@ -253,7 +253,7 @@ def test_a_killed_workers_frame_decoders_do_not_outlive_it(tmp_path):
         "import sys, time\n"
         "import numpy as np\n"
         "from common.wire.schemas import FrameMsg, encode_frame, unpack_frame\n"
-        "from encoder_worker.decoding import FrameDecoder\n"
+        "from common.decoding import FrameDecoder\n"
         "if __name__ == '__main__':\n"
         "    rows, cols = np.mgrid[0:56, 0:56]\n"
         "    picture = np.stack([rows, cols, rows + cols], -1).astype(np.uint8)\n"

@@ -7,12 +7,19 @@ here reaches across the live cache's window (its first chunks were evicted, its 
 there). The final's ranges are those frames' capture times. Its re-encode goes through the GPU
 scheduler batched with a live stream's chunks, and gives its pages back to the pool, also after
 an error. Every way such a question cannot be answered is an error final, and the worker goes on.
+
+Cameras first: temporary caches take turns (`history_max_concurrent`), in order, the waiting ones
+told their place and refused past `max_queue_wait_s`, and only within the pool's room beside what
+the live streams are guaranteed, while a live stream goes on appending and evicting. Logged frames
+are decoded in the decoder's processes (WebP on the wire, as ingest sends by default), exactly as here.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -24,7 +31,9 @@ import torch
 
 from apps.samplevideo import write_sample_video
 from common import redisio
+from common.decoding import FrameDecoder
 from common.engine.answer import ask
+from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec, resize_to_grid
 from common.engine.model import load_model
 from common.engine.offline import offline_answer
@@ -34,13 +43,17 @@ from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream_engine import ChunkWork, StreamEngine
 from common.engine.temporary_cache import TemporaryCache
 from common.engine.work import InlineExecutor
-from common.framelog import FrameLog
+from common.framelog import FrameLog, decode
 from common.segment_store import DirectoryStore
 from common.wire import keys
 from common.wire.schemas import (
     FIELD,
+    FRAME_CODECS,
+    AnswerDelta,
     FinalAnswer,
     FrameMsg,
+    Question,
+    SchemaError,
     decode_answer,
     encode_frame,
     new_question_id,
@@ -79,8 +92,28 @@ def frames(tmp_path_factory) -> list[np.ndarray]:
     return out[:FRAMES]
 
 
+@pytest.fixture(scope="module")
+def decoder() -> Iterator[FrameDecoder]:
+    """The processes that decode logged frames, as a worker's (common/decoding.py)."""
+    decoder = FrameDecoder(2)
+    yield decoder
+    decoder.close()
+
+
 def captured(seq: int) -> float:
     return T0 + seq / FPS
+
+
+def write_log(log_dir: Path, frames: list[np.ndarray], codec: str = "webp") -> list[dict[str, bytes]]:
+    """Every frame in the camera's frames log, as ingest sends it (`codec`); its frames entries."""
+    writer = FrameLog(log_dir).writer(CAM, roll_s=600)
+    entries = []
+    for seq, rgb in enumerate(frames):
+        entries.append(encode_frame(FrameMsg.from_rgb(seq, captured(seq), seq / FPS, rgb), codec=codec))
+        writer.append(seq, captured(seq), entries[-1][FIELD])
+    writer.commit()
+    writer.close()
+    return entries
 
 
 def iso(t: float) -> str:
@@ -105,13 +138,8 @@ class World:
             low_watermark=(prefix + 3 * 4) / (prefix + 5 * 4),
         )
         svc = EncoderService(cfg, rt, r, DirectoryStore(tmp_path / "segments"))
-        writer = FrameLog(self.log_dir).writer(CAM, roll_s=600)
-        for seq, rgb in enumerate(frames):
-            fields = encode_frame(FrameMsg.from_rgb(seq, captured(seq), seq / FPS, rgb))
+        for fields in write_log(self.log_dir, frames):
             r.xadd(keys.frames(CAM), fields)
-            writer.append(seq, captured(seq), fields[FIELD])
-        writer.commit()
-        writer.close()
         run_until(svc, lambda: encoded(r, CAM, FRAMES - 1), "every frame encoded")
         self.head = svc.owned[CAM].engine.head
         stop(svc, r)
@@ -132,11 +160,11 @@ class World:
 
 
 def test_a_span_across_the_live_windows_edge_equals_offline_inference_on_the_frames_it_chose(
-    rt, redis_url, tmp_path, frames, executor
+    rt, redis_url, tmp_path, frames, executor, decoder
 ):
     r = redis.Redis.from_url(redis_url)
     prefix = len(rt.prefix_ids())
-    world = World(rt, r, redis_url, tmp_path, frames, history_max_tokens=prefix + 3 * 4)  # 3 chunks of the span
+    world = World(rt, r, redis_url, tmp_path, frames, history_max_tokens=prefix + 3 * 4, decoder=decoder)  # 3 chunks
     live = [p.segment.frame_seqs for p in world.head.chunks]
     edge = live[1][0]  # the oldest chunk after the sink: everything between was evicted
     assert live[0] == (0, 1) and edge >= 8 and world.head.stats.evictions > 0, live
@@ -217,10 +245,12 @@ def test_the_temporary_cache_is_let_go_of_after_an_error(rt, frames):
         cache.version  # noqa: B018 (a closed cache refuses, rather than hand out freed pages)
 
 
-def test_seconds_before_asking_and_the_budget_choose_chunks_evenly_over_the_span(rt, redis_url, tmp_path, frames):
+def test_seconds_before_asking_and_the_budget_choose_chunks_evenly_over_the_span(
+    rt, redis_url, tmp_path, frames, decoder
+):
     r = redis.Redis.from_url(redis_url)
     prefix = len(rt.prefix_ids())
-    world = World(rt, r, redis_url, tmp_path, frames, history_max_tokens=prefix + 4 * 4)
+    world = World(rt, r, redis_url, tmp_path, frames, history_max_tokens=prefix + 4 * 4, decoder=decoder)
     ago = time.time() - T0 + 60  # a minute before the first frame: counted from the asking, a little later
     final = world.ask(since=f"{ago:.3f}")  # the whole log, 12 chunks: 4 of them, first and last included
     assert final.error is None, final.error
@@ -307,12 +337,12 @@ def test_the_http_api_and_the_openai_endpoint_answer_about_the_past(rt, redis_ur
         answering.join(10)
 
 
-def test_answer_over_any_logged_chunks_says_which_it_saw(rt, redis_url, tmp_path, frames):
+def test_answer_over_any_logged_chunks_says_which_it_saw(rt, redis_url, tmp_path, frames, decoder):
     """`Answerer.answer_over`, the entry point for chunks chosen otherwise (search): the order
     given, exactly those frames; a chunk the log no longer holds is left out of the answer and its
     ranges; frames of another grid are an error. The pool is as before each time."""
     r = redis.Redis.from_url(redis_url)
-    world = World(rt, r, redis_url, tmp_path, frames)
+    world = World(rt, r, redis_url, tmp_path, frames, decoder=decoder)
     writer = FrameLog(world.log_dir).writer(CAM, roll_s=600)  # the camera set up anew: a larger grid
     big = np.zeros((112, 112, 3), dtype=np.uint8)
     for seq in range(FRAMES, FRAMES + 2):
@@ -320,9 +350,6 @@ def test_answer_over_any_logged_chunks_says_which_it_saw(rt, redis_url, tmp_path
     writer.commit()
     writer.close()
     answerer, pool = world.answerer, rt.lm.pool.used_tokens
-
-    def chunk(first: int) -> LoggedChunk:
-        return LoggedChunk((first, first + 1), (captured(first), captured(first + 1)), 2)
 
     gone = LoggedChunk((500, 501), (captured(500), captured(501)), 2)  # collected: not in the log
     q = parse_question({"id": "q1", "stream": CAM, "question": QUESTION, "max_tokens": str(TOKENS)})
@@ -334,3 +361,194 @@ def test_answer_over_any_logged_chunks_says_which_it_saw(rt, redis_url, tmp_path
     assert "not on the stream's 56x56 grid" in answerer.answer_over(q, [chunk(2), chunk(FRAMES)], ttl=60).error
     assert rt.lm.pool.used_tokens == pool
     assert answerer.history.fit(StreamSpec(CAM, FPS, GRID, 2)) == (4096 - len(rt.prefix_ids())) // 4
+
+
+def chunk(first: int) -> LoggedChunk:
+    """The logged chunk of frames `first` and `first + 1`."""
+    return LoggedChunk((first, first + 1), (captured(first), captured(first + 1)), 2)
+
+
+def test_logged_frames_decoded_in_the_decoders_processes_are_those_decoded_here(tmp_path, frames, decoder):
+    """Every codec on the wire: the frames `decode_logged` gives back equal `framelog.decode`'s in
+    this thread, pixel for pixel (the lossless ones the frames sent), in order; a record that does
+    not decode raises as here."""
+    for codec in FRAME_CODECS:
+        records = [rec.raw for rec in FrameLog(write_log_dir(tmp_path, codec, frames)).between(CAM, T0, captured(7))]
+        here, there = [decode(raw) for raw in records], decoder.decode_logged(records)
+        assert len(there) == 8 and there == here, codec
+        if codec != "jpeg":  # lossless: the frames sent
+            assert all(np.array_equal(m.rgb(), frames[m.seq]) for m in there), codec
+    with pytest.raises(SchemaError):
+        decoder.decode_logged([records[0], b"not a frame"])
+
+
+def write_log_dir(tmp_path: Path, codec: str, frames: list[np.ndarray]) -> Path:
+    write_log(tmp_path / codec, frames[:8], codec)
+    return tmp_path / codec
+
+
+def _question(qid: str) -> Question:
+    return parse_question({"id": qid, "stream": CAM, "question": QUESTION, "max_tokens": str(TOKENS)})
+
+
+def _places(r: redis.Redis, qid: str) -> list[int]:
+    """The places a question was told, in its reply stream."""
+    replies = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
+    return [d.position for d in replies if isinstance(d, AnswerDelta) and d.position is not None]
+
+
+class Asking:
+    """Questions over logged chunks answered side by side (`Answerer.answer_over`, each in a thread
+    of its own) while the test steps a GPU scheduler by hand: work waits exactly until it steps."""
+
+    def __init__(self, rt: Runtime, answerer: Answerer):
+        self.rt, self.answerer = rt, answerer
+        self.scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4))  # never started
+        self.finals: dict[str, FinalAnswer] = {}
+        self.threads: list[threading.Thread] = []
+
+    def ask(self, qid: str, chunks: list[LoggedChunk]) -> None:
+        def answer() -> None:
+            self.finals[qid] = self.answerer.answer_over(_question(qid), chunks, ttl=60, spec=SPEC)
+
+        self.threads.append(threading.Thread(target=answer, daemon=True))
+        self.threads[-1].start()
+
+    def holding(self, n: int) -> None:
+        """Until `n` questions hold a temporary cache."""
+        wait_for(lambda: len(self.answerer.history.gate._held) == n, 10, f"{n} holding a history cache")
+
+    def step_until(self, done, each=lambda: None) -> None:
+        deadline = time.monotonic() + 120
+        while not done() and time.monotonic() < deadline:
+            self.scheduler.step()
+            each()
+            time.sleep(0.002)
+        assert done()
+
+    def finished(self) -> bool:
+        return not any(t.is_alive() for t in self.threads)
+
+    def __enter__(self) -> Asking:
+        self.rt.executor = self.scheduler
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.rt.executor = InlineExecutor()
+
+
+SPEC = StreamSpec(CAM, FPS, GRID, 2)
+SPANS = {"qa": [chunk(0), chunk(10), chunk(16)], "qb": [chunk(4), chunk(12), chunk(20)]}
+
+
+def test_history_caches_take_turns_in_order_told_their_place_answered_as_alone_or_refused_past_the_wait(
+    rt, redis_url, tmp_path, frames, decoder
+):
+    """history_max_concurrent 1: a second question about the past waits while the first holds its
+    cache, is told it is first in line, and is then answered exactly as alone; one that waits past
+    max_queue_wait_s gets an error final that says why, and the first is answered all the same."""
+    r = redis.Redis.from_url(redis_url)
+    write_log(tmp_path / "log", frames)
+    answerer = Answerer(
+        rt, r, lambda s, at: None, lambda s: s == CAM, framelog_dir=str(tmp_path / "log"), decoder=decoder,
+        history_max_concurrent=1, max_queue_wait_s=60,
+    )  # fmt: skip
+    alone = {qid: answerer.answer_over(_question(qid), chunks, ttl=60, spec=SPEC) for qid, chunks in SPANS.items()}
+    assert all(f.error is None for f in alone.values())
+    pool = rt.lm.pool.used_tokens
+
+    with Asking(rt, answerer) as asking:
+        asking.ask("qa", SPANS["qa"])
+        asking.holding(1)
+        asking.ask("qb", SPANS["qb"])
+        wait_for(lambda: _places(r, "qb"), 10, "the second told its place")
+        assert _places(r, "qb") == [1] and answerer.history.gate.queue.queued == 1
+        assert len(answerer.history.gate._held) == 1 and "qa" not in asking.finals, "the first holds the only turn"
+        asking.step_until(asking.finished)
+    assert {qid: f.text for qid, f in asking.finals.items()} == {qid: f.text for qid, f in alone.items()}
+    assert all(f.ranges == alone[qid].ranges for qid, f in asking.finals.items())
+    assert rt.lm.pool.used_tokens == pool and answerer.history.gate.queue.queued == 0
+
+    answerer.history.gate.max_wait_s = 0.5
+    with Asking(rt, answerer) as asking:
+        asking.ask("qa", SPANS["qa"])
+        asking.holding(1)
+        refused = answerer.answer_over(_question("qb"), SPANS["qb"], ttl=60, spec=SPEC)  # waits 0.5 s, in vain
+        asking.step_until(asking.finished)
+    assert refused.error is not None and "max_queue_wait_s" in refused.error, refused.error
+    assert "history_max_concurrent" in refused.error and refused.text is None
+    assert asking.finals["qa"].text == alone["qa"].text
+    assert rt.lm.pool.used_tokens == pool and answerer.history.gate.queue.queued == 0
+
+
+def test_a_history_cache_waits_for_room_beside_the_live_streams_which_keep_appending(
+    rt, redis_url, tmp_path, frames, decoder, monkeypatch
+):
+    """The pool's room for history caches is its limit less what the live streams are guaranteed
+    (their budgets and SPARE_BUDGETS more): with room for one cache, a second waits for it though a
+    turn is free, while a live stream appends past its budget and evicts, and the pool never holds
+    more than its limit; then it is answered as alone. A history_max_tokens the room can never hold
+    fails at once, naming the setting."""
+    r = redis.Redis.from_url(redis_url)
+    write_log(tmp_path / "log", frames)
+    prefix = len(rt.prefix_ids())
+    budget = prefix + 5 * 4  # the live stream's: its 6th chunk spills over it and evicts
+    live_tokens = rt.lm.pool.used_tokens + rt.live_tokens(1, budget)
+    one_cache = rt.in_pages(prefix + 3 * 4)
+    limit = live_tokens + one_cache  # room for one history cache, not two
+    monkeypatch.setattr(rt.lm.pool, "limit_tokens", lambda: limit)
+    options = dict(framelog_dir=str(tmp_path / "log"), decoder=decoder, live_tokens=live_tokens)
+    answerer = Answerer(rt, r, lambda s, at: None, lambda s: True, history_max_tokens=prefix + 3 * 4, **options)
+    alone = {qid: answerer.answer_over(_question(qid), chunks, ttl=60, spec=SPEC) for qid, chunks in SPANS.items()}
+    live = StreamEngine(rt, StreamSpec("live", FPS, GRID, 2), EvictionPolicy(max_cache_tokens=budget))
+
+    def live_appends() -> None:
+        for first in range(0, 14, 2):
+            live.append(frames[first : first + 2], [captured(first), captured(first + 1)], [first, first + 1])
+
+    peak = [0]
+    with Asking(rt, answerer) as asking:
+        asking.ask("qa", SPANS["qa"])
+        asking.holding(1)
+        asking.ask("qb", SPANS["qb"])
+        wait_for(lambda: _places(r, "qb"), 10, "the second told its place")
+        assert _places(r, "qb") == [1] and len(answerer.history.gate._held) == 1, "no room for a second"
+        appending = threading.Thread(target=live_appends)
+        appending.start()
+        asking.threads.append(appending)
+        asking.step_until(asking.finished, lambda: peak.__setitem__(0, max(peak[0], rt.lm.pool.used_tokens)))
+    assert live.head.stats.evictions > 0 and live.head.last_frame_seq == 13, "every live chunk appended"
+    assert peak[0] <= limit
+    assert {qid: f.text for qid, f in asking.finals.items()} == {qid: f.text for qid, f in alone.items()}
+
+    too_big = Answerer(rt, r, lambda s, at: None, lambda s: True, history_max_tokens=2 * one_cache, **options)
+    t0 = time.monotonic()
+    final = too_big.answer_over(_question("qc"), SPANS["qa"], ttl=60, spec=SPEC)
+    assert final.error is not None and "history_max_tokens" in final.error and time.monotonic() - t0 < 5, final.error
+
+
+def test_a_qa_service_bounds_its_history_caches_as_configured_and_decodes_out_of_its_gil(rt, redis_url, tmp_path):
+    """`qa` alone: decoder processes of its own (`decode_processes`) with a frames log, turns and
+    wait as its settings say, no room rule (no live stream writes to its pool); a worker hands it
+    its encoder's decoder and the live streams' guarantee."""
+    from qa_worker.config import QAConfig
+    from qa_worker.service import QAService
+
+    class NoVersions:
+        exclusive = False
+        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda: []), (lambda _: None)
+
+    r = redis.Redis.from_url(redis_url)
+    cfg = QAConfig(redis_url=redis_url, streams=(CAM,), framelog_dir=str(tmp_path), decode_processes=1)
+    cfg = replace(cfg, history_max_concurrent=3, max_queue_wait_s=7.0)
+    alone = QAService(cfg, rt, r, NoVersions())
+    history = alone.answerer.history
+    assert isinstance(history.decoder, FrameDecoder) and history.decoder.processes == 1 and alone.own_decoder
+    assert (history.gate.at_once, history.gate.max_wait_s, history.live_tokens) == (3, 7.0, None)
+    alone.decoder.close()
+    shared = FrameDecoder(1)
+    beside_an_encoder = QAService(cfg, rt, r, NoVersions(), decoder=shared, live_tokens=4096)
+    assert beside_an_encoder.answerer.history.decoder is shared and not beside_an_encoder.own_decoder
+    assert beside_an_encoder.answerer.history.live_tokens == 4096
+    shared.close()
+    assert QAService(replace(cfg, framelog_dir=None), rt, r, NoVersions()).decoder is None

@@ -311,13 +311,16 @@ def test_a_worker_busy_longer_than_a_lease_keeps_its_streams(r, rt, redis_url):
 
 
 def test_a_worker_takes_no_more_streams_than_its_kv_pool_holds(r, rt, redis_url, monkeypatch, capsys):
-    """On a GPU the KV pool bounds max_streams (the streams' budgets, with SPARE_BUDGETS to spare), so
+    """On a GPU the KV pool bounds max_streams (the streams' budgets, with SPARE_BUDGETS to spare and,
+    in a worker with a frames log, its history caches' room), so
     placement leaves a stream the memory cannot hold to another worker instead of failing its
     chunks; on a CPU the pool grows as needed. (The GPU's memory is what cannot exist here: only
     the pool's limit is set.) Not one stream fitting is a configuration error: one line, exit 2."""
     import json
     from dataclasses import replace
 
+    from apps.worker import history_tokens
+    from apps.worker_config import WorkerConfig
     from common import boot
     from common.engine.runtime import SPARE_BUDGETS
     from common.logs import configure_logging
@@ -330,6 +333,13 @@ def test_a_worker_takes_no_more_streams_than_its_kv_pool_holds(r, rt, redis_url,
     assert boot.stream_capacity(replace(cfg, max_streams=1), rt).max_streams == 1  # a lower cap stays
     assert boot.stream_capacity(replace(cfg, max_cache_tokens=None), rt).max_streams is None  # no budget, no bound
     assert boot.stream_capacity(replace(cfg, max_cache_tokens=4097), rt).max_streams == 1  # a budget in whole pages
+    # a worker that answers about the past keeps its history caches' room out of the streams'
+    history = WorkerConfig(**{f: getattr(cfg, f) for f in ("redis_url", "streams", "consumer", "max_cache_tokens")})
+    history = replace(history, framelog_dir="/frames", history_max_tokens=100, history_max_concurrent=2)
+    assert history_tokens(history, rt) == 2 * 128 and history_tokens(replace(history, framelog_dir=None), rt) == 0
+    worker_cfg = boot.stream_capacity(history, rt, history_tokens(history, rt))
+    assert worker_cfg.max_streams == 1
+    assert rt.pool.limit_tokens() - rt.live_tokens(worker_cfg.max_streams, 4096) >= history_tokens(history, rt)
 
     for cam in cfg.streams:
         r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})

@@ -74,13 +74,23 @@ class Runtime:
             return self._user_tokenizer.encode(text, add_special_tokens=False).ids
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
-    def streams_fit(self, budget_tokens: int | None) -> int | None:
-        """How many streams of `budget_tokens` the KV pool holds with `SPARE_BUDGETS` to spare; None
-        when either is unbounded (no budget, or a CPU pool, which grows as needed)."""
+    def streams_fit(self, budget_tokens: int | None, beside_tokens: int = 0) -> int | None:
+        """How many streams of `budget_tokens` the KV pool holds with `SPARE_BUDGETS` to spare and
+        `beside_tokens` kept for others (questions' temporary caches); None when either is unbounded
+        (no budget, or a CPU pool, which grows as needed)."""
         limit = self.pool.limit_tokens()
         if budget_tokens is None or limit is None:
             return None
-        return max(0, limit // (self.pool.pages_for(budget_tokens) * self.pool.page_tokens) - SPARE_BUDGETS)
+        return max(0, (limit - beside_tokens) // self.in_pages(budget_tokens) - SPARE_BUDGETS)
+
+    def live_tokens(self, streams: int, budget_tokens: int) -> int:
+        """The KV pool tokens `streams` live streams of `budget_tokens` are guaranteed: each its
+        budget, and `SPARE_BUDGETS` more for what they take beside it."""
+        return (streams + SPARE_BUDGETS) * self.in_pages(budget_tokens)
+
+    def in_pages(self, tokens: int) -> int:
+        """`tokens` in whole pages, as the pool holds them."""
+        return self.pool.pages_for(tokens) * self.pool.page_tokens
 
     def prefix_ids(self, system_prompt: str = SYSTEM_PROMPT) -> list[int]:
         return self.encode(f"<|im_start|>system\n{system_prompt}<|im_end|>\n<|im_start|>user\n<|vision_start|>")

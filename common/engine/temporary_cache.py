@@ -5,8 +5,11 @@ whose frames go through the ordinary append path: the GPU scheduler encodes them
 prefill) batched with live work, as a background lane that takes only the places of an encode
 step that the cameras leave (work.py). Positions come out contiguous, as offline inference lays
 out exactly these frames, so an answer from it equals one-shot inference on them
-(tests/test_history.py). When the block ends, also on an error, the cache is let go of: its pages
-return to the pool once no question reads it any more.
+(tests/test_history.py). Given the tokens it will hold, it takes them from the pool at once, as a
+budgeted stream takes its run, and never more (it never reaches its budget, so it never evicts):
+what the question's turn at a history cache counted (qa_worker/history.py). When the block ends,
+also on an error, the cache is let go of: its pages return to the pool once no question reads it
+any more.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from types import TracebackType
 
 import numpy as np
 
+from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
@@ -33,10 +37,12 @@ _numbers = itertools.count(1)
 class TemporaryCache:
     """A cache of past frames for the length of a `with` block (see module doc)."""
 
-    def __init__(self, rt: Runtime, spec: StreamSpec):
+    def __init__(self, rt: Runtime, spec: StreamSpec, tokens: int | None = None):
+        """`tokens`: all it will hold, the prefix included (None: it grows as it is appended to)."""
         # A lane of its own: history questions of one camera do not queue behind each other.
         lane = StreamSpec(f"{spec.name}~history{next(_numbers)}", spec.fps, spec.grid, spec.chunk_frames)
-        self._engine: StreamEngine | None = StreamEngine(rt, lane, background=True)
+        policy = EvictionPolicy(max_cache_tokens=tokens)
+        self._engine: StreamEngine | None = StreamEngine(rt, lane, policy, background=True)
 
     def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float], frame_seqs: Sequence[int]) -> None:
         """Encode these frames after those appended before (an odd count is padded, as a live

@@ -1,4 +1,5 @@
-"""Frames' pixels decoded in worker processes, out of the encoder's GIL.
+"""Frames' pixels decoded in worker processes, out of the GPU worker's GIL: the encoder's live
+frames and the frames a question about the past reads back from the frames log.
 
 A GPU worker's loop hands the GIL over at every torch call and waits to get it back; whatever
 Python the other threads run meanwhile delays the next kernel launch while the device may sit
@@ -12,6 +13,10 @@ A process that dies (a decoder crash on a hostile image) breaks the pool: the po
 and the frame tried once more; if that breaks it too, the frame is the one to blame and is
 rejected like any undecodable one. Nothing else is lost: frames in flight are retried. A worker
 that dies (SIGKILL, no shutdown) takes its decoder processes with it: each watches its parent.
+
+A question about the past decodes a few dozen logged records at once (`decode_logged`): each record
+whole (msgpack, header, pixels) in a process, all of them submitted before the first is waited
+for, so that every process works on them; the frames come back as `framelog.decode` gives them here.
 """
 
 from __future__ import annotations
@@ -20,13 +25,14 @@ import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import structlog
 
+from common import framelog
 from common.wire.schemas import DEFAULT_LIMITS, EndOfStream, FrameMsg, Limits, SchemaError, decode_image, frame_from_map
 
 log = structlog.get_logger()
@@ -46,6 +52,11 @@ class FrameDecoder:
         """`schemas.frame_from_map`, its pixels decoded in a process; raises SchemaError."""
         return frame_from_map(m, self.limits, decode=self._in_a_process)
 
+    def decode_logged(self, records: Sequence[bytes]) -> list[FrameMsg]:
+        """`framelog.decode` of each frames-log record, side by side in the processes, in order;
+        raises what it raises (SchemaError, ValueError)."""
+        return self._in_processes(framelog.decode, [(raw,) for raw in records], "frames log record")
+
     def close(self) -> None:
         with self._lock:
             pool, self._pool = self._pool, None
@@ -53,13 +64,19 @@ class FrameDecoder:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def _in_a_process(self, fmt: str, data: bytes, h: int, w: int) -> bytes:
+        return self._in_processes(decode_image, [(fmt, data, h, w)], f"{fmt} image")[0]
+
+    def _in_processes(self, fn: Callable[..., Any], calls: Sequence[tuple], what: str) -> list[Any]:
+        """`fn(*args)` for each of `calls`, all submitted at once, results in order; a broken pool
+        is replaced and the calls tried once more."""
         for _ in range(2):
             pool = self._running()
             try:
-                return pool.submit(decode_image, fmt, data, h, w).result()
+                futures = [pool.submit(fn, *args) for args in calls]
+                return [f.result() for f in futures]
             except BrokenProcessPool:
                 self._replace(pool)
-        raise SchemaError("data", f"undecodable {fmt} image: its decoder process died twice")
+        raise SchemaError("data", f"undecodable {what}: its decoder process died twice")
 
     def _running(self) -> ProcessPoolExecutor:
         with self._lock:
