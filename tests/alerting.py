@@ -23,16 +23,20 @@ MOSQUITTO = os.environ.get("SVQA_TEST_MOSQUITTO") or shutil.which("mosquitto") o
 
 
 class Webhook:
-    """Records every POST; answers 500 to the first ``fail_first`` of them, then 200."""
+    """Records every POST; answers 500 to the first ``fail_first`` of them, then 200. While
+    ``answering`` is cleared, each POST is recorded and then held without an answer."""
 
     def __init__(self, fail_first: int = 0):
         self.fail_first, self.requests, self.accepted = fail_first, [], []
+        self.answering = threading.Event()
+        self.answering.set()
         hook = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 hook.requests.append((dict(self.headers), body))
+                hook.answering.wait(60)
                 ok = len(hook.requests) > hook.fail_first
                 if ok:
                     hook.accepted.append(body)
