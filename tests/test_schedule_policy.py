@@ -20,6 +20,7 @@ from common.engine.work import BatchWork, StepWork
 
 ENCODE_S = 0.010  # per chunk batch
 DECODE_S = 0.004  # per decode step
+IDLE_S = 0.25  # a question timed to its parts waits this long between steps, and inside an encode step
 
 
 class Busy(BatchWork):
@@ -348,13 +349,13 @@ class Timed(StepWork):
 
 
 class SlowToFirstLayer(BatchWork):
-    """An encode step whose host work before its first layer (inputs, a plan) takes 30 ms."""
+    """An encode step whose host work before its first layer (inputs, a plan) takes IDLE_S."""
 
     lane = "cam"
 
     @classmethod
     def run_batch(cls, batch: Sequence[BatchWork]) -> None:
-        time.sleep(0.03)
+        time.sleep(IDLE_S)
         for _ in range(3):
             between_layers()
             time.sleep(0.002)
@@ -364,22 +365,24 @@ class SlowToFirstLayer(BatchWork):
 
 def test_a_questions_time_is_its_decode_steps_and_the_idle_time_between_them_inside_and_outside_encode_steps():
     """The scheduler's decode times part an answer's time exactly: from its first step's launch to
-    its last step's end it was in a step or idle, and the 30 ms an encode step spent before its
+    its last step's end it was in a step or idle, and the time an encode step spent before its
     first layer (where the first decode step beside it is launched) is idle inside that step."""
     scheduler = Scheduler(SchedulePolicy(encode_share=1.0))  # driven by hand
     question = Timed(steps=5)  # one before the encode step, one at each of its 3 layers, one after
     scheduler.submit(question)
     chunk = scheduler.submit(SlowToFirstLayer())
     scheduler.step()  # the question's step, then the encode step with 3 more beside it
-    time.sleep(0.02)  # between steps: the question waits with nothing in flight
+    time.sleep(IDLE_S)  # between steps: the question waits with nothing in flight
     scheduler.step()  # its last step
     assert chunk.result(timeout=0) == "encoded" and question.future.result(timeout=0) == 5
     times = scheduler.decode_times
     assert times.device == 0.0  # no device times the steps here
-    assert times.idle_encode >= 0.03 and times.idle_between >= 0.02
+    assert times.idle_encode >= IDLE_S and times.idle_between >= IDLE_S
     span = question.last_ended - question.first_began
     parts = times.steps + times.idle_encode + times.idle_between
-    assert span <= parts < span + 0.015, (span, times)  # less than the 20 ms idle it could count twice
+    # Less than the idle it could count twice: the margin is the scheduler's own bookkeeping at
+    # the span's two ends, which a loaded machine may stretch to tens of milliseconds.
+    assert span <= parts < span + IDLE_S / 2, (span, times)
 
 
 def test_a_chunk_near_its_deadline_takes_the_device_however_small_the_share():
