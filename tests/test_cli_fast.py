@@ -44,17 +44,14 @@ WIDE = {**os.environ, "COLUMNS": "200"}  # argparse wraps help at the terminal's
 def test_tools_do_not_import_torch(argv, redis_url):
     with redis.Redis.from_url(redis_url) as r:  # the stream exists (ingest described it): no one answers
         r.hset(keys.meta("cam1"), "fps", "2")
-    t0 = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-c", PROBE, *argv, "--redis-url", redis_url], capture_output=True, text=True, timeout=60
     )
-    wall = time.monotonic() - t0
     report = json.loads(out.stdout.strip().splitlines()[-1])
+    # What the command imported is the oracle: its wall time (under a second on an idle machine)
+    # is the loaded machine's as much as the command's, a benchmark's business, not a test's.
     assert report["heavy"] == [], out.stderr
     assert report["rc"] in (0, 1), out.stderr
-    # Under a second on an idle machine; the bound leaves room for a loaded CI box, while
-    # importing torch alone takes longer than that.
-    assert wall < 5, wall
 
 
 def test_version():
