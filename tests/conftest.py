@@ -109,8 +109,8 @@ class RedisServer:
                 try:
                     if client.ping():
                         return
-                except redis.exceptions.ConnectionError:
-                    pass
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    pass  # not listening yet, or slow to answer on a loaded machine: asked again until the deadline
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
                 time.sleep(0.02)
