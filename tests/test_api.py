@@ -121,6 +121,11 @@ def sse_events(response: httpx.Response) -> list[tuple[str, dict | str]]:
     return _parse_sse(response.iter_lines())
 
 
+def _reading_answers(r: redis.Redis) -> bool:
+    """Whether a client (the API's answer reader) is blocked in XREAD."""
+    return any(c["cmd"] == "xread" and "b" in c["flags"] for c in r.client_list())
+
+
 def _parse_sse(lines: Iterable[str] | str) -> list[tuple[str, dict | str]]:
     events, name, data = [], "message", ""
     for line in lines.splitlines() if isinstance(lines, str) else lines:
@@ -473,12 +478,17 @@ def test_redis_outage_gives_503_json_and_ends_a_streamed_answer_with_an_error(re
     with redis.Redis.from_url(redis_server.url) as r:
         r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
 
+    def stop_while_both_answers_are_awaited() -> None:  # not after a fixed time: they may not be asked by then
+        with redis.Redis.from_url(redis_server.url) as r:
+            wait_for(lambda: r.xlen(keys.QUESTIONS) == 2 and _reading_answers(r), 15, "both answers awaited")
+        redis_server.stop()
+
     async def run() -> tuple[httpx.Response, httpx.Response, list[httpx.Response]]:
         app = create_app(ApiConfig(redis_url=redis_server.url, answer_timeout_s=20))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
             ask = {"question": "x", "stream": False}
             chat_body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}]}
-            threading.Timer(0.5, redis_server.stop).start()  # while both answers are awaited
+            threading.Thread(target=stop_while_both_answers_are_awaited, daemon=True).start()
             native, chat = await asyncio.gather(
                 client.post("/api/streams/ghost/ask", json={"question": "Is the door open?"}),
                 client.post("/v1/chat/completions", json=chat_body | {"stream": True}),
