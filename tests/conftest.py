@@ -56,6 +56,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class PortTaken(RuntimeError):
+    """redis-server could not bind its port."""
+
+
 class RedisServer:
     """A redis-server subprocess that can be stopped and restarted on the same port."""
 
@@ -63,9 +67,15 @@ class RedisServer:
         self, workdir: Path, port: int | None = None, *, aof: bool = False, args: tuple[str, ...] = ()
     ) -> None:
         self.workdir = workdir
-        self.port = port or free_port()
+        self._port, self._port_free = port or free_port(), port is None
         self.aof, self.args = aof, args
         self.proc: subprocess.Popen[bytes] | None = None
+        self._log_from = 0  # where this start's lines begin in redis.log
+
+    @property
+    def port(self) -> int:
+        self._port_free = False  # told: it stays (a test may have written it down before start)
+        return self._port
 
     @property
     def url(self) -> str:
@@ -74,10 +84,19 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> None:
         if not os.access(REDIS_SERVER, os.X_OK):
             pytest.skip(f"redis-server not found at {REDIS_SERVER}")
+        for attempt in range(3):
+            try:
+                return self._start(timeout_s)
+            except PortTaken:  # free_port's race, lost: another socket took the port first
+                if not self._port_free or attempt == 2:
+                    raise
+                self._port = free_port()
+
+    def _start(self, timeout_s: float) -> None:
         cmd = [
             REDIS_SERVER,
             "--port",
-            str(self.port),
+            str(self._port),
             "--bind",
             "127.0.0.1",
             "--save",
@@ -94,25 +113,30 @@ class RedisServer:
             str(self.workdir / "redis.log"),
             *self.args,
         ]
+        log = self.workdir / "redis.log"
+        self._log_from = log.stat().st_size if log.exists() else 0  # redis appends to it
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self._wait_ping(timeout_s)
 
     def _wait_ping(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        client = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5)
+        client = redis.Redis(port=self._port, socket_connect_timeout=0.2, socket_timeout=0.5)
         try:
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
-                    log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
-                    raise RuntimeError(f"redis-server exited with {self.proc.returncode}:\n{log}")
+                    with open(self.workdir / "redis.log", "rb") as f:
+                        f.seek(self._log_from)
+                        log = f.read().decode(errors="replace")[-2000:]
+                    error = PortTaken if "Address already in use" in log else RuntimeError
+                    raise error(f"redis-server exited with {self.proc.returncode}:\n{log}")
                 try:
                     if client.ping():
                         return
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
                     pass  # not listening yet, or slow to answer on a loaded machine: asked again until the deadline
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server on port {self.port} did not answer PING")
+                    raise RuntimeError(f"redis-server on port {self._port} did not answer PING")
                 time.sleep(0.02)
         finally:
             client.close()
