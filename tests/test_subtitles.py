@@ -265,7 +265,9 @@ def test_tracker_ignores_junk_lines_and_is_fast_on_garbage():
     for i in range(5):
         answer = "\n".join("".join(rng.choice("abcdefgh ") for _ in range(600)) for _ in range(25))
         tr.observe(i, i + 1, parse_model_output(answer))
-    assert time.perf_counter() - t < 5.0
+    # ~1 s here; a plain dynamic-programming LCS over these 500-character lines would take minutes.
+    # The bound sits between the two, far enough above the first for a loaded machine.
+    assert time.perf_counter() - t < 30.0
     cues = tr.flush()
     assert all(c.end > c.start for c in cues)
     # a caller bypassing parse_model_output: bounded work, lines cleaned
