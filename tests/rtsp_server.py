@@ -78,8 +78,9 @@ class RtspServer:
         userinfo = f"{self.credentials[0]}:{self.credentials[1]}@" if self.credentials else ""
         return f"rtsp://{userinfo}127.0.0.1:{self.port}{self.path}"
 
-    def start(self, timeout_s: float = 15.0) -> RtspServer:
-        """Spawn the server and wait until it printed READY and its port accepts connections."""
+    def start(self, timeout_s: float = 60.0) -> RtspServer:
+        """Spawn the server and wait until it printed READY and its port accepts connections
+        (a second or two; the default leaves room for Python and GStreamer on a loaded machine)."""
         if self.proc is not None and self.proc.poll() is None:
             return self
         cmd = [

@@ -218,7 +218,7 @@ def test_rtsp_serves_a_file(videos: dict[str, str]) -> None:
 @needs_gst
 def test_rtsp_unknown_path_is_source_error(rtsp_server: RtspServer) -> None:
     with pytest.raises(SourceError, match="404"):
-        open_container(rtsp_server.url + "-nope", open_timeout_s=3)
+        open_container(rtsp_server.url + "-nope", open_timeout_s=30)  # answered at once; a timeout would not say 404
 
 
 @needs_gst
@@ -254,8 +254,9 @@ def test_rtsp_stalled_server_raises_source_error(rtsp_server: RtspServer) -> Non
     finally:
         if rtsp_server.proc is not None:
             os.kill(rtsp_server.proc.pid, signal.SIGCONT)
-    # FFmpeg hands out one more packet when the first timeout fires, so a stall costs ~2x read timeout.
-    assert elapsed < 4.0
+    # FFmpeg hands out one more packet when the first timeout fires, so a stall costs ~2x read timeout
+    # (~2 s); the bound is under one default read timeout (10 s), with room for a loaded machine.
+    assert elapsed < 8.0
 
 
 def test_silent_server_open_times_out() -> None:
@@ -267,4 +268,4 @@ def test_silent_server_open_times_out() -> None:
         started = time.monotonic()
         with pytest.raises(SourceError, match="timed out"):
             with_deadline(lambda: open_container(url, open_timeout_s=2, read_timeout_s=2), 20, what="open")
-        assert time.monotonic() - started < 5.0
+        assert time.monotonic() - started < 8.0  # ~2 s; under the default open timeout (10 s)
