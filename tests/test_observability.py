@@ -27,7 +27,7 @@ DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana-dashboard.
 
 def get(port: int, path: str) -> tuple[int, bytes]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as resp:  # at once, unless loaded
             return resp.status, resp.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()

@@ -88,9 +88,9 @@ def acked(r: redis.Redis) -> set[int]:
     return {unpack_frame(f)["seq"] for eid, f in r.xrange(keys.frames(CAM), max=last) if eid not in pending}
 
 
-def ready(port: int) -> tuple[int, dict]:
+def ready(port: int) -> tuple[int, dict]:  # timeouts of 30 s: an answer comes at once, unless the machine is loaded
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=3) as resp:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=30) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -99,7 +99,7 @@ def ready(port: int) -> tuple[int, dict]:
 
 
 def scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=3) as resp:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
         return resp.read().decode()
 
 
