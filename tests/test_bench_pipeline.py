@@ -238,7 +238,8 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     assert cores["gpu-scheduler"] > 0 and cores["stream"] > 0 and cores["MainThread"] >= 0
     assert 0 < sum(cores.values()) <= os.cpu_count()
     machine = run["machine_cpu"]  # sampled every 50 ms in the window: at least the workers' own use
-    assert machine["cores"] == os.cpu_count() and machine["samples"] >= 10 * run["duration_s"]
+    # 20 a second on an idle machine; at least 5, for a sampler thread that a saturated machine wakes late
+    assert machine["cores"] == os.cpu_count() and machine["samples"] >= 5 * run["duration_s"]
     assert 0 < machine["busy_mean"] <= machine["cores"] and 0 <= machine["saturated_share"] <= 1
     assert machine["model"] is None or machine["model"].strip()
     gpu_seen = run["machine_gpu"]  # None where there is no nvidia-smi
