@@ -36,6 +36,7 @@ CAM = "cam1"
 TOKEN = "test-token-0123456789abcdef"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FRAMES = 12  # 6 s at 2 fps
+JOB_WAIT_S = 300  # for a job's output: a 128-token answer after each version, minutes on a loaded 2-core machine
 REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = os.environ.get("SVQA_TEST_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -332,7 +333,7 @@ def test_openai_top_p_zero_keeps_the_top_token(live):
 
 
 def test_transcript_in_json_vtt_and_srt(live):
-    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), 60, "a subtitle cue", live.services)
+    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), JOB_WAIT_S, "a subtitle cue", live.services)
     cues = live.http.get(f"/api/streams/{CAM}/transcript").json()["cues"]
     assert cues and all(c["job"] == "subs" and float(c["end"]) > float(c["start"]) for c in cues)
     vtt = live.http.get(f"/api/streams/{CAM}/transcript", params={"format": "vtt"})
@@ -345,7 +346,7 @@ def test_transcript_in_json_vtt_and_srt(live):
 
 
 def test_caption_job_outputs(live):
-    wait_for(lambda: live.r.xlen(keys.job_output(CAM, "captions")), 60, "a caption", live.services)
+    wait_for(lambda: live.r.xlen(keys.job_output(CAM, "captions")), JOB_WAIT_S, "a caption", live.services)
     assert live.http.get(f"/api/streams/{CAM}/jobs").json()["jobs"] == ["captions"]
     outputs = live.http.get(f"/api/streams/{CAM}/jobs/captions", params={"count": 5}).json()["outputs"]
     assert outputs and all(o["job"] == "captions" and "text" in o and int(o["version"]) >= 0 for o in outputs)
@@ -353,7 +354,7 @@ def test_caption_job_outputs(live):
 
 
 def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):
-    wait_for(lambda: live.hook.accepted and live.mq.messages, 60, "alert delivered", live.services)
+    wait_for(lambda: live.hook.accepted and live.mq.messages, JOB_WAIT_S, "alert delivered", live.services)
     (alert,) = live.http.get(f"/api/streams/{CAM}/alerts").json()["alerts"]
     assert live.http.get("/api/alerts").json()["alerts"] == [alert]
     assert alert["job"] == "door" and alert["question"] == "Is there text on the screen?"
@@ -647,7 +648,7 @@ def test_web_page_in_chromium(live, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api")
     if not os.access(CHROMIUM, os.X_OK):
         pytest.skip(f"chromium not found at {CHROMIUM}")
-    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), 60, "a subtitle cue", live.services)
+    wait_for(lambda: live.r.xlen(keys.transcript(CAM)), JOB_WAIT_S, "a subtitle cue", live.services)
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, timeout=60_000)
         try:
