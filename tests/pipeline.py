@@ -53,13 +53,15 @@ class Services:
     def logs(self) -> str:
         return "\n".join(f"== {p.name}\n{p.read_text()[-3000:]}" for p in sorted(self.workdir.glob("*.log")))
 
-    def stop_all(self) -> None:
+    def stop_all(self, timeout_s: float = 10) -> None:
+        """SIGTERM, then SIGKILL to what has not exited ``timeout_s`` later: a test that checks
+        what a graceful stop leaves behind gives it long enough for a loaded machine."""
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
         for p in self.procs:
             try:
-                p.wait(timeout=10)
+                p.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 p.kill()
 

@@ -555,7 +555,7 @@ def served(cfg) -> Iterator[str]:
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
-        wait_for(lambda: server.started, 10, "uvicorn")
+        wait_for(lambda: server.started, 30, "uvicorn")
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True

@@ -184,7 +184,7 @@ def test_worker_runs_jobs_answers_and_exports_metrics(redis_url, tmp_path):
         assert _metric(scraped, 'svqa_qa_job_runs_total{job="subs",outcome="ok",stream="cam1"}') >= 1
         assert _metric(scraped, 'svqa_qa_questions_total{outcome="ok"}') >= 1
         assert _metric(scraped, "svqa_qa_first_token_seconds_count") >= 1
-        services.stop_all()  # the worker flushes open cues on the way out
+        services.stop_all(timeout_s=120)  # the worker flushes open cues on the way out
         transcript = subprocess.run(
             [
                 str(Path(sys.executable).parent / "streamvqa"),

@@ -183,7 +183,7 @@ def test_a_torn_tail_is_cut_off_and_the_recorder_goes_on(redis_url, services, tm
     proc = start_recorder(services, log_dir, port)
     wait_for(lambda: unrecorded(r) == 0, 30, "first frames acked", services)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=15) == 0, services.logs()
+    assert proc.wait(timeout=60) == 0, services.logs()  # at once, unless the machine is loaded
     (data,) = (log_dir / CAM).glob("*.log")
     os.truncate(data, data.stat().st_size - 9)  # frame 4 torn, as a crash mid-write leaves it
     with open(data, "r+b") as f:  # and a flipped bit in frame 1
