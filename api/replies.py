@@ -103,8 +103,9 @@ async def submit(r: aredis.Redis, q: Question) -> None:
 async def ask(request: Request, q: Question) -> Subscription:
     """Read the answer stream from before the question is asked (nothing missed); 503 busy, with
     nothing queued, when this process holds all the answers it may; 429 when the question would
-    wait longer than `max_queue_wait_s` for the GPU."""
-    await admit(request.app.state.r, q.stream, request.app.state.cfg.max_queue_wait_s)
+    wait longer than `max_queue_wait_s` to start (a question about the past: for its turn at a history
+    cache, then for the GPU)."""
+    await admit(request.app.state.r, q.stream, request.app.state.cfg.max_queue_wait_s, q.about_past)
     sub = request.app.state.answers.open(q.id, request.app.state.cfg.answer_timeout_s)
     try:
         await submit(request.app.state.r, q)
@@ -114,20 +115,20 @@ async def ask(request: Request, q: Question) -> Subscription:
     return sub
 
 
-async def admit(r: aredis.Redis, stream: str, max_wait_s: float) -> None:
+async def admit(r: aredis.Redis, stream: str, max_wait_s: float, about_past: bool = False) -> None:
     """429, with `Retry-After`, for a question the GPU answering ``stream`` could not start within
     ``max_wait_s``, by the estimate its workers publish (common/wire/admission.py) with the
-    questions in the stream's queue no worker has taken yet; nothing is refused without one."""
+    questions in the stream's queue no worker has taken yet; nothing is refused without one. A
+    question ``about_past`` waits for a turn at a history cache first: that wait counts too."""
     entries = await r.hgetall(keys.admission(stream))
     if not entries:
         return
-    wait_s = estimated_wait_s(entries, await _untaken(r, stream))
+    wait_s = estimated_wait_s(entries, await _untaken(r, stream), about_past=about_past)
     if wait_s is None or wait_s <= max_wait_s:
         return
     retry_after = max(1, math.ceil(wait_s - max_wait_s))  # by then the queue ahead has moved on that much
-    message = (
-        f"busy: a question on {stream!r} would wait about {wait_s:.0f} s to start (max_queue_wait_s {max_wait_s:g})"
-    )
+    what = "a question about the past (a turn at a history cache, then the GPU)" if about_past else "a question"
+    message = f"busy: {what} on {stream!r} would wait about {wait_s:.0f} s to start (max_queue_wait_s {max_wait_s:g})"
     metrics.API_QUEUE_FULL.inc()
     raise errors.ApiError(429, message, headers={"Retry-After": str(retry_after)})
 

@@ -447,7 +447,8 @@ class QueueSettings:
     max_queue_wait_s: float = setting(
         30.0,
         "a question that would wait longer than this for the GPU (the questions queued ahead over the answering "
-        "worker's answers a second) is refused with 429 and `Retry-After`, not queued (api); a question about "
+        "worker's answers a second; for a question about the past, its wait for a turn at a history cache "
+        "added, reckoned alike) is refused with 429 and `Retry-After`, not queued (api); a question about "
         "the past that has waited this long for its turn at a history cache (`history_max_concurrent`) gets an "
         "error final (qa)",
     )

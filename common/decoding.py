@@ -14,9 +14,11 @@ and the frame tried once more; if that breaks it too, the frame is the one to bl
 rejected like any undecodable one. Nothing else is lost: frames in flight are retried. A worker
 that dies (SIGKILL, no shutdown) takes its decoder processes with it: each watches its parent.
 
-A question about the past decodes a few dozen logged records at once (`decode_logged`): each record
+A question about the past decodes a few dozen logged records at once (`submit_logged`): each record
 whole (msgpack, header, pixels) in a process, all of them submitted before the first is waited
 for, so that every process works on them; the frames come back as `framelog.decode` gives them here.
+They are waited for later (`Pending.result`), so that the question's thread can hand the GPU the
+piece decoded before while the processes decode the next (qa_worker/history.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
@@ -55,7 +57,11 @@ class FrameDecoder:
     def decode_logged(self, records: Sequence[bytes]) -> list[FrameMsg]:
         """`framelog.decode` of each frames-log record, side by side in the processes, in order;
         raises what it raises (SchemaError, ValueError)."""
-        return self._in_processes(framelog.decode, [(raw,) for raw in records], "frames log record")
+        return self.submit_logged(records).result()
+
+    def submit_logged(self, records: Sequence[bytes]) -> Pending:
+        """`decode_logged`, handed to the processes now and waited for by `result()`."""
+        return Pending(self, framelog.decode, [(raw,) for raw in records], "frames log record")
 
     def close(self) -> None:
         with self._lock:
@@ -67,16 +73,7 @@ class FrameDecoder:
         return self._in_processes(decode_image, [(fmt, data, h, w)], f"{fmt} image")[0]
 
     def _in_processes(self, fn: Callable[..., Any], calls: Sequence[tuple], what: str) -> list[Any]:
-        """`fn(*args)` for each of `calls`, all submitted at once, results in order; a broken pool
-        is replaced and the calls tried once more."""
-        for _ in range(2):
-            pool = self._running()
-            try:
-                futures = [pool.submit(fn, *args) for args in calls]
-                return [f.result() for f in futures]
-            except BrokenProcessPool:
-                self._replace(pool)
-        raise SchemaError("data", f"undecodable {what}: its decoder process died twice")
+        return Pending(self, fn, calls, what).result()
 
     def _running(self) -> ProcessPoolExecutor:
         with self._lock:
@@ -96,6 +93,45 @@ class FrameDecoder:
         if replacing:
             log.warning("a frame decoder process died; its pool is replaced", processes=self.processes)
         broken.shutdown(wait=False, cancel_futures=True)
+
+
+class Pending:
+    """`fn(*args)` for each of `calls`, all submitted to the decoder's processes at once; `result()`
+    waits for them, in order. A pool that breaks is replaced and the calls tried once more (the
+    second break: SchemaError naming `what`); `cancel()` drops those no process has started."""
+
+    def __init__(self, decoder: FrameDecoder, fn: Callable[..., Any], calls: Sequence[tuple], what: str):
+        self._decoder, self._fn, self._calls, self._what = decoder, fn, calls, what
+        self._tries = 0
+        self._submit()
+
+    def result(self) -> list[Any]:
+        while True:
+            try:
+                if self._futures is not None:
+                    return [f.result() for f in self._futures]
+            except BrokenProcessPool:
+                pass
+            self._decoder._replace(self._pool)
+            if self._tries >= 2:
+                raise SchemaError("data", f"undecodable {self._what}: its decoder process died twice")
+            self._submit()
+
+    def done(self) -> bool:
+        """Every call has finished in a process (or failed): `result()` would not wait for them."""
+        return self._futures is not None and all(f.done() for f in self._futures)
+
+    def cancel(self) -> None:
+        for future in self._futures or ():
+            future.cancel()
+
+    def _submit(self) -> None:
+        self._tries += 1
+        self._pool = self._decoder._running()
+        try:
+            self._futures: list[Future] | None = [self._pool.submit(self._fn, *args) for args in self._calls]
+        except BrokenProcessPool:  # broken before these were all handed over: result() tries again
+            self._futures = None
 
 
 PARENT_CHECK_S = 1.0

@@ -109,9 +109,11 @@ class Admission:
             self._busy_s += now - self._since
         self._since = now
 
-    def publish(self, r: redis.Redis, consumer: str, streams: Iterable[str]) -> None:
-        """For the API's admission check: this process's queue and rate, on each stream it answers."""
-        entry = AdmissionEntry(self.queued, self.rate(), time.time()).to_json()
+    def publish(self, r: redis.Redis, consumer: str, streams: Iterable[str], history: Admission | None = None) -> None:
+        """For the API's admission check: this process's queue and rate, on each stream it answers,
+        and those of `history`, its questions about the past waiting for a turn at a history cache."""
+        turns = (history.queued, history.rate()) if history is not None else (0, None)
+        entry = AdmissionEntry(self.queued, self.rate(), time.time(), *turns).to_json()
         pipe = r.pipeline(transaction=False)
         for stream in streams:
             pipe.hset(keys.admission(stream), consumer, entry)

@@ -138,7 +138,7 @@ class Answerer:
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, fields, attempt, bound, asked_at=time.time() - waited)
             elapsed = waited + time.perf_counter() - t0
-            waited += final.queue_s or 0.0  # what it then waited here for the GPU (_run)
+            waited += final.queue_s or 0.0  # what it then waited here: for a history turn, for the GPU
             metrics.QUEUE_WAIT_SECONDS.observe(waited)
             self._finish(dataclasses.replace(final, queue_s=round(waited, 3), elapsed_s=round(elapsed, 3)), ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
@@ -181,7 +181,7 @@ class Answerer:
         qid = q.id
         if not self.serves(q.stream):
             return FinalAnswer(id=qid, stream=q.stream, error=f"unknown stream {q.stream!r}", param="stream")
-        if q.since is not None or q.scope == "history":
+        if q.about_past:
             return self._answer_span(q, bound, ttl, attempt, asked_at)
         version = self.lookup(q.stream, q.at)
         if version is None and q.at is not None:
@@ -241,7 +241,8 @@ class Answerer:
         temporary cache beside live work, answered there as from a live version, and let go of.
         The final's `ranges` are the chunks' capture-time ranges; errors are finals. Deltas go to
         the question's reply stream like any answer's (``attempt``: their attempt number), after
-        its place while it waits for its turn at a temporary cache (`History.gate`)."""
+        its place while it waits for its turn at a temporary cache (`History.gate`). Its `queue_s`
+        is that wait and then its wait for the GPU (encoding its cache is neither: it is work)."""
         self.r.delete(keys.answer(q.id))  # deltas of an attempt that died before its final entry
         write, gate = self._writer(q.id, ttl), self.history.gate.queue
 
@@ -252,14 +253,14 @@ class Answerer:
             with self.history.cache(spec or self.history.spec(q.stream), chunks, tell) as seen:
                 final = self._run(q, seen.version, ttl, attempt, _seen_past(seen))
         except HistoryError as e:
-            return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param)
+            return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param, queue_s=e.queue_s)
         except QuestionError as e:
             return FinalAnswer(id=q.id, stream=q.stream, error=str(e))
         except (RuntimeError, ValueError) as e:  # e.g. no room in the KV pool: this question fails alone
             bound.exception("answering about the past failed")
             return FinalAnswer(id=q.id, stream=q.stream, error=f"internal error: {e}"[:500])
         bound.info("answered about the past", ranges=final.ranges, cache_tokens=final.cache_tokens, tokens=final.tokens)
-        return final
+        return dataclasses.replace(final, queue_s=seen.waited_s + (final.queue_s or 0.0))
 
     def _run(self, q: Question, version: Version, ttl: int, attempt: int, seen: dict) -> FinalAnswer:
         """Answer from ``version``; ``seen``: the final's fields that say what it was answered over."""

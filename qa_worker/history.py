@@ -16,8 +16,10 @@ Cameras first (docs/DESIGN.md "Admission"): a temporary cache takes its pages fr
 live streams write to, so `CacheGate` lets at most `history_max_concurrent` of them exist at once,
 their tokens within the room the pool has beyond what the live streams are guaranteed; the other
 questions wait for their turn in order, told their place, and get an error past
-`max_queue_wait_s`. Logged frames are decoded in the worker's decoder processes
-(common/decoding.py), not in the question's thread, which would hold the GPU loop's GIL.
+`max_queue_wait_s`; that wait is part of the final's `queue_s`. Logged frames are decoded in the
+worker's decoder processes (common/decoding.py), not in the question's thread, which would hold the
+GPU loop's GIL, and one piece ahead: while the GPU encodes a piece, the processes decode the next,
+so that decoding adds to a question's first token only the first piece's.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from dataclasses import dataclass
 
 import redis
 
-from common.decoding import FrameDecoder
+from common.decoding import FrameDecoder, Pending
 from common.engine.answer import Waiting
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
@@ -47,9 +49,10 @@ from qa_worker.admission import Admission, Ticket
 class HistoryError(Exception):
     """Why a question about the past cannot be answered: its final's `error` (and `param`)."""
 
-    def __init__(self, message: str, param: str | None = None):
+    def __init__(self, message: str, param: str | None = None, queue_s: float | None = None):
+        """`queue_s`: how long it waited for a turn at a history cache before it was refused."""
         super().__init__(message)
-        self.param = param
+        self.param, self.queue_s = param, queue_s
 
 
 @dataclass(frozen=True)
@@ -65,10 +68,12 @@ class LoggedChunk:
 
 @dataclass(frozen=True)
 class Seen:
-    """What a temporary cache holds: its version, and the capture-time ranges of its chunks."""
+    """What a temporary cache holds: its version, and the capture-time ranges of its chunks; and
+    how long the question waited for its turn at one (`CacheGate.turn`)."""
 
     version: Version
     ranges: tuple[tuple[float, float], ...]
+    waited_s: float = 0.0
 
 
 def logged_chunks(framelog: FrameLog, cam: str, t0: float, t1: float, chunk_frames: int) -> list[LoggedChunk]:
@@ -120,13 +125,14 @@ class CacheGate:
         self._held: dict[int, int] = {}  # ticket seq -> the tokens its cache may hold
 
     @contextmanager
-    def turn(self, tokens: int, tell: Callable[[Ticket], None]) -> Iterator[None]:
-        """The block runs once a cache of `tokens` may be held; `tell(ticket)` while it waits (after
+    def turn(self, tokens: int, tell: Callable[[Ticket], None]) -> Iterator[float]:
+        """The block runs once a cache of `tokens` may be held, given how long it waited for that
+        (seconds, on the clock `total_s` counts on); `tell(ticket)` while it waits (after
         `Waiting.first_s`, then every `Waiting.every_s`). HistoryError past `max_wait_s`."""
-        ticket = self.queue.take()
+        ticket, taken = self.queue.take(), time.perf_counter()
         try:
             self._wait(ticket, tokens, tell)
-            yield
+            yield time.perf_counter() - taken
         finally:
             with self._changed:
                 self._held.pop(ticket.seq, None)
@@ -143,10 +149,12 @@ class CacheGate:
                     self.queue.start(ticket)
                     return
                 if time.monotonic() >= deadline:
+                    waited = time.monotonic() - start
                     raise HistoryError(
-                        f"busy: this question about the past waited {time.monotonic() - start:.1f} s for a history "
+                        f"busy: this question about the past waited {waited:.1f} s for a history "
                         f"cache (history_max_concurrent {self.at_once}, and the KV pool's room beside the live "
-                        f"streams), past max_queue_wait_s ({self.max_wait_s:g} s): ask again later"
+                        f"streams), past max_queue_wait_s ({self.max_wait_s:g} s): ask again later",
+                        queue_s=waited,
                     )
                 self._changed.wait(max(0.0, min(report_at, deadline) - time.monotonic()))
             if time.monotonic() >= report_at:  # outside the lock: telling writes to Redis
@@ -234,7 +242,8 @@ class History:
         """A temporary cache of exactly these chunks' logged frames, in this order, once it is this
         question's turn (`gate`; `tell(ticket)` while it waits); let go of when the block ends. A
         chunk whose frames the log no longer holds (collected meanwhile) is left out, and so is it
-        from the ranges; HistoryError if none is left, or if the pool can never hold such a cache."""
+        from the ranges; HistoryError if none is left, or if the pool can never hold such a cache
+        (or with the wait as its `queue_s`, past `max_queue_wait_s` waiting for a turn)."""
         log = self._log()
         room = self.room()
         if room is not None and self.rt.in_pages(self.max_tokens) > room:
@@ -243,17 +252,34 @@ class History:
                 f"past ({max(room, 0)} tokens beside what the live streams are guaranteed): lower history_max_tokens"
             )
         tokens = len(self.rt.prefix_ids()) + sum(self.tokens(spec, c.frames) for c in chunks)
-        with self.gate.turn(self.rt.in_pages(tokens), tell), TemporaryCache(self.rt, spec, tokens) as cache:
-            seen: list[LoggedChunk] = []
-            for piece in self._pieces(spec, chunks):
-                found = [(chunk, records) for chunk in piece if (records := self._records(log, spec, chunk))]
-                frames = self._decoded(spec, [rec for _, records in found for rec in records])
-                if frames:
-                    cache.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
-                    seen += [chunk for chunk, _ in found]
+        with self.gate.turn(self.rt.in_pages(tokens), tell) as waited, TemporaryCache(self.rt, spec, tokens) as cache:
+            seen = self._fill(log, spec, chunks, cache)
             if not seen:
                 raise HistoryError(f"stream {spec.name!r}: the frames log no longer holds those frames")
-            yield Seen(cache.version, tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen)))
+            yield Seen(cache.version, tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen)), waited)
+
+    def _fill(
+        self, log: FrameLog, spec: StreamSpec, chunks: Sequence[LoggedChunk], cache: TemporaryCache
+    ) -> list[LoggedChunk]:
+        """Append the chunks' frames to the cache piece by piece, in order; the chunks appended. The
+        next piece is read and handed to the decoder before this one's append, which waits for the
+        GPU to encode it: decoding overlaps encoding (one piece ahead; without a decoder the next is
+        decoded here, after the append). An error drops the piece ahead, not yet appended."""
+        pieces = self._pieces(spec, chunks)
+        seen: list[LoggedChunk] = []
+        ahead: _Read | None = self._read(log, spec, next(pieces, []))
+        try:
+            while ahead is not None:
+                found, frames = ahead.found, self._checked(spec, ahead.frames)
+                piece = next(pieces, None)
+                ahead = self._read(log, spec, piece) if piece is not None else None
+                if frames:
+                    cache.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
+                    seen += found
+        finally:
+            if ahead is not None:
+                ahead.cancel()
+        return seen
 
     def _pieces(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[list[LoggedChunk]]:
         """Runs of consecutive chunks of at most PIECE_TOKENS (a chunk larger alone): one append each."""
@@ -279,25 +305,47 @@ class History:
             raise HistoryError(f"frames {first}-{last} of the frames log are not readable: {e}") from None
         return records if len(records) == chunk.frames else []
 
-    def _decoded(self, spec: StreamSpec, records: Sequence[Record]) -> list[FrameMsg]:
-        """The records' frames, decoded bit-identically to what the encoder saw (in the decoder's
-        processes when there are some). A frame of another size than the stream's grid (the camera
-        was set up anew since) is an error: it is not what the stream's chunks are made of."""
+    def _read(self, log: FrameLog, spec: StreamSpec, piece: Sequence[LoggedChunk]) -> _Read:
+        """The piece's chunks the log still holds, their records handed to the decoder's processes
+        (decoded bit-identically to what the encoder saw) or, without one, to be decoded here."""
+        found = [(chunk, records) for chunk in piece if (records := self._records(log, spec, chunk))]
+        raws = [rec.raw for _, records in found for rec in records]
+        return _Read([chunk for chunk, _ in found], raws, self.decoder.submit_logged(raws) if self.decoder else None)
+
+    def _checked(self, spec: StreamSpec, frames: Callable[[], list[FrameMsg]]) -> list[FrameMsg]:
+        """The frames `frames()` decodes. One that does not, or of another size than the stream's
+        grid (the camera was set up anew since), is an error: not what the stream's chunks are made of."""
         try:
-            raws = [rec.raw for rec in records]
-            frames = self.decoder.decode_logged(raws) if self.decoder else [decode(raw) for raw in raws]
+            decoded = frames()
         except ValueError as e:  # SchemaError is a ValueError
             raise HistoryError(f"frames of the frames log do not decode: {e}") from None
         grid = spec.grid
-        for m in frames:
+        for m in decoded:
             if (m.h, m.w) != (grid.height, grid.width):
                 raise HistoryError(f"frame {m.seq} is not on the stream's {grid.height}x{grid.width} grid")
-        return frames
+        return decoded
 
     def _log(self) -> FrameLog:
         if self.framelog is None:
             raise HistoryError("this worker has no frames log (framelog_dir): it answers about the live cache only")
         return self.framelog
+
+
+@dataclass
+class _Read:
+    """A piece's chunks that the frames log still holds, and their records' frames: decoding in the
+    decoder's processes (`pending`) or, with none, decoded when asked for."""
+
+    found: list[LoggedChunk]
+    raws: list[bytes]
+    pending: Pending | None
+
+    def frames(self) -> list[FrameMsg]:
+        return self.pending.result() if self.pending is not None else [decode(raw) for raw in self.raws]
+
+    def cancel(self) -> None:
+        if self.pending is not None:
+            self.pending.cancel()
 
 
 def _span_text(t0: float, t1: float) -> str:

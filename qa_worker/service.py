@@ -182,7 +182,10 @@ class QAService:
             return
         self._last_published = time.monotonic()
         try:
-            self.answerer.admission.publish(self.r, self.cfg.consumer, self.versions.answering())
+            answerer = self.answerer
+            answerer.admission.publish(
+                self.r, self.cfg.consumer, self.versions.answering(), answerer.history.gate.queue
+            )
         except redis.ResponseError as e:
             if not self._publish_refused:
                 log.warning("queue not published for the API: Redis refused it", error=str(e)[:200])

@@ -20,7 +20,8 @@ Reported over the measured window:
   each answer's latency outside them (queues, Redis, the reply), p50/p95; errors (error replies
   and timeouts);
 - the queue: each answer's wait from its asking to its start on the GPU (the final's queue_s:
-  in its stream's queue, then waiting in order behind cameras and other questions), p50/p95/max,
+  in its stream's queue, then waiting in order behind cameras and other questions, and for a
+  question about the past first for its turn at a history cache), p50/p95/max,
   and the share of questions told a place in the queue and the furthest place told;
 - each worker's resident memory at the end of the window and its peak (VmRSS, VmHWM);
 - the workers' CPU by thread role, and the whole machine's busy cores every 50 ms (mean, p95,
@@ -476,9 +477,9 @@ class Asked:
 
     @property
     def prepare_s(self) -> float | None:
-        """From a worker taking the question to its start in the engine, less its wait for the GPU:
-        for a question about the past, choosing (or searching for) its chunks, reading them back
-        and encoding them again."""
+        """From a worker taking the question to its start in the engine, less its waits (for a turn
+        at a history cache and for the GPU: the final's queue_s): for a question about the past,
+        choosing (or searching for) its chunks, reading them back and encoding them again."""
         if self.elapsed_s is None or self.queue_s is None or self.total_s is None:
             return None
         return self.elapsed_s - self.queue_s - self.total_s

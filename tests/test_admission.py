@@ -7,6 +7,7 @@ driven by hand so that questions wait exactly as long as the test says.
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import threading
@@ -97,6 +98,31 @@ def test_a_new_questions_estimated_wait_is_the_best_of_the_fresh_entries():
     assert estimated_wait_s(entries, backlog=5, now=now) == pytest.approx((9 + 5 + 1) / 5.0)
     assert estimated_wait_s({b"new": entries[b"new"]}, now=now) is None
     assert estimated_wait_s({}, now=now) is None
+
+
+def test_a_question_about_the_past_adds_its_wait_for_a_turn_at_a_history_cache(redis_url):
+    """A process's history queue and turn rate (published beside its GPU queue) add to the estimate
+    of a question about the past only: a live question does not wait for a history turn. An entry
+    of an older worker, without them, reads as no history queue."""
+    now = 5000.0
+    both = AdmissionEntry(queued=3, rate=2.0, at=now, history_queued=5, history_rate=0.5).to_json()
+    assert estimated_wait_s({b"qa-1": both}, backlog=1, now=now) == pytest.approx((3 + 1 + 1) / 2.0)
+    past = estimated_wait_s({b"qa-1": both}, backlog=1, now=now, about_past=True)
+    assert past == pytest.approx((3 + 1 + 1) / 2.0 + (5 + 1) / 0.5)
+    no_turn_yet = AdmissionEntry(queued=3, rate=2.0, at=now, history_queued=5).to_json()  # no turn finished yet
+    assert estimated_wait_s({b"qa-1": no_turn_yet}, now=now, about_past=True) == pytest.approx(2.0)
+    only_turns = AdmissionEntry(queued=0, rate=None, at=now, history_queued=1, history_rate=1.0).to_json()
+    assert estimated_wait_s({b"qa-1": only_turns}, now=now) is None
+    assert estimated_wait_s({b"qa-1": only_turns}, now=now, about_past=True) == pytest.approx(2.0)
+    older = json.dumps({"queued": 3, "rate": 2.0, "at": now})
+    assert AdmissionEntry.from_json(older) == AdmissionEntry(3, 2.0, now, 0, None)
+
+    r = redis.Redis.from_url(redis_url)  # what a QA process publishes: both queues
+    gpu, turns = Admission(), Admission()
+    gpu.take(), turns.take(), turns.take()
+    gpu.publish(r, "qa-1", [CAM], turns)
+    entry = AdmissionEntry.from_json(r.hget(keys.admission(CAM), "qa-1"))
+    assert entry is not None and (entry.queued, entry.history_queued, entry.history_rate) == (1, 2, None)
 
 
 @pytest.fixture(scope="module")
@@ -191,9 +217,10 @@ def _api(cfg: ApiConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://api", timeout=30)
 
 
-def _worker_says(r: redis.Redis, queued: int, rate: float) -> None:
-    """What the QA process answering CAM publishes (its queue and rate), as Admission.publish does."""
-    r.hset(keys.admission(CAM), "qa-1", AdmissionEntry(queued, rate, time.time()).to_json())
+def _worker_says(r: redis.Redis, queued: int, rate: float, **history: float) -> None:
+    """What the QA process answering CAM publishes (its queue and rate, and its `history_queued`
+    and `history_rate`), as Admission.publish does."""
+    r.hset(keys.admission(CAM), "qa-1", AdmissionEntry(queued, rate, time.time(), **history).to_json())
 
 
 def _answer_with_places(r: redis.Redis, places: list[tuple[int, float | None]]) -> None:
@@ -208,37 +235,74 @@ def _answer_with_places(r: redis.Redis, places: list[tuple[int, float | None]]) 
     r.xadd(keys.answer(qid), encode_final(final))
 
 
+def _refused_then_accepted(
+    r: redis.Redis, cfg: ApiConfig, refuse: list[tuple[str, dict]], then, accept: dict, places: list
+) -> tuple[list[httpx.Response], httpx.Response]:
+    """The API's answers to the `refuse` requests ((path, body)), which queue nothing, and then,
+    after `then()`, to `accept` on the ask endpoint, which a worker answers (its `places` first)."""
+
+    async def run() -> tuple[list[httpx.Response], httpx.Response]:
+        async with _api(cfg) as client:
+            refused = [await client.post(path, json=body) for path, body in refuse]
+            assert not r.exists(keys.QUESTIONS), "nothing queued"
+            then()
+            worker = threading.Thread(target=_answer_with_places, args=(r, places), daemon=True)
+            worker.start()
+            accepted = await client.post(f"/api/streams/{CAM}/ask", json=accept)
+            worker.join(10)
+            return refused, accepted
+
+    return asyncio.run(run())
+
+
+def _queue_full(responses: list[httpx.Response], retry_after: str, says: str) -> None:
+    for response in responses:
+        assert response.status_code == 429, response.text
+        assert response.headers["Retry-After"] == retry_after
+        error = response.json()["error"]
+        assert error["code"] == "queue_full" and says in error["message"], error
+
+
+ASK = f"/api/streams/{CAM}/ask"
+CHAT = "/v1/chat/completions"
+
+
 def test_the_api_refuses_with_429_a_question_it_could_not_start_in_time(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.hset(keys.meta(CAM), mapping={"fps": "2", "height": "56", "width": "56", "live": "1"})
     cfg = ApiConfig(redis_url=redis_url, max_queue_wait_s=10.0, answer_timeout_s=20, block_ms=100)
-
-    async def run() -> tuple[list[httpx.Response], httpx.Response]:
-        async with _api(cfg) as client:
-            _worker_says(r, queued=59, rate=2.0)  # a new question: (59 + 1) / 2 = 30 s
-            chat = {"model": CAM, "messages": [{"role": "user", "content": "hi"}]}
-            refused = [
-                await client.post(f"/api/streams/{CAM}/ask", json={"question": "hi"}),
-                await client.post("/v1/chat/completions", json=chat),
-            ]
-            assert not r.exists(keys.QUESTIONS), "nothing queued"
-            _worker_says(r, queued=9, rate=2.0)  # 5 s: taken, waits, is told its place
-            worker = threading.Thread(target=_answer_with_places, args=(r, [(3, 2.5), (1, 0.5)]), daemon=True)
-            worker.start()
-            accepted = await client.post(f"/api/streams/{CAM}/ask", json={"question": "hi"})
-            worker.join(10)
-            return refused, accepted
-
-    refused, accepted = asyncio.run(run())
-    for response in refused:
-        assert response.status_code == 429, response.text
-        assert response.headers["Retry-After"] == "20"  # 30 s estimated, 10 s allowed
-        error = response.json()["error"]
-        assert error["code"] == "queue_full" and "30 s" in error["message"]
+    _worker_says(r, queued=59, rate=2.0)  # a new question: (59 + 1) / 2 = 30 s
+    chat = {"model": CAM, "messages": [{"role": "user", "content": "hi"}]}
+    refused, accepted = _refused_then_accepted(
+        r,
+        cfg,
+        [(ASK, {"question": "hi"}), (CHAT, chat)],
+        lambda: _worker_says(r, queued=9, rate=2.0),  # 5 s: taken, waits, is told its place
+        {"question": "hi"},
+        [(3, 2.5), (1, 0.5)],
+    )
+    _queue_full(refused, "20", "30 s")  # 30 s estimated, 10 s allowed
     events = _parse_sse(accepted.text)
     queued = [data for event, data in events if event == "queued"]
     assert [(d["position"], d["wait_s"]) for d in queued] == [(3, 2.5), (1, 0.5)]
     assert [event for event, _ in events][-2:] == ["delta", "final"] and events[-2][1] == {"text": "a van"}
+
+
+def test_the_api_refuses_a_question_about_the_past_its_history_queue_would_hold_up_not_a_live_one(redis_url):
+    """The worker's GPU starts a question in 0.5 s, but 39 questions about the past wait for a turn
+    at a history cache, one turn finished every 0.5 s: a new one would wait 20 s for its turn, and
+    then 0.5 s for the GPU. Past max_queue_wait_s (10 s), a question with `since` or `scope:
+    history` is refused with 429 (native and OpenAI endpoints), nothing queued; a live question to
+    the same camera is accepted and answered."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta(CAM), mapping={"fps": "2", "height": "56", "width": "56", "live": "1"})
+    cfg = ApiConfig(redis_url=redis_url, max_queue_wait_s=10.0, answer_timeout_s=20, block_ms=100)
+    _worker_says(r, queued=0, rate=2.0, history_queued=39, history_rate=2.0)
+    chat = {"model": CAM, "messages": [{"role": "user", "content": "hi"}], "since": "10m"}
+    past = [(ASK, {"question": "hi", "since": "10m"}), (ASK, {"question": "hi", "scope": "history"}), (CHAT, chat)]
+    refused, accepted = _refused_then_accepted(r, cfg, past, lambda: None, {"question": "hi", "stream": False}, [])
+    _queue_full(refused, "11", "about the past")  # 20.5 s estimated, 10 s allowed
+    assert accepted.status_code == 200 and accepted.json()["text"] == "a van", accepted.text
 
 
 def test_old_readers_see_a_place_as_empty_text():

@@ -16,6 +16,7 @@ are decoded in the decoder's processes (WebP on the wire, as ingest sends by def
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ import torch
 
 from apps.samplevideo import write_sample_video
 from common import redisio
-from common.decoding import FrameDecoder
+from common.decoding import FrameDecoder, Pending
 from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec, resize_to_grid
@@ -46,6 +47,7 @@ from common.engine.work import InlineExecutor
 from common.framelog import FrameLog, decode
 from common.segment_store import DirectoryStore
 from common.wire import keys
+from common.wire.admission import AdmissionEntry
 from common.wire.schemas import (
     FIELD,
     FRAME_CODECS,
@@ -62,6 +64,7 @@ from common.wire.schemas import (
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
 from ingest.video import iter_file_frames
+from qa_worker import history as history_module
 from qa_worker.answering import Answerer
 from qa_worker.history import LoggedChunk, evenly
 from tests.groupread import read_group
@@ -321,6 +324,7 @@ def test_the_http_api_and_the_openai_endpoint_answer_about_the_past(rt, redis_ur
             final = httpx.post(f"{base}/api/streams/{CAM}/ask", json=body, timeout=120).json()
             assert final["text"] == offline.text and final["ranges"] == [[captured(4), captured(11)]], final
             assert final["evidence"]["ranges"] == final["ranges"]
+            assert final["queue_s"] >= 0 and final["elapsed_s"] >= final["queue_s"] + final["total_s"] - 0.002, final
             client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=120)
             asked = [{"role": "user", "content": QUESTION}]
             done = client.chat.completions.create(model=CAM, messages=asked, max_tokens=TOKENS, extra_body=span)
@@ -538,7 +542,7 @@ def test_a_qa_service_bounds_its_history_caches_as_configured_and_decodes_out_of
 
     class NoVersions:
         exclusive = False
-        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda: []), (lambda _: None)
+        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda *_: [CAM]), (lambda _: None)
 
     r = redis.Redis.from_url(redis_url)
     cfg = QAConfig(redis_url=redis_url, streams=(CAM,), framelog_dir=str(tmp_path), decode_processes=1)
@@ -547,6 +551,11 @@ def test_a_qa_service_bounds_its_history_caches_as_configured_and_decodes_out_of
     history = alone.answerer.history
     assert isinstance(history.decoder, FrameDecoder) and history.decoder.processes == 1 and alone.own_decoder
     assert (history.gate.at_once, history.gate.max_wait_s, history.live_tokens) == (3, 7.0, None)
+    waiting = history.gate.queue.take()  # published for the API beside the GPU's queue
+    alone._publish_admission()
+    history.gate.queue.done(waiting)
+    published = AdmissionEntry.from_json(r.hget(keys.admission(CAM), cfg.consumer))
+    assert published is not None and (published.queued, published.history_queued) == (0, 1)
     alone.decoder.close()
     shared = FrameDecoder(1)
     beside_an_encoder = QAService(cfg, rt, r, NoVersions(), decoder=shared, live_tokens=4096)
@@ -554,3 +563,120 @@ def test_a_qa_service_bounds_its_history_caches_as_configured_and_decodes_out_of
     assert beside_an_encoder.answerer.history.live_tokens == 4096
     shared.close()
     assert QAService(replace(cfg, framelog_dir=None), rt, r, NoVersions()).decoder is None
+
+
+def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_unchanged(
+    rt, redis_url, tmp_path, frames, decoder, monkeypatch
+):
+    """Pieces of two chunks: each piece's frames are handed to the decoder's processes before the
+    append of the piece before, and the first append does not return before the processes have
+    decoded the second piece (it waits for that: were the decode after it, it would wait in vain).
+    The cache holds exactly the chunks' frames in order, a chunk the log no longer holds left out:
+    the answer equals offline inference on them, also through a GPU scheduler and without decoder
+    processes. An append that fails drops the piece decoding ahead and lets the cache go."""
+    monkeypatch.setattr(history_module, "PIECE_TOKENS", 8)  # a chunk of 2 frames is 4 tokens
+    r = redis.Redis.from_url(redis_url)
+    write_log(tmp_path / "log", frames)
+    answerer = Answerer(rt, r, lambda s, at: None, lambda s: True, framelog_dir=str(tmp_path / "log"))
+    events: list[tuple[str, list[int]]] = []
+    pending: list[Pending] = []
+
+    class Recorded:
+        """The decoder's hand-overs of logged frames and their cancelling, in order."""
+
+        def submit_logged(self, raws):
+            seqs = [decode(raw).seq for raw in raws]
+            events.append(("decode", seqs))
+            pending.append(decoder.submit_logged(raws))
+            cancel = pending[-1].cancel
+            pending[-1].cancel = lambda: (events.append(("cancel", seqs)), cancel())
+            return pending[-1]
+
+    append = TemporaryCache.append
+
+    def appended(cache, frames_, capture_times, frame_seqs) -> None:
+        if len(pending) == 2:  # the first append: the second piece decodes meanwhile
+            wait_for(pending[1].done, 30, "the second piece decoded while the first is appended")
+            events.append(("decoded", [m.seq for m in pending[1].result()]))
+        append(cache, frames_, capture_times, frame_seqs)
+        events.append(("appended", list(frame_seqs)))
+
+    monkeypatch.setattr(TemporaryCache, "append", appended)
+    answerer.history.decoder = Recorded()
+    gone = LoggedChunk((500, 501), (captured(500), captured(501)), 2)
+    chunks = [chunk(0), chunk(6), gone, chunk(10), chunk(14), chunk(20)]  # pieces: 0 6 | gone 10 | 14 20
+    pieces = [[0, 1, 6, 7], [10, 11], [14, 15, 20, 21]]
+    gc.collect()  # earlier tests' caches give their pages back now, not during this one
+    pool = rt.lm.pool.used_tokens
+
+    final = answerer.answer_over(_question("qp"), chunks, ttl=60, spec=SPEC)
+    assert events == [
+        ("decode", pieces[0]),
+        ("decode", pieces[1]),
+        ("decoded", pieces[1]),
+        ("appended", pieces[0]),
+        ("decode", pieces[2]),
+        ("appended", pieces[1]),
+        ("appended", pieces[2]),
+    ]
+    seqs = [s for piece in pieces for s in piece]
+    offline = offline_answer(rt, [frames[s] for s in seqs], GRID, FPS, QUESTION, max_tokens=TOKENS)
+    assert final.error is None and final.text == offline.text and final.tokens == len(offline.token_ids)
+    assert final.ranges == tuple((captured(s), captured(s + 1)) for s in (0, 6, 10, 14, 20))
+    with Asking(rt, answerer) as asking:  # through a GPU scheduler, stepped by hand
+        pending.clear()
+        asking.ask("qs", chunks)
+        asking.step_until(asking.finished)
+    assert asking.finals["qs"].text == offline.text
+    answerer.history.decoder = None  # decoded in this thread, after each append
+    assert answerer.answer_over(_question("qh"), chunks, ttl=60, spec=SPEC).text == offline.text
+    assert rt.lm.pool.used_tokens == pool
+
+    def failing(cache, frames_, capture_times, frame_seqs) -> None:
+        raise RuntimeError("no room in the KV pool")
+
+    monkeypatch.setattr(TemporaryCache, "append", failing)
+    answerer.history.decoder, events[:] = Recorded(), []
+    final = answerer.answer_over(_question("qf"), chunks, ttl=60, spec=SPEC)
+    assert final.error is not None and "no room in the KV pool" in final.error, final.error
+    assert events == [("decode", pieces[0]), ("decode", pieces[1]), ("cancel", pieces[1])]
+    assert rt.lm.pool.used_tokens == pool
+
+
+def test_a_history_questions_queue_s_counts_its_wait_for_a_turn(rt, redis_url, tmp_path, frames, decoder):
+    """history_max_concurrent 1, its turn held: a question about the past that waited for it has
+    that wait in its final's `queue_s` (beside its wait for the GPU), and `elapsed_s` is still at
+    least `queue_s` + `total_s`; one refused past max_queue_wait_s has its wait in `queue_s` too."""
+    r = redis.Redis.from_url(redis_url)
+    world = World(rt, r, redis_url, tmp_path, frames, decoder=decoder, history_max_concurrent=1)
+    gate, span = world.answerer.history.gate, {"since": iso(captured(4)), "until": iso(captured(11))}
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with gate.turn(1, lambda _: None):
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert held.wait(10)
+    gate.max_wait_s = 0.3
+    refused = world.ask(**span)
+    assert refused.error is not None and "max_queue_wait_s" in refused.error, refused.error
+    assert refused.queue_s >= 0.3 and refused.elapsed_s >= refused.queue_s, refused
+
+    gate.max_wait_s = 60
+    finals: list[FinalAnswer] = []
+    asking = threading.Thread(target=lambda: finals.append(world.ask(**span)), daemon=True)
+    asking.start()
+    wait_for(lambda: gate.queue.queued == 1, 30, "the question waiting for its turn")
+    t0 = time.perf_counter()
+    time.sleep(0.3)  # a wait it is known to have had
+    waited = time.perf_counter() - t0
+    release.set()
+    asking.join(60)
+    holder.join(10)
+    (final,) = finals
+    assert final.error is None, final.error
+    assert final.queue_s >= waited - 0.001, (final, waited)  # rounded to the millisecond
+    assert final.elapsed_s >= final.queue_s + final.total_s - 0.002, final

@@ -609,6 +609,11 @@ class Question:
     # rank best for the question (search, common/engine/features.py), not the live cache
     scope: str = "live"
 
+    @property
+    def about_past(self) -> bool:
+        """Answered from the frames log, not the live cache: it waits for a turn at a history cache."""
+        return self.since is not None or self.scope == "history"
+
 
 SCOPES = ("live", "history")
 
