@@ -17,7 +17,7 @@ from qa_worker.service import QAService
 
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(WorkerConfig, argv, "streamvqa worker")
-    rt = boot.load_runtime(cfg.model, cfg.device, cfg)
+    rt = boot.load_runtime(cfg.model, cfg.device, cfg, cfg.gemm_dtype)
     cfg = boot.stream_capacity(cfg, rt, history_tokens(cfg, rt))
     frames = boot.frames_redis(cfg, r)
     encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r), frames)

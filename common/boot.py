@@ -159,15 +159,16 @@ def connect_tool(url: str, prog: str, timeout_s: float = 3.0) -> redis.Redis:
 # --------------------------------------------------------------------------- the model
 
 
-def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None):
-    """The model on its device, its GPU scheduler running as `gpu` says, or exit: 2 for a device
-    this machine lacks, 4 for the model. Each step below is named for what it does, in the order
-    it must run in."""
+def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None, gemm_dtype: str = "bf16"):
+    """The model on its device (its dense products in `gemm_dtype`), its GPU scheduler running as
+    `gpu` says, or exit: 2 for a device this machine lacks, 4 for the model. Each step below is
+    named for what it does, in the order it must run in."""
     gpu = gpu or GPUSettings()
     t0 = time.monotonic()
     rt = load_model_or_exit(
         model,
         device,
+        gemm_dtype=gemm_dtype,
         vision_graphs=gpu.gpu_vision_graphs,
         on_graph_capture=metrics.record_graph_capture,
     )
@@ -183,6 +184,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None)
         "model loaded",
         model=model,
         device=str(rt.device),
+        gemm_dtype=gemm_dtype,
         load_s=round(load_s, 1),
         warm_up_s=round(warm_up_s, 1),
         frozen_objects=frozen,
@@ -231,16 +233,17 @@ def _start_gpu_loop(rt: Runtime, gpu: GPUSettings) -> Scheduler:
     return scheduler
 
 
-def load_model_or_exit(model: str, device: str | None, **runtime: Any) -> Runtime:
-    """The model on its device, with no scheduler yet, or exit: 2 for a device this machine lacks,
-    4 for the model (the hub probed once, not retried for a minute)."""
+def load_model_or_exit(model: str, device: str | None, gemm_dtype: str = "bf16", **runtime: Any) -> Runtime:
+    """The model on its device (its dense products in `gemm_dtype`), with no scheduler yet, or
+    exit: 2 for a device this machine lacks, 4 for the model (the hub probed once, not retried for
+    a minute)."""
     tried = check_model_source(model)
     from common.engine.model import load_model
     from common.engine.runtime import Runtime  # torch/transformers only where a model is needed
 
     check_device(device)
     try:
-        return Runtime(load_model(model, device=device), **runtime)
+        return Runtime(load_model(model, device=device, gemm_dtype=gemm_dtype), **runtime)
     except (OSError, ValueError, RuntimeError) as e:
         fail(EXIT_MODEL, "model unusable at start", model=model, tried=tried, error=str(e), hint=LOCAL_WEIGHTS_HINT)
 

@@ -481,6 +481,15 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
 
     model: str = setting(DEFAULT_MODEL, "hub id, local path, `tiny-random`, `random-3b`")
     device: str | None = setting(None, "cuda, cpu, ...", shown="cuda when available")
+    gemm_dtype: Literal["bf16", "fp8"] = setting(
+        "bf16",
+        "the dense layers' matrix products (language model and vision blocks: projections and MLPs): `bf16` "
+        "in the model's own dtype (bf16 on a GPU), exact against transformers; `fp8` (opt-in, lossy) weights "
+        "and activations in FP8 (e4m3, a scale per weight row and per token) on Hopper's FP8 tensor cores, "
+        "those weights in half the memory: answers equal one-shot inference with the same quantization, not "
+        "bf16's; its speed and its effect on the 3B model's logits are not yet measured on a GPU (README "
+        '"GPU sizing and limits")',
+    )
     segment_store: str = setting(
         "shm:///dev/shm/streamvqa/segments",
         "where cache segments are kept: `shm://` a directory in shared host memory (tmpfs: outlives the "

@@ -457,7 +457,7 @@ def _head_bytes(cfg: EncoderConfig, rt: Runtime) -> int:
 
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(EncoderConfig, argv, "streamvqa encoder")
-    rt = boot.load_runtime(cfg.model, cfg.device, cfg)
+    rt = boot.load_runtime(cfg.model, cfg.device, cfg, cfg.gemm_dtype)
     cfg = boot.stream_capacity(cfg, rt)
     service = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r), boot.frames_redis(cfg, r))
     return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

@@ -274,7 +274,7 @@ class QAService:
 
 def main(argv: list[str]) -> int:
     cfg, r = boot.start(QAConfig, argv, "streamvqa qa")
-    rt = boot.load_runtime(cfg.model, cfg.device, cfg)
+    rt = boot.load_runtime(cfg.model, cfg.device, cfg, cfg.gemm_dtype)
     mirror = Mirror(rt, r, open_store(cfg.segment_store, r), served_streams(cfg), cfg.block_ms)
     service = QAService(cfg, rt, r, mirror, boot.frames_redis(cfg, r))
     return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))

@@ -16,6 +16,14 @@ stream with eviction.
 
 measures only what exact eviction costs against rebase: ms per chunk amortized over several
 evictions at a 32K budget with 448² frames, and the memory of the kept vision embeddings.
+
+    python scripts/bench_engine.py --model random-3b --gemm-dtype fp8  # any run above, FP8 products
+    python scripts/bench_engine.py --model Qwen/Qwen2.5-VL-3B-Instruct --fp8-logits
+    python scripts/bench_engine.py --model tiny-random --device cpu --fp8-logits --fp8-side 56  # CPU smoke run
+
+`--fp8-logits` measures only what FP8 products (`gemm_dtype: fp8`) do to the answers: the
+first-token logits of a question on a few cached windows (streams of rendered scenes), with FP8
+against bf16: their largest and mean absolute difference and how often the top token agrees.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from datetime import UTC, datetime
 import numpy as np
 import torch
 
+from apps.samplevideo import render_scene
 from common.engine.answer import Generation, ask, question_suffix_ids
 from common.engine.eviction import EvictionPolicy
 from common.engine.frames import frames_to_pixels
@@ -565,6 +574,41 @@ def _eviction_run(rt: Runtime, mode: str, budget: int, side: int, cycles: int) -
     return out
 
 
+def fp8_logit_effect(args: argparse.Namespace) -> dict:
+    """First-token logits on the same cached windows with bf16 products, then FP8 (the models one
+    after the other: each takes a pool of its own)."""
+    logits = {}
+    for gemm in ("bf16", "fp8"):
+        loaded = load_model(args.model, device=args.device, gemm_dtype=gemm)
+        rt = Runtime(loaded, pool_tokens=args.pool_tokens or 1 << 16, compile_vision=not args.eager_vision)
+        logits[gemm] = [window_logits(rt, w, args.fp8_chunks, args.fp8_side) for w in range(args.fp8_windows)]
+        del loaded, rt
+        free_gpu()
+    diffs = [(fp8 - bf16).abs() for bf16, fp8 in zip(logits["bf16"], logits["fp8"], strict=True)]
+    out = {
+        "windows": args.fp8_windows,
+        "window_frames": 4 * args.fp8_chunks,
+        "side": args.fp8_side,
+        "max_abs_logit_bf16": round(max(float(b.abs().max()) for b in logits["bf16"]), 3),
+        "max_abs_diff": round(max(float(d.max()) for d in diffs), 4),
+        "mean_abs_diff": round(statistics.mean(float(d.mean()) for d in diffs), 4),
+        "top1_agreement": sum(int(b.argmax() == f.argmax()) for b, f in zip(logits["bf16"], logits["fp8"], strict=True))
+        / args.fp8_windows,
+    }
+    log(f"fp8 logits {out}")
+    return out
+
+
+def window_logits(rt: Runtime, window: int, chunks: int, side: int) -> torch.Tensor:
+    """A question's first-token logits (fp32, host) on a stream of `chunks` 4-frame chunks of
+    rendered scenes, a new scene every chunk (window `w` has its own)."""
+    engine = StreamEngine(rt, StreamSpec(f"fp8-{window}", 2.0, Grid(side, side), 4))
+    for c in range(chunks):
+        engine.append([render_scene(100 * window + c, width=side, height=side)] * 4)
+    answer = ask(rt, engine.head, QUESTION, GenerationParams(max_tokens=1), keep_logits=True)
+    return answer.first_logits.float().cpu()
+
+
 def run_info(rt: Runtime, model: str) -> dict:
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -574,6 +618,7 @@ def run_info(rt: Runtime, model: str) -> dict:
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "dtype": str(rt.lm.dtype),
+        "gemm_dtype": rt.loaded.gemm_dtype,
     }
 
 
@@ -608,12 +653,29 @@ def main() -> None:
     p.add_argument("--eviction-budget", type=int, default=32768)
     p.add_argument("--eviction-side", type=int, default=448)
     p.add_argument("--eviction-cycles", type=int, default=4, help="evictions measured after the first")
+    p.add_argument("--gemm-dtype", choices=("bf16", "fp8"), default="bf16", help="the dense layers' products")
+    p.add_argument("--fp8-logits", action="store_true", help="only: first-token logits with FP8 against bf16")
+    p.add_argument("--fp8-windows", type=int, default=4, help="cached windows compared")
+    p.add_argument("--fp8-chunks", type=int, default=8, help="4-frame chunks a window")
+    p.add_argument("--fp8-side", type=int, default=448, help="frame side in pixels")
     args = p.parse_args()
     configure_logging("INFO")  # the engine's log lines (graph captures, re-layouts) on stderr: stdout is the JSON
+    if args.fp8_logits:
+        on_gpu = torch.cuda.is_available() and args.device != "cpu"
+        info = {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "model": args.model,
+            "device": torch.cuda.get_device_name() if on_gpu else platform.processor(),
+            "torch": torch.__version__,
+        }
+        print(json.dumps({**info, "fp8_logits": fp8_logit_effect(args)}, indent=1))
+        return
     sizes = [int(n) for n in args.sizes.split(",")]
     t0 = time.perf_counter()
     rt = Runtime(
-        load_model(args.model, device=args.device), pool_tokens=args.pool_tokens, compile_vision=not args.eager_vision
+        load_model(args.model, device=args.device, gemm_dtype=args.gemm_dtype),
+        pool_tokens=args.pool_tokens,
+        compile_vision=not args.eager_vision,
     )
     log(f"loaded {args.model} in {time.perf_counter() - t0:.1f}s")
     if args.eviction_cost:

@@ -59,7 +59,8 @@ def _build_model_once(name: str, device: str) -> None:
     built, build = model.load_model(name, device=device), model.load_model
 
     def load_model(name_: str, **kw):
-        return built if name_ == name and kw == {"device": device} else build(name_, **kw)
+        plain = {"device": device, "gemm_dtype": "bf16"}  # what every life asks for
+        return built if name_ == name and plain | kw == plain else build(name_, **kw)
 
     model.load_model = load_model
 

@@ -461,3 +461,127 @@ def test_chunk_batch_with_a_cudnn_body_equals_flash_alone(rt, monkeypatch):
     assert plan.body is None
     flash_alone = lm._attention(0, q, plan)  # the same K/V written
     assert torch.allclose(with_body.float(), flash_alone.float(), atol=2e-2)
+
+
+# --------------------------------------------------------------------------- FP8 products (gemm_dtype: fp8)
+
+# The 3B model's dense products as the engine runs them, (K in, N out, bias): the language model's
+# fused qkv, o, fused gate_up and down; the vision blocks' qkv, proj, padded gate_up and down
+QWEN_3B_PRODUCTS = [
+    (2048, 2560, True),
+    (2048, 2048, False),
+    (2048, 22016, False),
+    (11008, 2048, False),
+    (1280, 3840, True),
+    (1280, 1280, True),
+    (1280, 6912, True),
+    (3456, 1280, True),
+]
+FP8_TOKENS = (1, 7, 64, 333, 2048)  # a decode step to a chunk batch, odd counts among them
+
+
+def _fp8_case(k: int, n: int, bias: bool):
+    """A bf16 weight (N, K) at the 3B model's scale quantized, and a bias; activations with a few
+    outlier channels, as transformer activations have (they set their rows' scales)."""
+    from common.engine.fp8 import quantize_weight
+
+    gen = torch.Generator(device="cuda").manual_seed(k + n)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    b = (torch.randn(n, device="cuda", generator=gen) * 0.1).to(torch.bfloat16) if bias else None
+
+    def activations(m: int) -> torch.Tensor:
+        x = torch.randn(m, k, device="cuda", generator=gen)
+        x[:, :8] *= 20
+        return x.to(torch.bfloat16)
+
+    return w, quantize_weight(w), b, activations
+
+
+def _assert_fp8_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, qw, b) -> None:
+    """`got` against the emulation the CPU oracles run (tests/test_fp8.py), from the same fp8
+    values. Both sum exact products of those values in fp32 (in another order; even were Hopper's
+    tensor cores to keep only about 14 bits inside a block, as DeepSeek-V3 reports of its FP8 GEMMs
+    without promotion, that is some 1e-4 of these sums, estimated), scale and add the bias, then
+    round to bf16: half a bf16 ulp each, so one ulp apart, 2^-7 of the value at most. Allowed: 2^-7
+    of the value plus 2^-7 of the largest output (an ulp there, for the summation's part). A wrong
+    scale axis, a transposed operand or a lost bias is off by tens of percent. The emulation itself
+    is farther than the allowance from the unquantized product (3.8-6.6 times it on a CPU, these
+    sides), so the comparison is not vacuous."""
+    import torch.nn.functional as F
+
+    from common.engine.fp8 import emulated_mm, quantize_rows
+
+    xq, x_scale = quantize_rows(x)
+    want = emulated_mm(xq, x_scale, qw, b).to(torch.bfloat16).float()
+    allowance = 2**-7 * want.abs().max().item()
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=allowance)
+    exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+    assert (want - exact).abs().max().item() > 2 * allowance
+
+
+@pytest.mark.parametrize(("k", "n", "bias"), QWEN_3B_PRODUCTS, ids=[f"{k}x{n}" for k, n, _ in QWEN_3B_PRODUCTS])
+def test_fp8_scaled_mm_equals_the_emulation_at_the_3b_models_sides(k, n, bias):
+    """`torch._scaled_mm` (row-wise scales, bias in its epilogue, bf16 out) as `fp8_linear` calls
+    it, at every dense product of the 3B model, against the emulation (see _assert_fp8_product)."""
+    from common.engine.fp8 import fp8_linear
+
+    w, qw, b, activations = _fp8_case(k, n, bias)
+    assert qw.native, "sides of multiples of 16 on a Hopper GPU: through _scaled_mm"
+    for m in FP8_TOKENS:
+        x = activations(m)
+        _assert_fp8_product(fp8_linear(x, qw, b), x, w, qw, b)
+
+
+def test_fp8_products_compiled_equal_the_emulation():
+    """As the engine runs them on a GPU: compiled (the activations' quantization fused by
+    inductor, `_scaled_mm` an extern call), the token count dynamic. And a weight `_scaled_mm`
+    cannot take (a side not a multiple of 16) goes through the emulation itself."""
+    from common.engine.fp8 import emulated_mm, fp8_linear, quantize_rows, quantize_weight
+    from common.engine.lm import tokens_vary
+
+    compiled = torch.compile(fp8_linear)
+    for k, n, bias in (QWEN_3B_PRODUCTS[0], QWEN_3B_PRODUCTS[3]):
+        w, qw, b, activations = _fp8_case(k, n, bias)
+        for m in FP8_TOKENS:
+            x = activations(m)
+            tokens_vary(x)
+            _assert_fp8_product(compiled(x, qw, b), x, w, qw, b)
+    odd = quantize_weight(torch.randn(40, 90, device="cuda").to(torch.bfloat16))
+    assert not odd.native
+    x = torch.randn(5, 90, device="cuda").to(torch.bfloat16)
+    assert torch.equal(fp8_linear(x, odd), emulated_mm(*quantize_rows(x), odd, None).to(torch.bfloat16))
+
+
+def test_fp8_streamed_answers_are_one_shot_inference_with_the_same_quantization(rt):
+    """tiny-random in bf16 with FP8 products (every one through `_scaled_mm`, compiled, question
+    steps from CUDA graphs) against transformers' one-shot forward with the same quantization.
+    Not within 1e-4 as on a CPU in fp32 (tests/test_fp8.py): where the engine and transformers
+    round a value a bf16 ulp apart, it lands on the other side of an fp8 rounding boundary about
+    once in 30 (3 mantissa bits to 7), so in bf16 the two differ by a fraction of what the
+    quantization itself moves. The oracle here: over 6 windows, the streamed first-token logits
+    are nearer the same quantization's one-shot logits than bf16's, by a clear margin: their mean
+    |difference| under 0.75 of that to bf16's (0.30-0.57 for 10 sets of 3 windows on a CPU in bf16,
+    2026-11-28; not yet run on a GPU). An engine that left its products in bf16 would be nearer
+    bf16's (a ratio above 1), one that quantized otherwise (per tensor, other scales) about as far
+    from both (near 1)."""
+    from common.engine.answer import ask
+    from common.engine.grid import Grid
+    from common.engine.model import load_model
+    from common.engine.offline import offline_answer
+    from common.engine.params import GenerationParams
+    from common.engine.runtime import Runtime
+    from tests.engine_helpers import QUESTION, make_frames, stream
+
+    fp8 = Runtime(load_model("tiny-random", device="cuda", dtype="bfloat16", gemm_dtype="fp8"), pool_tokens=1 << 16)
+    assert all(w.native for lw in fp8.lm.weights for w in (lw.qkv, lw.o, lw.gate_up, lw.down))
+    grid, fps, near, far = Grid(56, 56), 2.0, 0.0, 0.0
+    for seed in range(6):
+        frames = make_frames(8, grid, seed=100 + seed)
+        version = stream(fp8, frames, grid, fps, 4).head
+        streamed = ask(fp8, version, QUESTION, GenerationParams(max_tokens=4), keep_logits=True).first_logits
+        same = offline_answer(fp8, frames, grid, fps, QUESTION, max_tokens=1).first_logits
+        bf16 = offline_answer(rt, frames, grid, fps, QUESTION, max_tokens=1).first_logits
+        near += (streamed.float().cpu() - same).abs().mean().item()
+        far += (streamed.float().cpu() - bf16).abs().mean().item()
+    assert near < 0.75 * far, f"mean |streamed - one-shot fp8| {near / 6:.4f}, to bf16's {far / 6:.4f}"

@@ -40,6 +40,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from common.engine.fp8 import Weight, cat_rows, linear, row_slice, set_weight, warn_emulated, weight_of
 from common.engine.interleave import between_layers
 from common.engine.model import LoadedModel
 from common.engine.pool import KVPool, Region
@@ -288,6 +289,7 @@ class LanguageModel:
         self.decode_kernel, self.decode_combine = _decode_kernels(self.head_dim) if self.flash else (None, None)
         with torch.no_grad():
             self.weights = [_LayerWeights.of(layer) for layer in self.layers]
+        warn_emulated("language model", [x for w in self.weights for x in (w.qkv, w.o, w.gate_up, w.down)], self.device)
         self.eps = self.norm.variance_epsilon
         self._attention_input, self._output_and_mlp = _attention_input, _output_and_mlp
         self._merge, self._merge_stacked = _merge, _merge_stacked
@@ -776,15 +778,16 @@ FUSE = True  # torch.compile the elementwise chains of a layer on GPUs (off: the
 class _LayerWeights:
     """One decoder layer's weights as the fused forward takes them: q, k and v as one matrix and
     gate and up as another (one product each instead of three and two). The modules' own
-    weights become views of these, so nothing is stored twice."""
+    weights become views of these, so nothing is stored twice. With `gemm_dtype: fp8` the
+    products' weights are FP8Weights (fp8.py): their rows keep their scales when fused."""
 
     norm1: torch.Tensor
-    qkv: torch.Tensor
+    qkv: Weight
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: Weight
     norm2: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Weight
+    down: Weight
 
     @classmethod
     def of(cls, layer) -> _LayerWeights:
@@ -798,15 +801,15 @@ class _LayerWeights:
             layer.input_layernorm.weight,
             qkv,
             qkv_bias,
-            attn.o_proj.weight,
+            weight_of(attn.o_proj),
             layer.post_attention_layernorm.weight,
             gate_up,
-            mlp.down_proj.weight,
+            weight_of(mlp.down_proj),
         )
 
 
-def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    weight = torch.cat([lin.weight for lin in linears])
+def _fuse_linears(linears: list[torch.nn.Module]) -> tuple[Weight, torch.Tensor | None]:
+    weight = cat_rows([weight_of(lin) for lin in linears])
     biases = [lin.bias for lin in linears]
     bias = torch.cat(biases) if all(b is not None for b in biases) else None
     if bias is None and any(b is not None for b in biases):
@@ -814,7 +817,7 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
     row = 0
     for lin in linears:
         n = lin.out_features
-        lin.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
+        set_weight(lin, row_slice(weight, row, row + n))
         if bias is not None:
             lin.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
         row += n
@@ -826,7 +829,7 @@ def _attention_input(h, qkv_w, qkv_b, cos, sin, n_heads: int, n_kv_heads: int):
     them out (k rotated): written with one indexed copy, where k and v apart took four kernels."""
     n = h.shape[0]
     head_dim = cos.shape[-1]
-    q, k, v = F.linear(h, qkv_w, qkv_b).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
+    q, k, v = linear(h, qkv_w, qkv_b).split([n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim], -1)
     cos, sin = cos[:, None], sin[:, None]
     q = apply_rope(q.view(n, n_heads, head_dim), cos, sin)
     k = apply_rope(k.view(n, n_kv_heads, head_dim), cos, sin)
@@ -838,7 +841,7 @@ def _output_and_mlp(x, attended, o_w, norm2, gate_up_w, down_w, next_norm, eps: 
     The residual products are taken over a batch of one (3-D): compiled, `x + linear(2-D)` became
     an addmm, which copies x into its output before the product (two device copies a layer, a
     kernel each in every decode step); so the add fuses into the norm that reads x next."""
-    x = x + F.linear(attended.reshape(1, x.shape[0], -1), o_w)[0]
-    gate, up = F.linear(_rms_norm_weight(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
-    x = x + F.linear((F.silu(gate) * up)[None], down_w)[0]
+    x = x + linear(attended.reshape(1, x.shape[0], -1), o_w)[0]
+    gate, up = linear(_rms_norm_weight(x, norm2, eps), gate_up_w).chunk(2, dim=-1)
+    x = x + linear((F.silu(gate) * up)[None], down_w)[0]
     return x, _rms_norm_weight(x, next_norm, eps)

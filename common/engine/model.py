@@ -19,6 +19,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
+from common.engine.fp8 import GEMM_DTYPES, quantize_model
 from common.engine.names import DEFAULT_MODEL, RANDOM_MODELS
 from common.engine.positions import TemporalStep
 
@@ -64,6 +65,7 @@ class LoadedModel:
     ids: SpecialIds
     device: torch.device
     dtype: torch.dtype
+    gemm_dtype: str = "bf16"  # "fp8": the dense layers' products in FP8 (fp8.py)
 
     @property
     def text_config(self):
@@ -186,9 +188,18 @@ def pick_device(device: str | None = None) -> torch.device:
 
 
 def load_model(
-    name: str = DEFAULT_MODEL, *, device: str | None = None, dtype: str | None = None, seed: int = 0
+    name: str = DEFAULT_MODEL,
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    seed: int = 0,
+    gemm_dtype: str = "bf16",
 ) -> LoadedModel:
-    """`tiny-random`, `random-3b`, a hub id or a local directory. bf16 on GPU, fp32 on CPU."""
+    """`tiny-random`, `random-3b`, a hub id or a local directory. bf16 on GPU, fp32 on CPU.
+    `gemm_dtype` "fp8": the dense layers' weights quantized to FP8 (fp8.py), for the engine and
+    for transformers' own forward alike; "bf16": as loaded (the model's dtype)."""
+    if gemm_dtype not in GEMM_DTYPES:
+        raise ValueError(f"gemm_dtype {gemm_dtype!r}: one of {', '.join(GEMM_DTYPES)}")
     dev = pick_device(device)
     torch_dtype = getattr(torch, dtype) if dtype else (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     if name in RANDOM_MODELS:
@@ -204,7 +215,9 @@ def load_model(
         model = model.to(dev)
         tokenizer = AutoTokenizer.from_pretrained(name)
     model.eval()
-    return LoadedModel(model, tokenizer, name, _special_ids(tokenizer), dev, torch_dtype)
+    if gemm_dtype == "fp8":
+        quantize_model(model)
+    return LoadedModel(model, tokenizer, name, _special_ids(tokenizer), dev, torch_dtype, gemm_dtype)
 
 
 def _special_ids(tokenizer: PreTrainedTokenizerFast) -> SpecialIds:

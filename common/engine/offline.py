@@ -4,7 +4,8 @@ Everything here goes through transformers' own forward (its vision placement, it
 its DynamicCache), with one exception: positions come from the reference formula
 (positions.py), because transformers >= 5.3 computes video positions differently from the
 Qwen2.5-VL release. The decode loop is plain greedy/explicit-position so it does not depend
-on generate()'s position inference either.
+on generate()'s position inference either. With `gemm_dtype: fp8` the model's dense layers are
+FP8Linear modules (fp8.py), quantized as the engine's products are: the oracle of that mode too.
 """
 
 from __future__ import annotations

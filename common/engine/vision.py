@@ -16,7 +16,8 @@ Everything that depends on a grid (window permutation, rotary angles, run length
 computed once per grid and cached, so the layer loop never waits on the host. The weights
 are transformers' own modules; only the MLP gets a copy, with gate and up fused into one
 matmul and its 3420 width zero-padded to a multiple of 128 (exact: padded units are
-silu(0) * 0 = 0 and meet zero columns of the down projection).
+silu(0) * 0 = 0 and meet zero columns of the down projection; quantized to FP8, the zeros stay
+zeros and no row's scale changes, fp8.py).
 
 With `graphs` (the services' `gpu_vision_graphs`, on by default there; off for a bare
 `Runtime`), a batch composition (its chunks' grids, in grid order whatever order they came in)
@@ -41,6 +42,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from common.engine.fp8 import Weight, cat_rows, linear, pad, warn_emulated, weight_of
 from common.engine.grid import FrameError
 from common.engine.interleave import between_layers, interleaved
 from common.engine.lm import _rms_norm, tokens_vary
@@ -135,20 +137,20 @@ class _Block:
     heads: int
     norm1: torch.nn.Module
     norm2: torch.nn.Module
-    qkv: torch.nn.Linear
-    proj: torch.nn.Linear
-    gate_up_weight: torch.Tensor  # (2 * padded, hidden): gate rows, then up rows
+    qkv: torch.nn.Module  # an nn.Linear, or an FP8Linear (fp8.py)
+    proj: torch.nn.Module
+    gate_up_weight: Weight  # (2 * padded, hidden): gate rows, then up rows
     gate_up_bias: torch.Tensor
-    down_weight: torch.Tensor  # (hidden, padded)
+    down_weight: Weight  # (hidden, padded)
     down_bias: torch.Tensor
 
 
-def _padded_mlp(mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _padded_mlp(mlp: torch.nn.Module) -> tuple[Weight, torch.Tensor, Weight, torch.Tensor]:
     width = mlp.gate_proj.out_features
     extra = -width % MLP_ALIGN
-    gate_up_w = torch.cat([F.pad(mlp.gate_proj.weight, (0, 0, 0, extra)), F.pad(mlp.up_proj.weight, (0, 0, 0, extra))])
+    gate_up_w = cat_rows([pad(weight_of(mlp.gate_proj), rows=extra), pad(weight_of(mlp.up_proj), rows=extra)])
     gate_up_b = torch.cat([F.pad(mlp.gate_proj.bias, (0, extra)), F.pad(mlp.up_proj.bias, (0, extra))])
-    return gate_up_w, gate_up_b, F.pad(mlp.down_proj.weight, (0, extra)), mlp.down_proj.bias
+    return gate_up_w, gate_up_b, pad(weight_of(mlp.down_proj), cols=extra), mlp.down_proj.bias
 
 
 class VisionTower:
@@ -183,6 +185,10 @@ class VisionTower:
                 _Block(self.heads, b.norm1, b.norm2, b.attn.qkv, b.attn.proj, *_padded_mlp(b.mlp))
                 for b in visual.blocks
             ]
+        quantized = [
+            w for b in self.blocks for w in (weight_of(b.qkv), weight_of(b.proj), b.gate_up_weight, b.down_weight)
+        ]
+        warn_emulated("vision tower", quantized, self.device)
         self.patch_dim = self.patch_weight.shape[1]
         self.varlen = (
             self.device.type == "cuda"
@@ -396,15 +402,15 @@ def _launch_nothing() -> None:
 
 def _attention_input(block: _Block, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """Norm, qkv projection and rotary: (tokens, hidden) -> q, k, v (tokens, heads, head_dim)."""
-    qkv = F.linear(_rms_norm(block.norm1, x), block.qkv.weight, block.qkv.bias).view(x.shape[0], 3, block.heads, -1)
+    qkv = linear(_rms_norm(block.norm1, x), weight_of(block.qkv), block.qkv.bias).view(x.shape[0], 3, block.heads, -1)
     q, k = _rotate(qkv[:, :2], cos, sin).unbind(1)
     return q, k, qkv[:, 2]
 
 
 def _output_and_mlp(block: _Block, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
     x = x + block.proj(attended.reshape(x.shape))
-    gate, up = F.linear(_rms_norm(block.norm2, x), block.gate_up_weight, block.gate_up_bias).chunk(2, dim=-1)
-    return x + F.linear(F.silu(gate, inplace=True).mul_(up), block.down_weight, block.down_bias)
+    gate, up = linear(_rms_norm(block.norm2, x), block.gate_up_weight, block.gate_up_bias).chunk(2, dim=-1)
+    return x + linear(F.silu(gate, inplace=True).mul_(up), block.down_weight, block.down_bias)
 
 
 def _rotate(qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
