@@ -124,7 +124,8 @@ class Restorer:
     def load(self, store: SegmentStore, stream: str, segments: list[str], chunks: list[str]) -> Loaded:
         """`segments` of `stream`, and the kept embeddings of `chunks` (those missing or unreadable
         are left out: evictions re-encode until they are gone), in a slot the caller releases.
-        SegmentStoreError when a segment cannot be read back whole (the slot is then released)."""
+        SegmentStoreError when a segment cannot be read back whole, or what a read raised (a Redis
+        store's outage): the slot is then released."""
         slot = self._slots.get()
         t0 = time.perf_counter()
         slot.reuse()
@@ -135,16 +136,16 @@ class Restorer:
             for sid, job in jobs.items():
                 kv[sid] = job.result()
                 fault_point("persist.mid_restore")
+            embeds = {}
+            for chunk, job in embeds_jobs.items():  # anything but a bad record (a Redis outage) fails the head
+                with contextlib.suppress(SegmentStoreError):
+                    embeds[chunk] = job.result()
         except BaseException:
             for job in [*jobs.values(), *embeds_jobs.values()]:
                 job.cancel()
             futures.wait([*jobs.values(), *embeds_jobs.values()])  # none still writes into the slot
             self._slots.put(slot)
             raise
-        embeds = {}
-        for chunk, job in embeds_jobs.items():
-            with contextlib.suppress(SegmentStoreError):
-                embeds[chunk] = job.result()
         return Loaded(
             kv=kv,
             embeds=embeds,

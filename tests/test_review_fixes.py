@@ -1,0 +1,37 @@
+"""Defects found reviewing the changes since 8d01a1e (2026-11-28), each with the test that failed
+before its fix."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+import torch
+
+from common.segment_store import MemoryStore, embeds_id
+from encoder_worker.restore import Restorer
+
+
+class _EmbedsAway(MemoryStore):
+    """A store (Redis, say) whose reads of kept embeddings fail as an outage fails them."""
+
+    def get(self, stream: str, segment_id: str, *args, **kwargs) -> torch.Tensor:
+        if segment_id.endswith(embeds_id("")):
+            raise redis.ConnectionError("Redis went away mid-restore")
+        return super().get(stream, segment_id, *args, **kwargs)
+
+
+def test_restorer_slot_comes_back_when_reading_embeddings_fails():
+    """An outage while a head's kept embeddings are read fails the restore, and its slot goes back
+    to the restorer: lost, every later restore of the worker waited for a slot forever."""
+    store = _EmbedsAway()
+    store.put("cam", "c1", torch.ones(2, 2, 1, 4, 8))
+    store.put("cam", embeds_id("c1"), torch.ones(4, 8))
+    restorer = Restorer(torch.device("cpu"), threads=2, slots=1, slot_bytes=1 << 16)
+    try:
+        with pytest.raises(redis.ConnectionError):
+            restorer.load(store, "cam", ["c1"], ["c1"])
+        assert restorer._slots.qsize() == 1, "the slot is back"
+        loaded = restorer.load(MemoryStore(), "cam", [], [])  # and the next restore gets it
+        loaded.release()
+    finally:
+        restorer.close()
