@@ -21,9 +21,8 @@ def main(argv: list[str]) -> int:
     cfg = boot.stream_capacity(cfg, rt, history_tokens(cfg, rt))
     frames = boot.frames_redis(cfg, r)
     encoder = EncoderService(cfg, rt, r, open_store(cfg.segment_store, r), frames)
-    live = None if cfg.max_streams is None else rt.live_tokens(cfg.max_streams, cfg.max_cache_tokens)
     # the encoder is QA's version source; its decoder processes decode the logged frames too
-    service = QAService(cfg, rt, r, encoder, frames, decoder=encoder.decoder, live_tokens=live)
+    service = QAService(cfg, rt, r, encoder, frames, decoder=encoder.decoder, live_tokens=live_tokens(cfg, rt))
     return redisio.exit_code(lambda: service.run(boot.stop_on_signals()))
 
 
@@ -33,3 +32,11 @@ def history_tokens(cfg: WorkerConfig, rt: Runtime) -> int:
     if cfg.framelog_dir is None:
         return 0
     return cfg.history_max_concurrent * rt.in_pages(cfg.history_max_tokens)
+
+
+def live_tokens(cfg: WorkerConfig, rt: Runtime) -> int | None:
+    """The KV pool tokens the worker's live streams are guaranteed (what history caches stay out
+    of); None when they have no bound: no `max_streams`, or no `max_cache_tokens` budget."""
+    if cfg.max_streams is None or cfg.max_cache_tokens is None:
+        return None
+    return rt.live_tokens(cfg.max_streams, cfg.max_cache_tokens)

@@ -35,3 +35,20 @@ def test_restorer_slot_comes_back_when_reading_embeddings_fails():
         loaded.release()
     finally:
         restorer.close()
+
+
+def test_a_worker_without_a_cache_budget_starts_with_max_streams_set():
+    """`max_cache_tokens: none` (no eviction budget) with `max_streams` set is a valid worker
+    configuration: the live streams then have no bound for the history caches to stay out of.
+    Before, `streamvqa worker` computed their tokens from the missing budget and died at start
+    with a TypeError."""
+    from apps.worker import live_tokens
+    from apps.worker_config import WorkerConfig
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime
+
+    rt = Runtime(load_model("tiny-random"))
+    base = dict(streams=("c1",), consumer="a", framelog_dir="/frames")
+    assert live_tokens(WorkerConfig(**base, max_cache_tokens=None, max_streams=2), rt) is None
+    assert live_tokens(WorkerConfig(**base, max_cache_tokens=4096, max_streams=None), rt) is None
+    assert live_tokens(WorkerConfig(**base, max_cache_tokens=4096, max_streams=2), rt) == rt.live_tokens(2, 4096)
