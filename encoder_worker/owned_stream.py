@@ -435,6 +435,9 @@ def open_stream(
         return _recover(new_life(), state.cache if state else None, str(e)[:200])
     if state is None or loaded is None:
         return _started(new_life())
+    if (foreign := _foreign(rt, state.cache, loaded.kv)) is not None:  # laid out, it would kill or corrupt
+        loaded.release()
+        return _recover(new_life(), state.cache, foreign)
     t0 = time.perf_counter()
     device = rt.loaded.device
     try:  # the loop copies each segment to the device as it lays it out
@@ -462,6 +465,18 @@ def open_stream(
         **owned.opened,
     )
     return owned
+
+
+def _foreign(rt: Runtime, cache: CacheState, kv: dict[str, torch.Tensor]) -> str | None:
+    """Why a head's K/V, read back whole, is not this model's (the model was changed over a kept
+    store: other layers, heads or sizes), or None. Laid out in the cache, such K/V raised in the GPU
+    loop's copy, out of the stream's task and the worker, or was broadcast into place (a size 1)."""
+    pool = rt.pool
+    for p in cache.placements:
+        want = (pool.layers, 2, pool.kv_heads, p.segment.tokens, pool.head_dim)
+        if (got := tuple(kv[p.segment.id].shape)) != want:
+            return f"segment {p.segment.id} is {got}, this model's K/V {want}: another model's cache"
+    return None
 
 
 def _kept_manifests(r: redis.Redis, name: str, keep: int) -> list[Manifest]:

@@ -52,3 +52,44 @@ def test_a_worker_without_a_cache_budget_starts_with_max_streams_set():
     assert live_tokens(WorkerConfig(**base, max_cache_tokens=None, max_streams=2), rt) is None
     assert live_tokens(WorkerConfig(**base, max_cache_tokens=4096, max_streams=None), rt) is None
     assert live_tokens(WorkerConfig(**base, max_cache_tokens=4096, max_streams=2), rt) == rt.live_tokens(2, 4096)
+
+
+@pytest.fixture(scope="module")
+def rt():
+    from common.engine.model import load_model
+    from common.engine.runtime import Runtime
+
+    return Runtime(load_model("tiny-random"))
+
+
+@pytest.mark.parametrize("foreign", ["more_layers", "one_layer"])
+def test_a_head_of_another_models_shapes_restarts_its_stream_and_the_worker_lives(rt, redis_url, tmp_path, foreign):
+    """A head whose segments are valid records of another model's K/V (the model was changed over
+    a kept segment store) is not restorable: the stream starts over (`cache_restarted`, or rebuilt
+    from the frames log where there is one), as for a damaged store. Before, the GPU loop's copy of
+    other layers raised out of the stream's open task and killed the worker, at every start (a
+    crash loop, which docs/DESIGN.md says cannot happen); a layer count of 1 was broadcast into
+    every layer without an error: a wrong cache, answered from."""
+    from common.segment_store import DirectoryStore
+    from common.wire import keys
+    from tests.test_persistence import encoded, events, head, push, run_until, service, stop
+
+    r = redis.Redis.from_url(redis_url)
+    store = DirectoryStore(tmp_path)
+    svc = service(rt, r, redis_url, store, ("cam",))
+    push(r, "cam", range(6))
+    run_until(svc, lambda: encoded(r, "cam", 5), "6 frames")
+    stop(svc, r)
+    sid = head(r, "cam").segment_ids[-1]
+    kv = store.get("cam", sid)
+    store.put("cam", sid, torch.cat([kv, kv]) if foreign == "more_layers" else kv[:1].clone())
+
+    again = service(rt, r, redis_url, store, ("cam",))
+    run_until(again, lambda: "cam" in again.owned, "the stream owned")  # raised here before
+    (restarted,) = events(r, "cam", b"cache_restarted")
+    assert b"another model" in restarted[b"reason"]
+    assert head(r, "cam").last_frame_seq == -1, "started over: an empty cache, not a wrong one"
+    push(r, "cam", range(6, 8))
+    run_until(again, lambda: encoded(r, "cam", 7), "the stream goes on")
+    assert r.exists(keys.head("cam"))
+    stop(again, r)
