@@ -8,6 +8,7 @@ import redis
 import torch
 
 from common.segment_store import MemoryStore, embeds_id
+from common.wire import keys
 from encoder_worker.restore import Restorer
 
 
@@ -71,7 +72,6 @@ def test_a_head_of_another_models_shapes_restarts_its_stream_and_the_worker_live
     crash loop, which docs/DESIGN.md says cannot happen); a layer count of 1 was broadcast into
     every layer without an error: a wrong cache, answered from."""
     from common.segment_store import DirectoryStore
-    from common.wire import keys
     from tests.test_persistence import encoded, events, head, push, run_until, service, stop
 
     r = redis.Redis.from_url(redis_url)
@@ -93,3 +93,32 @@ def test_a_head_of_another_models_shapes_restarts_its_stream_and_the_worker_live
     run_until(again, lambda: encoded(r, "cam", 7), "the stream goes on")
     assert r.exists(keys.head("cam"))
     stop(again, r)
+
+
+def test_the_client_role_runs_the_documented_cli_commands(tmp_path):
+    """README: clients on the host run `streamvqa ask --redis-url redis://client:...`. The CLI
+    first checks that the stream exists (the API's check: EXISTS on its meta and head, and its
+    transcript for `transcript`), which the `client` user was not allowed: every ask, transcript
+    and `search --stream` under it exited 3, "redis failed", before asking anything."""
+    from qa_worker import client as client_cli
+    from qa_worker import search_cli
+    from tests.conftest import RedisServer
+    from tests.test_acl import ACL, as_role
+
+    server = RedisServer(tmp_path, args=("--aclfile", str(ACL)))
+    server.start()
+    try:
+        url = f"redis://client:change-me-client@127.0.0.1:{server.port}/0"
+        for argv in (
+            ["ask", "--redis-url", url, "--stream", "nocam", "what?"],
+            ["transcript", "--redis-url", url, "--stream", "nocam"],
+            ["search", "--redis-url", url, "--stream", "nocam", "a red van"],
+        ):
+            main = search_cli.main if argv[0] == "search" else client_cli.main
+            with pytest.raises(SystemExit) as exited:
+                main(argv)
+            assert exited.value.code == 2, f"{argv[0]}: refused as an unknown stream, not a Redis failure"
+        as_role(server, "ingest").hset(keys.meta("cam1"), mapping={"fps": 2, "height": 56, "width": 56})
+        assert client_cli.Client(as_role(server, "client")).known("cam1")
+    finally:
+        server.stop()
