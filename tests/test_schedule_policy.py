@@ -8,9 +8,9 @@ share, more (up to the cap) once a chunk is past its deadline, and questions alw
 from __future__ import annotations
 
 import itertools
-import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import pytest
 
@@ -23,6 +23,20 @@ DECODE_S = 0.004  # per decode step
 IDLE_S = 0.25  # a question timed to its parts waits this long between steps, and inside an encode step
 
 
+class GpuTime:
+    """What the stand-in work spends: real sleeps, or, while ``now`` is set, a clock the scheduler
+    reads, moved by exactly the time each step stands for (`shares`)."""
+
+    now: float | None = None
+
+    @classmethod
+    def spend(cls, seconds: float) -> None:
+        if cls.now is None:
+            time.sleep(seconds)
+        else:
+            cls.now += seconds
+
+
 class Busy(BatchWork):
     def __init__(self, lane: str, order: list[str]):
         super().__init__()
@@ -30,7 +44,7 @@ class Busy(BatchWork):
 
     @classmethod
     def run_batch(cls, batch: Sequence[BatchWork]) -> None:
-        time.sleep(ENCODE_S)
+        GpuTime.spend(ENCODE_S)
         for work in batch:
             assert isinstance(work, Busy)
             work.order.append(work.lane)
@@ -38,44 +52,44 @@ class Busy(BatchWork):
 
 
 class Endless(StepWork):
-    """A question that asks for the GPU at every step until told to stop."""
-
-    stop = threading.Event()
+    """A question that asks for the GPU at every step, never done."""
 
     @classmethod
     def step_batch(cls, batch: Sequence[StepWork]) -> None:
-        time.sleep(DECODE_S)
-        if cls.stop.is_set():
-            for work in batch:
-                work.future.set_result(None)
+        GpuTime.spend(DECODE_S)
 
 
 def shares(policy: SchedulePolicy, seconds: float = 1.5, camera_behind_s: float | None = None) -> dict[str, float]:
-    """GPU time by step kind while a question and a deep backlog of chunks compete: queued in the
-    scheduler, or (`camera_behind_s`) held back by a camera's thread that submits one chunk at a
-    time, as the encoder worker's do, each chunk's last frame captured that long before."""
+    """GPU time by step kind while a question and a deep backlog of chunks compete for ``seconds``
+    of GPU time: queued in the scheduler, or (`camera_behind_s`) held back by a camera that hands
+    over one chunk at a time, as the encoder worker's threads do, each chunk's last frame captured
+    that long before.
+
+    The loop is stepped here, on a clock the work moves: the shares are the policy's. With real
+    sleeps in a loop thread, a loaded machine woke each step late by about as much, a decode step's
+    4 ms grew as much as an encode step's 10 ms, and the share of encode steps due at every step
+    fell under its bound (0.64 of 0.65, beside two busy loops); a camera's thread slow to hand over
+    its next chunk left steps with none to encode."""
     spent: dict[str, float] = {"encode": 0.0, "decode": 0.0, "task": 0.0}
-    scheduler = Scheduler(policy, on_step=lambda kind, s, _: spent.__setitem__(kind, spent[kind] + s)).start()
-    Endless.stop.clear()
+    GpuTime.now = 0.0
+    scheduler = Scheduler(
+        policy, on_step=lambda kind, s, _: spent.__setitem__(kind, spent[kind] + s), clock=lambda: GpuTime.now
+    )
     order: list[str] = []
-
-    def camera() -> None:
-        while not Endless.stop.is_set():
-            chunk = Busy("cam", order)
-            chunk.waiting_since = time.monotonic() - (camera_behind_s or 0.0)
-            scheduler.submit(chunk).result(timeout=10)
-
     try:
-        question = scheduler.submit(Endless())
+        scheduler.submit(Endless())
         if camera_behind_s is None:
             for _ in range(int(seconds / ENCODE_S) + 50):  # more than can run: the backlog never empties
                 scheduler.submit(Busy("cam", order))
-        else:
-            threading.Thread(target=camera, daemon=True).start()
-        time.sleep(seconds)
-        Endless.stop.set()
-        question.result(timeout=10)
+        handed: Future | None = None
+        while GpuTime.now < seconds:
+            if camera_behind_s is not None and (handed is None or handed.done()):  # the camera's next chunk
+                chunk = Busy("cam", order)
+                chunk.waiting_since = GpuTime.now - camera_behind_s
+                handed = scheduler.submit(chunk)
+            scheduler.step()
     finally:
+        GpuTime.now = None
         scheduler.stop()
     total = spent["encode"] + spent["decode"]
     return {kind: s / total for kind, s in spent.items()}
