@@ -123,7 +123,9 @@ QUEUE_WAIT_SECONDS = Histogram(
     **_R,
 )
 QUESTIONS_QUEUED = Gauge(
-    "svqa_qa_questions_queued", "Questions this worker has taken that wait for the GPU (cameras first)", **_R
+    "svqa_qa_questions_queued",
+    "Questions this worker has taken that wait for the GPU (cameras first) or for a turn at a history cache",
+    **_R,
 )
 FIRST_TOKEN_SECONDS = Histogram(
     "svqa_qa_first_token_seconds", "Question start to first answer token", buckets=_LATENCY_BUCKETS, **_R
