@@ -135,23 +135,25 @@ class EncoderService:
         keeper = threading.Thread(target=self._renew_until, args=(done,), name="leases", daemon=True)
         keeper.start()
         try:
-            both = [self.r] if self.frames is self.r else [self.r, self.frames]  # either may be the one away
-            redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
-        finally:
-            self._settle(STOP_WAIT_S)
-            self.writer.close()
+            try:
+                both = [self.r] if self.frames is self.r else [self.r, self.frames]  # either may be the one away
+                redisio.run_riding_out(both, self.step, stop, self.cfg.redis_grace_s, on_back=self.after_outage)
+            finally:
+                self._settle(STOP_WAIT_S)
+                self.writer.close()
+                self.restorer.close()
+                done.set()
+                keeper.join()
+            # Streams are released only once the questions taken here are answered: the next owner
+            # would otherwise take them over while they are still being answered.
+            deadline = time.monotonic() + STOP_WAIT_S
+            for name in list(self.owned):
+                while self._questions_taken(name) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                self._release(name)
+            self.placement.leave()
+        finally:  # after those questions: in a worker, QA decodes logged frames in these processes too
             self.decoder.close()
-            self.restorer.close()
-            done.set()
-            keeper.join()
-        # Streams are released only once the questions taken here are answered: the next owner
-        # would otherwise take them over while they are still being answered.
-        deadline = time.monotonic() + STOP_WAIT_S
-        for name in list(self.owned):
-            while self._questions_taken(name) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self._release(name)
-        self.placement.leave()
 
     def step(self) -> None:
         """Read the streams whose tasks are done and start a task for each stream that got entries.

@@ -122,3 +122,31 @@ def test_the_client_role_runs_the_documented_cli_commands(tmp_path):
         assert client_cli.Client(as_role(server, "client")).known("cam1")
     finally:
         server.stop()
+
+
+def test_a_stopping_encoder_keeps_its_decoder_for_the_questions_it_waits_for(rt, redis_url):
+    """At a clean stop the encoder waits (STOP_WAIT_S) for the questions taken here before it
+    releases its streams; in `streamvqa worker` those questions decode logged frames (questions
+    about the past) in the encoder's decoder processes. The decoder was closed before that wait:
+    such a question failed (its decodes cancelled), or spawned a pool nobody shut down."""
+    import threading
+
+    from encoder_worker.config import EncoderConfig
+    from encoder_worker.service import EncoderService
+
+    cfg = EncoderConfig(redis_url=redis_url, streams=("cam",), consumer="enc", block_ms=50)
+    svc = EncoderService(cfg, rt, redis.Redis.from_url(redis_url), MemoryStore())
+    seen: list[bool] = []
+
+    def questions_taken(name: str) -> bool:
+        seen.append(svc.decoder._pool is not None)
+        return len(seen) == 1  # one question still being answered at the first look
+
+    svc.step = lambda: None  # nothing to read: the stop is what is tested
+    svc._questions_taken = questions_taken
+    svc.owned["cam"] = object()  # a stream held, its question being answered
+    stop = threading.Event()
+    stop.set()
+    svc.run(stop)
+    assert seen == [True, True], "the decoder serves the questions waited for"
+    assert svc.decoder._pool is None, "and is closed once they are answered"
