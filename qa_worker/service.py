@@ -129,7 +129,7 @@ class QAService:
         self.slots = threading.BoundedSemaphore(cfg.max_in_flight)
         self.in_flight: set[tuple[str, str]] = set()  # (queue, entry id) being answered: never twice at once
         self._in_flight_lock = threading.Lock()
-        self._last_claim = self._last_published = 0.0
+        self._last_claim = self._last_published = self._last_kept_alive = 0.0
         self._publish_refused = False  # said once
         self._last_prune = time.monotonic()
         self.versions_failed: BaseException | None = None
@@ -192,6 +192,7 @@ class QAService:
             self._publish_refused = True
 
     def _keep_in_flight_alive(self) -> None:
+        self._last_kept_alive = time.monotonic()
         with self._in_flight_lock:
             by_queue: dict[str, list[str]] = {}
             for queue, entry_id in self.in_flight:
@@ -236,6 +237,8 @@ class QAService:
                 self.in_flight.add(entry[:2])
             while not self.slots.acquire(timeout=PUBLISH_EVERY_S):  # every slot taken: the API still learns so
                 self._publish_admission()
+                if time.monotonic() - self._last_kept_alive > self.cfg.claim_idle_ms / 2000:
+                    self._keep_in_flight_alive()  # and the questions taken are not claimed from us meanwhile
             self.questions_pool.submit(self._answer_beside_others, entry)
 
     def _route(self, shared: list[redisio.Entry]) -> None:

@@ -3,6 +3,8 @@ before its fix."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import redis
 import torch
@@ -150,3 +152,50 @@ def test_a_stopping_encoder_keeps_its_decoder_for_the_questions_it_waits_for(rt,
     svc.run(stop)
     assert seen == [True, True], "the decoder serves the questions waited for"
     assert svc.decoder._pool is None, "and is closed once they are answered"
+
+
+class _FullSlots:
+    """Every question slot taken for `waits` acquire timeouts, then one frees."""
+
+    def __init__(self, waits: int) -> None:
+        self.waits = waits
+
+    def acquire(self, timeout: float | None = None) -> bool:
+        self.waits -= 1
+        return self.waits < 0
+
+    def release(self, n: int = 1) -> None:
+        pass
+
+
+def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, redis_url):
+    """With every slot taken (max_in_flight questions answered or waiting for the GPU), the main
+    loop waits in `_dispatch` for one to free, and only there: it no longer reached the step that
+    keeps the questions in flight fresh, so one in flight longer than `claim_idle_ms` looked
+    abandoned and was claimed (answered twice by a peer, a delivery counted each time)."""
+    from common import redisio
+    from common.wire.search_request import checked_search, encode_search
+    from qa_worker.config import QAConfig
+    from qa_worker.service import QAService
+
+    class NoVersions:
+        exclusive = False
+        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda *_: []), (lambda _: None)
+
+    r = redis.Redis.from_url(redis_url)
+    cfg = QAConfig(redis_url=redis_url, streams=("cam",), consumer="qa1", block_ms=50, claim_idle_ms=1000)
+    svc = QAService(cfg, rt, r, NoVersions())
+    queue = keys.questions("cam")
+    redisio.ensure_group(r, queue, keys.QA_GROUP)
+    r.xadd(queue, {"id": "slow"})
+    ((_, [(slow, _)]),) = r.xreadgroup(keys.QA_GROUP, "qa1", {queue: ">"})
+    svc.in_flight.add((queue, slow.decode()))  # being answered, slowly
+    time.sleep(0.5)  # idle since its delivery
+    svc.slots = _FullSlots(waits=1)
+    redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
+    fields = {k.encode(): v.encode() for k, v in encode_search(checked_search("red van")).items()}
+    search = (keys.QUESTIONS, r.xadd(keys.QUESTIONS, fields).decode(), fields)
+    svc._dispatch([search])  # waits for a slot once, then hands the search on
+    (entry,) = r.xpending_range(queue, keys.QA_GROUP, "-", "+", 10)
+    svc.questions_pool.shutdown(wait=True)
+    assert entry["time_since_delivered"] < 500, "kept alive while the dispatch waited"
