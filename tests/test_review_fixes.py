@@ -199,3 +199,27 @@ def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, 
     (entry,) = r.xpending_range(queue, keys.QA_GROUP, "-", "+", 10)
     svc.questions_pool.shutdown(wait=True)
     assert entry["time_since_delivered"] < 500, "kept alive while the dispatch waited"
+
+
+@pytest.mark.parametrize("field, value", [("t", 5), ("t", None), ("seqs", None), ("seqs", 7)])
+def test_a_malformed_features_entry_is_refused_not_a_recorder_crash(tmp_path, redis_url, field, value):
+    """A features entry whose `t` or `seqs` is not a list raised TypeError out of `decode_features`
+    (its contract: SchemaError naming the field), past `Indexes.add`, which refuses SchemaError
+    only, and out of the recorder's step: the recorder died, and again at every start on the same
+    pending entry, so no camera's frames were logged any more."""
+    import msgpack
+
+    from common.framelog import FrameLog
+    from common.wire.feature_record import decode_features
+    from common.wire.schemas import SCHEMA_VERSION, SchemaError
+    from recorder.index import Indexes
+
+    m = {"v": SCHEMA_VERSION, "t": [0.0, 1.0], "seqs": [0, 3], "frames": 4, "model": "m", "layers": [1]}
+    m |= {"vec": b"\x00\x3c", field: value}
+    fields = {b"m": msgpack.packb(m, use_bin_type=True)}
+    with pytest.raises(SchemaError, match=field):
+        decode_features(fields)
+    r = redis.Redis.from_url(redis_url)
+    indexes = Indexes(r, r, FrameLog(str(tmp_path)), ["cam"])
+    indexes.add("cam", "1-0", fields)  # refused, acked with the next save
+    assert indexes.unacked["cam"] == ["1-0"] and indexes.index_of("cam") is None

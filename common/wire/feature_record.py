@@ -78,9 +78,9 @@ def decode_features(fields: Mapping[Any, Any]) -> ChunkFeatures:
     layers = m.get("layers")
     if not isinstance(layers, list):
         raise SchemaError("layers", "expected a list")
-    return ChunkFeatures(
-        capture_range=tuple(m.get("t", ())),  # type: ignore[arg-type]  (checked in __post_init__)
-        frame_seqs=tuple(m.get("seqs", ())),  # type: ignore[arg-type]
+    return ChunkFeatures(  # the rest is checked in __post_init__
+        capture_range=_pair("t", m.get("t"), _float),
+        frame_seqs=_pair("seqs", m.get("seqs"), lambda n, v: _int(n, v, 0)),
         frames=m.get("frames"),  # type: ignore[arg-type]
         model=m.get("model"),  # type: ignore[arg-type]
         layers=tuple(layers),
