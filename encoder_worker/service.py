@@ -109,6 +109,7 @@ class EncoderService:
         self._last_lease_check = self._last_free_check = 0.0
         self._free: set[str] = set()  # streams nobody held at the last look (`_free_streams`)
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
+        self._free_wait_ms = min(cfg.block_ms, int(FREE_CHECK_S * 1000))  # a read's longest wait
         self._last_prune = time.monotonic()
 
     # -- a version source for QA in the same process (qa_worker.service.VersionSource) -----------
@@ -169,12 +170,14 @@ class EncoderService:
         idle = {keys.frames(n) for n in self.owned if n not in self.tasks}
         if idle or not self.tasks:
             by_stream: dict[str, list[redisio.Entry]] = {}
-            for entry in self.reader.read(idle, BUSY_BLOCK_MS if self.tasks else None):
+            # never longer than FREE_CHECK_S: a worker whose streams are quiet (or that has none)
+            # still looks for a dead worker's streams that often
+            for entry in self.reader.read(idle, BUSY_BLOCK_MS if self.tasks else self._free_wait_ms):
                 by_stream.setdefault(keys.stream_of(entry[0]), []).append(entry)
             for name, entries in by_stream.items():
                 self.tasks[name] = self.streams_pool.submit(self._process, entries)
         else:
-            futures.wait(self.tasks.values(), self.cfg.block_ms / 1000, futures.FIRST_COMPLETED)
+            futures.wait(self.tasks.values(), self._free_wait_ms / 1000, futures.FIRST_COMPLETED)
         self._keep_leases_if_due()
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()

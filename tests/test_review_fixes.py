@@ -223,3 +223,24 @@ def test_a_malformed_features_entry_is_refused_not_a_recorder_crash(tmp_path, re
     indexes = Indexes(r, r, FrameLog(str(tmp_path)), ["cam"])
     indexes.add("cam", "1-0", fields)  # refused, acked with the next save
     assert indexes.unacked["cam"] == ["1-0"] and indexes.index_of("cam") is None
+
+
+def test_a_quiet_encoder_looks_for_free_streams_every_free_check_s(rt, redis_url):
+    """A dead worker's streams are taken within `lease_ms` + FREE_CHECK_S (README, `lease_ms`), by
+    a worker that looks for free streams between its reads. One with no stream (or only quiet
+    ones) waited `block_ms` (1 s by default) in each read, 5 times FREE_CHECK_S."""
+    from encoder_worker.config import EncoderConfig
+    from encoder_worker.service import FREE_CHECK_S, EncoderService
+
+    cfg = EncoderConfig(redis_url=redis_url, streams=("cam",), consumer="enc", block_ms=1000)
+    svc = EncoderService(cfg, rt, redis.Redis.from_url(redis_url), MemoryStore())
+    waits: list[int | None] = []
+    svc.reader.read = lambda streams=None, block_ms=None: waits.append(block_ms) or []
+    svc.leases["cam"].acquire = lambda: False  # another worker holds it: nothing to open
+    try:
+        svc.step()
+    finally:
+        svc.writer.close()
+        svc.decoder.close()
+        svc.restorer.close()
+    assert waits and all(w is not None and w <= FREE_CHECK_S * 1000 for w in waits), waits
