@@ -318,6 +318,14 @@ class EncoderService:
         except LeaseLost:  # opening outlasted the lease and another worker took the stream
             log.warning("lease lost while opening the stream; another worker holds it", stream=name)
             return None
+        except redisio.OUTAGE_ERRORS:
+            raise  # ridden out by the main loop, which checks every lease after it
+        except Exception as e:  # that stream's alone (docs/DESIGN.md "Damage stays with its stream")
+            # re-raised by _collect, it ended the worker and all its streams, then every worker
+            # that took the stream next. Its lease, no longer renewed, runs out: tried again then.
+            log.exception("stream not opened; tried again once its lease runs out", stream=name)
+            event(self.r, name, "open_failed", error=f"{type(e).__name__}: {e}"[:200])
+            return None
         # Frames another consumer read but never acked belong to a dead or departed owner: take
         # them over before reading on, so nothing is skipped and the file source is not held back.
         claim = time.perf_counter()

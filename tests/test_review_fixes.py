@@ -244,3 +244,36 @@ def test_a_quiet_encoder_looks_for_free_streams_every_free_check_s(rt, redis_url
         svc.decoder.close()
         svc.restorer.close()
     assert waits and all(w is not None and w <= FREE_CHECK_S * 1000 for w in waits), waits
+
+
+def test_a_stream_that_fails_to_open_fails_alone(rt, redis_url, monkeypatch):
+    """Anything a stream's open task raises but an outage (a restore the GPU loop refused, say) is
+    that stream's: an `open_failed` event, its lease left to run out (then tried again), the worker
+    and its other streams go on. Before, `_collect` re-raised it in the main loop: the worker
+    exited, and so did every worker that took the stream next."""
+    from encoder_worker import service as encoder_service
+    from encoder_worker.config import EncoderConfig
+    from tests.test_persistence import events, run_until, stop
+
+    real = encoder_service.open_stream
+
+    def open_stream(rt, r, writer, cfg, name, *args):
+        if name == "bad":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(rt, r, writer, cfg, name, *args)
+
+    monkeypatch.setattr(encoder_service, "open_stream", open_stream)
+    r = redis.Redis.from_url(redis_url)
+    for cam in ("bad", "good"):
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = EncoderConfig(redis_url=redis_url, streams=("bad", "good"), consumer="enc", chunk_frames=2, block_ms=50)
+    svc = encoder_service.EncoderService(cfg, rt, r, MemoryStore())
+
+    def done() -> bool:  # the bad one's task collected too
+        return "good" in svc.owned and bool(events(r, "bad", b"open_failed")) and "bad" not in svc.tasks
+
+    run_until(svc, done, "good open, bad refused")
+    (failed,) = events(r, "bad", b"open_failed")
+    assert b"illegal memory access" in failed[b"error"]
+    assert "bad" not in svc.held(), "its lease is no longer renewed: it runs out, and the stream is tried again"
+    stop(svc, r)
