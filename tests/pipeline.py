@@ -129,3 +129,9 @@ def reading_questions(r: redis.Redis) -> bool:
         return any(int(g["consumers"]) > 0 for g in r.xinfo_groups(keys.QUESTIONS))
     except redis.ResponseError:  # no queue yet
         return False
+
+
+def audited(r: redis.Redis) -> list[str]:
+    """The question ids on the audit stream `svqa:answers`, in order (a final's audit copy is
+    written after the final itself: wait for it, not for the final)."""
+    return [f[b"id"].decode() for _, f in r.xrange(keys.ANSWERS)]

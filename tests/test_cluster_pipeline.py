@@ -20,7 +20,7 @@ from common import redisio
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, decode_answer, new_question_id
 from tests.conftest import RedisClusterServers
-from tests.pipeline import Services, chunk_frames_in_history, head, wait_for
+from tests.pipeline import Services, audited, chunk_frames_in_history, head, wait_for
 
 # 22 s of live video: a worker's start, its kill and another's takeover fit well inside it on a
 # loaded machine (at 14 s, a busy 2-core machine once saw every frame encoded before the move)
@@ -87,7 +87,8 @@ def test_pipeline_on_a_cluster_survives_a_kill9_and_a_slot_moving(redis_cluster,
         assert seq_before_move < FRAMES - 1, "the slot moved while frames were still being encoded"
         assert chunk_frames_in_history(r, CAM) == list(range(FRAMES)), "a frame lost or encoded twice"
         wait_for(lambda: all(finals(r, q) for q in qids), 120, "every question answered", services)
-        audit = [decode_answer(f).id for _, f in r.xrange(keys.ANSWERS)]
+        wait_for(lambda: set(qids) <= set(audited(r)), 60, "every final's audit copy (written after it)", services)
+        audit = audited(r)
         for q in qids:
             (final,) = finals(r, q)
             assert final.error is None and audit.count(q) == 1, (final, audit.count(q))

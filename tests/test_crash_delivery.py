@@ -17,7 +17,7 @@ from common.wire import keys
 from common.wire.schemas import FinalAnswer, decode_answer
 from qa_worker.client import Client
 from tests.crashing import POISON
-from tests.pipeline import Services, wait_for
+from tests.pipeline import Services, audited, wait_for
 from tests.test_robust import CAM, drain, encoder, frame
 
 # max_deliveries: one worker that dies answering a question alone is enough to refuse it. Before
@@ -77,8 +77,8 @@ def test_kill9s_with_questions_flowing_refuse_only_the_question_that_kills(rt, r
             wait_for(lambda q=qid: finals(r, q), 120, f"an answer to {qid}", services)
         assert not refused(), f"{len(refused())} of {len(asked)} valid questions refused: {refused()}"
         assert all(len(finals(r, qid)) == 1 for qid in asked), "exactly one final each"
-        audit = [f[b"id"].decode() for _, f in r.xrange(keys.ANSWERS)]
-        assert sorted(audit) == sorted([*asked, poison]), "one audit copy each"
+        wait_for(lambda: {*asked, poison} <= set(audited(r)), 60, "every audit copy", services)
+        assert sorted(audited(r)) == sorted([*asked, poison]), "one audit copy each"
         (verdict,) = finals(r, poison)
         assert verdict.error == "question not answered: under way alone in 1 worker(s) that died (limit 1)"
     finally:

@@ -53,6 +53,8 @@ def test_frames_live_only_on_the_frames_redis_and_questions_are_answered(two_red
         final = Client(rd).ask(CAM, "What is on the screen?", max_tokens=4, timeout_s=120)
         assert final.error is None and final.tokens > 0, final
         assert worker.poll() is None, services.logs()
+        # the audit copy is written after the final the client read (answering.py `_finish`)
+        wait_for(lambda: rd.exists(keys.ANSWERS), 60, "the final's audit copy", services)
 
         on_frames, on_durable = all_keys(rf), all_keys(rd)
         # frames, the picture, and the chunks' search vectors (bounded, for the recorder's index)
