@@ -34,6 +34,11 @@ GRAPH_NAME, META_NAME = "chunks.usearch", "chunks.meta"
 META_VERSION = 2  # 2: rows hold the frame count
 ROW = np.dtype([("key", "<u8"), ("t0", "<f8"), ("t1", "<f8"), ("s0", "<i8"), ("s1", "<i8"), ("n", "<i8")])
 EXACT_MAX = 4096  # a time filter leaving at most this many chunks is searched exactly, all of them
+# The score of a chunk or question whose vector is all zeros: such a vector has no direction, so
+# its cosine with anything is 0 / 0 (NaN, which sorts anywhere and is not JSON, so the search's
+# final failed to encode). It resembles nothing, so it ranks last: the lowest cosine there is.
+# Kept rather than left out so a search always answers over the same chunks of its span.
+NO_DIRECTION = -1.0
 
 
 @dataclass(frozen=True)
@@ -175,20 +180,37 @@ class ChunkIndex:
         if not len(inside) or k < 1:
             return []
         query = vector.astype(np.float32)
+        if not np.linalg.norm(query):  # no direction: every chunk scores NO_DIRECTION, as exactly
+            return [self._match(int(key), NO_DIRECTION) for key in inside[:k]]
         if len(inside) <= EXACT_MAX:
             keys = inside
             vectors = np.atleast_2d(np.asarray(self.graph.get(keys, dtype=np.float32), dtype=np.float32))
-            scores = vectors @ query / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(query))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                scores = vectors @ query / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(query))
+            scores = np.nan_to_num(scores, nan=NO_DIRECTION)  # a zero chunk vector: 0 / 0
             order = np.argsort(-scores, kind="stable")[:k]
             return [self._match(int(keys[i]), float(scores[i])) for i in order]
         wanted, count = set(inside.tolist()), 4 * k
         while True:
             found = self.graph.search(query, min(count, len(self.graph)))
             hits = [(int(key), 1.0 - float(d)) for key, d in zip(found.keys, found.distances, strict=True)]
-            hits = [(key, score) for key, score in hits if key in wanted]
+            hits = self._no_direction_last([(key, score) for key, score in hits if key in wanted])
             if len(hits) >= k or count >= len(self.graph):
                 return [self._match(key, score) for key, score in hits[:k]]
             count *= 4
+
+    def _no_direction_last(self, hits: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """The graph's hits with its zero vectors scored NO_DIRECTION, as the exact search scores
+        them (the graph gives a zero vector cosine distance 1, a score of 0, above every chunk of
+        negative cosine), moved behind the others (sorted, stable: the graph's order otherwise)."""
+        if not hits:
+            return hits
+        vectors = np.atleast_2d(np.asarray(self.graph.get(np.array([key for key, _ in hits], dtype=np.uint64))))
+        zero = ~np.linalg.norm(vectors.astype(np.float32), axis=1).astype(bool)
+        if not zero.any():
+            return hits
+        scored = [(key, NO_DIRECTION if z else score) for (key, score), z in zip(hits, zero.tolist(), strict=True)]
+        return sorted(scored, key=lambda hit: -hit[1])
 
     def _match(self, key: int, score: float) -> Match:
         return Match(*self.rows[key], score)

@@ -276,3 +276,32 @@ def test_a_search_uses_the_index_it_holds_while_a_newer_save_is_opened_beside_it
         time.sleep(0.05)
     assert held is not first and rows(held) == [(0, 3), (4, 7)]
     assert held.search(vs[1], 1)[0].first_seq == 4
+
+
+def test_a_zero_vector_scores_lowest_and_the_search_still_answers(tmp_path, monkeypatch):
+    """A chunk or question vector of all zeros has no direction: its cosine was 0 / 0, a NaN that
+    sorted anywhere and made the search's final fail to encode (JSON has no NaN). It scores
+    NO_DIRECTION (-1), last, exactly and through the graph alike."""
+    from common import chunkindex
+    from common.wire.schemas import FinalAnswer, SearchHit, decode_final, encode_final
+
+    vs = vectors(20, seed=4)
+    vs[:, :32] = -vs[:, :32]
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    for i, v in enumerate(vs):
+        index.add(planted(4 * i, v))
+    index.add(planted(4 * 20, np.zeros(64, np.float16)))
+    question = np.ones(64, np.float32)
+
+    def searched(q: np.ndarray) -> list[chunkindex.Match]:
+        found = index.search(q, 21)
+        hits = tuple(SearchHit.chunk(CAM, m.start, m.end, m.score, m.first_seq, m.last_seq, m.frames) for m in found)
+        assert decode_final(encode_final(FinalAnswer(id="q", stream=CAM, text="", hits=hits))).hits == hits
+        return found
+
+    for exact_max in (chunkindex.EXACT_MAX, 0):
+        monkeypatch.setattr(chunkindex, "EXACT_MAX", exact_max)
+        found = searched(question)
+        assert len(found) == 21 and found[-1].first_seq == 80 and found[-1].score == chunkindex.NO_DIRECTION
+        assert min(m.score for m in found[:-1]) < 0, "chunks of negative cosine rank above the zero one"
+        assert [m.score for m in searched(np.zeros(64, np.float32))] == [chunkindex.NO_DIRECTION] * 21
