@@ -148,14 +148,19 @@ async def chat(body: ChatRequest, request: Request):
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        param = final.param if final.param in ("since", "until", "scope") else "messages"
-        raise errors.ApiError(422, final.error, param=param)
+        raise errors.ApiError(422, final.error, param=_param(final))
     message = {"role": "assistant", "content": final.text}
     return _envelope(q, "chat.completion") | {
         "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],
         "usage": _usage(final),
         "streamvqa": replies.final_json(final, request),
     }
+
+
+def _param(final: FinalAnswer) -> str:
+    """The request field a refused question's final names, streamed or not: the chat fields the
+    worker checks itself, else the messages (the question)."""
+    return final.param if final.param in ("since", "until", "scope") else "messages"
 
 
 def _envelope(q: Question, kind: str) -> dict:
@@ -192,7 +197,7 @@ async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIter
                     yield replies.sse_data(_chunk(q, {"content": current[len(sent) :]}))
                     sent = current
             elif reply.error is not None:
-                yield replies.sse_data(errors.body(422, reply.error, "messages"))
+                yield replies.sse_data(errors.body(422, reply.error, _param(reply)))
             else:
                 extra = {"usage": _usage(reply), "streamvqa": replies.final_json(reply, request)}
                 yield replies.sse_data(_chunk(q, {}, _finish(q, reply)) | extra)

@@ -277,3 +277,53 @@ def test_a_stream_that_fails_to_open_fails_alone(rt, redis_url, monkeypatch):
     assert b"illegal memory access" in failed[b"error"]
     assert "bad" not in svc.held(), "its lease is no longer renewed: it runs out, and the stream is tried again"
     stop(svc, r)
+
+
+def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
+    """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
+    and so does its streamed error chunk (which named "messages" whatever the worker said)."""
+    import asyncio
+    import threading
+
+    import httpx
+
+    from api.app import create_app
+    from api.config import ApiConfig
+    from common.wire.schemas import FinalAnswer, encode_final
+    from tests.pipeline import wait_for
+    from tests.test_api import _parse_sse
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    params = ["until", "scope", None, "until", "scope", None]  # each refusal, not streamed then streamed
+
+    def worker() -> None:
+        for n, param in enumerate(params):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    async def ask() -> list[str | None]:
+        named = []
+        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            for stream in (False, True):
+                for _ in range(3):
+                    body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+                    response = await client.post("/v1/chat/completions", json=body)
+                    if stream:
+                        (error,) = [
+                            d["error"] for _, d in _parse_sse(response.text) if isinstance(d, dict) and "error" in d
+                        ]
+                    else:
+                        assert response.status_code == 422, response.text
+                        error = response.json()["error"]
+                    assert error["message"] == "refused", error
+                    named.append(error["param"])
+        return named
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    named = asyncio.run(ask())
+    thread.join(10)
+    assert named == ["until", "scope", "messages"] * 2
