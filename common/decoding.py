@@ -54,13 +54,10 @@ class FrameDecoder:
         """`schemas.frame_from_map`, its pixels decoded in a process; raises SchemaError."""
         return frame_from_map(m, self.limits, decode=self._in_a_process)
 
-    def decode_logged(self, records: Sequence[bytes]) -> list[FrameMsg]:
-        """`framelog.decode` of each frames-log record, side by side in the processes, in order;
-        raises what it raises (SchemaError, ValueError)."""
-        return self.submit_logged(records).result()
-
     def submit_logged(self, records: Sequence[bytes]) -> Pending:
-        """`decode_logged`, handed to the processes now and waited for by `result()`."""
+        """`framelog.decode` of each frames-log record, side by side in the processes, handed to
+        them now; `result()` gives the frames in order, or raises what `framelog.decode` raises
+        (SchemaError, ValueError)."""
         return Pending(self, framelog.decode, [(raw,) for raw in records], "frames log record")
 
     def close(self) -> None:
@@ -116,10 +113,6 @@ class Pending:
             if self._tries >= 2:
                 raise SchemaError("data", f"undecodable {self._what}: its decoder process died twice")
             self._submit()
-
-    def done(self) -> bool:
-        """Every call has finished in a process (or failed): `result()` would not wait for them."""
-        return self._futures is not None and all(f.done() for f in self._futures)
 
     def cancel(self) -> None:
         for future in self._futures or ():

@@ -373,17 +373,17 @@ def chunk(first: int) -> LoggedChunk:
 
 
 def test_logged_frames_decoded_in_the_decoders_processes_are_those_decoded_here(tmp_path, frames, decoder):
-    """Every codec on the wire: the frames `decode_logged` gives back equal `framelog.decode`'s in
+    """Every codec on the wire: the frames `submit_logged` gives back equal `framelog.decode`'s in
     this thread, pixel for pixel (the lossless ones the frames sent), in order; a record that does
     not decode raises as here."""
     for codec in FRAME_CODECS:
         records = [rec.raw for rec in FrameLog(write_log_dir(tmp_path, codec, frames)).between(CAM, T0, captured(7))]
-        here, there = [decode(raw) for raw in records], decoder.decode_logged(records)
+        here, there = [decode(raw) for raw in records], decoder.submit_logged(records).result()
         assert len(there) == 8 and there == here, codec
         if codec != "jpeg":  # lossless: the frames sent
             assert all(np.array_equal(m.rgb(), frames[m.seq]) for m in there), codec
     with pytest.raises(SchemaError):
-        decoder.decode_logged([records[0], b"not a frame"])
+        decoder.submit_logged([records[0], b"not a frame"]).result()
 
 
 def write_log_dir(tmp_path: Path, codec: str, frames: list[np.ndarray]) -> Path:
@@ -596,8 +596,7 @@ def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_u
 
     def appended(cache, frames_, capture_times, frame_seqs) -> None:
         if len(pending) == 2:  # the first append: the second piece decodes meanwhile
-            wait_for(pending[1].done, 30, "the second piece decoded while the first is appended")
-            events.append(("decoded", [m.seq for m in pending[1].result()]))
+            events.append(("decoded", [m.seq for m in pending[1].result()]))  # handed over already: waits for it
         append(cache, frames_, capture_times, frame_seqs)
         events.append(("appended", list(frame_seqs)))
 
