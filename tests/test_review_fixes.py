@@ -3,6 +3,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -283,7 +284,6 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
     """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
     and so does its streamed error chunk (which named "messages" whatever the worker said)."""
     import asyncio
-    import threading
 
     import httpx
 
@@ -327,3 +327,65 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
     named = asyncio.run(ask())
     thread.join(10)
     assert named == ["until", "scope", "messages"] * 2
+
+
+def _finishes(fn, timeout_s: float = 30.0) -> list:
+    """``fn()`` run in a thread: what it returned or raised, once it has, within ``timeout_s`` (a
+    thread still waiting then is the failure: its work would have waited forever)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"{fn} still waits {timeout_s} s on"
+    return out
+
+
+def test_work_given_to_a_stopped_scheduler_fails_instead_of_waiting_forever():
+    """`call` after `stop()` queued its task for a loop that had ended; `submit` looked at the
+    flag outside the lock, so work queued between that look and the loop's last sweep waited
+    forever. Both now fail with the scheduler's error; a submit racing with stop never hangs."""
+    from concurrent.futures import Future
+
+    from common.engine.scheduler import STOPPED, SchedulePolicy, Scheduler
+    from tests.test_schedule_policy import Busy
+
+    stopped = Scheduler(SchedulePolicy()).start()
+    stopped.stop()
+    (error,) = _finishes(lambda: stopped.call(lambda: "ran"))
+    assert isinstance(error, RuntimeError) and str(error) == STOPPED
+    late = stopped.submit(Busy("cam", []))
+    assert isinstance(late.exception(timeout=0), RuntimeError), "failed at once"
+
+    racing = Scheduler(SchedulePolicy())
+    submitter: list = []
+
+    class StopsAsSubmitLooks(threading.Event):
+        """The submitter's look at the flag: stop() runs to its end right after it (as far as the
+        lock lets it), the window in which the work used to be queued past the loop's last sweep."""
+
+        def is_set(self) -> bool:
+            seen = super().is_set()
+            if submitter and threading.current_thread() is submitter[0]:
+                submitter.clear()
+                stopping = threading.Thread(target=racing.stop, daemon=True)
+                stopping.start()
+                stopping.join(1.0)  # stop() waits for the lock while the submit holds it
+            return seen
+
+    racing._stop = StopsAsSubmitLooks()
+    racing.start()
+
+    def submit() -> Future:
+        submitter.append(threading.current_thread())
+        return racing.submit(Busy("cam", []))
+
+    (future,) = _finishes(submit)
+    error = future.exception(timeout=30)  # run or failed, done either way (a TimeoutError: it waited on)
+    assert error is None or str(error) == STOPPED, error

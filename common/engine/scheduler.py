@@ -85,6 +85,7 @@ if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy with
 
 log = structlog.get_logger()
 T = TypeVar("T")
+STOPPED = "the GPU scheduler stopped"  # the error of work given to a scheduler that stopped
 
 
 StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
@@ -232,24 +233,34 @@ class Scheduler:
         self._encoding = False  # inside an encode step (where idle time is counted)
 
     # -- the callers' side (any thread) ----------------------------------------------------
+    # Work is queued only while `_stop` is clear, looked at under the lock: the loop's last
+    # `_fail_everything` takes the lock after `_stop` is set, so it fails whatever was queued
+    # before, and nothing is queued after. (Looked at outside the lock, work queued between the
+    # look and that last sweep waited forever.)
     def submit(self, work: BatchWork | StepWork) -> Future[Any]:
-        if self._stop.is_set():
-            work.future.set_exception(RuntimeError("the GPU scheduler stopped"))
-            return work.future
         with self._lock:
-            if isinstance(work, BatchWork):
-                work.waiting_since = min(work.waiting_since, self.clock())
-                self._lanes.setdefault(work.lane, deque()).append(work)
-            else:
-                self._waiting.append(work)
-            self._lock.notify()
+            stopped = self._stop.is_set()
+            if not stopped:
+                self._queue(work)
+                self._lock.notify()
+        if stopped:  # failed outside the lock: its callbacks may submit again
+            work.future.set_exception(RuntimeError(STOPPED))
         return work.future
+
+    def _queue(self, work: BatchWork | StepWork) -> None:
+        if isinstance(work, BatchWork):
+            work.waiting_since = min(work.waiting_since, self.clock())
+            self._lanes.setdefault(work.lane, deque()).append(work)
+        else:
+            self._waiting.append(work)
 
     def call(self, fn: Callable[[], T]) -> T:
         if threading.current_thread() is self._thread:
             return fn()  # already on the GPU loop (work calling in)
         future: Future[T] = Future()
         with self._lock:
+            if self._stop.is_set():
+                raise RuntimeError(STOPPED)
             self._tasks.append((fn, future))
             self._lock.notify()
         return future.result()
@@ -265,6 +276,8 @@ class Scheduler:
             self._lock.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        else:  # never started: no loop to fail what was queued
+            self._fail_everything(RuntimeError(STOPPED))
 
     # -- the loop ----------------------------------------------------------------------------
     def _run(self) -> None:
@@ -288,7 +301,7 @@ class Scheduler:
             if self.on_fatal is None:
                 raise
             self.on_fatal(e)
-        self._fail_everything(RuntimeError("the GPU scheduler stopped"))
+        self._fail_everything(RuntimeError(STOPPED))
 
     @property
     def queued(self) -> int:
