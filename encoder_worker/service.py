@@ -259,11 +259,23 @@ class EncoderService:
             try:
                 held = self.held()
                 for name in held:
-                    self.leases[name].renew()
+                    self._renew_one(name)
                 self.placement.beat(held)  # and the heartbeat, for the same reason
                 health.READINESS.leases_checked(held, self.cfg.lease_ms / 1000)
             except redisio.OUTAGE_ERRORS:
                 continue  # the main loop rides the outage out and checks every lease after it
+            except Exception as e:  # the thread must live: dead, every lease lapsed and streams moved, unexplained
+                log.exception("lease renewal round failed; tried again at the next check", error=str(e)[:200])
+
+    def _renew_one(self, name: str) -> None:
+        """One lease renewed by the keeper; anything but an outage failing it is logged and this
+        stream's alone: the other streams' leases are still renewed."""
+        try:
+            self.leases[name].renew()
+        except redisio.OUTAGE_ERRORS:
+            raise
+        except Exception as e:
+            log.bind(stream=name).exception("lease renewal failed; tried again at the next check", error=str(e)[:200])
 
     def _renew_owned(self) -> None:
         self._last_lease_check = time.monotonic()

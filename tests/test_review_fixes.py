@@ -389,3 +389,55 @@ def test_work_given_to_a_stopped_scheduler_fails_instead_of_waiting_forever():
     (future,) = _finishes(submit)
     error = future.exception(timeout=30)  # run or failed, done either way (a TimeoutError: it waited on)
     assert error is None or str(error) == STOPPED, error
+
+
+def test_a_lease_renewal_that_raises_is_logged_and_the_others_are_still_renewed(rt, redis_url):
+    """The keeper thread renewing every held lease died on anything but an outage, silently:
+    after it every lease lapsed and the streams moved to other workers for no reason anyone could
+    see. A stream whose renewal raises once is logged (its stream named), and the keeper goes on
+    renewing it and the others."""
+    import structlog
+
+    from encoder_worker.config import EncoderConfig
+    from encoder_worker.service import EncoderService
+
+    cfg = EncoderConfig(redis_url=redis_url, streams=("bad", "good"), consumer="enc", block_ms=50)
+    svc = EncoderService(cfg, rt, redis.Redis.from_url(redis_url), MemoryStore())
+    svc._lease_check_s = 0.01
+    svc.held = lambda: ["bad", "good"]
+    renewed = {"bad": 0, "good": 0}
+    raised = threading.Event()
+
+    def renewing(name: str):
+        renew = svc.leases[name].renew
+
+        def counted() -> bool:
+            renewed[name] += 1
+            if name == "bad" and not raised.is_set():
+                raised.set()
+                raise redis.ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+            return renew()
+
+        return counted
+
+    for name in renewed:
+        svc.leases[name].acquire()
+        svc.leases[name].renew = renewing(name)
+    done = threading.Event()
+    keeper = threading.Thread(target=svc._renew_until, args=(done,), daemon=True)
+    try:
+        with structlog.testing.capture_logs() as said:
+            keeper.start()
+            deadline = time.monotonic() + 30
+            while min(renewed.values()) < 3 and keeper.is_alive() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert keeper.is_alive(), "the keeper died"
+            done.set()
+            keeper.join(10)
+    finally:
+        svc.writer.close()
+        svc.decoder.close()
+        svc.restorer.close()
+    assert min(renewed.values()) >= 3, ("renewed after the error, every stream", renewed)
+    (error,) = [e for e in said if e["log_level"] == "error"]
+    assert error["stream"] == "bad" and "WRONGTYPE" in error["error"], error
