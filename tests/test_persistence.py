@@ -161,6 +161,14 @@ def stop(svc: EncoderService, r: redis.Redis) -> None:
         r.delete(keys.lease(name))
 
 
+def encoded_then_stopped(rt: Runtime, r: redis.Redis, url: str, store: SegmentStore, frames: int) -> None:
+    """Camera "cam"'s first `frames` frames encoded into `store` by a service, which then stops."""
+    svc = service(rt, r, url, store, ("cam",))
+    push(r, "cam", range(frames))
+    run_until(svc, lambda: encoded(r, "cam", frames - 1), f"{frames} frames")
+    stop(svc, r)
+
+
 def events(r: redis.Redis, cam: str, kind: bytes) -> list[dict]:
     return [f for _, f in r.xrange(keys.events(cam)) if f[b"type"] == kind]
 
@@ -193,10 +201,7 @@ def test_a_damaged_segment_restarts_its_stream_alone(rt, redis_url, tmp_path):
 def test_a_wiped_store_restarts_every_stream_without_a_crash_loop(rt, redis_url, tmp_path):
     r = redis.Redis.from_url(redis_url)
     store = DirectoryStore(tmp_path / "segments")
-    svc = service(rt, r, redis_url, store, ("cam",))
-    push(r, "cam", range(4))
-    run_until(svc, lambda: encoded(r, "cam", 3), "4 frames")
-    stop(svc, r)
+    encoded_then_stopped(rt, r, redis_url, store, 4)
     subprocess.run(["rm", "-rf", str(tmp_path / "segments")], check=True)  # the host rebooted: tmpfs gone
     for _ in range(3):  # each start finds the same store: none exits
         again = service(rt, r, redis_url, store, ("cam",))
@@ -215,10 +220,7 @@ def test_a_head_read_into_a_restore_slot_is_bitwise_its_segments_and_damage_is_r
 
     r = redis.Redis.from_url(redis_url)
     store = DirectoryStore(tmp_path)
-    svc = service(rt, r, redis_url, store, ("cam",))
-    push(r, "cam", range(8))
-    run_until(svc, lambda: encoded(r, "cam", 7), "8 frames")
-    stop(svc, r)
+    encoded_then_stopped(rt, r, redis_url, store, 8)
     cache = from_manifest(head(r, "cam")).cache
     ids = [p.segment.id for p in cache.placements]
     stored = {sid: store.get("cam", sid) for sid in ids}

@@ -75,14 +75,11 @@ def test_a_head_of_another_models_shapes_restarts_its_stream_and_the_worker_live
     crash loop, which docs/DESIGN.md says cannot happen); a layer count of 1 was broadcast into
     every layer without an error: a wrong cache, answered from."""
     from common.segment_store import DirectoryStore
-    from tests.test_persistence import encoded, events, head, push, run_until, service, stop
+    from tests.test_persistence import encoded, encoded_then_stopped, events, head, push, run_until, service, stop
 
     r = redis.Redis.from_url(redis_url)
     store = DirectoryStore(tmp_path)
-    svc = service(rt, r, redis_url, store, ("cam",))
-    push(r, "cam", range(6))
-    run_until(svc, lambda: encoded(r, "cam", 5), "6 frames")
-    stop(svc, r)
+    encoded_then_stopped(rt, r, redis_url, store, 6)
     sid = head(r, "cam").segment_ids[-1]
     kv = store.get("cam", sid)
     store.put("cam", sid, torch.cat([kv, kv]) if foreign == "more_layers" else kv[:1].clone())
