@@ -26,6 +26,10 @@ from common.wire.admission import KEY_TTL_S, AdmissionEntry
 
 RATE_WINDOW_S = 30.0
 PUBLISH_EVERY_S = 1.0
+# The hash's TTL never lapses while one process writes it, so entries of processes gone (a name
+# each: host-pid) would pile up with every restart and hand-off; the living remove them this often.
+FORGET_EVERY_S = 60.0
+GONE_S = 60.0  # an entry not written for this long is a process gone (live ones write every second)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Admission:
         self._busy_s = 0.0  # time with questions open, since start
         self._since = clock()  # when _busy_s was last brought up to date
         self._answered: deque[float] = deque()  # _busy_s when each recent answer finished
+        self._forget_at = 0.0  # time.monotonic() when publish next removes entries of processes gone
 
     def take(self) -> Ticket:
         with self._lock:
@@ -114,8 +119,30 @@ class Admission:
         and those of `history`, its questions about the past waiting for a turn at a history cache."""
         turns = (history.queued, history.rate()) if history is not None else (0, None)
         entry = AdmissionEntry(self.queued, self.rate(), time.time(), *turns).to_json()
+        streams = list(streams)
         pipe = r.pipeline(transaction=False)
         for stream in streams:
             pipe.hset(keys.admission(stream), consumer, entry)
             pipe.expire(keys.admission(stream), KEY_TTL_S)
         pipe.execute()
+        if time.monotonic() >= self._forget_at:
+            self._forget_at = time.monotonic() + FORGET_EVERY_S
+            forget_gone(r, streams, time.time())
+
+
+def forget_gone(r: redis.Redis, streams: list[str], now: float) -> None:
+    """Remove from these streams' admission hashes the entries not written for GONE_S, or that do
+    not parse (the API does not read them either: common/wire/admission.py)."""
+    pipe = r.pipeline(transaction=False)
+    for stream, entries in zip(streams, _read_all(r, streams), strict=True):
+        gone = [f for f, raw in entries.items() if (e := AdmissionEntry.from_json(raw)) is None or now - e.at > GONE_S]
+        if gone:
+            pipe.hdel(keys.admission(stream), *gone)
+    pipe.execute()
+
+
+def _read_all(r: redis.Redis, streams: list[str]) -> list[dict]:
+    pipe = r.pipeline(transaction=False)
+    for stream in streams:
+        pipe.hgetall(keys.admission(stream))
+    return pipe.execute()

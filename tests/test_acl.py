@@ -17,6 +17,7 @@ from common.placement import Placement
 from common.wire import keys
 from common.wire.schemas import EndOfStream, encode_delta, encode_frame
 from encoder_worker.owned_stream import publish_fenced
+from qa_worker.admission import Admission
 from qa_worker.client import Client
 from qa_worker.routing import forward, requeue, take_over
 from tests.conftest import RedisServer
@@ -133,6 +134,9 @@ def qa_job(r: redis.Redis) -> None:
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
+    r.hset(keys.admission(CAM), "gone", "garbled")  # a process gone, forgotten when the queue is published
+    Admission().publish(r, "qa", [CAM])
+    assert list(r.hgetall(keys.admission(CAM))) == [b"qa"]
 
 
 def recorder_job(r: redis.Redis) -> None:

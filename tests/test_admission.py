@@ -32,7 +32,7 @@ from common.engine.work import InlineExecutor
 from common.wire import keys
 from common.wire.admission import AdmissionEntry, estimated_wait_s
 from common.wire.schemas import AnswerDelta, FinalAnswer, decode_answer, encode_delta, encode_final, encode_queued
-from qa_worker.admission import RATE_WINDOW_S, Admission
+from qa_worker.admission import GONE_S, RATE_WINDOW_S, Admission, forget_gone
 from qa_worker.answering import Answerer
 from tests.pipeline import wait_for
 from tests.test_api import _parse_sse
@@ -123,6 +123,23 @@ def test_a_question_about_the_past_adds_its_wait_for_a_turn_at_a_history_cache(r
     gpu.publish(r, "qa-1", [CAM], turns)
     entry = AdmissionEntry.from_json(r.hget(keys.admission(CAM), "qa-1"))
     assert entry is not None and (entry.queued, entry.history_queued, entry.history_rate) == (1, 2, None)
+
+
+def test_publishing_forgets_the_entries_of_processes_gone(redis_url):
+    """The hash's TTL never lapses while one process writes it: entries of processes gone (a
+    restart is a new name) are removed by the living, first at their first publish, and a fresh
+    entry of another process stays."""
+    r = redis.Redis.from_url(redis_url)
+    now = time.time()
+    key = keys.admission(CAM)
+    r.hset(key, "gone", AdmissionEntry(queued=1, rate=1.0, at=now - GONE_S - 5).to_json())
+    r.hset(key, "garbled", "not json")
+    r.hset(key, "peer", AdmissionEntry(queued=2, rate=1.0, at=now - 3).to_json())
+    Admission().publish(r, "qa-1", [CAM])
+    assert set(r.hkeys(key)) == {b"peer", b"qa-1"}
+    r.hset(key, "gone", AdmissionEntry(queued=1, rate=1.0, at=now - GONE_S - 5).to_json())
+    forget_gone(r, [CAM, "quiet"], time.time())  # a stream without a hash: nothing to remove
+    assert set(r.hkeys(key)) == {b"peer", b"qa-1"}
 
 
 @pytest.fixture(scope="module")
