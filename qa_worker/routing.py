@@ -10,6 +10,12 @@ Exactly once by question id: forwarding is `redisio.xadd_once` on the stream's h
 the question's marker `keys.once(queue, qid)`, NX with a TTL, and adds the entry only if it was new); the
 shared entry is acked after it. A forwarder that dies between the two leaves the shared entry
 pending, another one reclaims it, and the marker stops the second copy.
+
+Searches need no stream's owner, only the frames log and its indexes (qa_worker/searching.py): a
+process with the log answers a search it reads from `svqa:questions` itself; one without forwards
+it, exactly once the same way, to `svqa:searches`, which only processes with the log read, if one
+of them is alive (`searcher_alive`: Redis's own record of that group's consumers, no registry);
+else it replies with the error at once rather than leave the search waiting for nobody.
 """
 
 from __future__ import annotations
@@ -21,9 +27,15 @@ import redis
 
 from common import redisio
 from common.wire import keys
-from common.wire.schemas import SchemaError, parse_question
+from common.wire.schemas import SchemaError, parse_question, question_id_of
+from common.wire.search_request import is_search
 
 QUEUE_MAXLEN = 10_000  # per stream: questions waiting for an owner, or answered and not yet trimmed
+# A consumer of `svqa:searches` idle less than this is a live process with the frames log: its
+# reader blocks there block_ms (1 s by default) at a time and touches the consumer at every read;
+# the rest of its step (claims, a periodic job's turn) may delay the next read by a few seconds.
+# Longer would send searches to a process that died that long ago (left until another claims them).
+SEARCHER_IDLE_MS = 10_000
 
 # KEYS[1] a stream's queue. ARGV[1] group, ARGV[2] entry id, ARGV[3] consumer, ARGV[4] MAXLEN,
 # ARGV[5..] the entry's fields. Moves the entry to the end of the queue, undelivered, only if it is
@@ -48,10 +60,30 @@ def forward(
     The forwarded entry carries the question's id explicitly, and when it was asked (``asked``:
     its entry id in `svqa:questions`): its own entry id is a new one, of the forwarding.
     """
+    return _forward_to(r, keys.questions(stream), qid, fields, ttl_s, asked)
+
+
+def forward_search(r: redis.Redis, qid: str, fields: Mapping[Any, Any], ttl_s: int, asked: str | None = None) -> bool:
+    """Add the search to `svqa:searches` unless it was forwarded before; True if added now."""
+    return _forward_to(r, keys.SEARCHES, qid, fields, ttl_s, asked)
+
+
+def _forward_to(r: redis.Redis, queue: str, qid: str, fields: Mapping[Any, Any], ttl_s: int, asked: str | None) -> bool:
     entry = {k: v for k, v in fields.items() if k not in (b"id", "id", b"asked", "asked")}
     entry |= {b"id": qid.encode()} | ({b"asked": asked.encode()} if asked else {})
-    queue = keys.questions(stream)
     return redisio.xadd_once(r, queue, keys.once(queue, qid), entry, QUEUE_MAXLEN, ttl_s) is not None
+
+
+def searcher_alive(r: redis.Redis) -> bool:
+    """Whether a process with the frames log reads `svqa:searches` now (a consumer of its group
+    touched lately); False when nobody ever read it (no queue or no group)."""
+    try:
+        consumers = r.xinfo_consumers(keys.SEARCHES, keys.QA_GROUP)
+    except redis.ResponseError as e:
+        if "NOGROUP" in str(e) or "no such key" in str(e):
+            return False
+        raise
+    return any(int(c["idle"]) < SEARCHER_IDLE_MS for c in consumers)
 
 
 def requeue(r: redis.Redis, entry: redisio.Entry, consumer: str) -> bool:
@@ -76,7 +108,8 @@ def take_over(r: redis.Redis, queue: str, consumer: str) -> None:
 
 
 class Router:
-    """Handles `svqa:questions` entries: forward the valid ones, reply to the others."""
+    """Handles `svqa:questions` entries: forward the valid ones, reply to the others. Searches
+    reach it only in a process without the frames log (one with it answers them)."""
 
     def __init__(
         self,
@@ -109,6 +142,9 @@ class Router:
         )
 
     def _one(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
+        if is_search(fields):
+            self._search(queue, entry_id, fields, attempt)
+            return
         try:
             q = parse_question(fields)
         except SchemaError:
@@ -118,4 +154,13 @@ class Router:
             self.reply(queue, entry_id, fields, attempt)  # its error reply, acked
             return
         forward(self.r, q.stream, q.id, fields, self.marker_ttl_s, redisio.text(entry_id))
+        self.r.xack(queue, keys.QA_GROUP, entry_id)
+
+    def _search(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
+        """To a process with the frames log if one is alive; else its error reply now."""
+        qid = question_id_of(fields, entry_id)
+        if qid is None or not searcher_alive(self.r):
+            self.reply(queue, entry_id, fields, attempt)  # no id: a dead letter; no searcher: the error
+            return
+        forward_search(self.r, qid, fields, self.marker_ttl_s, redisio.text(entry_id))
         self.r.xack(queue, keys.QA_GROUP, entry_id)

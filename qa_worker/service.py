@@ -3,8 +3,9 @@
 Two threads: the mirror tails cache versions; the main loop reads `svqa:questions` and the queues
 of the streams it answers now (consumer group `qa`, own pending entries first after a restart),
 forwards each question of the shared queue to its stream's queue (`qa_worker.routing`), answers
-those of its streams' queues, reclaims questions of dead workers, and runs periodic jobs when
-they are due.
+those of its streams' queues and, with the frames log, searches (read from `svqa:questions` and
+`svqa:searches`; without it, it forwards them there), reclaims questions of dead workers, and
+runs periodic jobs when they are due.
 """
 
 from __future__ import annotations
@@ -118,8 +119,12 @@ class QAService:
             marker_ttl_s=cfg.reply_ttl_s,
             max_deliveries=cfg.max_deliveries,
         )
+        # With the frames log this process answers searches, its own and those forwarded by the
+        # processes without it (qa_worker/routing.py); without it, it forwards its own there.
+        self.searches_here = cfg.framelog_dir is not None
+        self.shared = [keys.QUESTIONS, keys.SEARCHES] if self.searches_here else [keys.QUESTIONS]
         self.reader = redisio.GroupReader(
-            r, [keys.QUESTIONS], keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
+            r, self.shared, keys.QA_GROUP, cfg.consumer, count=cfg.max_in_flight, block_ms=cfg.block_ms
         )
         self.queues: set[str] = set()  # the per-stream question queues the reader follows now
         # Questions are answered side by side, so the GPU scheduler batches their decode steps and
@@ -162,7 +167,7 @@ class QAService:
         if time.monotonic() - self._last_claim > self.cfg.claim_idle_ms / 2000:
             self._last_claim = time.monotonic()
             self._keep_in_flight_alive()
-            for queue in [keys.QUESTIONS, *sorted(self.queues)]:
+            for queue in [*self.shared, *sorted(self.queues)]:
                 stale = redisio.claim_stale(self.r, queue, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms)
                 self._dispatch(stale)
                 redisio.trim_consumed(self.r, queue, keys.QA_GROUP)
@@ -170,7 +175,7 @@ class QAService:
         self._publish_admission()
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:
             self._last_prune = time.monotonic()
-            for queue in [keys.QUESTIONS, *sorted(self.queues)]:
+            for queue in [*self.shared, *sorted(self.queues)]:
                 redisio.prune_consumers(self.r, queue, keys.QA_GROUP, self.cfg.consumer)
         self.jobs.run_due()  # questions first: a person is waiting on those
 
@@ -217,13 +222,12 @@ class QAService:
         """Route the shared queue's entries, answer those of the streams' queues. A suspect (an entry
         under way when a worker died: ``redisio.Attempts``) is handled alone, by this thread once
         every slot is free: should it kill this worker too, nothing else shares the blame."""
-        # a search needs no stream's owner (the indexes are on disk): whoever reads it answers it
-        self._route([e for e in entries if e[0] == keys.QUESTIONS and not is_search(e[2])])
+        self._route([e for e in entries if self._routed(e)])
         answering = set(self.versions.answering())
         for entry in entries:
-            if entry[0] == keys.QUESTIONS and not is_search(entry[2]):
+            if self._routed(entry):
                 continue
-            if entry[0] != keys.QUESTIONS and keys.stream_of(entry[0]) not in answering:
+            if entry[0] not in self.shared and keys.stream_of(entry[0]) not in answering:
                 requeue(self.r, entry, self.cfg.consumer)  # the stream moved on: its new owner answers
                 continue
             with self._in_flight_lock:
@@ -240,6 +244,12 @@ class QAService:
                 if time.monotonic() - self._last_kept_alive > self.cfg.claim_idle_ms / 2000:
                     self._keep_in_flight_alive()  # and the questions taken are not claimed from us meanwhile
             self.questions_pool.submit(self._answer_beside_others, entry)
+
+    def _routed(self, entry: redisio.Entry) -> bool:
+        """Whether the router handles ``entry``: a shared queue's question, or its search here
+        without the frames log (a search needs no stream's owner, only the indexes on disk: a
+        process with them answers it)."""
+        return entry[0] == keys.QUESTIONS and not (self.searches_here and is_search(entry[2]))
 
     def _route(self, shared: list[redisio.Entry]) -> None:
         suspects = [e for e in shared if self.router.attempts.suspect(*e[:2])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from common.wire.schemas import EndOfStream, encode_delta, encode_frame
 from encoder_worker.owned_stream import publish_fenced
 from qa_worker.admission import Admission
 from qa_worker.client import Client
-from qa_worker.routing import forward, requeue, take_over
+from qa_worker.routing import forward, forward_search, requeue, searcher_alive, take_over
 from tests.conftest import RedisServer
 from tests.pipeline import Services, head, wait_for
 from tests.test_schemas import _manifest
@@ -134,9 +135,29 @@ def qa_job(r: redis.Redis) -> None:
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
+    searches_job(r, attempts)
     r.hset(keys.admission(CAM), "gone", "garbled")  # a process gone, forgotten when the queue is published
     Admission().publish(r, "qa", [CAM])
     assert list(r.hgetall(keys.admission(CAM))) == [b"qa"]
+
+
+def searches_job(r: redis.Redis, attempts: redisio.Attempts) -> None:
+    """A search forwarded by a process without the frames log (after it looked for a live reader
+    of `svqa:searches`), and read, claimed, acked and trimmed there by one with the log."""
+    searcher_alive(r)
+    qid = uuid.uuid4().hex  # each role's run its own search
+    assert forward_search(r, qid, {"id": qid, "search": "a red van"}, ttl_s=60, asked="1-0")
+    searches = redisio.GroupReader(r, [keys.SEARCHES], keys.QA_GROUP, "qa", block_ms=50)
+    found = searches.read()
+    assert [f[b"id"] for _, _, f in found] == [qid.encode()] and searcher_alive(r)
+    redisio.claim_stale(r, keys.SEARCHES, keys.QA_GROUP, "qa", 60_000)
+    for entry in found:
+        attempts.suspect(*entry[:2])
+        attempts.begin(*entry[:2], alone=False)
+        attempts.end(*entry[:2])
+    r.xack(keys.SEARCHES, keys.QA_GROUP, *(eid for _, eid, _ in found))
+    redisio.trim_consumed(r, keys.SEARCHES, keys.QA_GROUP)
+    redisio.prune_consumers(r, keys.SEARCHES, keys.QA_GROUP, "qa")
 
 
 def recorder_job(r: redis.Redis) -> None:
@@ -198,6 +219,9 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: client.xrange(keys.QUESTIONS))  # others' questions
     assert denied(lambda: client.xadd(f"{keys.PREFIX}:{{{CAM}}}:questions", {"stream": CAM}))  # the workers' queue
     assert denied(lambda: ingest.xadd(f"{keys.PREFIX}:{{{CAM}}}:questions", {"stream": CAM}))
+    assert denied(lambda: client.xadd(keys.SEARCHES, {"search": "skips routing"}))
+    assert denied(lambda: api.xadd(keys.SEARCHES, {"search": "skips routing"}))
+    assert denied(lambda: encoder.xreadgroup(keys.QA_GROUP, "x", {keys.SEARCHES: ">"}))
     assert denied(lambda: client.xadd(keys.answer("q1"), {"type": "final", "id": "q1", "text": "forged"}))
     assert denied(lambda: client.get(keys.head(CAM)))
     assert denied(lambda: client.delete(keys.answer("q1")))

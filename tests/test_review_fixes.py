@@ -3,6 +3,7 @@ before its fix."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -166,7 +167,7 @@ class _FullSlots:
         pass
 
 
-def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, redis_url):
+def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, redis_url, tmp_path):
     """With every slot taken (max_in_flight questions answered or waiting for the GPU), the main
     loop waits in `_dispatch` for one to free, and only there: it no longer reached the step that
     keeps the questions in flight fresh, so one in flight longer than `claim_idle_ms` looked
@@ -182,6 +183,7 @@ def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, 
 
     r = redis.Redis.from_url(redis_url)
     cfg = QAConfig(redis_url=redis_url, streams=("cam",), consumer="qa1", block_ms=50, claim_idle_ms=1000)
+    cfg = dataclasses.replace(cfg, framelog_dir=str(tmp_path), decode_processes=1)  # it answers searches itself
     svc = QAService(cfg, rt, r, NoVersions())
     queue = keys.questions("cam")
     redisio.ensure_group(r, queue, keys.QA_GROUP)
@@ -196,6 +198,7 @@ def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, 
     svc._dispatch([search])  # waits for a slot once, then hands the search on
     (entry,) = r.xpending_range(queue, keys.QA_GROUP, "-", "+", 10)
     svc.questions_pool.shutdown(wait=True)
+    svc.decoder.close()
     assert entry["time_since_delivered"] < 500, "kept alive while the dispatch waited"
 
 

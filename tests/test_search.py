@@ -463,3 +463,104 @@ def test_a_moment_round_trips_on_the_wire_and_a_hit_without_its_fields_is_one_ch
     for bad in ({"chunks": 0}, {"best_start": "x"}, {"best": 1}):
         with pytest.raises(SchemaError):
             decode_final(wire | {"hits": json.dumps([old | bad])})
+
+
+@contextlib.contextmanager
+def qa_service(rt: Runtime, world: dict, consumer: str, framelog_dir: str | None) -> Iterator:
+    """A `streamvqa qa` process on the world's Redis, stepped by the test (no stream of its own)."""
+    from qa_worker.config import QAConfig
+    from qa_worker.service import QAService
+
+    class NoVersions:
+        exclusive = False
+        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda *_: []), (lambda _: None)
+
+    cfg = QAConfig(
+        redis_url=world["url"],
+        streams=CAMS,
+        consumer=consumer,
+        block_ms=50,
+        framelog_dir=framelog_dir,
+        decode_processes=1,
+    )
+    svc = QAService(cfg, rt, world["r"], NoVersions())
+    try:
+        yield svc
+    finally:
+        svc.questions_pool.shutdown(wait=True)
+        if svc.own_decoder and svc.decoder is not None:
+            svc.decoder.close()
+
+
+def ask_search(r: redis.Redis, text: str, **options) -> str:
+    from common.wire.search_request import checked_search, encode_search
+
+    req = checked_search(text, **options)
+    r.xadd(keys.QUESTIONS, encode_search(req))
+    return req.id
+
+
+def final_of(r: redis.Redis, qid: str):
+    from common.wire.schemas import decode_final
+
+    finals = [f for _, f in r.xrange(keys.answer(qid)) if f.get(b"type") == b"final"]
+    assert len(finals) == 1, finals
+    return decode_final(finals[0])
+
+
+def test_a_process_without_the_frames_log_forwards_a_search_to_one_with_it(rt, world):
+    """The process without the log reads the search from `svqa:questions`, sees a live reader of
+    `svqa:searches` (the one with the log, which read it a moment ago) and forwards it there; the
+    one with the log answers it: the hits its own searcher gives."""
+    r = world["r"]
+    r.delete(keys.SEARCHES)
+    with qa_service(rt, world, "holder", str(world["log"])) as holder, qa_service(rt, world, "lacker", None) as lacker:
+        holder.step()  # reads (nothing): its consumer of `svqa:searches` is touched
+        qid = ask_search(r, QUERY, limit=3)
+        lacker.step()
+        (forwarded,) = r.xrange(keys.SEARCHES)
+        assert forwarded[1][b"id"] == qid.encode() and forwarded[1][b"search"] == QUERY.encode()
+        assert not r.xpending_range(keys.QUESTIONS, keys.QA_GROUP, "-", "+", 10, consumername="lacker"), "acked"
+        assert not r.exists(keys.answer(qid)), "the process without the log did not answer it"
+        holder.step()
+        holder.questions_pool.shutdown(wait=True)  # the search answered
+        final = final_of(r, qid)
+        assert final.error is None, final.error
+        direct = holder.answerer.searcher.search(QUERY, None, -math.inf, math.inf, 3)
+        assert final.hits and final.hits == tuple(direct)
+        assert not r.xpending_range(keys.SEARCHES, keys.QA_GROUP, "-", "+", 10), "acked where it was answered"
+
+
+@pytest.mark.parametrize("reader", ["none", "idle"])
+def test_with_no_live_process_with_the_log_a_search_gets_its_error_at_once(rt, world, monkeypatch, reader):
+    """No reader of `svqa:searches` ever (no queue, no group), or only ones idle too long: the
+    process without the log replies with the error itself, forwarding nothing."""
+    from qa_worker import routing
+
+    r = world["r"]
+    r.delete(keys.SEARCHES)
+    if reader == "idle":
+        redisio.ensure_group(r, keys.SEARCHES, keys.QA_GROUP)
+        r.xreadgroup(keys.QA_GROUP, "gone", {keys.SEARCHES: ">"})
+        monkeypatch.setattr(routing, "SEARCHER_IDLE_MS", 0)  # every consumer idle too long
+    with qa_service(rt, world, "lacker", None) as lacker:
+        qid = ask_search(r, QUERY)
+        lacker.step()
+        final = final_of(r, qid)
+    assert final.error is not None and "no frames log (framelog_dir)" in final.error
+    assert not r.xrange(keys.SEARCHES), "nothing forwarded"
+    assert not r.xpending_range(keys.QUESTIONS, keys.QA_GROUP, "-", "+", 10, consumername="lacker")
+
+
+def test_a_search_forwarded_twice_is_queued_once(world):
+    """A forwarder that died between the forward and the ack: the one that claims the entry
+    forwards it again, and the marker of its id stops the copy."""
+    from qa_worker.routing import forward_search
+
+    r = world["r"]
+    r.delete(keys.SEARCHES)
+    fields = {b"id": b"s-once", b"search": QUERY.encode()}
+    assert forward_search(r, "s-once", fields, 60, "1-0")
+    assert not forward_search(r, "s-once", fields, 60, "1-0")
+    ((_, entry),) = r.xrange(keys.SEARCHES)
+    assert entry == {b"id": b"s-once", b"search": QUERY.encode(), b"asked": b"1-0"}

@@ -9,6 +9,9 @@ PREFIX = "svqa"
 QUESTIONS = f"{PREFIX}:questions"
 ANSWERS = f"{PREFIX}:answers"
 DEAD_LETTER = f"{PREFIX}:deadletter"
+# Searches forwarded from QUESTIONS by a QA process without the frames log (qa_worker/routing.py), read
+# (group `qa`) only by the processes that have it: their consumers there are how a process knows one is alive.
+SEARCHES = f"{PREFIX}:searches"
 WORKERS = f"{PREFIX}:workers"  # set of stream-owning worker ids; a worker is live while its `worker` key exists
 
 ENCODER_GROUP = "enc"

@@ -3,9 +3,10 @@
 Fields: `id` (required, as a question's: it names the reply stream `svqa:answer:{id}`), `search`
 (the text), optional `stream` (one camera; absent: every camera), `since` and `until` (a span, in
 a question's forms: timeref.py), `limit` (ranges wanted, 1..100, default 10) and `reply_ttl`.
-Any QA process with the frames log answers it (no stream owner needed: the indexes are on disk),
-with one final entry whose `hits` are the ranked moments (`SearchHit`: a camera's adjacent matching
-chunks, qa_worker/moments.py), best first; `text` is empty.
+A QA process with the frames log answers it (no stream owner needed: the indexes are on disk); one
+without forwards it to `svqa:searches`, which those with the log read (qa_worker/routing.py). Its
+answer is one final entry whose `hits` are the ranked moments (`SearchHit`: a camera's adjacent
+matching chunks, qa_worker/moments.py), best first; `text` is empty.
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from common.wire.timeref import TimeRef
 FIELD = "search"
 DEFAULT_LIMIT = 10
 MAX_LIMIT = 100
-_SEARCH_FIELDS = {"id", "search", "stream", "since", "until", "limit", "reply_ttl"}
+# asked: written by the forwarder to `svqa:searches` (qa_worker/routing.py), the search's entry id in
+# `svqa:questions` (when it was asked)
+_SEARCH_FIELDS = {"id", "search", "stream", "since", "until", "limit", "reply_ttl", "asked"}
 
 
 @dataclass(frozen=True)
