@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--workers",
         type=int,
         default=1,
-        help="`streamvqa worker` processes, one GPU each (CUDA_VISIBLE_DEVICES=i); placement spreads the cameras",
+        help="`streamvqa worker` processes, one GPU each (the i-th visible one); placement spreads the cameras",
     )
     p.add_argument("--max-tokens", type=int, default=32, help="per answer")
     p.add_argument("--max-cache-tokens", type=int, default=32768, help="per stream")
@@ -716,6 +716,13 @@ def run_once(ns: argparse.Namespace, n: int, video: str, workdir: Path) -> dict[
                 shutil.copy(log, keep)
 
 
+def worker_gpu(i: int) -> str:
+    """Worker i's GPU: the i-th of those this run may use, so that runs side by side on one
+    machine (CUDA_VISIBLE_DEVICES=0, =1, ...) each keep to their own."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[i] if visible else str(i)
+
+
 def run_services(
     ns: argparse.Namespace, running: Services, url: str, cameras: list[str], cameras_file: str, video: str
 ) -> dict[str, Any]:
@@ -735,7 +742,7 @@ def run_services(
             *("--max-cache-tokens", str(ns.max_cache_tokens), "--segment-store", store),
             *("--metrics-port", str(port), "--consumer", f"worker-{i}", *profile, *history),
             name=f"worker-{i}",
-            env={"CUDA_VISIBLE_DEVICES": str(i)} if ns.device.startswith("cuda") else None,
+            env={"CUDA_VISIBLE_DEVICES": worker_gpu(i)} if ns.device.startswith("cuda") else None,
         )
     progress(f"{n} cameras: {ns.workers} worker(s) started ({ns.model} on {ns.device}); waiting for questions")
     prefilled = prefill(ns, framelog, cameras, video) if framelog is not None else None  # while they load
