@@ -260,8 +260,10 @@ class Services:
 
     @property
     def shm(self) -> Path:
-        """The run's own directory in shared host memory: the default segment store's kind."""
-        return Path("/dev/shm") / f"streamvqa-bench-{self.workdir.name}"
+        """The run's own directory in shared host memory: the default segment store's kind (named
+        for the benchmark's temporary directory too: runs side by side on one machine share
+        run names, and one collected the other's segments)."""
+        return Path("/dev/shm") / f"streamvqa-bench-{self.workdir.parent.name}-{self.workdir.name}"
 
     def io(self, prefix: str) -> dict[str, dict[str, int]]:
         """The kernel's I/O counters of every live service named `prefix`*."""
@@ -645,10 +647,11 @@ def machine_cpu(busy_cores: list[float]) -> dict[str, Any]:
 
 
 def gpu_sample() -> dict[str, float] | None:
-    """GPU 0's `GPU_QUERY` now, from nvidia-smi (None without one, or a field it lacks)."""
+    """The first worker's GPU's `GPU_QUERY` now, from nvidia-smi (None without one, or a field it
+    lacks); nvidia-smi counts GPUs regardless of CUDA_VISIBLE_DEVICES, hence `worker_gpu`."""
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", "0", f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits"],
+            ["nvidia-smi", "-i", worker_gpu(0), f"--query-gpu={','.join(GPU_QUERY)}", "--format=csv,noheader,nounits"],
             capture_output=True,
             text=True,
             timeout=5,
