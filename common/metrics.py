@@ -78,6 +78,12 @@ FRAMES_DROPPED = Counter(
 CHUNK_SECONDS = Histogram(
     "svqa_encoder_chunk_seconds", "Vision + prefill time per chunk", ["stream"], buckets=_LATENCY_BUCKETS, **_R
 )
+CHUNKS_WAITED_FOR_ROOM = Counter(
+    "svqa_encoder_chunks_waited_for_kv_room",
+    "Chunks the KV pool had no room for at first (questions held old versions' pages): waited for, not dropped",
+    ["stream"],
+    **_R,
+)
 ENCODER_LAG = Gauge(
     "svqa_encoder_lag_seconds", "Capture time of the newest frame to its version's publication", ["stream"], **_R
 )
@@ -360,6 +366,7 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         FRAMES_ENCODED,
         FRAMES_DROPPED,
         CHUNK_SECONDS,
+        CHUNKS_WAITED_FOR_ROOM,
         ENCODER_LAG,
         *_CACHE,
         *_STORE,

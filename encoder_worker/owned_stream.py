@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -32,6 +32,7 @@ import torch
 from common import metrics, redisio
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
+from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
 from common.engine.stream_engine import StreamEngine
 from common.faults import fault_point
@@ -63,6 +64,10 @@ from encoder_worker.restore import Restorer
 log = structlog.get_logger()
 
 DROP_EVENT_EVERY_S = 5.0  # per reason: a `dropped` event (and a log line) at most this often
+# A chunk the KV pool has no room for (questions hold old versions' pages) is tried again after
+# this wait, doubling up to the most, until its deadline: backpressure, not bad frames
+NO_ROOM_FIRST_WAIT_S = 0.05
+NO_ROOM_MOST_WAIT_S = 1.0
 EOS_EVERY_S = 60.0  # end-of-stream markers obeyed at most this often per stream (each flushes a padded chunk)
 
 
@@ -115,6 +120,8 @@ class OwnedStream:
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
         self.taken_at = time.time()  # when this worker took the stream's lease (the service sets it)
         self.opened: dict[str, float] = {}  # how opening it went, in seconds and GB (the `encoder_attached` event)
+        # keeps the lease while a chunk waits for KV room (the service's renewal; False: lost)
+        self.keep_lease: Callable[[], bool] = lambda: True
 
     @property
     def last_seq(self) -> int:
@@ -269,7 +276,8 @@ class OwnedStream:
             t0 = time.perf_counter()
             seqs, since = [m.seq for m in frames], self._waiting_since(frames[-1])
             deadline = since + self.cfg.max_lag_s  # the frames after it are dropped from then on (skip_late)
-            self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], seqs, since, deadline)
+            if not self._append_when_room(frames, seqs, since, deadline):
+                return None
             metrics.CHUNK_SECONDS.labels(self.name).observe(time.perf_counter() - t0)
             metrics.FRAMES_ENCODED.labels(self.name).inc(len(frames))
         version = self.engine.head
@@ -293,6 +301,37 @@ class OwnedStream:
             lag_s=lag,
         )
         return version
+
+    def _append_when_room(self, frames: list[FrameMsg], seqs: list[int], since: float, deadline: float) -> bool:
+        """Encode the chunk; while the KV pool has no room for it (`PoolFull`: questions hold the
+        pages of old versions, and this chunk's eviction must copy the cache), wait and try again,
+        keeping the lease. The engine's head is unchanged by a refused chunk, so a retry is the
+        chunk as if it came now. Room is backpressure, not bad data: the frames stay pending
+        (no dead letter), and are dropped as `late` only once the chunk's deadline (`max_lag_s`)
+        would pass while waiting. False then: nothing was encoded, the frames are acked as dropped."""
+        wait, waited_from = NO_ROOM_FIRST_WAIT_S, None
+        while True:
+            try:
+                self.engine.append([m.rgb() for m in frames], [m.ts for m in frames], seqs, since, deadline)
+            except PoolFull as e:
+                if waited_from is None:  # once an episode: an event, a log line, the counter
+                    waited_from = time.monotonic()
+                    metrics.CHUNKS_WAITED_FOR_ROOM.labels(self.name).inc()
+                    log.warning("chunk waits for KV room", stream=self.name, seq=seqs[-1], error=str(e)[:200])
+                    event(self.r, self.name, "waiting_for_kv_room", seq=seqs[-1], error=str(e)[:200])
+                if time.monotonic() + wait > deadline:
+                    for eid, _ in self.pending:
+                        self._drop(eid, "late", max_lag_s=self.cfg.max_lag_s, waited_for_kv_room=True)
+                    self.pending = []
+                    return False
+                time.sleep(wait)
+                wait = min(2 * wait, NO_ROOM_MOST_WAIT_S)
+                if not self.keep_lease():
+                    raise LeaseLost(self.name) from None
+                continue
+            if waited_from is not None:
+                log.info("chunk had KV room again", stream=self.name, waited_s=round(time.monotonic() - waited_from, 3))
+            return True
 
     def _waiting_since(self, last: FrameMsg) -> float:
         """A live chunk has waited since its last frame was captured (clocks: ingest's wall time,

@@ -355,6 +355,7 @@ class EncoderService:
     def _attach(self, name: str, owned: OwnedStream) -> None:
         """An opened stream joins the owned ones and is read from now on (this thread only)."""
         self.owned[name] = owned
+        owned.keep_lease = lambda: self._renew_if_due(owned)  # while a chunk waits for KV room
         self.reader.add(keys.frames(name), claimed=True)  # `_open` claimed them: one delivery this life
         event(self.r, name, "encoder_attached", consumer=self.cfg.consumer, **owned.opened)
         log.info("stream attached", stream=name, **owned.opened)

@@ -5,6 +5,7 @@ stream it damaged."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import threading
 import time
@@ -15,15 +16,19 @@ import pytest
 import redis
 import torch
 
-from common import health
+from common import health, metrics
+from common.engine.grid import Grid
 from common.engine.model import load_model
+from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
 from common.segment_store import DirectoryStore, MemoryStore, SegmentStore, SegmentStoreError
 from common.segment_writer import SegmentWriter
 from common.wire import keys
 from common.wire.schemas import FrameMsg, encode_frame, manifest_from_bytes
 from encoder_worker.config import EncoderConfig
+from encoder_worker.owned_stream import open_stream
 from encoder_worker.service import EncoderService
+from tests.engine_helpers import make_frames, same_kv
 
 FRAME = np.zeros((56, 56, 3), np.uint8)
 WAIT_S = 60.0  # an upper bound for what normally takes well under a second (2 cores, shared)
@@ -340,3 +345,112 @@ def test_encoder_killed_at_random_points_keeps_every_frame_once_and_every_head_w
     )
     streamed = ask(rt, restored, "What is it?", GenerationParams(max_tokens=6))
     assert streamed.token_ids == offline.token_ids
+
+
+# -- no KV room for a chunk: backpressure, not bad frames -----------------------------------------------
+def _budget_cfg(rt: Runtime, url: str, cams: tuple[str, ...], **kw) -> EncoderConfig:
+    """Chunks of 4 frames (8 tokens at 56x56); a cache of the prefix and 8 chunks, evicted to 4."""
+    prefix = len(rt.prefix_ids())
+    budget = prefix + 64
+    return EncoderConfig(
+        redis_url=url,
+        streams=cams,
+        consumer="enc",
+        chunk_frames=4,
+        block_ms=50,
+        max_cache_tokens=budget,
+        low_watermark=(prefix + 32) / budget,
+        **kw,
+    )
+
+
+def _refusing_whole_caches(rt: Runtime, budget: int, monkeypatch) -> list[int]:
+    """The pool refuses regions of a whole cache (the copy an eviction beside a held version needs)
+    until the test undoes the patch; the sizes refused are recorded."""
+    alloc, refused = rt.pool.alloc, []
+
+    def no_room_for_a_cache(n_tokens: int):
+        if n_tokens >= budget:
+            refused.append(n_tokens)
+            raise PoolFull(f"no room for {n_tokens} more KV tokens (test)")
+        return alloc(n_tokens)
+
+    monkeypatch.setattr(rt.pool, "alloc", no_room_for_a_cache)
+    return refused
+
+
+def test_a_chunk_without_kv_room_waits_for_it_and_no_frame_is_dropped(rt, redis_url, monkeypatch):
+    """A question holding a stream's version when its next chunk evicts makes that eviction copy the
+    cache; with no room in the pool for the copy the chunk is refused (`PoolFull`). That is
+    backpressure: its frames stay pending (nothing dead-lettered, nothing published), the chunk is
+    tried again, and once room returns the stream's cache is exactly one fed without the refusal."""
+    r = redis.Redis.from_url(redis_url)
+    cams = ("cam", "same")
+    for cam in cams:
+        r.hset(keys.meta(cam), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = _budget_cfg(rt, redis_url, cams)
+    svc = EncoderService(cfg, rt, r, MemoryStore())
+    frames = make_frames(40, Grid(56, 56), seed=3)
+
+    def send(cam: str, seqs: range) -> None:
+        for s in seqs:
+            r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(s, s / 2, s / 2, frames[s])))
+
+    waited = metrics.CHUNKS_WAITED_FOR_ROOM.labels("cam")._value.get()
+    try:
+        send("cam", range(32))
+        run_until(svc, lambda: encoded(r, "cam", 31), "the cache at its budget")
+        held = svc.owned["cam"].engine.head  # a question's version: the next eviction must copy
+        refused = _refusing_whole_caches(rt, cfg.max_cache_tokens, monkeypatch)
+        send("cam", range(32, 36))
+        run_until(svc, lambda: len(refused) >= 3, "the chunk refused and tried again")
+        assert events(r, "cam", b"waiting_for_kv_room"), "operators are told"
+        assert head(r, "cam").last_frame_seq == 31 and pending(r, "cam") == 4, "nothing published, nothing acked"
+        monkeypatch.undo()  # room again
+        run_until(svc, lambda: encoded(r, "cam", 35), "the chunk encoded once room returned")
+        send("same", range(36))  # the same frames, never refused
+        run_until(svc, lambda: encoded(r, "same", 35), "the stream fed without the refusal")
+        got, want = svc.owned["cam"].engine.head, svc.owned["same"].engine.head
+        assert got.stats.evictions == want.stats.evictions == 1 and same_kv(got, want)
+        assert held.last_frame_seq == 31, "the held version is as it was"
+        assert not r.exists(keys.DEAD_LETTER), "backpressure, not bad frames"
+        assert len(events(r, "cam", b"waiting_for_kv_room")) == 1, "one event an episode"
+        assert metrics.CHUNKS_WAITED_FOR_ROOM.labels("cam")._value.get() == waited + 1
+        assert not svc.owned["cam"].dropped
+    finally:
+        monkeypatch.undo()
+        stop(svc, r)
+
+
+def test_a_live_chunk_waits_for_kv_room_no_longer_than_its_deadline(rt, redis_url, monkeypatch):
+    """A live chunk that finds no room until its frames would be `max_lag_s` old drops them as
+    `late` (what a camera behind does anyway), not as bad frames; the stream goes on after."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("live"), mapping={"fps": 2, "height": 56, "width": 56, "live": 1})
+    r.set(keys.lease("live"), "enc")
+    r.xgroup_create(keys.frames("live"), keys.ENCODER_GROUP, id="0", mkstream=True)
+    cfg = _budget_cfg(rt, redis_url, ("live",), max_lag_s=60.0)
+    owned = open_stream(rt, r, SegmentWriter(MemoryStore()), cfg, "live")
+    frames, now = make_frames(40, Grid(56, 56), seed=4), time.time()
+
+    def add(seqs: range) -> None:
+        for s in seqs:
+            msg = FrameMsg.from_rgb(s, now - 20 + s / 2, s / 2, frames[s])
+            owned.add(r.xadd(keys.frames("live"), encode_frame(msg)).decode(), msg)
+
+    add(range(32))
+    assert owned.engine.head.last_frame_seq == 31
+    held = owned.engine.head  # a question's version: the next eviction must copy
+    _refusing_whole_caches(rt, cfg.max_cache_tokens, monkeypatch)
+    owned.cfg = dataclasses.replace(cfg, max_lag_s=5.5)  # the last frame (2.5 s old) has about 3 s left
+    t0 = time.monotonic()
+    add(range(32, 36))
+    assert 1.5 < time.monotonic() - t0 < 5.0, "waited, up to the chunk's deadline"
+    assert owned.dropped["late"] == 4 and not owned.pending
+    assert owned.engine.head.last_frame_seq == held.last_frame_seq == 31
+    assert not r.exists(keys.DEAD_LETTER), "late, not bad"
+    assert r.xpending(keys.frames("live"), keys.ENCODER_GROUP)["pending"] == 0, "the dropped frames are acked"
+    monkeypatch.undo()
+    owned.cfg = cfg
+    add(range(36, 40))
+    assert owned.engine.head.last_frame_seq == 39
