@@ -3,6 +3,9 @@ of the first one's size; accounting is exact."""
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import pytest
 import torch
 
@@ -81,3 +84,51 @@ def test_deferred_frees_are_handed_out_only_once_the_device_has_settled():
     assert pool.alloc(8).start == 0
     del scratch
     assert pool.alloc(16).start == 16 and len(pool.slabs) == 1, "a full pool takes back deferred pages, not more memory"
+
+
+def test_a_finalizer_run_inside_a_locked_method_never_deadlocks():
+    """The garbage collector may run a region's finalizer at any allocation, also inside one of the
+    pool's own methods while it holds the lock (on an H200 the GPU loop hung there for good): the
+    pages come back once the lock is free, and the accounting is exact again."""
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=64, page_tokens=8)
+    region, kept = pool.alloc(16), pool.alloc(8)
+    finalizer = region._finalizer
+
+    def as_the_collector_would() -> None:
+        with pool._lock:  # what a locked method holds when a collection runs in it
+            finalizer()
+
+    t = threading.Thread(target=as_the_collector_would, daemon=True)
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the finalizer waited for a lock its own thread holds"
+    del region
+    again = pool.alloc(8)
+    assert again.start == 0, "the pages let go of are handed out again"
+    assert pool.used_tokens == 16 and kept.size == 8  # `kept` and `again`
+
+
+def test_regions_collected_in_cycles_under_many_threads_all_come_back():
+    """Regions that only the cyclic collector frees, dropped by threads allocating all the while
+    (so collections run inside the pool's methods): nothing hangs and every page comes back."""
+    pool = KVPool(SHAPE, torch.float32, torch.device("cpu"), slab_tokens=512, page_tokens=8)
+    threshold = gc.get_threshold()
+
+    def churn() -> None:
+        for _ in range(300):
+            cycle: list[object] = [pool.alloc(8)]
+            cycle.append(cycle)  # freed only by the collector, at whatever allocation it runs
+
+    gc.set_threshold(10)
+    try:
+        threads = [threading.Thread(target=churn, daemon=True) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a thread hung in the pool"
+    finally:
+        gc.set_threshold(*threshold)
+    gc.collect()
+    pool.settled()  # any pages a finalizer queued while another thread held the lock
+    assert pool.used_tokens == 0

@@ -22,6 +22,13 @@ loop starts questions beside an encode step in flight, on another CUDA stream, i
 it once the device has finished each step), so a question's scratch is never a page the step is
 still reading.
 
+A region is let go of by its finalizer, which the garbage collector may run at any allocation, in
+any thread, including this one inside a method of this pool that holds its lock (`weakref.finalize`
+allocates): a finalizer that took the lock deadlocked the GPU loop (an H200, 2026-11-28, two minutes
+into a run, then the stuck watch's exit). So a finalizer only queues its pages (`_released`, a deque:
+appending is atomic) and returns them itself only when it gets the lock at once; otherwise whoever
+takes the lock next returns them first.
+
 Accounting is exact and in whole pages: `used_tokens` is the pages held times `page_tokens`,
 `peak_tokens` the most ever held at once. Pages are small (`PAGE_TOKENS`): a cache's segments are
 packed back to back regardless of pages (the page is the unit of holding and freeing, not of
@@ -39,7 +46,9 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -102,6 +111,7 @@ class KVPool:
         # (slab, (n,) int64 sorted page indices) let go of since settled()
         self._deferred: list[tuple[int, np.ndarray]] | None = None
         self._lock = threading.Lock()
+        self._released: deque[tuple[int, int, int]] = deque()  # (slab, first page, end page) let go of
         self.used_tokens = 0  # pages held, in tokens
         self.peak_tokens = 0  # the most ever held at once
         # caches laid out anew by evictions, in place or copied because somebody held the
@@ -132,7 +142,7 @@ class KVPool:
         if n_tokens <= 0:
             raise ValueError(f"a region needs at least one token, got {n_tokens}")
         pages = self.pages_for(n_tokens)
-        with self._lock:
+        with self._locked():
             slab, first = self._first_fit(pages)
             return self._region(slab, first * self.page_tokens, pages * self.page_tokens)
 
@@ -142,7 +152,7 @@ class KVPool:
         p = self.page_tokens
         last = -(-region.end // p)  # the first page after the region
         pages = max(0, self.pages_for(n_tokens - (last * p - region.end)))
-        with self._lock:
+        with self._locked():
             if pages == 0:  # the region's last page has the room
                 return self._region(region.slab, region.start, last * p - region.start)
             holes = self._free[region.slab]
@@ -155,7 +165,7 @@ class KVPool:
 
     def hold(self, slab: int, start: int, size: int) -> Region:
         """One more holder of slots that are held already."""
-        with self._lock:
+        with self._locked():
             a, b = self._pages(start, size)
             if not self._refs[slab][a:b].all():
                 raise ValueError(f"slots {start}..{start + size} of slab {slab} are not all held")
@@ -165,7 +175,7 @@ class KVPool:
         """Whether no region but those in `mine` holds any page of these slots (so they may be
         overwritten without anybody else seeing it)."""
         a, b = self._pages(start, size)
-        with self._lock:
+        with self._locked():
             others = self._refs[slab][a:b].astype(np.int64)  # (b - a,) holders, a copy: mine taken off below
             for r in mine:
                 if r.slab == slab:
@@ -176,16 +186,23 @@ class KVPool:
 
     def defer_frees(self) -> None:
         """From now on pages let go of are free again only at the next `settled()`."""
-        with self._lock:
+        with self._locked():
             if self._deferred is None:
                 self._deferred = []
 
     def settled(self) -> None:
         """The device has finished all work queued so far: pages let go of may be handed out."""
-        with self._lock:
+        with self._locked():
             self._free_deferred()
 
     # -- internals (under the lock) --------------------------------------------------------
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The lock, with the pages finalizers let go of meanwhile returned first."""
+        with self._lock:
+            self._return_released()
+            yield
+
     def _pages(self, start: int, size: int) -> tuple[int, int]:
         """The pages that slots `start .. start + size` touch, as a range."""
         return start // self.page_tokens, -(-(start + size) // self.page_tokens)
@@ -246,12 +263,22 @@ class KVPool:
         )
 
     def _release(self, slab: int, a: int, b: int) -> None:
-        with self._lock:
+        """A region's finalizer (module doc: never waits for the lock)."""
+        self._released.append((slab, a, b))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._return_released()
+            finally:
+                self._lock.release()
+
+    def _return_released(self) -> None:
+        while self._released:
+            slab, a, b = self._released.popleft()
             refs = self._refs[slab][a:b]  # (b - a,) a view: decremented in place
             refs -= 1
             freed = np.flatnonzero(refs == 0) + a  # (n,) int64 page indices, sorted
             if not len(freed):
-                return
+                continue
             self._count(-len(freed))
             if self._deferred is not None:
                 self._deferred.append((slab, freed))
