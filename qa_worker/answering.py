@@ -23,7 +23,7 @@ import structlog
 
 from common import metrics, redisio
 from common.decoding import FrameDecoder
-from common.engine.answer import Waiting, ask, choose
+from common.engine.answer import HeadSource, Waiting, ask, choose
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.params import GenerationParams, QuestionError
@@ -191,16 +191,34 @@ class Answerer:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
         if not version.chunks:
             return FinalAnswer(id=qid, stream=q.stream, error=f"stream {q.stream!r}: no frames yet")
+        # A live question is answered from the head when it starts on the GPU, and holds none while
+        # it waits (answer.py `Generation`); one with `at`, or a choice, from the version found now.
+        pinned = version if q.at is not None or q.choices else None
+        source: Version | HeadSource = pinned or self._live_head(q.stream)
+        version = None  # not held here while the question waits for the GPU
         self.r.delete(keys.answer(qid))  # deltas of an attempt that died before its final entry
+        at = pinned.id if pinned is not None else None
         try:
-            final = self._run(q, version, ttl, attempt, _seen_live(version))
+            final = self._run(q, source, ttl, attempt, _seen_live)
         except QuestionError as e:
-            return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=version.id)
+            return FinalAnswer(id=qid, stream=q.stream, error=str(e), version=at)
         except (RuntimeError, ValueError) as e:  # e.g. out of GPU memory: this question fails, the worker goes on
             bound.exception("answering failed")
-            return FinalAnswer(id=qid, stream=q.stream, error=f"internal error: {e}"[:500], version=version.id)
-        bound.info("answered", version=version.id, first_token_s=final.first_token_s, tokens=final.tokens)
+            return FinalAnswer(id=qid, stream=q.stream, error=f"internal error: {e}"[:500], version=at)
+        bound.info("answered", version=final.version, first_token_s=final.first_token_s, tokens=final.tokens)
         return final
+
+    def _live_head(self, stream: str) -> HeadSource:
+        """The stream's head, looked up when the question starts (it had frames when taken; a head
+        gone since, its stream handed off, fails the question with the reason)."""
+
+        def head() -> Version:
+            version = self.lookup(stream, None)
+            if version is None or not version.chunks:
+                raise QuestionError(f"stream {stream!r}: no frames yet")
+            return version
+
+        return head
 
     def _answer_span(self, q: Question, bound, ttl: int, attempt: int, asked_at: float) -> FinalAnswer:
         """A question about a past span: the span's chunks chosen from the frames log (evenly, or
@@ -251,7 +269,7 @@ class Answerer:
 
         try:
             with self.history.cache(spec or self.history.spec(q.stream), chunks, tell) as seen:
-                final = self._run(q, seen.version, ttl, attempt, _seen_past(seen))
+                final = self._run(q, seen.version, ttl, attempt, lambda _: _seen_past(seen))
         except HistoryError as e:
             return FinalAnswer(id=q.id, stream=q.stream, error=str(e), param=e.param, queue_s=e.queue_s)
         except QuestionError as e:
@@ -262,11 +280,15 @@ class Answerer:
         bound.info("answered about the past", ranges=final.ranges, cache_tokens=final.cache_tokens, tokens=final.tokens)
         return dataclasses.replace(final, queue_s=seen.waited_s + (final.queue_s or 0.0))
 
-    def _run(self, q: Question, version: Version, ttl: int, attempt: int, seen: dict) -> FinalAnswer:
-        """Answer from ``version``; ``seen``: the final's fields that say what it was answered over."""
+    def _run(
+        self, q: Question, version: Version | HeadSource, ttl: int, attempt: int, seen: Callable[[Version], dict]
+    ) -> FinalAnswer:
+        """Answer from ``version`` (a live question's `HeadSource`: the head when it starts);
+        ``seen(used)``: the final's fields that say what it was answered over."""
         t0 = time.perf_counter()
-        common = dict(id=q.id, stream=q.stream, **seen)
         if q.choices:
+            assert isinstance(version, Version)
+            common = dict(id=q.id, stream=q.stream, **seen(version))
             result = choose(self.rt, version, q.question, list(q.choices))
             scores = {c: s if math.isfinite(s) else -1e9 for c, s in zip(q.choices, result.scores, strict=True)}
             return FinalAnswer(
@@ -285,6 +307,8 @@ class Answerer:
             answer = ask(self.rt, version, q.question, params, on_delta=delta, waiting=waiting)
         finally:
             self.admission.done(ticket)
+        assert answer.used is not None
+        common = dict(id=q.id, stream=q.stream, **seen(answer.used))
         return FinalAnswer(
             text=answer.text,
             first_token_s=answer.first_token_s,

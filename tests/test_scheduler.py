@@ -21,7 +21,7 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.lm import Item
 from common.engine.model import load_model
-from common.engine.params import GenerationParams
+from common.engine.params import GenerationParams, QuestionError
 from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream_engine import StreamEngine
@@ -376,3 +376,50 @@ def test_the_loops_host_time_is_clocked_by_phase(rt: Runtime, scheduled: Schedul
     assert {"encode", "vision", "inputs", "plan", "prefill", "publish", "decode", "device wait"} <= set(wall)
     assert sum(wall.values()) <= elapsed
     assert all(0 <= cpu[name] <= wall[name] + 0.01 for name in wall)
+
+
+def test_a_live_question_holds_no_version_while_it_waits_and_answers_from_the_head_it_starts_on(rt: Runtime):
+    """A question given the stream's head as a source (a live question) binds a version only when it
+    starts on the GPU: while it waits behind another it holds none, a chunk encoded meanwhile is in
+    the version it answers from, and its answer (tokens, first logits, the version reported) is
+    the inline answer on that version. A source that fails when it starts fails that question alone."""
+    spec = SPECS[0]
+    frames = frames_for(spec, 8)
+    engine = encode(rt, spec, frames[:4])
+    first = engine.head
+    params = GenerationParams(max_tokens=6)
+    scheduler = Scheduler(SchedulePolicy(max_batch=1))  # driven by hand: one question at a time
+    rt.executor = scheduler
+    try:
+        busy = scheduler.submit(Generation(rt, first, QUESTIONS[0], params))
+        live = Generation(rt, lambda: engine.head, QUESTIONS[1], params, keep_logits=True)
+        scheduler.submit(live)
+
+        def no_head():
+            raise QuestionError("stream 'a': no frames yet")
+
+        gone = scheduler.submit(Generation(rt, no_head, QUESTIONS[2], params))
+        scheduler.step()
+        assert not busy.done() and live.version is None, "waiting, it holds no version"
+        chunk = engine.submit(engine.prepare(frames[4:], [k / spec.fps for k in range(4, 8)], range(4, 8)))
+        for _ in range(100):
+            if chunk.done() and live.future.done() and gone.done():
+                break
+            scheduler.step()
+        engine.finish(chunk.result())
+    finally:
+        rt.executor = InlineExecutor()
+    second = engine.head
+    assert second.id == first.id + 1 and live.version is second, "bound to the head it started on"
+    got, want = live.future.result(), ask(rt, second, QUESTIONS[1], params, keep_logits=True)
+    assert got.token_ids == want.token_ids and torch.allclose(got.first_logits, want.first_logits, atol=1e-5, rtol=0)
+    assert busy.result().token_ids == ask(rt, first, QUESTIONS[0], params).token_ids
+    with pytest.raises(QuestionError, match="no frames yet"):
+        gone.result()
+    reported = ask(rt, lambda: engine.head, QUESTIONS[1], params)  # what `ask` reports: the version used
+    assert (reported.version, reported.cache_tokens, reported.capture_range) == (
+        second.id,
+        second.tokens,
+        second.capture_range,
+    )
+    assert reported.used is second and reported.token_ids == want.token_ids

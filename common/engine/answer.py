@@ -15,7 +15,7 @@ import contextlib
 import queue
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +47,8 @@ class Answer:
     stop: str  # "eos" or "length"
     first_logits: torch.Tensor | None = None  # what the first token was drawn from, when asked for
     queued_s: float = 0.0  # from submission to its start on the GPU, on the clock total_s counts on
+    # the version answered from: the one asked about, or the head when a live question started
+    used: Version | None = field(default=None, repr=False, compare=False)
 
     @property
     def tokens_per_s(self) -> float:
@@ -97,15 +99,26 @@ class Decoded:
     queued_s: float
 
 
+# What a live question is answered from: the stream's head when the question starts on the GPU
+# (None, or a head it cannot be answered from, raises: the question fails alone)
+HeadSource = Callable[[], Version]
+
+
 class Generation(StepWork):
     """One question being answered against one version: its scratch region (the version is only
     read), the tokens so far, and what the next step feeds. Its scratch is taken and its clock
-    starts when it leaves the queue (`start`): `first_token_s` and `total_s` count from there."""
+    starts when it leaves the queue (`start`): `first_token_s` and `total_s` count from there.
+
+    `version` is a `Version`, or a `HeadSource` for a live question: then the version is the head
+    when the question starts on the GPU (`may_start_beside` or `start`, whichever binds it first),
+    not when it was asked. A question waiting in the queue holds no version: a held version's
+    pages make its stream's next eviction copy the whole cache (kvcache.py), and a long queue of
+    questions, each holding an old cache, ran the pool out of room for the cameras' chunks."""
 
     def __init__(
         self,
         rt: Runtime,
-        version: Version,
+        version: Version | HeadSource,
         question: str,
         params: GenerationParams,
         on_tokens: Callable[[list[int]], None] | None = None,
@@ -114,11 +127,14 @@ class Generation(StepWork):
     ):
         super().__init__()
         ids = _question_ids(rt, question)  # a bad question fails here, before it is queued
-        self.rt, self.version, self.params = rt, version, params
+        self.rt, self.params = rt, params
+        self._head: HeadSource | None = None if isinstance(version, Version) else version
+        self.version: Version | None = version if isinstance(version, Version) else None
         self.on_tokens, self.keep_logits, self.on_start = on_tokens, keep_logits, on_start
         self.scratch: Region | None = None
         self.started = False
-        self.pending, self.length, self.pos = ids, 0, version.text_start
+        self.pending, self.length = ids, 0
+        self.pos = self.version.text_start if self.version is not None else 0  # set when it is bound
         self.tokens: list[int] = []
         self.gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         self.stops = {rt.ids.im_end, rt.ids.endoftext}
@@ -126,10 +142,23 @@ class Generation(StepWork):
         self.queued_s = 0.0
         self.first_logits: torch.Tensor | None = None
 
+    def bound(self) -> Version:
+        """The version it is answered from; a live question's head is looked up (once) now."""
+        if self.version is None:
+            assert self._head is not None
+            self._bind(self._head())
+        assert self.version is not None
+        return self.version
+
+    def _bind(self, version: Version) -> None:
+        self.version, self._head, self.pos = version, None, version.text_start
+
     def start(self) -> None:
-        """Its scratch now, not while it waits: a long queue would hold pool pages for nothing."""
+        """Its version (a live question's: the head now) and its scratch now, not while it waits:
+        a long queue would hold pool pages for nothing."""
         if self.started:
             return
+        self.bound()
         ids = self.pending
         self.scratch = self.rt.lm.pool.alloc(max(len(ids) + self.params.max_tokens, StepGraphs.prefill_room(len(ids))))
         self.started, self.queued_s, self.t0 = True, time.perf_counter() - self.t0, time.perf_counter()
@@ -137,12 +166,24 @@ class Generation(StepWork):
             self.on_start()
 
     def item(self) -> Item:
-        return Item(len(self.pending), self.scratch, self.length, base=self.version.view)
+        return Item(len(self.pending), self.scratch, self.length, base=self.bound().view)
 
     def may_start_beside(self) -> bool:
         """Its scratch is its own (the pool hands out no page an encode step may still be
-        reading); its version may be one the encode step in flight is still writing."""
-        return self.version.is_written()
+        reading); its version may be one the encode step in flight is still writing. A live
+        question is bound to the head only when that head is written (then it starts at once);
+        otherwise it stays unbound, and may start later from a newer head."""
+        if self.version is not None:
+            return self.version.is_written()
+        assert self._head is not None
+        try:
+            head = self._head()
+        except Exception:  # its own failure: `start` (outside this check) raises it again and fails it
+            return True
+        if not head.is_written():
+            return False
+        self._bind(head)
+        return True
 
     @classmethod
     def launch_batch(cls, batch: Sequence[StepWork], alongside: bool = False) -> _Step:
@@ -296,7 +337,7 @@ def _forward_batch(gens: Sequence[Generation], graphs: StepGraphs | None = None)
     ids = [t for g in gens for t in g.pending]
     positions = [p for g in gens for p in range(g.pos, g.pos + len(g.pending))]  # text: all three axes alike
     items = [g.item() for g in gens]
-    base_tokens = max(g.version.tokens for g in gens)
+    base_tokens = max(g.bound().tokens for g in gens)
     if graphs is not None:
         graphed = graphs.run(ids, positions, items, base_tokens)
         if graphed is not None:
@@ -324,16 +365,17 @@ _STARTED, _DONE = object(), object()  # besides token lists, what a question's t
 
 def ask(
     rt: Runtime,
-    version: Version,
+    version: Version | HeadSource,
     question: str,
     params: GenerationParams | None = None,
     on_delta: Callable[[str], None] | None = None,
     keep_logits: bool = False,
     waiting: Waiting | None = None,
 ) -> Answer:
-    """Answer `question` against `version`, calling `on_delta(text)` as text becomes printable
-    (in this thread: detokenizing and delivering never hold up the GPU), and `waiting`'s calls
-    while it waits for the GPU."""
+    """Answer `question` against `version` (or, given a `HeadSource`, against the stream's head
+    when the question starts on the GPU: `Answer.used` says which), calling `on_delta(text)` as
+    text becomes printable (in this thread: detokenizing and delivering never hold up the GPU),
+    and `waiting`'s calls while it waits for the GPU."""
     params, waiting = params or GenerationParams(), waiting or Waiting()
     updates: queue.SimpleQueue[object] = queue.SimpleQueue()
     tokens = updates.put if on_delta else None
@@ -359,17 +401,19 @@ def ask(
     text = rt.tokenizer.decode(done.token_ids, skip_special_tokens=True)
     if on_delta and len(text) > len(emitted):
         on_delta(text[len(emitted) :])
+    used = work.bound()
     return Answer(
         text=text,
         token_ids=done.token_ids,
-        version=version.id,
-        cache_tokens=version.tokens,
-        capture_range=version.capture_range,
+        version=used.id,
+        cache_tokens=used.tokens,
+        capture_range=used.capture_range,
         first_token_s=done.first_token_s,
         total_s=done.total_s,
         stop=done.stop,
         first_logits=done.first_logits,
         queued_s=done.queued_s,
+        used=used,
     )
 
 
