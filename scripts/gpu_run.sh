@@ -41,7 +41,8 @@
 # here `git archive REV | tar -x -C .base` (with /.base/ in .git/info/exclude), `carry` .base too,
 # and there, after the steps of this checkout, in the same call:
 #   (cd .base && OUT=$OUT/base PYTHONPATH=/tmp/site:$PWD bash scripts/gpu_run.sh questions)
-# Two pipelines outlast one command: run them as two calls back to back (a machine stays warm 30 s).
+# Two pipelines outlast one command: run them as two calls back to back (a machine stays warm 30 s),
+# or side by side on a host of several GPUs with scripts/gpu_side.sh.
 # Each step leaves two files (the device tool brings back 8): its output (the benchmarks' JSON,
 # NAME.json; the tests' summary, tests.txt) and its log, NAME.log. A step that
 # fails is reported and the next one runs; the exit status is 1 when any failed. The pipeline also
@@ -66,7 +67,7 @@ wheels() {
 }
 
 install_carried() {
-  [ -d .whl ] || return 0
+  [ -d .whl ] && [ -z "${WHEELS_INSTALLED:-}" ] || return 0  # gpu_side.sh installs them once for all
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH="/tmp/site:$PWD" PATH="/tmp/site/bin:$PATH"  # py-spy's binary lands in bin/
 }
