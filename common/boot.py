@@ -224,6 +224,7 @@ def _start_gpu_loop(rt: Runtime, gpu: GPUSettings) -> Scheduler:
         on_fatal=_gpu_failed,
         profiler=_profiler(gpu),
         on_settled=rt.pool.settled,
+        room=rt.pool.room_tokens,  # questions leave the room evictions beside them may need
     ).start()
     metrics.watch_scheduler(scheduler)
     if rt.device.type == "cuda":  # on a CPU a long step is only a slow one

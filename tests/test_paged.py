@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.engine.answer import ask
+from common.engine.answer import Generation, ask
 from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import Version
 from common.engine.lm import KVView
@@ -25,7 +25,9 @@ from common.engine.model import load_model
 from common.engine.params import GenerationParams
 from common.engine.pool import PoolFull
 from common.engine.runtime import Runtime
+from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream_engine import ChunkWork, StreamEngine
+from common.engine.work import InlineExecutor
 from tests.engine_helpers import QUESTION, append_chunk, make_frames, policy_keeping, same_kv
 
 GRID = Grid(56, 56)  # 4 tokens per temporal patch: a 4-frame chunk is 8 tokens
@@ -348,3 +350,92 @@ def test_no_room_for_a_copy_fails_that_chunk_alone_and_the_stream_goes_on(rt, mo
     feed(a, frames, 36, 40)  # the version is let go: this eviction goes in place
     feed(same, frames, 36, 40)  # the same stream, never sent the refused chunk
     assert a.head.stats.evictions == 1 and same_kv(a.head, same.head)
+
+
+def room_rule_run(rt: Runtime, rule: bool):
+    """Three streams at their budget, a live question on each (the two first fit the pool's room
+    with one eviction copy each, the third does not) and a chunk on each that evicts, through a
+    scheduler driven by hand over a pool that refuses past its limit. Returns the order questions
+    started and finished in, and each chunk's outcome."""
+    frames = make_frames(40, GRID, seed=11)
+    engines = [engine(rt, f"room-{rule}-{k}") for k in range(3)]
+    for e in engines:
+        feed(e, frames, 0, 32)  # at the budget: the next chunk evicts
+    gc.collect()
+    params = GenerationParams(max_tokens=6)
+    copy = rt.pool.pages_for(engines[0].head.run_tokens) * PAGE  # what an eviction beside a question copies
+    assert copy >= engines[0].head.tokens
+    scratch = Generation(rt, engines[0].head, QUESTION, params).scratch_tokens()
+    limit = rt.pool.used_tokens + 2 * (copy + scratch) + 3 * PAGE + copy // 2  # two copies and 3 spills, not three
+    alloc = rt.pool.alloc
+
+    def limited(n_tokens: int):
+        if rt.pool.used_tokens + rt.pool.pages_for(n_tokens) * PAGE > limit:
+            raise PoolFull(f"no room for {n_tokens} more KV tokens (test: a pool of {limit})")
+        return alloc(n_tokens)
+
+    order: list[tuple[str, int]] = []
+    # no decoding beside encode steps: the questions are still reading when the chunks evict
+    policy = SchedulePolicy(decode_during_encode=False)
+    scheduler = Scheduler(policy, room=(lambda: limit - rt.pool.used_tokens) if rule else None)
+    rt.executor, rt.pool.alloc = scheduler, limited
+    try:
+        asked = []
+        for k, e in enumerate(engines):
+            work = Generation(rt, lambda e=e: e.head, QUESTION, params, on_start=lambda k=k: order.append(("start", k)))
+            work.stops = set()  # every question answers max_tokens
+            work.future.add_done_callback(lambda _, k=k: order.append(("done", k)))
+            asked.append(scheduler.submit(work))
+            del work  # only the scheduler holds it: its version is let go of when it is done
+        times = [16, 16.5, 17, 17.5]
+        chunks = [e.submit(e.prepare(frames[32:36], times, range(32, 36))) for e in engines]
+        for _ in range(200):
+            if all(f.done() for f in asked + chunks):
+                break
+            scheduler.step()
+        outcomes = [c.exception() or e.finish(c.result()) for e, c in zip(engines, chunks, strict=True)]
+    finally:
+        rt.executor, rt.pool.alloc = InlineExecutor(), alloc
+    return order, outcomes, [f.exception() for f in asked]
+
+
+def test_questions_start_only_while_the_cameras_keep_room_to_evict(rt):
+    """With room in the pool for two eviction copies, questions on two streams start, the one on
+    a third stream waits until one of them is done, and every stream's chunk evicts (two by a
+    copy around the questions' versions) without `PoolFull`. Without the rule all three start
+    and a chunk finds no room."""
+    copied = rt.pool.relayouts["copied"]
+    order, outcomes, failed = room_rule_run(rt, rule=True)
+    assert rt.pool.relayouts["copied"] - copied == 2, "two evictions copied around the questions' versions"
+    assert not any(failed) and all(isinstance(v, Version) and v.stats.evictions == 1 for v in outcomes), outcomes
+    assert order[:2] == [("start", 0), ("start", 1)], order
+    first_done = min(order.index(("done", 0)), order.index(("done", 1)))
+    assert order.index(("start", 2)) > first_done, f"the third started before room was given back: {order}"
+    order, outcomes, failed = room_rule_run(rt, rule=False)
+    assert order[:3] == [("start", 0), ("start", 1), ("start", 2)], order
+    assert any(isinstance(v, PoolFull) for v in outcomes), "the oracle: without the rule a camera finds no room"
+
+
+def test_with_no_room_at_all_questions_still_go_one_at_a_time(rt):
+    """A pool too small for the rule never holds questions forever: with none active, one starts."""
+    e = engine(rt, "no-room")
+    feed(e, make_frames(8, GRID, seed=12), 0, 8)
+    params = GenerationParams(max_tokens=4)
+    order: list[tuple[str, int]] = []
+    scheduler = Scheduler(room=lambda: 0)
+    rt.executor = scheduler
+    try:
+        asked = []
+        for k in range(2):
+            work = Generation(rt, lambda: e.head, QUESTION, params, on_start=lambda k=k: order.append(("start", k)))
+            work.future.add_done_callback(lambda _, k=k: order.append(("done", k)))
+            asked.append(scheduler.submit(work))
+        for _ in range(50):
+            if all(f.done() for f in asked):
+                break
+            scheduler.step()
+    finally:
+        rt.executor = InlineExecutor()
+    assert order == [("start", 0), ("done", 0), ("start", 1), ("done", 1)]
+    want = ask(rt, e.head, QUESTION, params).token_ids
+    assert [f.result().token_ids for f in asked] == [want, want]

@@ -159,14 +159,35 @@ class Generation(StepWork):
         if self.started:
             return
         self.bound()
-        ids = self.pending
-        self.scratch = self.rt.lm.pool.alloc(max(len(ids) + self.params.max_tokens, StepGraphs.prefill_room(len(ids))))
+        self.scratch = self.rt.lm.pool.alloc(self.scratch_tokens())
         self.started, self.queued_s, self.t0 = True, time.perf_counter() - self.t0, time.perf_counter()
         if self.on_start is not None:
             self.on_start()
 
     def item(self) -> Item:
         return Item(len(self.pending), self.scratch, self.length, base=self.bound().view)
+
+    def scratch_tokens(self) -> int:
+        """Its scratch, in whole pages: the question, every token it may answer, and the room its
+        prefill's graph writes (asked before it starts: `pending` is the question then)."""
+        ids, pool = self.pending, self.rt.lm.pool
+        return (
+            pool.pages_for(max(len(ids) + self.params.max_tokens, StepGraphs.prefill_room(len(ids)))) * pool.page_tokens
+        )
+
+    def pins(self) -> tuple[object, int] | None:
+        """Its version's stream, and a copy of that stream's cache (its run, in whole pages): while
+        it reads the version, the stream's next eviction may have to copy the cache around it. A
+        live question not started yet would read the head it finds now."""
+        version = self.version
+        if version is None:
+            assert self._head is not None
+            try:
+                version = self._head()
+            except Exception:  # it fails when it starts: nothing to keep room for
+                return None
+        pool = self.rt.lm.pool
+        return version.stream, pool.pages_for(max(version.run_tokens, version.tokens)) * pool.page_tokens
 
     def may_start_beside(self) -> bool:
         """Its scratch is its own (the pool hands out no page an encode step may still be

@@ -143,6 +143,9 @@ class Version:
     # recorded on the device after the work that writes this version was queued (None: written
     # when published, as on the CPU)
     written: torch.cuda.Event | None = field(default=None, compare=False, repr=False)
+    # the slots its cache's run takes (a budgeted stream's: its budget): what an eviction that must
+    # copy the cache, somebody holding this version's pages, allocates (0: not known)
+    run_tokens: int = 0
 
     def is_written(self) -> bool:
         """Whether the device has written every token of this version: a version published by an
@@ -455,6 +458,7 @@ class StreamCache:
             layout=self._layout,
             epoch=self.epoch,
             written=_queued_so_far(self.lm.pool.device),
+            run_tokens=self._run_tokens,
         )
         self._head, self._spill, self._pinned = version, None, []  # the version holds their pages now
         return version

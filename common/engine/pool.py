@@ -133,6 +133,19 @@ class KVPool:
             return None
         return self.capacity_tokens + max(0, _free_bytes(self.device) - self.keep_free_bytes) // self.bytes_per_token
 
+    def room_tokens(self) -> int | None:
+        """Slots allocations could still get: the slabs' free pages (and those let go of that the
+        next `settled()` frees) plus what the device could still add (`limit_tokens`); None on
+        the CPU, where slabs are added as needed. Free pages in pieces count whole: a region
+        needs a run of them, so this is an upper bound for one allocation."""
+        limit = self.limit_tokens()
+        if limit is None:
+            return None
+        with self._locked():
+            pages = sum(n for holes in self._free for _, n in holes)
+            pages += sum(len(freed) for _, freed in self._deferred or ())
+        return pages * self.page_tokens + max(0, limit - self.capacity_tokens)
+
     def pages_for(self, n_tokens: int) -> int:
         return -(-n_tokens // self.page_tokens)
 

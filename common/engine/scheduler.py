@@ -23,6 +23,17 @@ that, every step guarantees:
 - questions: every active question advances one token a step (at most `max_batch` active), and
   with `decode_during_encode` never waits out a whole encode step: it decodes beside the step's
   layers. The others wait in order of arrival, and start (`StepWork.start`) in that order;
+- room to evict: a question reading a stream's version makes that stream's next eviction copy
+  its whole cache (kvcache.py: copy-on-write), so, given the pool's `room` (tokens allocations
+  can still get), a waiting question starts only if, after it, the pool keeps room for one such
+  copy per distinct stream that active questions pin, this one's counted, plus its own scratch
+  (and that of those starting with it): room >= sum over pinned streams of their run (budget)
+  + scratch (`StepWork.pins`, `StepWork.scratch_tokens`). One that does not fit waits, and
+  those after it wait behind it (no overtaking); they start as active questions finish. With
+  no question active one starts regardless (a pool too small for the rule would otherwise hold
+  questions forever). So questions never take the room a camera's eviction needs: without the
+  rule, questions queued and answered at once pinned old caches until a chunk found no room
+  (`PoolFull`, 64 cameras, H200, 2026-11-28);
 - failures: work that fails fails alone (its future); a failure outside any work (a CUDA error
   that poisons the device) fails all work and stops the loop (`on_fatal`).
 
@@ -30,7 +41,8 @@ that, every step guarantees:
 
 1. tasks (a mirror applying a version, a stream restoring from the store): short, and questions
    may be waiting on them;
-2. questions: waiting ones start, in order, up to `max_batch` (one at a time at risk); one
+2. questions: waiting ones start, in order, up to `max_batch` (one at a time at risk) and while
+   the pool keeps room to evict (above); one
    batched forward advances every active generation by a token (the prefill of those just started
    rides in it). Skipped when an encode step is due and `decode_before_encode` is off, or the
    cameras are at risk: it then runs beside that step's first kernels;
@@ -58,6 +70,7 @@ that, every step guarantees:
 | `decode_before_encode` | questions take a step alone before each encode step; off, beside its first kernels |
 | `join_during_encode` | questions arriving during an encode step start beside it (needs the pool to defer frees) |
 | `decode_sms` | SMs an encode step leaves to the decode kernels beside it (a green context), while encoding keeps up |
+| `room` (argument) | tokens the KV pool can still give (`KVPool.room_tokens`), kept for evictions' copies |
 """
 
 from __future__ import annotations
@@ -196,6 +209,7 @@ class Scheduler:
         profiler: StepProfiler | None = None,
         on_settled: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        room: Callable[[], int | None] | None = None,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
         "encode" (chunk work runs) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
@@ -203,9 +217,11 @@ class Scheduler:
         device, say): all work has failed and no more will run, so a service exits there.
         `profiler` traces steps when asked to (profiling.py). `on_settled()` runs after every
         step, once the device has finished it (the KV pool's deferred frees, pool.py). `clock`: what
-        the decisions read (waits, deadlines, the shares' step times); tests drive one by hand."""
+        the decisions read (waits, deadlines, the shares' step times); tests drive one by hand.
+        `room()`: tokens the KV pool can still give (None or absent: no limit), what questions
+        must leave for evictions (module doc, "room to evict")."""
         self.policy = policy or SchedulePolicy()
-        self.clock = clock
+        self.clock, self.room = clock, room
         self.on_step, self.on_fatal, self.profiler = on_step, on_fatal, profiler
         self.on_settled = on_settled
         self._lock = threading.Condition()
@@ -381,14 +397,31 @@ class Scheduler:
         place)."""
         most = 1 if self.at_risk else self.policy.max_batch
         with self._lock:
-            starting = []
+            starting: list[StepWork] = []
             for work in list(self._waiting):
-                if len(self._active) + len(starting) >= most:
+                if len(self._active) + len(starting) >= most or not self._leaves_room(work, starting):
                     break
                 if not beside or work.may_start_beside():
                     self._waiting.remove(work)
                     starting.append(work)
         self._active += [work for work in starting if start(work)]  # outside the lock: callers submit meanwhile
+
+    def _leaves_room(self, work: StepWork, starting: list[StepWork]) -> bool:
+        """Whether, with `work` started beside the active work and `starting`, the pool keeps
+        room for one eviction copy per distinct pinned stream and their scratch (module doc,
+        "room to evict"). Always, with nothing active or starting."""
+        if self.room is None or not (self._active or starting):
+            return True
+        copies: dict[object, int] = {}
+        for w in (*self._active, *starting, work):
+            pinned = w.pins()
+            if pinned is not None:
+                copies[pinned[0]] = max(copies.get(pinned[0], 0), pinned[1])
+        if not copies:
+            return True
+        room = self.room()
+        scratch = sum(w.scratch_tokens() for w in (*starting, work))
+        return room is None or room >= sum(copies.values()) + scratch
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
@@ -527,10 +560,16 @@ class Scheduler:
             self._decode_alongside(wait=True)  # a high-priority step: a few milliseconds
 
     def _may_join(self) -> bool:
-        if not self.policy.join_during_encode or self.at_risk:
+        """Whether a waiting question would start beside the encode step now (`_admit(beside=True)`)."""
+        if not self.policy.join_during_encode or self.at_risk or len(self._active) >= self.policy.max_batch:
             return False
         with self._lock:
-            return any(work.may_start_beside() for work in self._waiting)
+            for work in self._waiting:
+                if not self._leaves_room(work, []):
+                    return False  # in order: nothing after it starts first
+                if work.may_start_beside():
+                    return True
+        return False
 
     def _requeue(self, unfinished: list[BatchWork]) -> None:
         """Work that needs more batches (an exact eviction's rebuild) stays first in its lane, and

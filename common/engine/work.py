@@ -86,6 +86,17 @@ class StepWork(Work):
         """It leaves the queue for its first step: the executor calls this once, before that
         step, in the thread that runs it (work takes what it needs only now, not while it waits)."""
 
+    def pins(self) -> tuple[object, int] | None:
+        """What it keeps from being written in place while it is active, if anything: a key (a
+        stream) and the tokens the holder of the pages (the stream's cache) would need to write
+        around it (an eviction's copy of the cache). The scheduler starts work only while the pool
+        keeps room for one such copy per key that active work pins (scheduler.py)."""
+        return None
+
+    def scratch_tokens(self) -> int:
+        """Pool tokens it takes when it starts."""
+        return 0
+
     def may_start_beside(self) -> bool:
         """Whether this work, not started yet, may start beside an encode step in flight: only if
         all it reads is on the device already (a question's version may be one that step is still
