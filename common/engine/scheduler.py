@@ -398,30 +398,15 @@ class Scheduler:
         most = 1 if self.at_risk else self.policy.max_batch
         with self._lock:
             starting: list[StepWork] = []
+            room = _Room(self.room, self._active)
             for work in list(self._waiting):
-                if len(self._active) + len(starting) >= most or not self._leaves_room(work, starting):
+                if len(self._active) + len(starting) >= most or not room.fits(work):
                     break
                 if not beside or work.may_start_beside():
                     self._waiting.remove(work)
                     starting.append(work)
+                    room.starts(work)
         self._active += [work for work in starting if start(work)]  # outside the lock: callers submit meanwhile
-
-    def _leaves_room(self, work: StepWork, starting: list[StepWork]) -> bool:
-        """Whether, with `work` started beside the active work and `starting`, the pool keeps
-        room for one eviction copy per distinct pinned stream and their scratch (module doc,
-        "room to evict"). Always, with nothing active or starting."""
-        if self.room is None or not (self._active or starting):
-            return True
-        copies: dict[object, int] = {}
-        for w in (*self._active, *starting, work):
-            pinned = w.pins()
-            if pinned is not None:
-                copies[pinned[0]] = max(copies.get(pinned[0], 0), pinned[1])
-        if not copies:
-            return True
-        room = self.room()
-        scratch = sum(w.scratch_tokens() for w in (*starting, work))
-        return room is None or room >= sum(copies.values()) + scratch
 
     def _decode(self) -> int:
         n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
@@ -564,8 +549,9 @@ class Scheduler:
         if not self.policy.join_during_encode or self.at_risk or len(self._active) >= self.policy.max_batch:
             return False
         with self._lock:
+            room = _Room(self.room, self._active)
             for work in self._waiting:
-                if not self._leaves_room(work, []):
+                if not room.fits(work):
                     return False  # in order: nothing after it starts first
                 if work.may_start_beside():
                     return True
@@ -622,6 +608,47 @@ class Scheduler:
         fail_all(pending, error)
         for _, future in tasks:
             future.set_exception(error)
+
+
+class _Room:
+    """One admission pass's check of the pool's room (module doc, "room to evict"): whether a
+    waiting work may start beside the active work and the work starting in this pass. The pool's
+    room is read once a pass, when first needed: nothing is allocated until the pass is over."""
+
+    def __init__(self, room: Callable[[], int | None] | None, active: list[StepWork]):
+        self.room, self.busy = room, bool(active)
+        self.copies: dict[object, int] = {}  # pinned key -> tokens of its copy
+        self.scratch = 0  # of the work starting in this pass
+        self._left: int | None = None
+        self._read = False
+        for work in active:
+            _pin(self.copies, work)
+
+    def fits(self, work: StepWork) -> bool:
+        """Always with nothing active or starting, or with nothing pinned (a pool too small for
+        the rule would otherwise hold questions forever)."""
+        if self.room is None or not self.busy:
+            return True
+        copies = dict(self.copies)
+        _pin(copies, work)
+        if not copies:
+            return True
+        if not self._read:
+            self._left, self._read = self.room(), True
+        return self._left is None or self._left >= sum(copies.values()) + self.scratch + work.scratch_tokens()
+
+    def starts(self, work: StepWork) -> None:
+        if self.room is None:
+            return
+        _pin(self.copies, work)
+        self.scratch += work.scratch_tokens()
+        self.busy = True
+
+
+def _pin(copies: dict[object, int], work: StepWork) -> None:
+    pinned = work.pins()
+    if pinned is not None:
+        copies[pinned[0]] = max(copies.get(pinned[0], 0), pinned[1])
 
 
 def _device_done() -> Callable[[], bool]:
