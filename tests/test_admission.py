@@ -230,6 +230,52 @@ def test_questions_waiting_for_the_gpu_are_told_their_place_in_order_then_answer
     assert metrics.QUESTIONS_QUEUED._value.get() == queued_before
 
 
+def test_a_live_question_is_answered_from_the_head_it_starts_on_and_one_with_at_from_the_version_named(rt, redis_url):
+    """A live question taken while the head is v1 holds nothing while it waits for the GPU; the
+    stream moves to v2 meanwhile, and the question is answered from v2, its final saying so
+    (version, time range, ranges, cache tokens) and its text that of v2 alone. One with `at` v1,
+    taken at the same time, is answered from v1."""
+    r = redis.Redis.from_url(redis_url)
+    engine = StreamEngine(rt, StreamSpec(CAM, 2, Grid(56, 56), 2))
+    rng = np.random.default_rng(5)
+    frames = [rng.integers(0, 256, (56, 56, 3), dtype=np.uint8) for _ in range(4)]
+    v1 = engine.append(frames[:2], [0.0, 0.5], [0, 1])
+    v2 = engine.append(frames[2:], [1.0, 1.5], [2, 3])
+    params = GenerationParams(max_tokens=3)
+    alone = {v.id: ask(rt, v, QUESTIONS[0], params).text for v in (v1, v2)}
+    head = {"now": v1}
+    versions = {v1.id: v1, v2.id: v2}
+    scheduler = Scheduler(SchedulePolicy(max_batch=2))  # never started: it steps when the test says
+    rt.executor = scheduler
+    admission = Admission()
+
+    def lookup(stream: str, at: int | None):
+        return head["now"] if at is None else versions.get(at)
+
+    answerer = Answerer(rt, r, lookup, lambda s: s == CAM, consumer="qa", admission=admission)
+    threads = []
+    try:
+        for qid, at in (("live", None), ("at", v1.id)):
+            fields = {b"id": qid.encode(), b"stream": CAM.encode(), b"question": QUESTIONS[0].encode()}
+            fields |= {b"max_tokens": b"3"} | ({b"at": str(at).encode()} if at is not None else {})
+            eid = r.xadd(keys.QUESTIONS, fields).decode()
+            threads.append(threading.Thread(target=answerer.handle, args=(keys.QUESTIONS, eid, fields), daemon=True))
+            threads[-1].start()
+        wait_for(lambda: admission.queued == 2, 10, "both questions taken")
+        head["now"] = v2  # a chunk published while they wait
+        deadline = time.monotonic() + 60
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            scheduler.step()
+            time.sleep(0.005)
+    finally:
+        rt.executor = InlineExecutor()
+    live, pinned = (_replies(r, qid)[-1] for qid in ("live", "at"))
+    assert isinstance(live, FinalAnswer) and live.error is None and isinstance(pinned, FinalAnswer)
+    assert (live.version, live.cache_tokens, live.t_start, live.t_end) == (v2.id, v2.tokens, 0.0, 1.5)
+    assert live.text == alone[v2.id]
+    assert (pinned.version, pinned.cache_tokens, pinned.t_end, pinned.text) == (v1.id, v1.tokens, 0.5, alone[v1.id])
+
+
 def _api(cfg: ApiConfig) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(cfg)), base_url="http://api", timeout=30)
 
