@@ -487,7 +487,7 @@ class ModelSettings(GPUSettings, ReaderSettings, StreamSettings):
         "in the model's own dtype (bf16 on a GPU), exact against transformers; `fp8` (opt-in, lossy) weights "
         "and activations in FP8 (e4m3, a scale per weight row and per token) on Hopper's FP8 tensor cores, "
         "those weights in half the memory: answers equal one-shot inference with the same quantization, not "
-        "bf16's; its speed and its effect on the 3B model's logits are not yet measured on a GPU (README "
+        "bf16's; its GPU tests pass on an H200, its speed is not yet measured (README "
         '"GPU sizing and limits")',
     )
     segment_store: str = setting(

@@ -1,8 +1,8 @@
 """Oracles for FP8 matrix products (`gemm_dtype: fp8`, common/engine/fp8.py): tiny-random, fp32, CPU.
 
 FP8 is lossy, so it has an oracle of its own: a streamed answer equals one-shot transformers
-inference run with the same quantization (greedy tokens equal, first-token logits within 1e-4),
-over several appended chunks and right after an exact eviction. The same answers against bf16's
+inference run with the same quantization (greedy tokens equal, first-token logits within
+`SAME_QUANTIZATION`), over several appended chunks and right after an exact eviction. The same answers against bf16's
 one-shot inference must fail that comparison (the quantization did something), and quantizing
 fused or padded weights equals quantizing the weights they are made of. tests/test_gpu.py checks
 `torch._scaled_mm` against the emulation these run.
@@ -24,10 +24,29 @@ from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream_engine import StreamEngine
 from encoder_worker.config import EncoderConfig
-from tests.engine_helpers import QUESTION, append_chunk, compare_with_offline, kept_frames, make_frames, policy_keeping
+from tests.engine_helpers import (
+    QUESTION,
+    Comparison,
+    append_chunk,
+    compare_with_offline,
+    kept_frames,
+    make_frames,
+    policy_keeping,
+)
 
 GRID = Grid(56, 56)  # 4 tokens per temporal patch (2 frames)
 FPS, CHUNK = 2.0, 4
+# Two computations of the same quantization agree to about 1e-6 before each product (our forward
+# and transformers' differ in the order of their sums), but an activation that lands on an e4m3
+# rounding boundary then rounds one step (an eighth of its size) apart, and that moves these
+# logits by up to about 0.1 (0.106 in one window with transformers 5.24, 2026-11-28; the other
+# windows 2e-6). The quantization itself moves them by over 1 (test_fp8_answers_are_not_bf16s), so
+# this bound still tells the same quantization from another one; greedy tokens must be equal too.
+SAME_QUANTIZATION = 0.25
+
+
+def same_quantization(c: Comparison) -> bool:
+    return c.tokens_equal and c.max_logit_diff <= SAME_QUANTIZATION
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +74,7 @@ def test_streamed_answers_equal_one_shot_inference_with_the_same_quantization(rt
         version = append_chunk(engine, frames, i, CHUNK)
         if i:  # after every chunk from the second
             compared.append(compare_with_offline(rt, version, frames[: i + CHUNK], GRID, FPS))
-    assert len(compared) == 4 and all(c.equal for c in compared), compared
+    assert len(compared) == 4 and all(same_quantization(c) for c in compared), compared
 
 
 def test_an_answer_right_after_an_exact_eviction_equals_one_shot_on_the_retained_frames(rt):
@@ -68,12 +87,12 @@ def test_an_answer_right_after_an_exact_eviction_equals_one_shot_on_the_retained
         version = append_chunk(engine, frames, i, CHUNK)
         if version.stats.evictions > evictions:
             compared.append(compare_with_offline(rt, version, kept_frames(version, frames), GRID, FPS))
-    assert len(compared) >= 2 and all(c.equal for c in compared), compared
+    assert len(compared) >= 2 and all(same_quantization(c) for c in compared), compared
 
 
 def test_fp8_answers_are_not_bf16s(rt, plain):
     """The comparison above fails against one-shot inference without the quantization: the logits
-    move by far more than its 1e-4 (here by 1.8, the largest logit 5.3)."""
+    move by far more than `SAME_QUANTIZATION` (here by 1.8, the largest logit 5.3)."""
     frames = make_frames(4 * CHUNK, GRID, seed=5)
     engine = StreamEngine(rt, StreamSpec("cam", FPS, GRID, CHUNK))
     for i in range(0, len(frames), CHUNK):
@@ -81,9 +100,9 @@ def test_fp8_answers_are_not_bf16s(rt, plain):
     streamed = ask(rt, version, QUESTION, GenerationParams(max_tokens=1), keep_logits=True).first_logits.cpu()
     bf16 = offline_answer(plain, frames, GRID, FPS, QUESTION, max_tokens=1).first_logits
     fp8 = offline_answer(rt, frames, GRID, FPS, QUESTION, max_tokens=1).first_logits
-    assert float((streamed - bf16).abs().max()) > 0.1
-    assert float((fp8 - bf16).abs().max()) > 0.1
-    assert float((streamed - fp8).abs().max()) <= 1e-4
+    assert float((streamed - bf16).abs().max()) > 4 * SAME_QUANTIZATION
+    assert float((fp8 - bf16).abs().max()) > 4 * SAME_QUANTIZATION
+    assert float((streamed - fp8).abs().max()) <= SAME_QUANTIZATION
 
 
 def test_every_dense_layer_and_only_those_is_quantized_and_held_once(rt, plain):
