@@ -613,42 +613,45 @@ class Scheduler:
 class _Room:
     """One admission pass's check of the pool's room (module doc, "room to evict"): whether a
     waiting work may start beside the active work and the work starting in this pass. The pool's
-    room is read once a pass, when first needed: nothing is allocated until the pass is over."""
+    room is read once a pass, when first needed: nothing is allocated until the pass is over. Each
+    check costs the same however much is active (the pass runs on the GPU loop, every step)."""
 
     def __init__(self, room: Callable[[], int | None] | None, active: list[StepWork]):
         self.room, self.busy = room, bool(active)
         self.copies: dict[object, int] = {}  # pinned key -> tokens of its copy
-        self.scratch = 0  # of the work starting in this pass
+        self.need = 0  # the copies' tokens, plus the scratch of the work starting in this pass
         self._left: int | None = None
         self._read = False
         for work in active:
-            _pin(self.copies, work)
+            self.need += self._more(work.pins(), keep=True)
 
     def fits(self, work: StepWork) -> bool:
         """Always with nothing active or starting, or with nothing pinned (a pool too small for
         the rule would otherwise hold questions forever)."""
         if self.room is None or not self.busy:
             return True
-        copies = dict(self.copies)
-        _pin(copies, work)
-        if not copies:
+        copies = self.need + self._more(work.pins(), keep=False)
+        if not self.copies and copies == self.need:  # nothing pinned, by it or before it
             return True
         if not self._read:
             self._left, self._read = self.room(), True
-        return self._left is None or self._left >= sum(copies.values()) + self.scratch + work.scratch_tokens()
+        return self._left is None or self._left >= copies + work.scratch_tokens()
 
     def starts(self, work: StepWork) -> None:
         if self.room is None:
             return
-        _pin(self.copies, work)
-        self.scratch += work.scratch_tokens()
+        self.need += self._more(work.pins(), keep=True) + work.scratch_tokens()
         self.busy = True
 
-
-def _pin(copies: dict[object, int], work: StepWork) -> None:
-    pinned = work.pins()
-    if pinned is not None:
-        copies[pinned[0]] = max(copies.get(pinned[0], 0), pinned[1])
+    def _more(self, pinned: tuple[object, int] | None, keep: bool) -> int:
+        """What pinning `pinned` adds to the copies (a key pinned already costs only the excess)."""
+        if pinned is None:
+            return 0
+        key, tokens = pinned
+        more = max(0, tokens - self.copies.get(key, 0))
+        if keep and more:
+            self.copies[key] = tokens
+        return more
 
 
 def _device_done() -> Callable[[], bool]:
