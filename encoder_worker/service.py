@@ -38,7 +38,7 @@ from common.engine.runtime import Runtime
 from common.lease import Lease
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
-from common.segment_writer import SegmentWriter
+from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
 from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
@@ -426,6 +426,9 @@ class EncoderService:
             owned.add(entry_id, msg)
         except LeaseLost:
             log.warning("lease lost while publishing; the new owner continues from its head", stream=owned.name)
+            owned.lost = True
+        except WriterClosed:  # stopping, and this chunk finished after the writer closed: not the frames' fault
+            log.warning("worker stopping; the chunk stays pending for the next owner", stream=owned.name)
             owned.lost = True
         except WriteFailed as e:  # its engine holds a chunk that is not stored: reopen from the head
             log.error(

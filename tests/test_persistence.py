@@ -454,3 +454,25 @@ def test_a_live_chunk_waits_for_kv_room_no_longer_than_its_deadline(rt, redis_ur
     owned.cfg = cfg
     add(range(36, 40))
     assert owned.engine.head.last_frame_seq == 39
+
+
+def test_a_chunk_finished_after_the_writer_closed_stays_pending_for_the_next_owner(rt, redis_url, tmp_path):
+    """A stopping worker closes its segment writer once its tasks settle (or their wait runs out);
+    a chunk finishing after that cannot store its segment. That is the worker stopping, not bad
+    frames: they stay pending for the next owner, nothing is dead-lettered, the head stays where it
+    was (an H200 worker stopping beside 64 cameras dead-lettered 168 frames as `chunk failed`)."""
+    r = redis.Redis.from_url(redis_url)
+    svc = service(rt, r, redis_url, DirectoryStore(tmp_path), ("cam",))
+    push(r, "cam", range(4))
+    run_until(svc, lambda: encoded(r, "cam", 3), "4 frames")
+    svc._settle()
+    svc.writer.close()  # the stop's order: tasks settled, then the writer
+    push(r, "cam", range(4, 8))
+    run_until(svc, lambda: svc.owned["cam"].lost, "the chunk met the closed writer")
+    svc._settle()
+    assert head(r, "cam").last_frame_seq == 3 and pending(r, "cam") == 4, "nothing published, nothing acked"
+    assert not r.exists(keys.DEAD_LETTER)
+
+    again = service(rt, r, redis_url, DirectoryStore(tmp_path), ("cam",))  # the next owner
+    r.delete(keys.lease("cam"))
+    run_until(again, lambda: encoded(r, "cam", 7), "the pending frames encoded by the next owner")
