@@ -16,6 +16,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
@@ -278,7 +279,8 @@ def _gpu_failed(error: BaseException) -> NoReturn:
     """The GPU loop broke (a CUDA error leaves the device unusable to this process): one line, then
     exit 5 at once, from its thread. Nothing unfinished was acked, so a restarted worker (or another
     one) gets every frame and question again."""
-    _exit_gpu("gpu failed", error=redact_text(f"{type(error).__name__}: {error}"))
+    where = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_tb(error.__traceback__)]
+    _exit_gpu("gpu failed", error=redact_text(f"{type(error).__name__}: {error}"), where=where[-6:])
 
 
 def _gpu_stuck(seconds: float, stack: list[str]) -> NoReturn:

@@ -585,3 +585,36 @@ def test_fp8_streamed_answers_are_one_shot_inference_with_the_same_quantization(
         near += (streamed.float().cpu() - same).abs().mean().item()
         far += (streamed.float().cpu() - bf16).abs().mean().item()
     assert near < 0.75 * far, f"mean |streamed - one-shot fp8| {near / 6:.4f}, to bf16's {far / 6:.4f}"
+
+
+def test_a_question_graph_whose_capture_fails_runs_eagerly_and_serving_goes_on(rt, monkeypatch):
+    """A capture the device refuses (here a synchronize inside it: `operation not permitted when
+    stream is capturing`, the error that ended a 64-camera worker mid-serving) leaves that shape
+    eager for good: the question answers as launched eagerly, the thread's CUDA stream is its own
+    again, and the next question of the shape is not captured again."""
+    from common.engine import answer, step_graphs
+    from common.engine.grid import Grid
+    from common.engine.params import GenerationParams
+
+    engine = _engine(rt, "capture-fails", Grid(56, 56), 2, 19)
+    params = GenerationParams(max_tokens=6)
+    rt.step_graphs = answer.StepGraphs(rt.lm, on_capture=rt.on_graph_capture)  # nothing captured yet
+    step = step_graphs._Graph._step
+
+    def refused(self):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: the capture fails
+        return step(self)
+
+    monkeypatch.setattr(step_graphs._Graph, "_step", refused)
+    stream = torch.cuda.current_stream()
+    got = answer.ask(rt, engine.head, "What happens?", params, keep_logits=True)
+    assert torch.cuda.current_stream() == stream
+    assert rt.step_graphs.failed and not rt.step_graphs.graphs
+    failed = set(rt.step_graphs.failed)
+    again = answer.ask(rt, engine.head, "What happens?", params, keep_logits=True)
+    assert rt.step_graphs.failed == failed and not rt.step_graphs.graphs
+    monkeypatch.setattr(answer, "CUDA_GRAPHS", False)
+    eager = answer.ask(rt, engine.head, "What happens?", params, keep_logits=True)
+    assert got.token_ids == again.token_ids and got.token_ids[:4] == eager.token_ids[:4]
+    assert_logits_close(got.first_logits, eager.first_logits)

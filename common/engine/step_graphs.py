@@ -67,6 +67,7 @@ class StepGraphs:
         self.dummy = lm.pool.alloc(self.PREFILL_BUCKETS[-1])  # what padding items write, and read
         self.dummy_base = KVView((lm.pool.hold(self.dummy.slab, self.dummy.start, 1),))
         self.graphs: dict[tuple, _Graph] = {}
+        self.failed: set[tuple] = set()  # shapes whose capture failed: eager from then on
         self.mempool = None  # the graphs' shared memory pool, made with the first
 
     def run(self, tokens: list[int], positions: list[int], items: list[Item], base_tokens: int):
@@ -84,16 +85,31 @@ class StepGraphs:
             return None
         key = (tuple(it.n for it in padded), split, plan.single_slab, plan.shape)
         graph = self.graphs.get(key)
-        if graph is None:
+        if graph is None and key not in self.failed:
             graph = self._capture(key, plan, len(tokens))
+        if graph is None:
+            return None
         logits, greedy = graph.replay(tokens, positions, last, plan)
         return logits[: len(items)], greedy[: len(items)]
 
-    def _capture(self, key: tuple, plan: Plan, rows: int) -> _Graph:
+    def _capture(self, key: tuple, plan: Plan, rows: int) -> _Graph | None:
+        """The graph of `key`, or None when its capture failed: that shape then runs eagerly for
+        good. A capture that cuBLAS refused mid-serving (an H200 with 64 cameras and 32 askers,
+        2026-11-28: `CUBLAS_STATUS_EXECUTION_FAILED`, then `operation not permitted when stream is
+        capturing`) ended the worker; the capture is only a faster way to run the same step, so it
+        costs that shape its speed, not the process. An error the device cannot recover from
+        fails the next eager step, and the GPU loop ends as for any failed device."""
         t0 = time.perf_counter()
         if self.mempool is None:
             self.mempool = torch.cuda.graph_pool_handle()
-        graph = self.graphs[key] = _Graph(self.lm, plan, rows, len(key[0]), self.mempool)
+        stream = torch.cuda.current_stream()
+        try:
+            graph = self.graphs[key] = _Graph(self.lm, plan, rows, len(key[0]), self.mempool)
+        except RuntimeError as error:  # torch.AcceleratorError is one
+            torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own CUDA stream current
+            self.failed.add(key)
+            log.warning("question step graph capture failed, shape runs eagerly", shape=repr(key), error=str(error))
+            return None
         seconds = time.perf_counter() - t0
         if self.on_capture is not None:
             self.on_capture(seconds)

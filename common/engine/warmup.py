@@ -32,11 +32,14 @@ from common.engine.lm import (
 )
 from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
-from common.engine.step_graphs import GRAPH_BASE_TOKENS
+from common.engine.step_graphs import GRAPH_BASE_TOKENS, StepGraphs
 from common.engine.stream_engine import ChunkWork, StreamEngine
 
 GRID = Grid(448, 448)  # two such chunks in one batch reach the compiled vision blocks
-DECODE_BATCHES = (1, 2, 4, 8)  # decode and prefill graph buckets captured at start; larger ones on first use
+# Decode and prefill graph buckets captured at start: every one. Larger ones left to first use were
+# captured while serving, beside encode steps, and one such capture failed in cuBLAS and ended
+# a worker (H200, 64 cameras and 32 askers, 2026-11-28; step_graphs.py now runs such a shape eagerly).
+DECODE_BATCHES = StepGraphs.BUCKETS
 PREFILL_LENGTHS = (16, 32, 64, 128)  # questions' length buckets prefilled in each batch; longer on first use
 
 
