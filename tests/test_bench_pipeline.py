@@ -481,11 +481,11 @@ def test_the_prefilled_past_is_what_ingest_and_a_recorder_would_have_left(tmp_pa
     layers, dim = history_fixture.feature_shape("tiny-random")
     index = ChunkIndex.view(tmp_path / "log" / "cam001")
     assert index is not None and (index.model, index.layers, index.dim, len(index)) == ("tiny-random", layers, dim, 180)
-    rows = sorted(index.rows.values())
+    rows = sorted(tuple(row[1:]) for row in index.table().tolist())
     assert rows[0][:4] == (now - 360.0, now - 358.5, 0, 3)
     logged = logged_chunks(log, "cam001", now - 180.0, now, 4)
     assert [(*c.capture_range, *c.frame_seqs, c.frames) for c in logged] == rows[90:]
-    vectors = np.asarray(index.graph.get(np.array(sorted(index.rows), dtype=np.uint64)), dtype=np.float32)
+    vectors = np.asarray(index.graph.get(index.table()["key"]), dtype=np.float32)
     norms = np.linalg.norm(vectors.reshape(180, len(layers), -1), axis=2)
     np.testing.assert_allclose(norms, 1.0, atol=2e-3)
     for name in (GRAPH_NAME, META_NAME):

@@ -591,7 +591,8 @@ def test_a_question_graph_whose_capture_fails_runs_eagerly_and_serving_goes_on(r
     """A capture the device refuses (here a synchronize inside it: `operation not permitted when
     stream is capturing`, the error that ended a 64-camera worker mid-serving) leaves that shape
     eager for good: the question answers as launched eagerly, the thread's CUDA stream is its own
-    again, and the next question of the shape is not captured again."""
+    again, random ops on the device work (the failed capture left torch's generator capturing),
+    and the next question of the shape is not captured again."""
     from common.engine import answer, step_graphs
     from common.engine.grid import Grid
     from common.engine.params import GenerationParams
@@ -611,6 +612,7 @@ def test_a_question_graph_whose_capture_fails_runs_eagerly_and_serving_goes_on(r
     got = answer.ask(rt, engine.head, "What happens?", params, keep_logits=True)
     assert torch.cuda.current_stream() == stream
     assert rt.step_graphs.failed and not rt.step_graphs.graphs
+    assert torch.rand(2, device="cuda").shape == (2,), "the device's random generator works again"
     failed = set(rt.step_graphs.failed)
     again = answer.ask(rt, engine.head, "What happens?", params, keep_logits=True)
     assert rt.step_graphs.failed == failed and not rt.step_graphs.graphs

@@ -88,7 +88,7 @@ def saved(log_dir: Path) -> ChunkIndex:
 
 
 def rows(index: ChunkIndex) -> list[tuple[int, int]]:
-    return sorted((s0, s1) for _, _, s0, s1, _ in index.rows.values())
+    return sorted((s0, s1) for _, _, _, s0, s1, _ in index.table().tolist())
 
 
 def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vectors(rt, redis_url, tmp_path):

@@ -106,7 +106,7 @@ class StepGraphs:
         try:
             graph = self.graphs[key] = _Graph(self.lm, plan, rows, len(key[0]), self.mempool)
         except RuntimeError as error:  # torch.AcceleratorError is one
-            torch.cuda.set_stream(stream)  # a capture that failed to end leaves its own CUDA stream current
+            _after_failed_capture(stream)
             self.failed.add(key)
             log.warning("question step graph capture failed, shape runs eagerly", shape=repr(key), error=str(error))
             return None
@@ -142,6 +142,16 @@ class StepGraphs:
         last += [len(padded_tokens) - 1] * dummies
         dummy = Item(length, self.dummy, 0, base=self.dummy_base)
         return padded_tokens, padded_positions, [replace(it, n=length) for it in items] + [dummy] * dummies, last
+
+
+def _after_failed_capture(stream: torch.cuda.Stream) -> None:
+    """What a capture that failed to end leaves behind in torch: its own CUDA stream current, and
+    the device's random generator still marked as capturing (every later random op on the device
+    then fails: "Offset increment outside graph capture"). The generator gets a copy of its
+    state, seed and offset kept, outside any capture."""
+    torch.cuda.set_stream(stream)
+    generator = torch.cuda.default_generators[stream.device.index]
+    generator.graphsafe_set_state(generator.clone_state())
 
 
 class _Graph:
