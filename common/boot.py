@@ -172,6 +172,7 @@ def load_runtime(model: str, device: str | None, gpu: GPUSettings | None = None,
         gemm_dtype=gemm_dtype,
         vision_graphs=gpu.gpu_vision_graphs,
         on_graph_capture=metrics.record_graph_capture,
+        max_chunks=gpu.gpu_max_chunks,
     )
     load_s = time.monotonic() - t0
     metrics.watch_pool(rt.pool)

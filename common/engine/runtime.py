@@ -17,7 +17,8 @@ from common.engine.step_graphs import StepGraphs
 from common.engine.vision import COMPILED_MIN_TOKENS, GridTHW, VisionTower
 from common.engine.work import Executor, InlineExecutor
 
-POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)
+POOL_RESERVE_BYTES = 8 << 30  # left free on the GPU for activations (vision and prefill batches)...
+RESERVE_CHUNKS = 8  # ...of up to this many chunks an encode step; more: the reserve grows in step
 CPU_SLAB_TOKENS = 1 << 16
 GPU_GROW_TOKENS = 1 << 16  # the least a GPU pool grows by once its first slab is full (2.4 GB at 3B)
 # Room in the pool beside the streams' budgets, in budgets: chunks over budget at once (up to a
@@ -37,6 +38,7 @@ class Runtime:
         page_tokens: int = PAGE_TOKENS,
         vision_graphs: bool = False,
         on_graph_capture: Callable[[float], None] | None = None,
+        max_chunks: int = RESERVE_CHUNKS,
     ):
         """`pool_tokens`: KV slots to allocate up front (default: what the GPU has free, less
         `POOL_RESERVE_BYTES` for activations; on the CPU slabs of `CPU_SLAB_TOKENS` as needed).
@@ -45,12 +47,15 @@ class Runtime:
         for little gain), for batches of at least `vision_compile_min_tokens` patches.
         `page_tokens`: the pool's page (pool.py). `vision_graphs`: compiled vision batches are
         replayed from CUDA graphs (vision.py). `on_graph_capture(seconds)`: after each CUDA graph
-        captured, the vision tower's and the question steps' (metrics)."""
+        captured, the vision tower's and the question steps' (metrics). `max_chunks`: the most
+        chunks an encode step batches (the activations reserve scales with it: 16 at the 8-chunk
+        reserve ran out of memory in the warm-up, H200)."""
         self.loaded = loaded
         # before the pool, which takes what memory is left: the tower holds a padded MLP copy
         backend = "inductor" if compile_vision and loaded.device.type == "cuda" else None
         self.vision_tower = VisionTower(loaded, backend, vision_compile_min_tokens, vision_graphs, on_graph_capture)
-        self.pool = _make_pool(loaded, pool_tokens, page_tokens)
+        reserve = POOL_RESERVE_BYTES * max(1, -(-max_chunks // RESERVE_CHUNKS))
+        self.pool = _make_pool(loaded, pool_tokens, page_tokens, reserve)
         self.lm = LanguageModel(loaded, self.pool)
         self.tokenizer = loaded.tokenizer
         self._user_tokenizer = Tokenizer.from_str(loaded.tokenizer.backend_tokenizer.to_str())
@@ -111,7 +116,7 @@ class Runtime:
         )
 
 
-def _make_pool(loaded: LoadedModel, pool_tokens: int | None, page_tokens: int) -> KVPool:
+def _make_pool(loaded: LoadedModel, pool_tokens: int | None, page_tokens: int, reserve: int) -> KVPool:
     cfg = loaded.text_config
     shape = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads)
     if loaded.device.type != "cuda":
@@ -119,8 +124,8 @@ def _make_pool(loaded: LoadedModel, pool_tokens: int | None, page_tokens: int) -
     if pool_tokens is None:
         torch.cuda.empty_cache()  # what loading left cached is free memory too (7.7 GiB at random-3b)
         free, _ = torch.cuda.mem_get_info(loaded.device)
-        pool_tokens = max(1 << 16, (free - POOL_RESERVE_BYTES) // token_bytes(shape, loaded.dtype))
+        pool_tokens = max(1 << 16, (free - reserve) // token_bytes(shape, loaded.dtype))
     grow = min(pool_tokens, GPU_GROW_TOKENS)
-    pool = KVPool(shape, loaded.dtype, loaded.device, pool_tokens, grow, POOL_RESERVE_BYTES, page_tokens)
+    pool = KVPool(shape, loaded.dtype, loaded.device, pool_tokens, grow, reserve, page_tokens)
     pool.alloc(1)  # the first slab now: one allocation, before activations fragment the device
     return pool
