@@ -69,8 +69,9 @@ def _run(argv: list[str]) -> int:
     if argv[0] in CONFIGS:
         from common import boot
 
+        every = [getattr(importlib.import_module(module), cls) for module, cls in CONFIGS.values()]
         module, cls = CONFIGS[argv[0]]
-        boot.configure(getattr(importlib.import_module(module), cls), argv, f"streamvqa {argv[0]}")
+        boot.configure(getattr(importlib.import_module(module), cls), argv, f"streamvqa {argv[0]}", every)
     return importlib.import_module(SERVICES[argv[0]][0]).main(argv)
 
 

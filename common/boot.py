@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 from urllib.parse import urlsplit
@@ -25,7 +26,7 @@ import redis
 import structlog
 
 from common import health, metrics, redisio
-from common.config import ConfigError, GPUSettings, check_redis_url, check_settings, load_config
+from common.config import ConfigError, GPUSettings, check_redis_url, check_settings, load_config, unknown_env
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
@@ -71,10 +72,14 @@ def fail(code: int, event: str, **fields: Any) -> NoReturn:
     raise SystemExit(code)
 
 
-def configure(cls: type[T], argv: list[str], prog: str) -> T:
+def configure(cls: type[T], argv: list[str], prog: str, every: Sequence[type] = ()) -> T:
     """Config (flags, SVQA_*, YAML, the cameras file) and logging, or exit 2 with one line.
-    The CLI calls this before it imports a service, so a typo costs no torch import."""
+    The CLI calls this before it imports a service, so a typo costs no torch import. ``every``:
+    every service's config class; an SVQA_* variable none of them reads is warned about (not an
+    error: a variable of a newer or older release is not a typo)."""
     configure_logging("INFO")  # so that even a bad --log-level is reported as a JSON line
+    for var, close in (unknown_env(every) if every else {}).items():  # first: it may be why the config is bad
+        log.warning("no service reads this setting; ignored", service=prog, variable=var, did_you_mean=close)
     try:
         cfg = load_config(cls, argv[1:], prog=prog)
         configure_logging(cfg.log_level)

@@ -47,6 +47,7 @@ from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaErro
 T = TypeVar("T")
 ENV_PREFIX = "SVQA_"
 CONFIG_FLAG = "config"  # --config / SVQA_CONFIG: the YAML file; reserved, not a field name
+OTHER_ENV = ("SVQA_KILL_AT",)  # read outside the config classes (common/faults.py: tests' kill points)
 _NONE = {"", "none", "null"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -153,6 +154,22 @@ def env_names(cls: type, name: str) -> tuple[str, ...]:
     (``SVQA_API_``) so its own names come first and the shared ``SVQA_<FIELD>`` still applies."""
     own = getattr(cls, "ENV_PREFIX", ENV_PREFIX) + name.upper()
     return tuple(dict.fromkeys((own, env_name(name))))
+
+
+def unknown_env(classes: Sequence[type], env: Mapping[str, str] = os.environ) -> dict[str, str | None]:
+    """The ``SVQA_*`` variables of ``env`` that no field of ``classes`` (every service's config:
+    compose gives one set of variables to services that each read part of it) is read from, each
+    with the closest known name (None: nothing close). A misspelt variable is otherwise ignored
+    in silence: a benchmark meant for FP8 ran bf16 under ``SVQA_GPU_GEMM_DTYPE``, a name nothing
+    reads (``SVQA_GEMM_DTYPE`` is)."""
+    known = {env_name(CONFIG_FLAG), *OTHER_ENV}
+    for cls in classes:
+        known.update(v for f, _ in _fields(cls) for v in env_names(cls, f.name))
+    return {
+        var: next(iter(difflib.get_close_matches(var, known, n=1, cutoff=0.8)), None)
+        for var in sorted(env)
+        if var.startswith(ENV_PREFIX) and var not in known
+    }
 
 
 def _parse_cli(cls: type, argv: Sequence[str], prog: str | None) -> dict[str, Any]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
+import os
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +24,7 @@ from common.config import (
     env_names,
     load_cameras_file,
     load_config,
+    unknown_env,
 )
 from common.engine.eviction import EvictionPolicy
 from common.engine.scheduler import SchedulePolicy
@@ -283,3 +286,45 @@ def test_duplicate_jobs(tmp_path):
     j = "{name: j, stream: '*', kind: caption, every_s: 1}"
     with pytest.raises(ConfigError, match=r"jobs: duplicate names \['j'\]"):
         load_cameras_file(_write(tmp_path, f"jobs: [{j}, {j}]\n"))
+
+
+def _every_config() -> list[type]:
+    return [getattr(importlib.import_module(module), name) for module, name in cli.CONFIGS.values()]
+
+
+def test_every_setting_compose_and_the_docs_name_is_read_by_a_service():
+    """The warning below must not fire on what the project itself tells people to set."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    named = set()
+    for doc in ("compose.yaml", ".env.example", "README.md", "docs/DESIGN.md"):
+        named |= set(re.findall(r"\bSVQA_[A-Z0-9_]*[A-Z0-9]\b", (root / doc).read_text()))
+    assert len(named) > 20 and unknown_env(_every_config(), dict.fromkeys(named, "x")) == {}
+
+
+def test_a_setting_no_service_reads_is_warned_about_with_the_name_meant_never_its_value(redis_url):
+    """`SVQA_GPU_GEMM_DTYPE=fp8` ran a benchmark in bf16 without a word (the setting is
+    SVQA_GEMM_DTYPE). Every service warns about a variable none of them reads, naming the
+    closest known one; its value (it may be a secret) is never shown. A variable another service
+    reads is no typo: no warning."""
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "SVQA_GPU_GEMM_DTYPE": "fp8-s3cret",
+        "SVQA_RETENTION_HOURS": "12",  # the recorder's: read by a service, not this one
+        "SVQA_REDIS_URL": "redis://127.0.0.1:1/0",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "apps.cli", "ingest", "--streams", "cam1", "--redis-grace-s", "0.5"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    lines = [json.loads(x) for x in out.stderr.splitlines() if x.startswith("{")]
+    warned = [x for x in lines if x["event"] == "no service reads this setting; ignored"]
+    assert [(x["variable"], x["did_you_mean"]) for x in warned] == [("SVQA_GPU_GEMM_DTYPE", "SVQA_GEMM_DTYPE")]
+    assert "s3cret" not in out.stdout + out.stderr
