@@ -28,7 +28,7 @@
 #                services start, each camera's last hour of frames and 24 h of chunk vectors are pre-filled
 #                (scripts/history_fixture.py; 64 cameras: about 24 GB of frames log and 6 GB of indexes on
 #                the disk under TMPDIR, written while the model loads); /dev/shm remounted as for `pipeline`.
-#                Its logs go in history-logs.tgz. About 7-8 minutes: alone in its call
+#                Its logs go in history-logs.tgz; GIL=S as for `pipeline`. About 7-8 minutes: alone in its call
 #     storm      scripts/probes/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     copies     scripts/probes/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
@@ -110,7 +110,7 @@ for what in "$@"; do
     history) step history history.json timeout 560 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
       --history-askers 1 --retrieval-askers 1 --search-clients 1 --log-hours 1 --index-hours 24 \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-120}" --start-timeout 200 \
-      --logs "$logs/history-logs"
+      --gil "${GIL:-0}" --logs "$logs/history-logs"
       tar czf "$OUT/history-logs.tgz" -C "$logs" history-logs ;;
     storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
     copies) step copies copies.json python3 scripts/probes/host_copies.py ;;
