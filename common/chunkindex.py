@@ -234,7 +234,8 @@ class ChunkIndex:
 
     def _match(self, key: int, score: float) -> Match:
         table = self.table()
-        _, t0, t1, s0, s1, n = table[np.searchsorted(self._keys, key)].tolist()
+        # a uint64 key: with a Python int numpy would cast the whole column to compare
+        _, t0, t1, s0, s1, n = table[np.searchsorted(self._keys, np.uint64(key))].tolist()
         return Match(t0, t1, s0, s1, n, score)
 
 
