@@ -190,53 +190,51 @@ class ChunkIndex:
     def search(self, vector: np.ndarray, k: int, since: float = -math.inf, until: float = math.inf) -> list[Match]:
         """The ``k`` chunks nearest to ``vector`` (a question's, features.py) among those whose
         capture range meets [since, until], best first. Few such chunks: all of them are scored
-        exactly; many: the HNSW graph is searched wider until ``k`` of its hits fall in the span."""
+        exactly; many: the HNSW graph is searched wider until ``k`` of its hits fall in the span.
+        Rows are handled as arrays throughout: searches run beside the GPU loop, in its process."""
         table = self.table()
         in_span = (table["t1"] >= since) & (table["t0"] <= until)
-        inside = table["key"][in_span]
+        inside = np.flatnonzero(in_span)  # rows
         if not len(inside) or k < 1:
             return []
         query = vector.astype(np.float32)
         if not np.linalg.norm(query):  # no direction: every chunk scores NO_DIRECTION, as exactly
-            return [self._match(int(key), NO_DIRECTION) for key in inside[:k]]
+            return self._matches(inside[:k], np.full(min(k, len(inside)), NO_DIRECTION))
         if len(inside) <= EXACT_MAX:
-            keys = inside
-            vectors = np.atleast_2d(np.asarray(self.graph.get(keys, dtype=np.float32), dtype=np.float32))
+            vectors = np.atleast_2d(np.asarray(self.graph.get(self._keys[inside], dtype=np.float32), dtype=np.float32))
             with np.errstate(invalid="ignore", divide="ignore"):
                 scores = vectors @ query / (np.linalg.norm(vectors, axis=1) * np.linalg.norm(query))
             scores = np.nan_to_num(scores, nan=NO_DIRECTION)  # a zero chunk vector: 0 / 0
             order = np.argsort(-scores, kind="stable")[:k]
-            return [self._match(int(keys[i]), float(scores[i])) for i in order]
+            return self._matches(inside[order], scores[order])
         count = 4 * k
         while True:
             found = self.graph.search(query, min(count, len(self.graph)))
             keys = np.asarray(found.keys, dtype=np.uint64)
             at = np.searchsorted(self._keys, keys).clip(max=len(table) - 1)
             ok = (self._keys[at] == keys) & in_span[at]  # a row of the span (a graph newer than the rows: not)
-            scores = 1.0 - np.asarray(found.distances, dtype=np.float64)[ok]
-            hits = self._no_direction_last(list(zip(keys[ok].tolist(), scores.tolist(), strict=True)))
-            if len(hits) >= k or count >= len(self.graph):
-                return [self._match(key, score) for key, score in hits[:k]]
+            rows = at[ok]
+            # The graph gives a zero vector cosine distance 1, a score of 0, above every chunk of
+            # negative cosine: scored NO_DIRECTION, as the exact search scores it, and moved behind
+            # the others (a stable sort: the graph's order otherwise)
+            cosine = 1.0 - np.asarray(found.distances, dtype=np.float64)[ok]
+            scores = np.where(self._zero(keys[ok]), NO_DIRECTION, cosine)
+            if len(rows) >= k or count >= len(self.graph):
+                order = np.argsort(-scores, kind="stable")[:k]
+                return self._matches(rows[order], scores[order])
             count *= 4
 
-    def _no_direction_last(self, hits: list[tuple[int, float]]) -> list[tuple[int, float]]:
-        """The graph's hits with its zero vectors scored NO_DIRECTION, as the exact search scores
-        them (the graph gives a zero vector cosine distance 1, a score of 0, above every chunk of
-        negative cosine), moved behind the others (sorted, stable: the graph's order otherwise)."""
-        if not hits:
-            return hits
-        vectors = np.atleast_2d(np.asarray(self.graph.get(np.array([key for key, _ in hits], dtype=np.uint64))))
-        zero = ~np.linalg.norm(vectors.astype(np.float32), axis=1).astype(bool)
-        if not zero.any():
-            return hits
-        scored = [(key, NO_DIRECTION if z else score) for (key, score), z in zip(hits, zero.tolist(), strict=True)]
-        return sorted(scored, key=lambda hit: -hit[1])
+    def _zero(self, keys: np.ndarray) -> np.ndarray:
+        """Whether each of these chunks' vectors is all zeros (no direction)."""
+        if not len(keys):
+            return np.zeros(0, dtype=bool)
+        return ~np.atleast_2d(np.asarray(self.graph.get(keys))).any(axis=1)
 
-    def _match(self, key: int, score: float) -> Match:
-        table = self.table()
-        # a uint64 key: with a Python int numpy would cast the whole column to compare
-        _, t0, t1, s0, s1, n = table[np.searchsorted(self._keys, np.uint64(key))].tolist()
-        return Match(t0, t1, s0, s1, n, score)
+    def _matches(self, rows: np.ndarray, scores: np.ndarray) -> list[Match]:
+        return [
+            Match(t0, t1, s0, s1, n, score)
+            for (_, t0, t1, s0, s1, n), score in zip(self.table()[rows].tolist(), scores.tolist(), strict=True)
+        ]
 
 
 def _fsync(path: Path) -> None:
