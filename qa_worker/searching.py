@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +44,9 @@ CANDIDATES = 4
 # Cameras searched at once: the graph search and the span's masks run without the GIL, and a day of
 # 64 cameras searched one after another took about 5 ms a camera, most of a search's time.
 SEARCH_THREADS = 8
+# Question vectors kept, by text and layers: each is a forward on the GPU loop (81 ms a task beside
+# 64 cameras, H200), and the same searches come again (a page reloaded, a saved search, an alert).
+VECTORS_KEPT = 256
 
 
 class SearchError(Exception):
@@ -69,6 +73,8 @@ class Searcher:
         self._open: dict[str, tuple[tuple[int, int], ChunkIndex]] = {}  # camera -> (meta file's stamp, index)
         self._refresher: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(SEARCH_THREADS, thread_name_prefix="search")
+        self._vectors: OrderedDict[tuple[str, tuple[int, ...]], np.ndarray] = OrderedDict()  # least recent first
+        self._vectors_lock = threading.Lock()
 
     def answer(self, qid: str, fields: dict, asked_at: float) -> tuple[FinalAnswer, SearchRequest | None]:
         """A search entry's final (errors are finals) and the request, when it parsed."""
@@ -140,7 +146,17 @@ class Searcher:
     def _question(self, text: str, layers: tuple[int, ...]) -> np.ndarray:
         if len(self.rt.encode(text, user=True)) > MAX_QUESTION_TOKENS:
             raise SearchError(f"the search is longer than {MAX_QUESTION_TOKENS} tokens", param="search")
-        return self.rt.executor.call(lambda: question_vector(self.rt, text, layers))
+        key = (text, layers)
+        with self._vectors_lock:
+            if (kept := self._vectors.get(key)) is not None:
+                self._vectors.move_to_end(key)
+                return kept
+        vector = self.rt.executor.call(lambda: question_vector(self.rt, text, layers))
+        with self._vectors_lock:
+            self._vectors[key] = vector
+            while len(self._vectors) > VECTORS_KEPT:
+                self._vectors.popitem(last=False)
+        return vector
 
     def _index(self, cam: str) -> ChunkIndex | None:
         """The camera's index as last opened; opened now only the first time it is searched."""

@@ -73,3 +73,17 @@ def test_chunk_and_question_vectors_and_scores_equal_the_one_shot_oracle(rt):
         np.testing.assert_allclose(engine_scores, oracle_scores, atol=2e-3)
         assert np.argsort(engine_scores).tolist() == np.argsort(oracle_scores).tolist()
         assert len(set(np.round(oracle_scores, 4))) == len(chunks), "random weights still tell chunks apart"
+
+
+def test_a_question_vector_of_early_layers_stops_there_and_equals_the_oracle(rt, monkeypatch):
+    """The question's forward stops once the last wanted layer's queries are seen (the layers
+    after it feed only logits): at layer 0 of the tiny model's 2, layer 1 never runs, and the
+    vector is the one-shot oracle's."""
+    ran: list[int] = []
+    attention = rt.lm._attention
+    monkeypatch.setattr(rt.lm, "_attention", lambda i, *a: ran.append(i) or attention(i, *a))
+    q = question_vector(rt, "Is there a red van?", (0,))
+    assert ran == [], "layer 0's attention is not needed for its queries, nor anything after"
+    means = question_means(rt, "Is there a red van?", (0,))
+    kv_heads = rt.lm.n_kv_heads
+    np.testing.assert_allclose(q, unit_layers(means.reshape(1, kv_heads, -1, means.shape[-1]).sum(2)), atol=1e-5)

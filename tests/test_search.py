@@ -564,3 +564,17 @@ def test_a_search_forwarded_twice_is_queued_once(world):
     assert not forward_search(r, "s-once", fields, 60, "1-0")
     ((_, entry),) = r.xrange(keys.SEARCHES)
     assert entry == {b"id": b"s-once", b"search": QUERY.encode(), b"asked": b"1-0"}
+
+
+def test_a_search_asked_again_reuses_its_question_vector_and_finds_the_same(rt, world, worker, monkeypatch):
+    """A question's vector is a forward on the GPU loop; the same text asked again (a page
+    reloaded, a saved search) takes the kept one: the same hits, no second forward."""
+    from qa_worker import searching
+
+    made: list[str] = []
+    real = searching.question_vector
+    monkeypatch.setattr(searching, "question_vector", lambda rt_, q, layers: made.append(q) or real(rt_, q, layers))
+    text = "Is a bicycle leaning on the wall?"
+    first = worker.searcher.search(text, None, -math.inf, math.inf, 5)
+    again = worker.searcher.search(text, None, -math.inf, math.inf, 5)
+    assert made == [text] and first == again and first

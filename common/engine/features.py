@@ -77,7 +77,7 @@ def question_vector(rt: Runtime, question: str, layers: tuple[int, ...]) -> np.n
             queries[layer] = q[len(prefix) :].transpose(0, 1)  # (heads, n, hd)
 
     scratch = lm.pool.alloc(len(ids))  # the forward writes its K/V somewhere; nobody reads them
-    lm.forward(lm.embed(ids), positions, lm.plan([Item(len(ids), scratch, 0)]), tap=tap)
+    lm.queries(lm.embed(ids), positions, lm.plan([Item(len(ids), scratch, 0)]), tap, last=max(layers))
     q = torch.stack([queries[layer] for layer in layers])  # (L, heads, n, hd)
     mean = unrotate(q, positions[:, len(prefix) :], rt).mean(dim=2)  # (L, heads, hd)
     per_kv_head = mean.view(len(layers), lm.n_kv_heads, -1, lm.head_dim).sum(dim=2)  # a group's heads summed

@@ -437,7 +437,7 @@ class LanguageModel:
         """Run `embeds` (T, D) at `positions` (3, T) as `plan` says; writes their K/V into the pool
         and returns the final-norm hidden states (T, D). `tap(layer, q)` sees each layer's queries
         (T, H, hd), rotated (retrieval features: features.py)."""
-        h = self._layers(embeds, positions, plan, kv_only=False, tap=tap)
+        h = self._layers(embeds, positions, plan, tap=tap)
         assert h is not None
         return h
 
@@ -446,11 +446,19 @@ class LanguageModel:
         """`forward` for work that wants only its K/V in the pool (a chunk, a prompt prefix): the
         last layer stops once it has written them, since its attention and MLP would only feed
         logits that nobody reads (1/36 of a 3B model's prefill)."""
-        self._layers(embeds, positions, plan, kv_only=True)
+        self._layers(embeds, positions, plan, last=self.n_layers - 1)
+
+    @torch.inference_mode()
+    def queries(self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, tap: Tap, last: int) -> None:
+        """`forward` as far as layer `last`'s queries, each layer's seen by `tap` (a question's
+        retrieval vector, features.py): the layers after it would feed logits nobody reads."""
+        self._layers(embeds, positions, plan, last=last, tap=tap)
 
     def _layers(
-        self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, kv_only: bool, tap: Tap | None = None
+        self, embeds: torch.Tensor, positions: torch.Tensor, plan: Plan, last: int | None = None, tap: Tap | None = None
     ) -> torch.Tensor | None:
+        """The layers, to the final norm's hidden states; with `last`, only until that layer has
+        written its K/V (and shown `tap` its queries)."""
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.mrope_section, self.dtype)  # (T, hd) each
         x = embeds.to(self.dtype)  # (T, D): the residual stream
         h = _rms_norm_weight(x, self.weights[0].norm1, self.eps)  # (T, D): x normed for the next layer
@@ -463,7 +471,7 @@ class LanguageModel:
             self._write(i, kv, plan)
             if tap is not None:
                 tap(i, q)
-            if kv_only and i == self.n_layers - 1:
+            if i == last:
                 return None
             attended = self._attention(i, q, plan)  # (T, H, hd)
             tokens_vary(x, attended)
