@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
-from common.chunkindex import META_NAME, ChunkIndex
+from common.chunkindex import DELTA_META_NAME, META_NAME, ChunkIndex
 from common.engine.features import question_vector
 from common.engine.params import MAX_QUESTION_TOKENS
 from common.engine.runtime import Runtime
@@ -70,7 +70,7 @@ class Searcher:
     def __init__(self, rt: Runtime, framelog_dir: str | None):
         self.rt = rt
         self.framelog = FrameLog(framelog_dir) if framelog_dir is not None else None
-        self._open: dict[str, tuple[tuple[int, int], ChunkIndex]] = {}  # camera -> (meta file's stamp, index)
+        self._open: dict[str, tuple[tuple[int, ...], ChunkIndex]] = {}  # camera -> (meta files' stamps, index)
         self._refresher: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(SEARCH_THREADS, thread_name_prefix="search")
         self._vectors: OrderedDict[tuple[str, tuple[int, ...]], np.ndarray] = OrderedDict()  # least recent first
@@ -166,17 +166,15 @@ class Searcher:
             self._refresher.start()
         return held[1] if held else None
 
-    def _reopen(self, cam: str) -> tuple[tuple[int, int], ChunkIndex] | None:
+    def _reopen(self, cam: str) -> tuple[tuple[int, ...], ChunkIndex] | None:
         """Open the camera's saved index again if its files changed since it was opened (its
         table built here too, not in a search); the index held now, None when there is none."""
         assert self.framelog is not None
         d = Path(self.framelog.root) / cam
-        try:
-            st = (d / META_NAME).stat()
-        except FileNotFoundError:
+        stamp = _stamp(d / META_NAME) + _stamp(d / DELTA_META_NAME)  # a delta is saved without its base
+        if not stamp:
             self._open.pop(cam, None)
             return None
-        stamp = (st.st_mtime_ns, st.st_size)
         held = self._open.get(cam)
         if held is None or held[0] != stamp:
             index = ChunkIndex.view(d)
@@ -194,3 +192,12 @@ class Searcher:
                     self._reopen(cam)
                 except Exception as e:  # a bad file must not end the refreshing of the others
                     log.warning("search index not reopened", stream=cam, error=str(e)[:200])
+
+
+def _stamp(path: Path) -> tuple[int, ...]:
+    """(modified, size) of a file; () when there is none."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return ()
+    return (st.st_mtime_ns, st.st_size)

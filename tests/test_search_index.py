@@ -88,7 +88,7 @@ def saved(log_dir: Path) -> ChunkIndex:
 
 
 def rows(index: ChunkIndex) -> list[tuple[int, int]]:
-    return sorted((s0, s1) for _, _, _, s0, s1, _ in index.table().tolist())
+    return sorted((s0, s1) for _, _, _, s0, s1, _ in index.every_row().tolist())
 
 
 def test_encoded_chunks_are_indexed_beside_the_frames_log_with_the_models_vectors(rt, redis_url, tmp_path):
@@ -305,3 +305,86 @@ def test_a_zero_vector_scores_lowest_and_the_search_still_answers(tmp_path, monk
         assert len(found) == 21 and found[-1].first_seq == 80 and found[-1].score == chunkindex.NO_DIRECTION
         assert min(m.score for m in found[:-1]) < 0, "chunks of negative cosine rank above the zero one"
         assert [m.score for m in searched(np.zeros(64, np.float32))] == [chunkindex.NO_DIRECTION] * 21
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def _found(index: ChunkIndex, question: np.ndarray, k: int = 12) -> list[tuple[int, float]]:
+    return [(m.first_seq, round(m.score, 4)) for m in index.search(question.astype(np.float32), k)]
+
+
+def test_a_save_writes_what_was_added_until_the_delta_is_folded_into_a_new_base(tmp_path, monkeypatch):
+    """Rewriting a camera-day's whole index every save wrote 3.2 MB/s a camera (H200, 2026-11-28).
+    A save writes the chunks added since the base (the delta), the base's files untouched, until
+    the delta passes its share; then one new base and no delta. A reader and a reopened writer see
+    every chunk once, and a search finds what one index holding them all finds."""
+    from common import chunkindex
+
+    monkeypatch.setattr(chunkindex, "DELTA_MIN_CHUNKS", 8)
+    d = tmp_path / CAM
+    d.mkdir()
+    vs = vectors(120, seed=11)
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    whole = ChunkIndex("tiny-random", LAYERS, 64)  # the oracle: never saved
+    for i in range(100):
+        index.add(planted(4 * i, vs[i]))
+        whole.add(planted(4 * i, vs[i]))
+    index.save(d)
+    assert set(_files(d)) == {chunkindex.GRAPH_NAME, chunkindex.META_NAME}
+    base = _files(d)
+    for i in range(100, 106):
+        index.add(planted(4 * i, vs[i]))
+        whole.add(planted(4 * i, vs[i]))
+    index.save(d)
+    after = _files(d)
+    assert {n: after[n] for n in base} == base, "the base is not written again"
+    assert len(after[chunkindex.DELTA_GRAPH_NAME]) < len(base[chunkindex.GRAPH_NAME]) / 4, "the delta is small"
+    reader = saved(tmp_path)
+    assert rows(reader) == [(4 * i, 4 * i + 3) for i in range(106)] and len(reader) == 106
+    for q in (vs[103], vs[7], vectors(1, seed=99)[0]):
+        assert _found(reader, q) == _found(whole, q)
+    writer = ChunkIndex.open(d)
+    assert writer is not None and rows(writer) == rows(reader) and writer.next_key == 106
+    assert len(writer.graph) == 106 and writer.base_next_key == 100
+    for i in range(106, 120):  # past the delta's share (8 here): one new base
+        writer.add(planted(4 * i, vs[i]))
+        whole.add(planted(4 * i, vs[i]))
+    writer.save(d)
+    assert set(_files(d)) == {chunkindex.GRAPH_NAME, chunkindex.META_NAME}
+    reader = saved(tmp_path)
+    assert reader.delta is None and len(reader) == 120 and _found(reader, vs[115]) == _found(whole, vs[115])
+
+
+def test_retention_removes_chunks_through_the_delta_and_a_stale_delta_is_not_used(tmp_path, monkeypatch):
+    """Retention's removals ride in the delta (the base keeps its files until the next base): a
+    reader and a reopened writer no longer see the removed chunks. A delta left beside a newer
+    base (a crash before its removal) belongs to no base: it is not used, and nothing is twice."""
+    from common import chunkindex
+
+    d = tmp_path / CAM
+    d.mkdir()
+    vs = vectors(30, seed=12)
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    for i in range(20):
+        index.add(planted(4 * i, vs[i]))
+    index.save(d)
+    assert index.remove_before(T0 + 4 * 5 / FPS) == 5  # chunks 0-4 captured before it
+    index.add(planted(4 * 20, vs[20]))
+    index.save(d)
+    assert chunkindex.DELTA_META_NAME in _files(d)
+    reader = saved(tmp_path)
+    assert rows(reader) == [(4 * i, 4 * i + 3) for i in range(5, 21)]
+    assert all(m.first_seq >= 20 for m in reader.search(vs[2].astype(np.float32), 16)), "removed: never found"
+    writer = ChunkIndex.open(d)
+    assert writer is not None and rows(writer) == rows(reader) and len(writer.graph) == 16
+    stale = {n: b for n, b in _files(d).items() if "delta" in n}
+    monkeypatch.setattr(chunkindex, "DELTA_MIN_CHUNKS", 0)
+    monkeypatch.setattr(chunkindex, "DELTA_SHARE", 0.0)
+    writer.add(planted(4 * 21, vs[21]))
+    writer.save(d)  # a new base, the delta removed...
+    for name, data in stale.items():  # ...and back, as if the process died before removing it
+        (d / name).write_bytes(data)
+    again = saved(tmp_path)
+    assert again.delta is None and rows(again) == [(4 * i, 4 * i + 3) for i in range(5, 22)]
