@@ -207,7 +207,8 @@ class ChunkIndex:
         index._adopt(rows)
         if delta is not None:
             d_index, d_rows, d_meta = delta
-            index.graph.add(d_rows["key"], np.atleast_2d(np.asarray(d_index.graph.get(d_rows["key"]))))
+            if len(d_rows):  # a delta of removals alone has none
+                index.graph.add(d_rows["key"], np.atleast_2d(np.asarray(d_index.graph.get(d_rows["key"]))))
             index._adopt(d_rows)
             index.next_key = int(d_meta["next_key"])
         if len(stray := np.setdiff1d(np.asarray(index.graph.keys, dtype=np.uint64), index.table()["key"])):

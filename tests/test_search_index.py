@@ -371,6 +371,9 @@ def test_retention_removes_chunks_through_the_delta_and_a_stale_delta_is_not_use
         index.add(planted(4 * i, vs[i]))
     index.save(d)
     assert index.remove_before(T0 + 4 * 5 / FPS) == 5  # chunks 0-4 captured before it
+    index.save(d)  # a delta of removals alone: no chunk in it
+    alone = ChunkIndex.open(d)
+    assert alone is not None and rows(alone) == rows(saved(tmp_path)) == [(4 * i, 4 * i + 3) for i in range(5, 20)]
     index.add(planted(4 * 20, vs[20]))
     index.save(d)
     assert chunkindex.DELTA_META_NAME in _files(d)
