@@ -193,8 +193,9 @@ class ChunkIndex:
         index, rows, _ = loaded
         index.base_next_key = index.next_key
         delta = cls._files(d, DELTA_GRAPH_NAME, DELTA_META_NAME, view)
-        if delta is not None and (delta[2].get("base_next_key"), delta[0].layers) != (index.next_key, index.layers):
-            delta = None  # another base's (the model's own name is in the base's key range: keys are the base's)
+        follows = (index.next_key, index.model, index.layers)
+        if delta is not None and (delta[2].get("base_next_key"), delta[0].model, delta[0].layers) != follows:
+            delta = None  # another base's
         if delta is not None:
             index.removed_before = float(delta[2]["removed_before"])
             rows = rows[rows["t0"] >= index.removed_before]
