@@ -138,10 +138,10 @@ class ChunkIndex:
         (its two files replaced whole), or, with no base yet or a delta past its share, everything
         as a new base and no delta. Each file is written, fsynced and renamed, the graph before
         its meta, and the directory fsynced: a crash at any point leaves a readable index."""
-        new = self.table()["key"]
-        new = new[new >= self.base_next_key] if self.base_next_key is not None else new
+        table = self.table()
+        new = table if self.base_next_key is None else table[table["key"] >= self.base_next_key]
         if self.base_next_key is None or len(new) > max(DELTA_MIN_CHUNKS, DELTA_SHARE * len(self.rows)):
-            self._write(d, GRAPH_NAME, META_NAME, self.graph, self.table(), {})
+            self._write(d, GRAPH_NAME, META_NAME, self.graph, table, {})
             for name in (DELTA_META_NAME, DELTA_GRAPH_NAME):  # the meta first: no delta without its graph
                 (d / name).unlink(missing_ok=True)
             fsync_dir(d)
@@ -149,10 +149,10 @@ class ChunkIndex:
         else:
             graph = Index(ndim=self.dim, metric="cos", dtype="f16")
             if len(new):
-                graph.add(new, np.atleast_2d(np.asarray(self.graph.get(new))))
-            rows = self.table()[np.isin(self.table()["key"], new)]
+                keys = np.ascontiguousarray(new["key"])
+                graph.add(keys, np.atleast_2d(np.asarray(self.graph.get(keys))))
             base = {"base_next_key": self.base_next_key, "removed_before": self.removed_before}
-            self._write(d, DELTA_GRAPH_NAME, DELTA_META_NAME, graph, rows, base)
+            self._write(d, DELTA_GRAPH_NAME, DELTA_META_NAME, graph, new, base)
         self.dirty = False
 
     def _write(self, d: Path, graph_name: str, meta_name: str, graph: Index, rows: np.ndarray, extra: dict) -> None:
