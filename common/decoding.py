@@ -80,7 +80,7 @@ class FrameDecoder:
 
     def _new_pool(self) -> ProcessPoolExecutor:
         context = multiprocessing.get_context("spawn")
-        return ProcessPoolExecutor(self.processes, context, initializer=_watch_parent, initargs=(os.getpid(),))
+        return ProcessPoolExecutor(self.processes, context, initializer=watch_parent, initargs=(os.getpid(),))
 
     def _replace(self, broken: ProcessPoolExecutor) -> None:
         with self._lock:
@@ -130,9 +130,10 @@ class Pending:
 PARENT_CHECK_S = 1.0
 
 
-def _watch_parent(parent: int) -> None:
-    """In a decoder process: exit once the worker that started it is gone (reparented), so that a
-    killed worker leaves no decoder behind (the pool's own shutdown never ran)."""
+def watch_parent(parent: int) -> None:
+    """In a spawned process (a decoder's, the search indexes' one): exit once the worker that started
+    it is gone (reparented), so that a killed worker leaves none behind (the pool's own shutdown
+    never ran)."""
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -145,6 +145,7 @@ class QAService:
         versions.start()
         redisio.run_riding_out(self.r, self.step, stop, self.cfg.redis_grace_s, on_back=self.reader.reset)
         self.questions_pool.shutdown(wait=True)  # questions in flight get their final answers
+        self.answerer.searcher.close()
         if self.own_decoder and self.decoder is not None:
             self.decoder.close()
         self.jobs.flush()

@@ -14,11 +14,13 @@ import contextlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -36,6 +38,7 @@ from common.wire import keys
 from common.wire.schemas import SearchHit
 from qa_worker.answering import Answerer
 from qa_worker.client import Client
+from qa_worker.searching import Searcher, SearchError
 from tests.engine_helpers import make_frames
 from tests.retrieval_oracle import chunk_means, question_means, score
 from tests.test_persistence import encoded, run_until, stop
@@ -112,6 +115,7 @@ def answering(rt: Runtime, world: dict, **options) -> Iterator[Answerer]:
     finally:
         done.set()
         thread.join(10)
+        answerer.searcher.close()
 
 
 @pytest.fixture
@@ -286,7 +290,7 @@ def test_the_cli_prints_ranked_ranges_and_exits_2_on_bad_parameters(rt, world, w
     assert both.returncode == 2
 
 
-def test_scope_history_answers_exactly_over_the_best_ranked_chunks(rt, world):
+def test_scope_history_answers_exactly_over_the_best_ranked_chunks(rt, world, request):
     """With scope history, a question is answered over as many of its camera's chunks as
     history_max_tokens holds (2 here), those that rank best for it, oldest first: the answer equals
     one-shot offline inference on exactly those chunks' frames, and its ranges are theirs."""
@@ -300,6 +304,7 @@ def test_scope_history_answers_exactly_over_the_best_ranked_chunks(rt, world):
     answerer = Answerer(
         rt, r, lambda *_: None, lambda _: True, framelog_dir=str(world["log"]), history_max_tokens=budget
     )
+    request.addfinalizer(answerer.searcher.close)
     client = Client(r)
 
     def asked(**options) -> object:
@@ -361,15 +366,16 @@ def test_the_api_takes_scope_history_and_refuses_another_scope(world):
     assert fields[b"scope"] == b"history"
 
 
-def planted_searcher(tmp_path: Path, scores: dict[str, list[float]]):
+@contextlib.contextmanager
+def planted_searcher(tmp_path: Path, scores: dict[str, list[float]]) -> Iterator[Searcher]:
     """A worker's searcher over cameras whose chunks (CHUNK frames each, back to back from seq 0,
     tests/test_search_index.py's `planted`) score exactly ``scores`` against the question (to
     float16's precision): each vector is the score's part along the question and the rest at right
-    angles to it. The real index (USearch, saved and opened as the recorder's)."""
+    angles to it. The real index (USearch, saved and opened as the recorder's), searched in the
+    searcher's index process, ended on the way out."""
     from types import SimpleNamespace
 
     from common.chunkindex import ChunkIndex
-    from qa_worker.searching import Searcher
     from tests.test_search_index import LAYERS, planted
 
     rng = np.random.default_rng(7)
@@ -386,7 +392,10 @@ def planted_searcher(tmp_path: Path, scores: dict[str, list[float]]):
         index.save(tmp_path / cam)
     searcher = Searcher(SimpleNamespace(loaded=SimpleNamespace(name="tiny-random")), str(tmp_path))  # type: ignore[arg-type]
     searcher._question = lambda text, layers: question.astype(np.float32)  # type: ignore[method-assign]
-    return searcher
+    try:
+        yield searcher
+    finally:
+        searcher.close()
 
 
 def planted_moment(cam: str, scores: list[float], first: int, last: int) -> tuple:
@@ -413,15 +422,15 @@ ONE_CAMERA = [0.0, 0.1, 0.8, 0.95, 0.85, 0.3, 0.0, 0.5, 0.0, 0.7, 0.1, 0.0]
 
 
 def test_adjacent_matching_chunks_are_one_result_with_its_best_chunks_score_and_place(tmp_path):
-    searcher = planted_searcher(tmp_path, {"cam": ONE_CAMERA})
-    event, alone, weaker = (planted_moment("cam", ONE_CAMERA, *r) for r in ((2, 4), (9, 9), (7, 7)))
-    found = searcher.search("a red van", ["cam"], -math.inf, math.inf, 2)
-    assert_planted(found, [event, alone])  # 3 consecutive chunks and a distant one: 2 results
-    assert event[0][2] < found[1].start, "the weak neighbour (chunk 5) is not merged in: the event ends at 4"
-    assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 1), [event])
-    assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 3), [event, alone, weaker])
-    chunks = searcher.chunks("a red van", ["cam"], -math.inf, math.inf, 2)  # one by one: the event's two best
-    assert [(c.first_seq, c.chunks) for c in chunks] == [(12, 1), (16, 1)]
+    with planted_searcher(tmp_path, {"cam": ONE_CAMERA}) as searcher:
+        event, alone, weaker = (planted_moment("cam", ONE_CAMERA, *r) for r in ((2, 4), (9, 9), (7, 7)))
+        found = searcher.search("a red van", ["cam"], -math.inf, math.inf, 2)
+        assert_planted(found, [event, alone])  # 3 consecutive chunks and a distant one: 2 results
+        assert event[0][2] < found[1].start, "the weak neighbour (chunk 5) is not merged in: the event ends at 4"
+        assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 1), [event])
+        assert_planted(searcher.search("a red van", ["cam"], -math.inf, math.inf, 3), [event, alone, weaker])
+        chunks = searcher.chunks("a red van", ["cam"], -math.inf, math.inf, 2)  # one by one: the event's two best
+        assert [(c.first_seq, c.chunks) for c in chunks] == [(12, 1), (16, 1)]
 
 
 def test_moments_of_several_cameras_ranked_and_an_event_longer_than_the_chunks_first_asked_for(tmp_path):
@@ -430,12 +439,82 @@ def test_moments_of_several_cameras_ranked_and_an_event_longer_than_the_chunks_f
     gate = [0.9 - 0.004 * abs(i - 6) for i in range(12)]  # the event: best at 6, less either side
     gate += [0.1, 0.6] + [-0.1 - 0.05 * i for i in range(6)]
     yard = [0.0, 0.75, 0.7, 0.0]
-    searcher = planted_searcher(tmp_path, {"gate": gate, "yard": yard})
-    event, later = planted_moment("gate", gate, 0, 11), planted_moment("gate", gate, 13, 13)
-    yards = planted_moment("yard", yard, 1, 2)
-    assert_planted(searcher.search("a red van", ["yard", "gate"], -math.inf, math.inf, 3), [event, yards, later])
-    assert_planted(searcher.search("a red van", ["gate", "yard"], -math.inf, math.inf, 2), [event, yards])
-    assert_planted(searcher.search("a red van", ["gate"], -math.inf, math.inf, 10), [event, later])
+    with planted_searcher(tmp_path, {"gate": gate, "yard": yard}) as searcher:
+        event, later = planted_moment("gate", gate, 0, 11), planted_moment("gate", gate, 13, 13)
+        yards = planted_moment("yard", yard, 1, 2)
+        assert_planted(searcher.search("a red van", ["yard", "gate"], -math.inf, math.inf, 3), [event, yards, later])
+        assert_planted(searcher.search("a red van", ["gate", "yard"], -math.inf, math.inf, 2), [event, yards])
+        assert_planted(searcher.search("a red van", ["gate"], -math.inf, math.inf, 10), [event, later])
+
+
+YARD = [0.0, 0.9, 0.2]
+# ONE_CAMERA's and YARD's three best moments: the event, yard's best chunk alone, gate's chunk 9
+BOTH = [planted_moment("gate", ONE_CAMERA, 2, 4), planted_moment("yard", YARD, 1, 1)]
+BOTH += [planted_moment("gate", ONE_CAMERA, 9, 9)]
+
+
+@pytest.fixture(scope="module")
+def two_cameras(tmp_path_factory) -> Iterator[tuple[Searcher, Path]]:
+    """One searcher (and its index process) for the module's tests of that process, over planted
+    cameras gate (ONE_CAMERA) and yard (YARD); its process ended, none left behind, at the end."""
+    root = tmp_path_factory.mktemp("planted")
+    with planted_searcher(root, {"gate": ONE_CAMERA, "yard": YARD}) as searcher:
+        yield searcher, root
+        assert searcher.indexes is not None
+        last = searcher.indexes.pid
+    assert not Path(f"/proc/{last}").exists(), "the index process outlived its searcher"
+
+
+def searched_both(searcher: Searcher) -> list[SearchHit]:
+    return searcher.search("a red van", ["gate", "yard"], -math.inf, math.inf, 3)
+
+
+def test_the_indexes_are_opened_and_searched_in_a_process_of_their_own_without_the_model(two_cameras):
+    """The worker's process maps neither index: a child of it does, and ranks them (the planted
+    moments, as ranked in the worker before); that child has not loaded torch, which this
+    process has."""
+    searcher, root = two_cameras
+    assert_planted(searched_both(searcher), BOTH)
+    assert searcher.indexes is not None
+    pid = searcher.indexes.pid
+    assert pid != os.getpid() and f"PPid:\t{os.getpid()}\n" in Path(f"/proc/{pid}/status").read_text()
+    theirs, ours = Path(f"/proc/{pid}/maps").read_text(), Path("/proc/self/maps").read_text()
+    for cam in ("gate", "yard"):
+        graph = str(root / cam / "chunks.usearch")
+        assert graph in theirs and graph not in ours, "the index is memory-mapped there, not here"
+    assert "libtorch" in ours and "libtorch" not in theirs
+
+
+def test_an_index_process_that_dies_fails_the_search_it_held_and_the_next_search_starts_another(two_cameras):
+    """Killed between two searches, or while it holds one (stopped, then killed): the search that
+    finds it gone gets the error as its final, nothing is raised in the worker, and the next search
+    answers from a fresh process, the old one reaped."""
+    from common.wire.search_request import checked_search, encode_search
+
+    searcher, _ = two_cameras
+    assert searcher.indexes is not None
+    first = searcher.indexes.pid
+    os.kill(first, signal.SIGKILL)
+    with pytest.raises(SearchError, match=r"^the search process ended; try again$"):
+        searched_both(searcher)
+    assert_planted(searched_both(searcher), BOTH)
+    second = searcher.indexes.pid
+    assert second != first
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{first}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{first}").exists(), "the killed process was reaped"
+
+    fields = encode_search(checked_search("a red van", stream="gate", limit=3))
+    os.kill(second, signal.SIGSTOP)
+    with ThreadPoolExecutor(1) as asking:
+        asked = asking.submit(searcher.answer, "q-killed", fields, time.time())
+        time.sleep(0.2)  # handed to the stopped process by now (killed before, it fails all the same)
+        os.kill(second, signal.SIGKILL)
+        final, req = asked.result(timeout=60)
+    assert req is not None and final.error == "the search process ended; try again" and not final.hits
+    assert_planted(searched_both(searcher), BOTH)
+    assert searcher.indexes.pid not in (first, second)
 
 
 def test_adjacent_is_no_whole_chunk_between():
@@ -488,6 +567,7 @@ def qa_service(rt: Runtime, world: dict, consumer: str, framelog_dir: str | None
         yield svc
     finally:
         svc.questions_pool.shutdown(wait=True)
+        svc.answerer.searcher.close()
         if svc.own_decoder and svc.decoder is not None:
             svc.decoder.close()
 

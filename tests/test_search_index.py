@@ -257,22 +257,23 @@ def test_chunks_added_at_once_are_indexed_as_one_by_one(tmp_path):
 
 def test_a_search_uses_the_index_it_holds_while_a_newer_save_is_opened_beside_it(tmp_path):
     """Searches never open an index the recorder saved again (every camera's at once, every
-    features_save_s): the one held serves until the searcher's thread has opened the new save."""
-    from qa_worker import searching
+    features_save_s): the one held serves until the index process's thread has opened the new save
+    (its indexes held here, in the test's process)."""
+    from qa_worker import index_process
 
     vs = vectors(3)
     index = ChunkIndex("tiny-random", LAYERS, 64)
     index.add(planted(0, vs[0]))
     (tmp_path / CAM).mkdir()
     index.save(tmp_path / CAM)
-    searcher = searching.Searcher(None, str(tmp_path))  # type: ignore[arg-type]  # no model: no question asked
-    first = searcher._index(CAM)
+    held_indexes = index_process.HeldIndexes(tmp_path)
+    first = held_indexes.index(CAM)
     assert first is not None and rows(first) == [(0, 3)]
     index.add(planted(4, vs[1]))
     index.save(tmp_path / CAM)
-    assert searcher._index(CAM) is first, "the search did not wait for the newer save to open"
-    deadline = time.monotonic() + 10 * searching.REFRESH_S
-    while (held := searcher._index(CAM)) is first and time.monotonic() < deadline:
+    assert held_indexes.index(CAM) is first, "the search did not wait for the newer save to open"
+    deadline = time.monotonic() + 10 * index_process.REFRESH_S
+    while (held := held_indexes.index(CAM)) is first and time.monotonic() < deadline:
         time.sleep(0.05)
     assert held is not first and rows(held) == [(0, 3), (4, 7)]
     assert held.search(vs[1], 1)[0].first_seq == 4
