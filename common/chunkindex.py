@@ -65,9 +65,9 @@ class Match:
 class ChunkIndex:
     """A camera's chunk vectors and rows. A writer's (`open`) grows and saves; a reader's (`view`)
     is memory-mapped and only searched, its rows one array (`table`) and never Python objects a
-    row: a worker searches beside its GPU loop, and a day of 64 cameras' chunks (2.8 M) made into
-    sets and dicts a search held the GIL for a second each time (H200, 2026-11-28: the GPU 18 %
-    busy, 64 % of frames dropped)."""
+    row: a day of 64 cameras' chunks (2.8 M) made into sets and dicts a search held the GIL for a
+    second each time (H200, 2026-11-28, when searches ran beside the GPU loop: the GPU 18 % busy,
+    64 % of frames dropped; they now run in a process of their own, qa_worker/index_process.py)."""
 
     def __init__(self, model: str, layers: tuple[int, ...], dim: int, graph: Index | None = None) -> None:
         self.model, self.layers, self.dim = model, layers, dim
@@ -271,7 +271,8 @@ class ChunkIndex:
         """The ``k`` chunks nearest to ``vector`` (a question's, features.py) among those whose
         capture range meets [since, until], best first. Few such chunks: all of them are scored
         exactly; many: the HNSW graph is searched wider until ``k`` of its hits fall in the span.
-        Rows are handled as arrays throughout: searches run beside the GPU loop, in its process."""
+        Rows are handled as arrays throughout: a day of 64 cameras' rows as Python objects held the
+        GIL for a second (`ChunkIndex`)."""
         table = self.table()
         in_span = (table["t1"] >= since) & (table["t0"] <= until)
         inside = np.flatnonzero(in_span)  # rows

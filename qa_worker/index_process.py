@@ -19,8 +19,9 @@ waits for that: opening a camera-day's index and building its table took 100-200
 which at 64 cameras made the first search after every save take seconds. A search sees what the
 recorder saved, up to `REFRESH_S` and an opening later.
 
-The process ending (killed, out of memory, a crash in the index library) ends only the searches
-it holds (`Ended`); the next search starts another.
+The process ending (killed, out of memory, a crash in the index library) fails the searches it
+held, or the one that finds it gone (`Ended`), and nothing else; the next search starts another.
+A failed search is not tried again here: one that crashes the process would crash the next too.
 """
 
 from __future__ import annotations
