@@ -278,11 +278,11 @@ def answer_beside_encoding(
     inference: list[bool] = []
     encode_cuda_streams: set[object] = set()  # where the encode steps' vision ran, on a GPU
 
-    def forward_spy(gens):
+    def forward_spy(gens, picks=None):
         # inside an encode step's forward, a step must still run as it would alone: a graph
         # captured in inference mode has buffers that no later replay can write
         inference.append(torch.is_inference_mode_enabled())
-        return forward(gens)
+        return forward(gens, picks)
 
     def vision_spy(batch):
         if rt.device.type == "cuda":

@@ -99,6 +99,9 @@ if TYPE_CHECKING:  # not imported at run time: settings load SchedulePolicy with
 log = structlog.get_logger()
 T = TypeVar("T")
 STOPPED = "the GPU scheduler stopped"  # the error of work given to a scheduler that stopped
+# Decode steps in a row, each queued before the one before is read (`Launched.ahead`), while the
+# loop would choose decoding again anyway; then it decides afresh (a question to start, say).
+AHEAD_STEPS = 8
 
 
 StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
@@ -346,7 +349,7 @@ class Scheduler:
         questions = bool(self._active)
         encode_first = questions and self._encodes_first()
         if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
-            self._timed("decode", self._decode)
+            self._timed("decode", self._decode, accounted=True)
         if encode_first or (self._lanes and (not questions or self._encode_is_due())):  # due after the decode step
             self._timed("encode", self._encode)
 
@@ -409,10 +412,43 @@ class Scheduler:
         self._active += [work for work in starting if start(work)]  # outside the lock: callers submit meanwhile
 
     def _decode(self) -> int:
-        n = len(self._active)  # nothing is in flight here: an encode step completes what it launched
-        self._launch()
-        self._complete_in_flight(report=False)  # this step is timed as a whole by _timed
-        return n
+        """Decode steps: one, and while the loop's next choice would be another (`_decode_is_next`),
+        up to AHEAD_STEPS, each queued before the last is read, so the device does not wait for
+        the host between them. Each step is accounted and reported on its own."""
+        steps, since = 0, self.clock()  # before the launch: the host's launch is part of the step
+        self._launch()  # nothing is in flight here: an encode step completes what it launched
+        while self._in_flight is not None:
+            ahead = self._ahead() if steps + 1 < AHEAD_STEPS and self._decode_is_next() else None
+            units = self._complete_in_flight(report=False)
+            steps, now = steps + 1, self.clock()
+            self._account("decode", now - since, units)
+            since = now
+            if ahead is not None:
+                self._in_flight = (time.perf_counter(), [ahead])
+        return steps
+
+    def _ahead(self) -> tuple[Launched, list[StepWork]] | None:
+        """The step after the one in flight, queued behind it (`Launched.ahead`), with its work."""
+        assert self._in_flight is not None
+        _, steps = self._in_flight
+        if len(steps) != 1:
+            return None
+        launched, group = steps[0]
+        ahead = launched.ahead()
+        return None if ahead is None else (ahead, group)
+
+    def _decode_is_next(self) -> bool:
+        """Whether `_step` would choose this decode step alone next: not stopping, no task, no
+        work waiting to start, and no encode step due (the cameras' risk looked at again)."""
+        if self._stop.is_set():
+            return False
+        with self._lock:
+            if self._tasks or self._waiting:
+                return False
+        if not self._lanes:
+            return True
+        self.at_risk = self._cameras_at_risk()
+        return not self._encode_is_due()
 
     def _launch(self, alongside: bool = False) -> None:
         self._end_idle()
@@ -424,14 +460,15 @@ class Scheduler:
         steps = [(cls.launch_batch(group, alongside), group) for cls, group in by_class.items()]
         self._in_flight = (launched_at, steps)
 
-    def _complete_in_flight(self, report: bool = True) -> None:
+    def _complete_in_flight(self, report: bool = True) -> int:
+        """Complete the step in flight; the work it advanced."""
         if self._in_flight is None:
-            return
+            return 0
         launched_at, steps = self._in_flight
         self._in_flight = None
+        n = sum(not work.done for _, group in steps for work in group)  # one that stopped a step before: not
         for launched, _ in steps:
             launched.complete()
-        n = sum(len(group) for _, group in steps)
         self._active = [j for j in self._active if not j.done]
         now = time.perf_counter()
         self.decode_times.steps += now - launched_at
@@ -440,6 +477,7 @@ class Scheduler:
             self._idle_since = now
         if report and self.on_step is not None:
             self.on_step("decode", now - launched_at, n)
+        return n
 
     def _end_idle(self) -> None:
         if self._idle_since is None:
@@ -583,7 +621,9 @@ class Scheduler:
             oldest = min(waits, default=None)
         return 0.0 if oldest is None else self.clock() - oldest
 
-    def _timed(self, kind: str, fn: Callable[[], int]) -> None:
+    def _timed(self, kind: str, fn: Callable[[], int], accounted: bool = False) -> None:
+        """Run `fn` (its units returned) to the device's end and account it as one step, unless
+        it `accounted` for its steps itself."""
         t0 = self.clock()
         with phase(kind):  # also the step's range in a trace being taken
             units = fn()
@@ -591,7 +631,11 @@ class Scheduler:
                 _settle()
         if self.on_settled is not None:
             self.on_settled()
-        spent = self.clock() - t0
+        if not accounted:
+            self._account(kind, self.clock() - t0, units)
+
+    def _account(self, kind: str, spent: float, units: int) -> None:
+        """A step's time in the shares (encoding's against all), and to `on_step`."""
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
         self._total_s = self._total_s * decay + spent

@@ -70,9 +70,17 @@ class StepGraphs:
         self.failed: set[tuple] = set()  # shapes whose capture failed: eager from then on
         self.mempool = None  # the graphs' shared memory pool, made with the first
 
-    def run(self, tokens: list[int], positions: list[int], items: list[Item], base_tokens: int):
+    def run(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        items: list[Item],
+        base_tokens: int,
+        picks: torch.Tensor | None = None,
+    ):
         """(logits (B, V), greedy ids (B,)) at each item's last token, on the device; or None when
-        this batch's shape is not graphed. `base_tokens`: the longest base an item reads."""
+        this batch's shape is not graphed. `base_tokens`: the longest base an item reads. `picks`:
+        a decode step's tokens on the device, in place of `tokens`."""
         shape = self.padded(tokens, positions, items)
         if shape is None:
             return None
@@ -89,7 +97,7 @@ class StepGraphs:
             graph = self._capture(key, plan, len(tokens))
         if graph is None:
             return None
-        logits, greedy = graph.replay(tokens, positions, last, plan)
+        logits, greedy = graph.replay(tokens, positions, last, plan, picks)
         return logits[: len(items)], greedy[: len(items)]
 
     def _capture(self, key: tuple, plan: Plan, rows: int) -> _Graph | None:
@@ -176,9 +184,11 @@ class _Graph:
         return logits, logits.argmax(dim=-1)
 
     def replay(
-        self, tokens: list[int], positions: list[int], last: list[int], host_plan: Plan
+        self, tokens: list[int], positions: list[int], last: list[int], host_plan: Plan, picks: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         self.io.copy_(torch.tensor([tokens, positions, positions, positions]), non_blocking=True)
+        if picks is not None:  # a decode step's: one row an item, the real items first
+            self.io[0, : len(picks)].copy_(picks)
         self.last.copy_(torch.tensor(last), non_blocking=True)
         self.plan.longs.copy_(host_plan.longs, non_blocking=True)
         self.plan.ints.copy_(host_plan.ints, non_blocking=True)

@@ -12,7 +12,9 @@ knows how to run itself):
 - a `StepWork` runs for many steps; all active work of one class advances by one step in one
   call (`step_batch`), e.g. one decode step of every question being answered. A step is launched
   (`launch_batch`: queued on the device) and completed (`Launched.complete`: its results read
-  back, the work advanced) apart, so the scheduler can run steps beside an encode step;
+  back, the work advanced) apart, so the scheduler can run steps beside an encode step, and the
+  next step can be queued before this one is read (`Launched.ahead`, `run_ahead`) where its
+  inputs are this one's outputs on the device;
 - a task is any callable that needs the GPU alone for a moment (a mirror applying a version).
 
 `InlineExecutor` runs each work alone, at once, in the caller's thread: what tests, `replay` and
@@ -75,6 +77,12 @@ class Launched(Protocol):
         device does not time it)."""
         ...
 
+    def ahead(self) -> Launched | None:
+        """Before `complete`: the next step of its work queued behind it, fed from its outputs
+        on the device, so the device does not wait for the host to read it; None where the
+        next step needs what the host reads first (then `complete`, and launch as usual)."""
+        ...
+
 
 class StepWork(Work):
     """A work class implements `launch_batch`, or only `step_batch` when its steps cannot be
@@ -126,6 +134,9 @@ class _Finished:
     def device_s(self) -> float | None:
         return None
 
+    def ahead(self) -> Launched | None:
+        return None
+
 
 class Executor(Protocol):
     def submit(self, work: BatchWork | StepWork) -> Future[Any]: ...
@@ -143,8 +154,8 @@ class InlineExecutor:
     def submit(self, work: BatchWork | StepWork) -> Future[Any]:
         run = type(work).run_batch if isinstance(work, BatchWork) else type(work).step_batch
         with self._lock:
-            if isinstance(work, StepWork):
-                start(work)
+            if isinstance(work, StepWork) and start(work):
+                run_ahead(type(work).launch_batch([work]), lambda: not work.done)
             while not work.done:
                 run([work])
         return work.future
@@ -152,6 +163,19 @@ class InlineExecutor:
     def call(self, fn: Callable[[], T]) -> T:
         with self._lock:
             return fn()
+
+
+def run_ahead(launched: Launched, more: Callable[[], bool] = lambda: True) -> int:
+    """Complete `launched` and the steps after it, each queued before the one before is read
+    while `more()` says so and the work allows it (`Launched.ahead`); the steps completed."""
+    steps = 0
+    step: Launched | None = launched
+    while step is not None:
+        ahead = step.ahead() if more() else None
+        step.complete()
+        steps += 1
+        step = ahead
+    return steps
 
 
 def start(work: StepWork) -> bool:
