@@ -53,6 +53,7 @@ from common.engine.runtime import Runtime
 from common.engine.scheduler import SchedulePolicy, Scheduler
 from common.engine.stream_engine import Chunk, ChunkWork, StreamEngine
 from common.engine.vision import VisionTower
+from common.engine.work import run_ahead
 from common.logs import configure_logging
 
 QUESTION = "What is he doing?"  # 31 tokens with the question template (byte tokenizer of random-3b)
@@ -486,8 +487,8 @@ def batched_decode(rt: Runtime, versions: list, tokens: int = 64) -> dict:
             future.result()
     else:
         active = list(questions)
-        while active:
-            Generation.step_batch(active)
+        while active:  # as the scheduler runs them with nothing else to do: steps queued ahead
+            run_ahead(Generation.launch_batch(active))
             active = [j for j in active if not j.done]
     sync()
     seconds = time.perf_counter() - t0

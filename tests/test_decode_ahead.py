@@ -127,3 +127,10 @@ def test_the_scheduler_reports_each_step_run_ahead_and_stops_for_a_question_wait
     rt.executor = InlineExecutor()
     want = one_by_one(rt, version, QUESTIONS[0], GenerationParams(max_tokens=3 * AHEAD_STEPS))
     assert first.future.result().token_ids == want.future.result().token_ids
+
+
+def test_the_question_benchmark_steps_its_batch_ahead_as_the_scheduler_would(rt: Runtime, version: Version):
+    from scripts.bench_engine import batched_decode
+
+    row = batched_decode(rt, [version] * 3, tokens=5)
+    assert row["questions"] == 3 and row["aggregate_tok_s"] > 0
