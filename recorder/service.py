@@ -103,8 +103,10 @@ class Recorder:
             time.sleep(min(self.retry_at - now, self.cfg.block_ms / 1000))
             return
         wait_ms = int((self.last_commit + self.cfg.framelog_sync_s - now) * 1000)
-        if sum(w.pending_bytes for w in self.writers.values()) >= MAX_UNCOMMITTED_BYTES and wait_ms > 0:
-            time.sleep(wait_ms / 1000)  # enough held for this commit: the rest waits in Redis
+        if sum(w.pending_bytes for w in self.writers.values()) >= MAX_UNCOMMITTED_BYTES:
+            # enough held for this commit: the rest waits in Redis, also when the commit is due now
+            # (reading then, before committing, held a second read past the bound)
+            time.sleep(max(0, wait_ms) / 1000)
             entries = []
         else:
             entries = self.reader.read(block_ms=max(1, min(self.cfg.block_ms, wait_ms)))
