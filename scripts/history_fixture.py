@@ -205,8 +205,8 @@ def prefill(
 def index_usage(root: Path, cameras: list[str], fps: float, chunk_frames: int, pids: dict[str, int]) -> dict:
     """The cameras' search indexes now: chunks, camera-hours and disk bytes; the memory one
     camera's takes held to be added to, as the recorder holds each camera's (`held_bytes`); and
-    per process in ``pids`` (the workers, which map every camera's graph to search it) the bytes
-    of index files it maps and holds resident."""
+    per process in ``pids`` (the workers, whose search process maps every camera's graph to
+    search it) the bytes of index files it and its descendants map and hold resident."""
     chunks = disk = 0
     for cam in cameras:
         index = ChunkIndex.view(root / cam)
@@ -262,20 +262,33 @@ def resident() -> int:
 
 
 def mapped_bytes(pid: int, suffix: str) -> dict[str, int]:
-    """Size and resident bytes of the process's mappings of files named ``suffix``."""
+    """Size and resident bytes of the mappings of files named ``suffix`` by the process and its
+    descendants (a worker's indexes are mapped by its search process, qa_worker/index_process.py)."""
     found = {"Size:": 0, "Rss:": 0}
-    current = False
-    try:
-        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
-    except OSError:  # not Linux, or gone meanwhile
-        lines = []
-    for line in lines:
-        if _MAPPING.match(line):
-            # one replaced since (the recorder saves by rename) is held until the next search opens the new one
-            current = line.rstrip().removesuffix(" (deleted)").endswith(suffix)
-        elif current and (field := line.partition(" ")[0]) in found:
-            found[field] += int(line.split()[1]) * 1024
+    for one in [pid, *descendants(pid)]:
+        try:
+            lines = Path(f"/proc/{one}/smaps").read_text().splitlines()
+        except OSError:  # not Linux, or gone meanwhile
+            lines = []
+        current = False
+        for line in lines:
+            if _MAPPING.match(line):
+                # one replaced since (the recorder saves by rename) is held until the next search opens the new one
+                current = line.rstrip().removesuffix(" (deleted)").endswith(suffix)
+            elif current and (field := line.partition(" ")[0]) in found:
+                found[field] += int(line.split()[1]) * 1024
     return {"mapped_bytes": found["Size:"], "resident_bytes": found["Rss:"]}
+
+
+def descendants(pid: int) -> list[int]:
+    """The process's children, theirs, and so on (Linux's /proc; none elsewhere)."""
+    children: list[int] = []
+    for tasks in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            children += [int(c) for c in tasks.read_text().split()]
+        except OSError:  # gone meanwhile
+            continue
+    return [d for c in children for d in (c, *descendants(c))]
 
 
 _MAPPING = re.compile(r"^[0-9a-f]+-[0-9a-f]+ ")  # a mapping's first line in smaps; its fields follow

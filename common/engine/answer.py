@@ -285,6 +285,10 @@ class _Step:
         except Exception as e:
             self.error = e
 
+    @property
+    def work(self) -> list[Generation]:
+        return self.gens
+
     def ready(self) -> bool:
         return self.done is None or self.done.query()
 

@@ -433,9 +433,8 @@ class Scheduler:
         _, steps = self._in_flight
         if len(steps) != 1:
             return None
-        launched, group = steps[0]
-        ahead = launched.ahead()
-        return None if ahead is None else (ahead, group)
+        ahead = steps[0][0].ahead()
+        return None if ahead is None else (ahead, list(ahead.work))
 
     def _decode_is_next(self) -> bool:
         """Whether `_step` would choose this decode step alone next: not stopping, no task, no
@@ -466,7 +465,7 @@ class Scheduler:
             return 0
         launched_at, steps = self._in_flight
         self._in_flight = None
-        n = sum(not work.done for _, group in steps for work in group)  # one that stopped a step before: not
+        n = sum(len(group) for _, group in steps)  # what the device ran (one that stopped a step before too)
         for launched, _ in steps:
             launched.complete()
         self._active = [j for j in self._active if not j.done]

@@ -64,6 +64,8 @@ class BatchWork(Work):
 class Launched(Protocol):
     """A step queued on the device."""
 
+    work: Sequence[StepWork]  # what it advances (a step queued ahead: what goes on, see `ahead`)
+
     def ready(self) -> bool:
         """The device has finished it: `complete` will not wait."""
         ...
@@ -116,7 +118,7 @@ class StepWork(Work):
         """Queue one step of every work. `alongside`: the device may still be running an encode
         step, and the step goes beside it (it reads only what was finished before that step)."""
         cls.step_batch(batch)
-        return _Finished()
+        return _Finished(batch)
 
     @classmethod
     def step_batch(cls, batch: Sequence[StepWork]) -> None:
@@ -125,6 +127,9 @@ class StepWork(Work):
 
 
 class _Finished:
+    def __init__(self, work: Sequence[StepWork]):
+        self.work = work
+
     def ready(self) -> bool:
         return True
 
