@@ -194,7 +194,7 @@ class HeldIndexes:
 
     def _reopen(self, cam: str) -> tuple[tuple[int, ...], ChunkIndex] | None:
         """Open the camera's saved index again if its files changed since it was opened (its
-        table built here too, not in a search); the index held now, None when there is none."""
+        table and newest vectors built here too, not in a search); the index held now, None when there is none."""
         d = self.framelog.root / cam
         stamp = _stamp(d / META_NAME) + _stamp(d / DELTA_META_NAME)  # a delta is saved without its base
         if not stamp:
@@ -205,7 +205,7 @@ class HeldIndexes:
             index = ChunkIndex.view(d)
             if index is None:
                 return held  # unreadable mid-save, say: the last one opened serves until the next
-            index.table()
+            index.prepare()
             held = self._open[cam] = (stamp, index)
         return held
 

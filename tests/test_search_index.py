@@ -308,6 +308,35 @@ def test_a_zero_vector_scores_lowest_and_the_search_still_answers(tmp_path, monk
         assert [m.score for m in searched(np.zeros(64, np.float32))] == [chunkindex.NO_DIRECTION] * 21
 
 
+@pytest.mark.parametrize("tail", [0, 8, 2048], ids=["read", "both", "kept"])
+def test_the_exact_search_equals_numpy_cosines_and_a_zero_vector_takes_no_place_of_a_negative_one(
+    tmp_path, monkeypatch, tail
+):
+    """A span searched exactly is scored by the index library's brute force over the stored
+    vectors (the newest TAIL_ROWS kept in memory, older ones read from the graph): the same
+    chunks, order and scores as cosines taken here in numpy, where the library scores a zero
+    vector 0, above every negative cosine: asked for fewer than the span holds, it must still
+    leave the zero one out for a chunk of negative cosine."""
+    from common import chunkindex
+
+    monkeypatch.setattr(chunkindex, "TAIL_ROWS", tail)
+    vs = vectors(30, seed=5)
+    vs[:, :40] = -vs[:, :40]  # many negative cosines against the question below
+    vs[7] = 0
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    for i, v in enumerate(vs):
+        index.add(planted(4 * i, v))
+    question = np.ones(64, np.float32)
+    stored = vs.astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cosines = np.nan_to_num(stored @ question / (np.linalg.norm(stored, axis=1) * np.linalg.norm(question)), nan=-1)
+    want = np.argsort(-cosines, kind="stable")[:28]
+    assert cosines[want[-1]] < 0 and 7 not in want  # the 28th best is negative; the zero one is last of all
+    found = index.search(question, 28)
+    assert [m.first_seq for m in found] == [4 * int(i) for i in want]
+    assert np.allclose([m.score for m in found], cosines[want], atol=1e-3)
+
+
 def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
 
