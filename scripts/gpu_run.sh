@@ -29,6 +29,9 @@
 #                (scripts/history_fixture.py; 64 cameras: about 24 GB of frames log and 6 GB of indexes on
 #                the disk under TMPDIR, written while the model loads); /dev/shm remounted as for `pipeline`.
 #                Its logs go in history-logs.tgz; GIL=S as for `pipeline`. About 7-8 minutes: alone in its call
+#     search     scripts/bench_search.py: 64 cameras' 24 h of indexes searched through the index process,
+#                alone (no GPU; the host's cores): the whole day and the last hour (about 6 GB of
+#                indexes under TMPDIR; 2-3 min)
 #     storm      scripts/probes/eviction_storm.py: 8 caches reaching their budget in one encode step (2 min)
 #     copies     scripts/probes/host_copies.py: whether a small host-to-device copy waits for the work
 #                queued before it, from pageable and from page-locked memory (10 s)
@@ -112,11 +115,12 @@ for what in "$@"; do
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-120}" --start-timeout 200 \
       --gil "${GIL:-0}" --logs "$logs/history-logs"
       tar czf "$OUT/history-logs.tgz" -C "$logs" history-logs ;;
+    search) step search search.json python3 -m scripts.bench_search --cameras 64 --hours 24 --searches 40 ;;
     storm) step storm storm.txt python3 scripts/probes/eviction_storm.py warm ;;
     copies) step copies copies.json python3 scripts/probes/host_copies.py ;;
     launches) step launches launches.json python3 scripts/probes/decode_beside_launches.py ;;
     beside) step beside beside.jsonl python3 scripts/probes/beside_encode.py encode decode share sms:12 sms:20 sms:28 ;;
-    *) echo "unknown step: $what (tests, questions, chunks, pipeline, history, storm, copies, beside, launches)" >&2
+    *) echo "unknown step: $what (tests, questions, chunks, pipeline, history, search, storm, copies, beside, launches)" >&2
       exit 2 ;;
   esac
 done
