@@ -44,7 +44,9 @@ that, every step guarantees:
 2. questions: waiting ones start, in order, up to `max_batch` (one at a time at risk) and while
    the pool keeps room to evict (above); one
    batched forward advances every active generation by a token (the prefill of those just started
-   rides in it). Skipped when an encode step is due and `decode_before_encode` is off, or the
+   rides in it), and while the loop would choose nothing else (no task, no question waiting, no
+   encode step due) up to `AHEAD_STEPS` more, each queued before the one before is read
+   (`Launched.ahead`). Skipped when an encode step is due and `decode_before_encode` is off, or the
    cameras are at risk: it then runs beside that step's first kernels;
 3. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
    one prefill forward. Questions being answered decode beside it, launched between its layers
