@@ -48,8 +48,7 @@ ROW = np.dtype([("key", "<u8"), ("t0", "<f8"), ("t1", "<f8"), ("s0", "<i8"), ("s
 EXACT_MAX = 4096  # a time filter leaving at most this many chunks is searched exactly, all of them
 # The newest chunks' vectors a searched index keeps in memory (4 MB a camera at 3B's 1,024 float16;
 # 2,048 chunks are 68 minutes at 2 fps): a span searched exactly reads its vectors, and read from
-# the graph a camera-hour's took 4.5 ms of held GIL (one array a vector, then stacked), 0.3 s for
-# a last-hour search of 64 cameras.
+# the graph a camera-hour's took 4.5 ms of held GIL (one array a vector, then stacked).
 TAIL_ROWS = 2048
 # The score of a chunk or question whose vector is all zeros: such a vector has no direction, so
 # its cosine with anything is 0 / 0 (NaN, which sorts anywhere and is not JSON, so the search's
@@ -289,15 +288,14 @@ class ChunkIndex:
         if not np.linalg.norm(query):  # no direction: every chunk scores NO_DIRECTION, as exactly
             return self._matches(inside[:k], np.full(min(k, len(inside)), NO_DIRECTION))
         if len(inside) <= EXACT_MAX:
-            # The vectors as stored (float16) and scored by the library's own brute force: asked
-            # for in float32, and scored with numpy, a camera-hour took 7 ms of held GIL (the
-            # conversion alone 5), 0.46 s for a last-hour search of 64 cameras; now 2 ms.
+            # The vectors as stored (float16), scored by the library's own brute force: read as
+            # float32 and scored in numpy, a last-hour search of 64 cameras took 0.66 s (2 cores)
             vectors = self._vectors(inside)
             count = min(k, len(inside))
             while True:
                 found = exact_search(vectors, query, count, MetricKind.Cos, exact=True, threads=1)
                 at = np.asarray(found.keys, dtype=np.int64)
-                zero = self._zero(self._keys[inside[at]])
+                zero = ~vectors[at].any(axis=1)
                 if not zero.any() or count == len(inside):
                     break
                 count = len(inside)  # the library scores a zero vector 0: rank them all, it goes last

@@ -157,12 +157,13 @@ class InlineExecutor:
         self._lock = threading.RLock()
 
     def submit(self, work: BatchWork | StepWork) -> Future[Any]:
-        run = type(work).run_batch if isinstance(work, BatchWork) else type(work).step_batch
         with self._lock:
-            if isinstance(work, StepWork) and start(work):
-                run_ahead(type(work).launch_batch([work]), lambda: not work.done)
-            while not work.done:
-                run([work])
+            if isinstance(work, BatchWork):
+                while not work.done:
+                    type(work).run_batch([work])
+            elif start(work):
+                while not work.done:
+                    run_ahead(type(work).launch_batch([work]))
         return work.future
 
     def call(self, fn: Callable[[], T]) -> T:
@@ -170,13 +171,13 @@ class InlineExecutor:
             return fn()
 
 
-def run_ahead(launched: Launched, more: Callable[[], bool] = lambda: True) -> int:
+def run_ahead(launched: Launched) -> int:
     """Complete `launched` and the steps after it, each queued before the one before is read
-    while `more()` says so and the work allows it (`Launched.ahead`); the steps completed."""
+    while the work allows it (`Launched.ahead`); the steps completed."""
     steps = 0
     step: Launched | None = launched
     while step is not None:
-        ahead = step.ahead() if more() else None
+        ahead = step.ahead()
         step.complete()
         steps += 1
         step = ahead
