@@ -18,8 +18,10 @@ their tokens within the room the pool has beyond what the live streams are guara
 questions wait for their turn in order, told their place, and get an error past
 `max_queue_wait_s`; that wait is part of the final's `queue_s`. Logged frames are decoded in the
 worker's decoder processes (common/decoding.py), not in the question's thread, which would hold the
-GPU loop's GIL, and one piece ahead: while the GPU encodes a piece, the processes decode the next,
-so that decoding adds to a question's first token only the first piece's.
+GPU loop's GIL, all of a question's pieces handed to them at once, and each piece is queued for
+the GPU once decoded, behind the one before: while the GPU encodes a piece, the processes decode
+the next, so that decoding adds to a question's first token only the first piece's, and the
+scheduler finds each next piece waiting (it encodes them back to back, common/engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -38,6 +42,7 @@ from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
 from common.engine.spans import capture_ranges
+from common.engine.stream_engine import Appended
 from common.engine.temporary_cache import PIECE_TOKENS, TemporaryCache
 from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire import keys
@@ -261,24 +266,31 @@ class History:
     def _fill(
         self, log: FrameLog, spec: StreamSpec, chunks: Sequence[LoggedChunk], cache: TemporaryCache
     ) -> list[LoggedChunk]:
-        """Append the chunks' frames to the cache piece by piece, in order; the chunks appended. The
-        next piece is read and handed to the decoder before this one's append, which waits for the
-        GPU to encode it: decoding overlaps encoding (one piece ahead; without a decoder the next is
-        decoded here, after the append). An error drops the piece ahead, not yet appended."""
-        pieces = self._pieces(spec, chunks)
+        """Append the chunks' frames to the cache piece by piece, in order; the chunks appended.
+        Every piece is read and handed to the decoder at once, and each is queued for the GPU as
+        soon as it is decoded, behind the one before (its lane keeps them in order): the
+        scheduler finds the next piece waiting when one is done and can encode them back to back
+        (scheduler.py, "the past"), while the later ones still decode. An error drops the pieces
+        not yet decoded, and waits for those already queued (they write the cache)."""
+        reads: list[_Read | None] = [self._read(log, spec, piece) for piece in self._pieces(spec, chunks)]
+        queued: list[Future[Appended]] = []
         seen: list[LoggedChunk] = []
-        ahead: _Read | None = self._read(log, spec, next(pieces, []))
         try:
-            while ahead is not None:
-                found, frames = ahead.found, self._checked(spec, ahead.frames)
-                piece = next(pieces, None)
-                ahead = self._read(log, spec, piece) if piece is not None else None
+            for i, read in enumerate(reads):
+                assert read is not None
+                frames, reads[i] = self._checked(spec, read.frames), None
                 if frames:
-                    cache.append([m.rgb() for m in frames], [m.ts for m in frames], [m.seq for m in frames])
-                    seen += found
+                    rgb = [m.rgb() for m in frames]
+                    queued.append(cache.queue(rgb, [m.ts for m in frames], [m.seq for m in frames]))
+                    seen += read.found
+            for appended in queued:
+                cache.finish(appended)
         finally:
-            if ahead is not None:
-                ahead.cancel()
+            for read in reads:
+                if read is not None:
+                    read.cancel()
+            futures.wait(queued)
+            queued.clear()  # their results hold the cache's pages: an error's traceback keeps this frame
         return seen
 
     def _pieces(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[list[LoggedChunk]]:

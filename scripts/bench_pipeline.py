@@ -101,6 +101,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from apps.privateredis import embedded_redis
 from apps.samplevideo import write_sample_video
 from common import placement, redisio
+from common.engine.scheduler import STEP_KINDS
 from common.framelog import FrameLog
 from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
@@ -396,7 +397,7 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         for (name, kind, _), value in worker.items()
         if name in ("svqa_gpu_step_seconds_sum", "svqa_gpu_step_seconds_count", "svqa_gpu_step_units_total")
     }
-    for kind in ("encode", "decode", "task"):  # steps that stood the loop still (common/stalls.py)
+    for kind in STEP_KINDS:  # steps that stood the loop still (common/stalls.py)
         bucket = ("svqa_gpu_step_seconds_bucket", kind)
         counts["gpu"][f"over_1s:{kind}"] = worker.get((*bucket, "+Inf"), 0.0) - worker.get((*bucket, "1.0"), 0.0)
     for sample in (
@@ -1065,7 +1066,7 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         },
         **{f"relayouts_{how}": int(delta(f"svqa_kv_relayouts_total:{how}")) for how in ("in_place", "copied")},
     }
-    for kind in ("encode", "decode", "task"):
+    for kind in STEP_KINDS:
         spent, steps, units = delta(f"seconds_sum:{kind}"), delta(f"seconds_count:{kind}"), delta(f"units_total:{kind}")
         out[kind] = {
             "share": round(spent / seconds, 3),

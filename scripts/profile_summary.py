@@ -27,7 +27,8 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
-KINDS = ("encode", "decode", "task")
+from common.engine.scheduler import STEP_KINDS
+
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 INNERMOST_SCAN = 2000  # host ranges looked back through for the one around a moment
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "user_annotation")
@@ -79,7 +80,7 @@ def idle(step: dict[str, Any], busy: list[tuple[float, float]], ops: list[dict[s
     gaps between by the op, and by the phase (profiling.phase), its thread was in when each began."""
     start, stop = step["ts"], step["ts"] + step["dur"]
     holes = gaps(busy, start, stop)
-    phases = [e for e in ops if e.get("cat") == "user_annotation" and e["name"] not in KINDS]
+    phases = [e for e in ops if e.get("cat") == "user_annotation" and e["name"] not in STEP_KINDS]
     starts, phase_starts = [e["ts"] for e in ops], [e["ts"] for e in phases]
     out: dict[str, Any] = {"before_first": 0.0, "after_last": 0.0, "between": Counter(), "by_phase": Counter()}
     if not busy:
@@ -102,7 +103,7 @@ def launched_in(
     """Device time (us) of `inside` by the phase, and by "phase / op", that its launch was made in
     on the step's thread (`ops`); work whose launch is not in the trace counts as "(unknown)"."""
     calls = [e for e in ops if e.get("cat") not in LAUNCH_CATEGORIES]
-    phases = [e for e in calls if e.get("cat") == "user_annotation" and e["name"] not in KINDS]
+    phases = [e for e in calls if e.get("cat") == "user_annotation" and e["name"] not in STEP_KINDS]
     starts, phase_starts = [e["ts"] for e in calls], [e["ts"] for e in phases]
     by_phase: Counter[str] = Counter()
     by_op: Counter[str] = Counter()
@@ -119,7 +120,7 @@ def launched_in(
 
 
 def summarize(events: list[dict[str, Any]]) -> dict[str, Any]:
-    steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in KINDS]
+    steps = [e for e in events if e.get("cat") == "user_annotation" and e.get("name") in STEP_KINDS]
     device = [e for e in events if e.get("cat") in DEVICE_CATEGORIES and "dur" in e]
     launch_of = {
         e["args"]["correlation"]: e

@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from common.engine.scheduler import STEP_KINDS
+
 REPO = Path(__file__).resolve().parents[1]
 DURATION_S = 10
 
@@ -215,12 +217,12 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
     # when the window opened (counted whole when it ends inside): seconds long on a busy 2-core CPU
     gpu = run["gpu_steps"]
     assert gpu["encode"]["share"] > 0 and gpu["decode"]["share"] > 0
-    assert sum(gpu[k]["share"] for k in ("encode", "decode", "task")) <= 3.0
+    assert sum(gpu[k]["share"] for k in STEP_KINDS) <= 3.0
     # a chunk of 4 frames per stream per step, so at most one chunk per camera in a worker's step
     assert 1 <= gpu["encode"]["units_per_step"] <= 2 and gpu["decode"]["units_per_step"] >= 1
     chunks = gpu["encode"]["units_per_step"] * gpu["encode"]["steps"]
     assert abs(4 * chunks - frames["encoded"]["total"]) <= 4 * 2 * 2  # a chunk per worker on each edge
-    assert all(0 <= gpu[k]["steps_over_1s"] <= gpu[k]["steps"] for k in ("encode", "decode", "task"))
+    assert all(0 <= gpu[k]["steps_over_1s"] <= gpu[k]["steps"] for k in STEP_KINDS)
     answering = gpu["decode"]["answering"]  # shares of the window, summed over the two workers
     assert answering["on_device"] is None  # no device times the steps on a CPU
     # the steps' launch-to-read time is within each decode step's reported time (which adds a sync)
@@ -260,7 +262,7 @@ def test_smoke_run_reports_every_field_with_sane_values(tmp_path):
             timeout=60,
         )
         assert summary.returncode == 0, summary.stderr
-        kinds = {k: v for k, v in json.loads(summary.stdout).items() if k in ("encode", "decode", "task")}
+        kinds = {k: v for k, v in json.loads(summary.stdout).items() if k in STEP_KINDS}
         assert 3 <= sum(v["steps"] for v in kinds.values()) <= 9  # a step: task, decode and encode at most
         assert all(v["wall_ms"] > 0 and v["device_busy_ms"] == 0 for v in kinds.values())  # a CPU: no kernels
         assert all(abs(v["idle_ms"]["before_first"] - v["wall_ms"]) <= 0.02 for v in kinds.values())

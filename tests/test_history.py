@@ -566,15 +566,15 @@ def test_a_qa_service_bounds_its_history_caches_as_configured_and_decodes_out_of
     assert QAService(replace(cfg, framelog_dir=None), rt, r, NoVersions()).decoder is None
 
 
-def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_unchanged(
+def test_every_piece_is_decoded_at_once_and_queued_before_the_first_is_encoded_and_the_answer_is_unchanged(
     rt, redis_url, tmp_path, frames, decoder, monkeypatch
 ):
-    """Pieces of two chunks: each piece's frames are handed to the decoder's processes before the
-    append of the piece before, and the first append does not return before the processes have
-    decoded the second piece (it waits for that: were the decode after it, it would wait in vain).
-    The cache holds exactly the chunks' frames in order, a chunk the log no longer holds left out:
-    the answer equals offline inference on them, also through a GPU scheduler and without decoder
-    processes. An append that fails drops the piece decoding ahead and lets the cache go."""
+    """Pieces of two chunks: every piece's frames are handed to the decoder's processes at once,
+    and each piece is queued for the GPU before the first one's encode is waited for (so that
+    the scheduler finds the next piece waiting). The cache holds exactly the chunks' frames in
+    order, a chunk the log no longer holds left out: the answer equals offline inference on them,
+    also through a GPU scheduler and without decoder processes. A queue that fails drops the
+    pieces still decoding and lets the cache go."""
     monkeypatch.setattr(history_module, "PIECE_TOKENS", 8)  # a chunk of 2 frames is 4 tokens
     r = redis.Redis.from_url(redis_url)
     write_log(tmp_path / "log", frames)
@@ -593,15 +593,20 @@ def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_u
             pending[-1].cancel = lambda: (events.append(("cancel", seqs)), cancel())
             return pending[-1]
 
-    append = TemporaryCache.append
+    queue, finish = TemporaryCache.queue, TemporaryCache.finish
 
-    def appended(cache, frames_, capture_times, frame_seqs) -> None:
-        if len(pending) == 2:  # the first append: the second piece decodes meanwhile
-            events.append(("decoded", [m.seq for m in pending[1].result()]))  # handed over already: waits for it
-        append(cache, frames_, capture_times, frame_seqs)
-        events.append(("appended", list(frame_seqs)))
+    def queued(cache, frames_, capture_times, frame_seqs):
+        events.append(("queued", list(frame_seqs)))
+        future = queue(cache, frames_, capture_times, frame_seqs)
+        future.seqs = list(frame_seqs)
+        return future
 
-    monkeypatch.setattr(TemporaryCache, "append", appended)
+    def finished(cache, future) -> None:
+        finish(cache, future)
+        events.append(("finished", future.seqs))
+
+    monkeypatch.setattr(TemporaryCache, "queue", queued)
+    monkeypatch.setattr(TemporaryCache, "finish", finished)
     answerer.history.decoder = Recorded()
     gone = LoggedChunk((500, 501), (captured(500), captured(501)), 2)
     chunks = [chunk(0), chunk(6), gone, chunk(10), chunk(14), chunk(20)]  # pieces: 0 6 | gone 10 | 14 20
@@ -611,13 +616,9 @@ def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_u
 
     final = answerer.answer_over(_question("qp"), chunks, ttl=60, spec=SPEC)
     assert events == [
-        ("decode", pieces[0]),
-        ("decode", pieces[1]),
-        ("decoded", pieces[1]),
-        ("appended", pieces[0]),
-        ("decode", pieces[2]),
-        ("appended", pieces[1]),
-        ("appended", pieces[2]),
+        *(("decode", piece) for piece in pieces),
+        *(("queued", piece) for piece in pieces),
+        *(("finished", piece) for piece in pieces),
     ]
     seqs = [s for piece in pieces for s in piece]
     offline = offline_answer(rt, [frames[s] for s in seqs], GRID, FPS, QUESTION, max_tokens=TOKENS)
@@ -628,18 +629,20 @@ def test_the_next_piece_is_decoded_while_this_one_is_encoded_and_the_answer_is_u
         asking.ask("qs", chunks)
         asking.step_until(asking.finished)
     assert asking.finals["qs"].text == offline.text
-    answerer.history.decoder = None  # decoded in this thread, after each append
+    answerer.history.decoder = None  # decoded in this thread
     assert answerer.answer_over(_question("qh"), chunks, ttl=60, spec=SPEC).text == offline.text
     assert rt.lm.pool.used_tokens == pool
 
-    def failing(cache, frames_, capture_times, frame_seqs) -> None:
-        raise RuntimeError("no room in the KV pool")
+    def failing(cache, frames_, capture_times, frame_seqs):
+        if frame_seqs[0] == pieces[1][0]:
+            raise RuntimeError("no room in the KV pool")
+        return queued(cache, frames_, capture_times, frame_seqs)
 
-    monkeypatch.setattr(TemporaryCache, "append", failing)
+    monkeypatch.setattr(TemporaryCache, "queue", failing)
     answerer.history.decoder, events[:] = Recorded(), []
     final = answerer.answer_over(_question("qf"), chunks, ttl=60, spec=SPEC)
     assert final.error is not None and "no room in the KV pool" in final.error, final.error
-    assert events == [("decode", pieces[0]), ("decode", pieces[1]), ("cancel", pieces[1])]
+    assert events == [*(("decode", piece) for piece in pieces), ("queued", pieces[0]), ("cancel", pieces[2])]
     assert rt.lm.pool.used_tokens == pool
 
 

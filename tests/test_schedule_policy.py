@@ -132,20 +132,78 @@ def background(lane: str, order: list[str]) -> Busy:
     return work
 
 
-def test_a_background_lane_takes_only_the_places_the_cameras_leave():
-    """A history question's re-encode (a background lane) never displaces a camera's chunk from an
-    encode step, however long it has waited; it rides along where there is room."""
-    scheduler = Scheduler(SchedulePolicy(max_chunks=2))
+def cameras_encoding(policy: SchedulePolicy, order: list[str], kinds: list[str], lanes: int = 4) -> Scheduler:
+    """A scheduler on the GpuTime clock (set by the caller) whose `lanes` cameras have a deep
+    backlog and have had the GPU to themselves for a while: encoding's share is all of it."""
+    scheduler = Scheduler(policy, on_step=lambda kind, *_: kinds.append(kind), clock=lambda: GpuTime.now)
+    for _ in range(50):
+        for cam in range(lanes):
+            scheduler.submit(Busy(f"cam{cam}", order))
+    for _ in range(10):
+        scheduler.step()
+    order.clear(), kinds.clear()
+    return scheduler
+
+
+def test_the_past_goes_ahead_of_late_chunks_while_encoding_holds_its_share():
+    """A question about the past is a question: its pieces (a background lane) get steps of their
+    own ahead of cameras that are merely behind, while encoding keeps its guaranteed share, and
+    the cameras take the time back after."""
+    GpuTime.now = 0.0
+    try:
+        order: list[str] = []
+        kinds: list[str] = []
+        policy = SchedulePolicy(max_chunks=2, encode_share=0.8, chunk_deadline_s=0.0, window_s=0.3)
+        scheduler = cameras_encoding(policy, order, kinds)
+        for _ in range(3):  # three pieces, one after the other in their lane
+            scheduler.submit(background("h", order))
+        for _ in range(3):
+            scheduler.step()
+        assert order == ["h", "h", "h"] and kinds == ["history"] * 3
+        scheduler.step()
+        assert order[3:] == ["cam0", "cam1"] and kinds[3:] == ["encode"]
+    finally:
+        GpuTime.now = None
+
+
+def test_the_past_fills_only_the_places_the_cameras_leave_below_encodings_share():
+    """Below encoding's guaranteed share the past never displaces a camera's chunk from an encode
+    step, however long it has waited; it rides along where there is room."""
+    GpuTime.now = 0.0
+    try:
+        order: list[str] = []
+        kinds: list[str] = []
+        policy = SchedulePolicy(max_chunks=2, encode_share=0.99, chunk_deadline_s=0.0, window_s=0.3)
+        scheduler = cameras_encoding(policy, order, kinds, lanes=2)
+        scheduler.submit(background("h", order)), scheduler.submit(background("h", order))
+        scheduler.step()  # all encoding so far: the past goes ahead once
+        assert order == ["h"] and kinds == ["history"]
+        for _ in range(3):  # now under the share: the cameras' steps, the past left out
+            scheduler.step()
+        assert order[1:] == ["cam0", "cam1"] * 3 and kinds[1:] == ["encode"] * 3
+        scheduler = Scheduler(SchedulePolicy(max_chunks=2, encode_share=1.0))  # never ahead
+        order.clear()
+        for work in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
+            scheduler.submit(work)
+        scheduler.submit(Busy("a", order))
+        scheduler._encode_s, scheduler._total_s = 0.5, 1.0  # encoding below its share: no step of its own
+        scheduler.step()  # two cameras wait: the step is theirs
+        assert order == ["a", "b"]
+        scheduler.step()  # one camera's chunk left: the background lane fills the other place
+        assert order == ["a", "b", "a", "h"]
+    finally:
+        GpuTime.now = None
+
+
+def test_the_past_waits_while_a_camera_is_at_risk():
     order: list[str] = []
-    for work in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
-        scheduler.submit(work)
-    scheduler.submit(Busy("a", order))
-    scheduler.step()  # two cameras wait: the step is theirs
-    assert order == ["a", "b"]
-    scheduler.step()  # one camera's chunk left: the background lane fills the other place
-    assert order == ["a", "b", "a", "h"]
+    scheduler = Scheduler(SchedulePolicy(max_chunks=1, deadline_share=0.5))
+    scheduler.submit(background("h", order))
+    camera = Busy("cam", order)
+    camera.waiting_since, camera.deadline = time.monotonic() - 2.0, time.monotonic() + 1.0
+    scheduler.submit(camera)
     scheduler.step()
-    assert order == ["a", "b", "a", "h", "h"]
+    assert order == ["cam"]
 
 
 def test_a_background_lanes_wait_never_makes_encoding_due():

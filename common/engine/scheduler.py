@@ -17,9 +17,15 @@ that, every step guarantees:
 - encoding: otherwise, whenever chunks wait, they get at least `encode_share` of recent GPU time,
   up to `max_encode_share` once one has waited past `chunk_deadline_s`, and all of it when no
   question waits; streams are served round-robin, one chunk each an encode step, so when the GPU
-  cannot keep up every stream falls behind (and drops frames) alike. Background lanes (a
-  question's temporary cache of past frames) come after every stream: they fill the places of an
-  encode step the streams leave, and their wait never makes encoding due;
+  cannot keep up every stream falls behind (and drops frames) alike;
+- the past: background lanes (a question's temporary cache of past frames) are questions' work,
+  not the cameras'. While no camera is at risk and encoding holds its guaranteed `encode_share`,
+  a step of their own encodes them (one piece each, questions decoding beside it), ahead of
+  chunks that are merely late: a question about the last minutes gets its cache in a burst of a
+  few steps instead of the places the cameras leave, which at a full GPU are none (118 s to a
+  first token, 64 cameras, H200, 2026-11-29). Otherwise they fill the places of an encode step
+  the streams leave; their wait never makes encoding due, and their steps count as questions'
+  time in the shares, so the cameras get it back after;
 - questions: every active question advances one token a step (at most `max_batch` active), and
   with `decode_during_encode` never waits out a whole encode step: it decodes beside the step's
   layers. The others wait in order of arrival, and start (`StepWork.start`) in that order;
@@ -48,7 +54,9 @@ that, every step guarantees:
    encode step due) up to `AHEAD_STEPS` more, each queued before the one before is read
    (`Launched.ahead`). Skipped when an encode step is due and `decode_before_encode` is off, or the
    cameras are at risk: it then runs beside that step's first kernels;
-3. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
+3. or, while the past may go ahead (above), one step of the background lanes alone, like an
+   encode step;
+4. chunks, when none but they wait or encoding is due (above): up to `max_chunks`, one vision and
    one prefill forward. Questions being answered decode beside it, launched between its layers
    (interleave.py), and those arriving meanwhile join them once all they read is on the device
    (`StepWork.may_start_beside`), unless the cameras are at risk. A stream whose chunk set off an
@@ -107,6 +115,9 @@ AHEAD_STEPS = 8
 
 
 StepObserver = Callable[[str, float, int], None]  # (kind, seconds, units) after every step
+# The kinds of step `on_step` sees: chunks encoded, the past (background lanes) alone, questions
+# advanced, tasks run.
+STEP_KINDS = ("encode", "history", "decode", "task")
 
 
 @dataclass
@@ -217,12 +228,13 @@ class Scheduler:
         room: Callable[[], int | None] | None = None,
     ):
         """`on_step(kind, seconds, units)` sees every step: "decode" (units: generations advanced),
-        "encode" (chunk work runs) and "task" (tasks run); metrics hook in here. `on_fatal(error)`
-        runs in the loop's thread when a step fails outside any work (a CUDA error that poisons the
-        device, say): all work has failed and no more will run, so a service exits there.
-        `profiler` traces steps when asked to (profiling.py). `on_settled()` runs after every
-        step, once the device has finished it (the KV pool's deferred frees, pool.py). `clock`: what
-        the decisions read (waits, deadlines, the shares' step times); tests drive one by hand.
+        "encode" (chunk work runs), "history" (background work alone) and "task" (tasks run);
+        metrics hook in here. `on_fatal(error)` runs in the loop's thread when a step fails outside
+        any work (a CUDA error that poisons the device, say): all work has failed and no more will
+        run, so a service exits there. `profiler` traces steps when asked to (profiling.py).
+        `on_settled()` runs after every step, once the device has finished it (the KV pool's
+        deferred frees, pool.py). `clock`: what the decisions read (waits, deadlines, the shares'
+        step times); tests drive one by hand.
         `room()`: tokens the KV pool can still give (None or absent: no limit), what questions
         must leave for evictions (module doc, "room to evict")."""
         self.policy = policy or SchedulePolicy()
@@ -348,6 +360,9 @@ class Scheduler:
         self._run_tasks()
         self.at_risk = self._cameras_at_risk()
         self._admit()
+        if self._past_goes_ahead():
+            self._timed("history", lambda: self._encode(past_only=True))
+            return
         questions = bool(self._active)
         encode_first = questions and self._encodes_first()
         if questions and not encode_first:  # so a question that just arrived is prefilled before any encoding
@@ -367,6 +382,14 @@ class Scheduler:
             and bool(self._lanes)
             and self._encode_is_due()
         )
+
+    def _past_goes_ahead(self) -> bool:
+        """Whether a step of the background lanes alone comes next (module doc, "the past"): one
+        waits, no camera is at risk, and encoding holds its guaranteed share."""
+        if self.at_risk or (self._total_s > 0.0 and self._encode_s / self._total_s < self.policy.encode_share):
+            return False
+        with self._lock:
+            return any(lane[0].background for lane in self._lanes.values() if lane)
 
     def _cameras_at_risk(self) -> bool:
         """Whether a waiting chunk has used `deadline_share` of the time from when it began to
@@ -449,7 +472,7 @@ class Scheduler:
         if not self._lanes:
             return True
         self.at_risk = self._cameras_at_risk()
-        return not self._encode_is_due()
+        return not self._encode_is_due() and not self._past_goes_ahead()
 
     def _launch(self, alongside: bool = False) -> None:
         self._end_idle()
@@ -521,18 +544,18 @@ class Scheduler:
             self._launch(alongside=True)
             self._beside += 1
 
-    def _encode(self) -> int:
+    def _encode(self, past_only: bool = False) -> int:
         self._count_idle_as(encoding=True)
         try:
-            return self._encode_batch()
+            return self._encode_batch(past_only)
         finally:
             self._count_idle_as(encoding=False)
 
-    def _encode_batch(self) -> int:
+    def _encode_batch(self, past_only: bool) -> int:
         self._beside = 0
         with self._lock:
             batch: list[BatchWork] = []
-            for lane in self._lanes_first()[: self.policy.max_chunks]:
+            for lane in self._lanes_first(past_only)[: self.policy.max_chunks]:
                 queue = self._lanes.pop(lane)
                 batch.append(queue.popleft())
                 if queue:
@@ -558,13 +581,11 @@ class Scheduler:
         self._requeue([work for work in batch if not work.done])
         return len(batch)
 
-    def _lanes_first(self) -> list[str]:
+    def _lanes_first(self, past_only: bool) -> list[str]:
         """The lanes in the order an encode step takes them: round-robin, background lanes after
-        all the others (under the lock)."""
-        lanes = list(self._lanes)
-        return [n for n in lanes if not self._lanes[n][0].background] + [
-            n for n in lanes if self._lanes[n][0].background
-        ]
+        all the others, or (`past_only`) they alone (under the lock)."""
+        background = [n for n in self._lanes if self._lanes[n][0].background]
+        return background if past_only else [n for n in self._lanes if n not in background] + background
 
     def _run_batches(self, batch: list[BatchWork]) -> None:
         by_class: dict[type, list[BatchWork]] = {}

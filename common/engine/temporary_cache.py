@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from concurrent.futures import Future
 from types import TracebackType
 
 import numpy as np
@@ -24,7 +25,7 @@ from common.engine.eviction import EvictionPolicy
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
-from common.engine.stream_engine import StreamEngine
+from common.engine.stream_engine import Appended, StreamEngine
 
 # Frames appended at once are one chunk to the scheduler: several chosen chunks of the past a step
 # (fewer encode steps than one each), but never so many tokens that one step holds cameras up long
@@ -47,7 +48,19 @@ class TemporaryCache:
     def append(self, frames: Sequence[np.ndarray], capture_times: Sequence[float], frame_seqs: Sequence[int]) -> None:
         """Encode these frames after those appended before (an odd count is padded, as a live
         stream's last chunk is: only the very last append may have one)."""
-        self._held().append(frames, capture_times, frame_seqs)
+        self.finish(self.queue(frames, capture_times, frame_seqs))
+
+    def queue(
+        self, frames: Sequence[np.ndarray], capture_times: Sequence[float], frame_seqs: Sequence[int]
+    ) -> Future[Appended]:
+        """`append` without waiting: the frames are queued for the GPU behind those queued before
+        (the cache's lane keeps its work in order); `finish` each, in the same order."""
+        engine = self._held()
+        return engine.submit(engine.prepare(frames, capture_times, frame_seqs))
+
+    def finish(self, queued: Future[Appended]) -> None:
+        """Wait for frames `queue`d and hand on what they made (stream_engine.py `finish`)."""
+        self._held().finish(queued.result())
 
     @property
     def version(self) -> Version:
