@@ -231,3 +231,42 @@ def test_gpu_vision_graphs_replay_what_the_compiled_layers_compute(monkeypatch):
     for seed, order, got in zip((1, 2, 3), ([0, 1, 2], [2, 0, 1], [1, 2, 0]), replayed, strict=True):
         for mine, theirs in zip(got, tower(batch(seed, order)), strict=True):
             assert torch.equal(mine, theirs)
+
+
+@needs_cuda
+@pytest.mark.timeout(600)
+def test_gpu_a_vision_graph_captured_while_other_threads_use_the_legacy_stream_fails_nothing():
+    """While serving, a new batch composition is captured while the stream threads copy frames
+    from page-locked buffers and free them (an event recorded on the legacy default CUDA stream).
+    On a blocking capture stream both failed ("operation would make the legacy stream depend on a
+    capturing blocking stream"): chunks dead-lettered, the worker aborted (H200, 2026-11-29)."""
+    import threading
+
+    rt = Runtime(load_model("tiny-random", device="cuda"), vision_compile_min_tokens=0, vision_graphs=True)
+    tower, stop, failures = rt.vision_tower, threading.Event(), []
+
+    def copying() -> None:
+        try:
+            while not stop.is_set():
+                frames = torch.randn(4, 3, 64, 64).pin_memory()
+                frames.to("cuda", non_blocking=True).sum().item()
+                del frames
+        except Exception as e:
+            failures.append(e)
+
+    threads = [threading.Thread(target=copying, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for seed in range(4):  # the second time a composition comes, it is captured
+            got = tower([chunk((2, 8, 8), seed, "cuda"), chunk((2, 4, 6), seed + 1, "cuda")])
+        torch.cuda.synchronize()
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not failures, failures
+    assert len(tower._graphs) == 1
+    tower.graphs = False
+    for mine, theirs in zip(got, tower([chunk((2, 8, 8), 3, "cuda"), chunk((2, 4, 6), 4, "cuda")]), strict=True):
+        assert torch.equal(mine, theirs)

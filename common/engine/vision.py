@@ -52,6 +52,7 @@ GridTHW = tuple[int, int, int]
 MLP_ALIGN = 128  # tensor-core friendly width for the padded MLP
 COMPILED_MIN_TOKENS = 4096  # below this (two 448² chunks) compiled blocks lose: launch-bound (16.7 vs 21.5 ms at one)
 BATCH_PLANS_KEPT = 64  # distinct batch compositions whose plans stay cached
+CU_STREAM_NON_BLOCKING = 0x1  # cuda.h's flag: a stream that does not wait for the legacy default one
 MAX_GRAPHS = 16  # batch compositions captured at most (never freed: see _TowerGraph); others launch layer by layer
 
 log = structlog.get_logger()
@@ -389,10 +390,17 @@ class _TowerGraph:
 def _own_cuda_stream(device: torch.device) -> torch.cuda.ExternalStream:
     """A CUDA stream on `device` that no other code uses: `torch.cuda.Stream()` hands out CUDA streams
     of a pool of 32 round-robin, so one taken there may be another's (the question graphs' capture
-    CUDA stream)."""
+    CUDA stream). Non-blocking, as torch's are: while a blocking one captures, anything another
+    thread puts on the legacy default CUDA stream (a page-locked buffer freed, its event recorded)
+    fails, "operation would make the legacy stream depend on a capturing blocking stream": a
+    capture while serving dead-lettered 56 cameras' chunks and aborted the worker (H200,
+    2026-11-29). Ordering is explicit (`wait_stream`) wherever the stream is used."""
     raw = ctypes.c_void_p()
-    with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaStreamCreate(ctypes.addressof(raw)))
+    with torch.cuda.device(device):  # the driver's call creates it in the context current here
+        torch.cuda.current_stream().query()  # a runtime call: the device's context is current
+        result = ctypes.CDLL("libcuda.so.1").cuStreamCreate(ctypes.byref(raw), CU_STREAM_NON_BLOCKING)
+    if result != 0:
+        raise RuntimeError(f"cuStreamCreate failed (CUresult {result})")
     return torch.cuda.ExternalStream(raw.value, device=device)
 
 
