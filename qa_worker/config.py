@@ -43,9 +43,9 @@ class QAConfig(ModelSettings, QueueSettings):
         2,
         "questions about the past (`since`, `scope: history`) answered at once, each holding a temporary cache "
         "of up to `history_max_tokens` in the GPU's KV pool; later ones wait in order, told their place, for "
-        "`max_queue_wait_s` at most. Two: one is answered while the next is encoded, and since a history cache "
-        "is encoded only in the places of encode steps the cameras leave, more at once finish no sooner, they "
-        "only hold more of the pool (2 x 8192 tokens: 0.6 GB at 3B, kept out of the live streams' room)",
+        "`max_queue_wait_s` at most. Two: one is answered while the next is encoded, and since history caches "
+        "are encoded in the GPU time questions have beside the cameras' guaranteed share, more at once finish no "
+        "sooner, they only hold more of the pool (2 x 8192 tokens: 0.6 GB at 3B, kept out of the live streams' room)",
     )
 
     def __post_init__(self) -> None:
