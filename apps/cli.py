@@ -30,6 +30,7 @@ SERVICES = {
     "search": ("qa_worker.search_cli", "search the cameras' past: time ranges ranked by the model"),
     "status": ("apps.status", "streams, versions, queues and workers, from Redis"),
     "recorder": ("recorder.service", "keep every camera's frames on disk (the frames log), with retention"),
+    "segments": ("apps.segments", "save the cache's segments to a disk before a planned reboot, load them after"),
 }
 
 

@@ -193,14 +193,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     past.add_argument(
         "--retrieval-askers", type=int, default=0, help="beside the askers: `scope: history`, `since 1h`, back to back"
     )
+    past.add_argument(
+        "--past-pause",
+        type=float,
+        default=0.0,
+        help="seconds each history and retrieval asker waits after an answer (0: back to back, which measures how "
+        "many the GPU can answer; a person asks now and then: what a lone question's first token is)",
+    )
     past.add_argument("--search-clients", type=int, default=0, help="searches of every camera, back to back")
     past.add_argument("--log-hours", type=float, default=1.0, help="frames pre-filled in each camera's log")
     past.add_argument("--index-hours", type=float, default=24.0, help="chunk vectors pre-filled in each index")
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
-    if min(ns.history_askers, ns.retrieval_askers, ns.search_clients) < 0 or min(ns.log_hours, ns.index_hours) <= 0:
-        p.error("need history/retrieval askers and search clients >= 0, log and index hours > 0")
+    past_counts = (ns.history_askers, ns.retrieval_askers, ns.search_clients, ns.past_pause)
+    if min(past_counts) < 0 or min(ns.log_hours, ns.index_hours) <= 0:
+        p.error("need history/retrieval askers, search clients and past pause >= 0, log and index hours > 0")
     if ns.retrieval_askers and ns.log_hours < min(ns.index_hours, PAST["retrieval"]["since"].ago_s / 3600):
         p.error("retrieval reads back the chunks of the last hour it finds indexed: --log-hours must cover them")
     if ns.device is None:
@@ -542,14 +550,16 @@ class Load:
             t.join(timeout=self.ns.ask_timeout + 10)
 
     def _ask(self, kind: str, index: int) -> None:
-        """Questions of ``kind`` (live, or one of PAST) about random cameras, back to back."""
+        """Questions of ``kind`` (live, or one of PAST) about random cameras, back to back (about
+        the past, `--past-pause` apart)."""
         rng = random.Random(self.ns.seed * 10_000 + 1000 * list(("live", *PAST)).index(kind) + index)
         client = Client(redisio.connect(self.redis_url))
+        pause = self.ns.past_pause if kind in PAST else 0.0
         while not self.stop.is_set():
             asked = self._ask_one(client, rng.choice(self.cameras), rng.choice(QUESTIONS), kind)
             self.asked.append(asked)
-            if asked.error:
-                self.stop.wait(0.1)  # a failing pipeline is not hammered
+            if asked.error or pause:
+                self.stop.wait(max(pause, 0.1))  # a failing pipeline is not hammered
 
     def _ask_one(self, client: Client, cam: str, question: str, kind: str) -> Asked:
         sent = time.monotonic()
@@ -1178,6 +1188,7 @@ def past_answers(ns: argparse.Namespace, load: Load, kind: str, t_end: float) ->
         "askers": past_askers(ns, kind),
         "since_s": PAST[kind]["since"].ago_s,
         "scope": PAST[kind].get("scope", "the span's chunks, evenly"),
+        "pause_s": ns.past_pause,
         "answers": len(answered),
         "client_first_token_s": spread_of([a.first_delta_s for a in answered]),
         "server_first_token_s": spread_of([a.server_first_token_s for a in answered]),

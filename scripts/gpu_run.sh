@@ -28,7 +28,9 @@
 #                services start, each camera's last hour of frames and 24 h of chunk vectors are pre-filled
 #                (scripts/history_fixture.py; 64 cameras: about 24 GB of frames log and 6 GB of indexes on
 #                the disk under TMPDIR, written while the model loads); /dev/shm remounted as for `pipeline`.
-#                Its logs go in history-logs.tgz; GIL=S as for `pipeline`. About 7-8 minutes: alone in its call
+#                Its logs go in history-logs.tgz; GIL=S as for `pipeline`. About 7-8 minutes: alone in its call.
+#                PAST_PAUSE=S: the two askers about the past wait S seconds after each answer (default: back
+#                to back, which measures how many the GPU answers, not how soon a lone question is answered)
 #     search     scripts/bench_search.py: 64 cameras' 24 h of indexes searched through the index process,
 #                alone (no GPU; the host's cores): the whole day and the last hour (about 6 GB of
 #                indexes under TMPDIR; 2-3 min)
@@ -112,6 +114,7 @@ for what in "$@"; do
       tar czf "$OUT/pipeline-logs.tgz" -C "$logs" pipeline-logs ;;
     history) step history history.json timeout 560 python3 scripts/bench_pipeline.py --device cuda --askers 8 \
       --history-askers 1 --retrieval-askers 1 --search-clients 1 --log-hours 1 --index-hours 24 \
+      ${PAST_PAUSE:+--past-pause "$PAST_PAUSE"} \
       --cameras "${CAMERAS:-64}" --warmup 128 --settle-timeout 5 --duration "${DURATION:-120}" --start-timeout 200 \
       --gil "${GIL:-0}" --logs "$logs/history-logs"
       tar czf "$OUT/history-logs.tgz" -C "$logs" history-logs ;;

@@ -290,7 +290,7 @@ def test_smoke_run_about_the_past_reports_every_field_with_sane_values(tmp_path,
     proc = bench(
         tmp_path,
         *("--cameras", "2", "--askers", "1", "--history-askers", "1", "--retrieval-askers", "1"),
-        *("--search-clients", "1", "--log-hours", "0.05", "--index-hours", "0.05"),
+        *("--search-clients", "1", "--log-hours", "0.05", "--index-hours", "0.05", "--past-pause", "0.2"),
         *("--duration", str(DURATION_S), "--warmup", "3", "--settle-timeout", "0", "--start-timeout", "120"),
         *("--out", str(out)),
     )
@@ -304,7 +304,7 @@ def test_smoke_run_about_the_past_reports_every_field_with_sane_values(tmp_path,
 
     for kind, since, scope in (("history", 600.0, "the span's chunks, evenly"), ("retrieval", 3600.0, "history")):
         past = run[kind]
-        assert (past["askers"], past["since_s"], past["scope"]) == (1, since, scope)
+        assert (past["askers"], past["since_s"], past["scope"], past["pause_s"]) == (1, since, scope, 0.2)
         assert past["errors"] == 0 and past["error_samples"] == [] and past["answers"] >= 1, past
         client, server = past["client_first_token_s"], past["server_first_token_s"]
         assert 0 < client["p50"] <= client["p95"] <= past["client_latency_s"]["p95"]

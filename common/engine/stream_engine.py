@@ -75,7 +75,7 @@ class StreamEngine:
     stream from a published manifest instead of starting empty; `load_embeds` then gives back the
     kept embeddings of its chunks (exact eviction). A stream started empty gets ``epoch`` on its
     versions; a restored one keeps its manifest's. A ``background`` stream (a temporary cache of
-    past frames) is encoded in the places of encode steps that other streams leave.
+    past frames) is a question's work to the scheduler ("the past" there), not a camera's.
     """
 
     def __init__(

@@ -2,8 +2,9 @@
 
 It is a fresh stream with the same system prefix and token layout as a live one (stream_engine.py),
 whose frames go through the ordinary append path: the GPU scheduler encodes them (vision and
-prefill) batched with live work, as a background lane that takes only the places of an encode
-step that the cameras leave (work.py). Positions come out contiguous, as offline inference lays
+prefill) as a background lane: a question's work, in steps of its own while the cameras keep
+their guaranteed share of the GPU, otherwise in the places of an encode step they leave
+(scheduler.py, "the past"). Positions come out contiguous, as offline inference lays
 out exactly these frames, so an answer from it equals one-shot inference on them
 (tests/test_history.py). Given the tokens it will hold, it takes them from the pool at once, as a
 budgeted stream takes its run, and never more (it never reaches its budget, so it never evicts):

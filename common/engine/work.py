@@ -5,8 +5,9 @@ knows how to run itself):
 
 - a `BatchWork` belongs to a lane (a stream); work of one class, one per lane, run together in one
   call (`run_batch`), e.g. the chunks of many streams through one vision forward and one prefill
-  forward. A background lane (a temporary cache for a question about the past) gets only the
-  places that the others leave. Such work usually finishes in one batch; one that does not (a
+  forward. A background lane (a temporary cache for a question about the past) is a question's
+  work: steps of its own while encoding holds its guaranteed share, otherwise the places the
+  others leave (scheduler.py). Such work usually finishes in one batch; one that does not (a
   chunk that set off an exact eviction, whose rebuild runs a piece per batch) stays first in its
   lane for the next;
 - a `StepWork` runs for many steps; all active work of one class advances by one step in one
@@ -47,8 +48,9 @@ class BatchWork(Work):
     # caller knows (a live chunk: since its last frame was captured, not since the stream's
     # thread, done with the chunk before, got to it)
     waiting_since: float = math.inf
-    # below every lane that is not: it takes only the places of an encode step those leave, and
-    # its wait never makes encoding due (a history question's re-encode yields to live cameras)
+    # a question's work, not a camera's (a history question's re-encode): steps of its own while
+    # encoding holds its guaranteed share, otherwise only the places of an encode step the other
+    # lanes leave; its wait never makes encoding due (scheduler.py, "the past")
     background: bool = False
     # time.monotonic() by which it must be done, or its camera drops frames (a live chunk: its
     # newest frame's capture plus the encoder's lag limit); inf: none (a file, a rebuild)

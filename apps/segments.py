@@ -1,0 +1,137 @@
+"""`streamvqa segments save DIR` / `load DIR`: the cache's segments carried over a planned reboot.
+
+The default store (`shm://`) lies in the host's shared memory: it outlives a worker, not the
+host. After a reboot every stream is rebuilt from the frames log, its whole window encoded again
+(about 128 chunks a camera at 32K tokens: minutes of a GPU at 64 cameras). A planned reboot need
+not pay that: with the workers stopped (their leases gone, so nothing writes), `save` copies every
+segment to a directory on a disk, fsynced, and after the boot, before the workers start, `load`
+copies them back. The workers then restore each stream from its head as after a crash (README
+"What survives what"), reading Redis's heads (its AOF) and these segments.
+
+Every segment is read through the store, so its checksum is checked: one that is damaged is left
+out and named, and its stream is rebuilt from the frames log (or starts over) at restore, as any
+damaged segment's is; the others are unaffected. Exit 0 when every segment was copied, 1 when
+some were damaged (the rest copied), 2 on a bad store or directory, 3 when Redis is unusable or a
+worker still holds a stream, 4 when a segment cannot be written (a full disk): run it again once
+there is room.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import redis
+from tqdm import tqdm
+
+from common import boot
+from common.config import ModelSettings, RedisSettings, add_tool_flags
+from common.logs import configure_logging
+from common.segment_store import DirectoryStore, SegmentStoreError, open_store
+from common.wire import keys
+
+SUFFIX = ".seg"  # the directory store's segment files (segment_store.py)
+THREADS = 8  # segments copied at once: reads, checksums and writes release the GIL
+EXIT_DAMAGED, EXIT_WRITE = 1, 4
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="streamvqa segments", description=__doc__.splitlines()[0])
+    p.add_argument("action", choices=["save", "load"], help="save: the store to DIR; load: DIR to the store")
+    p.add_argument("dir", type=Path, help="a directory on a disk that outlives the reboot")
+    add_tool_flags(p, ModelSettings, ["segment_store"])
+    add_tool_flags(p, RedisSettings, ["redis_url"])
+    ns = p.parse_args(argv[1:])
+    configure_logging("WARNING")
+    prog = f"streamvqa segments {ns.action}"
+    store = _directory_store(ns.segment_store, prog)
+    saved = DirectoryStore(ns.dir)  # durable: fsynced
+    if ns.action == "load" and not ns.dir.is_dir():
+        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=f"{ns.dir} is not a directory")
+    held = _held_streams(boot.connect_tool(ns.redis_url, prog))
+    if held:
+        boot.fail(
+            boot.EXIT_REDIS,
+            "workers still hold streams",
+            service=prog,
+            error=f"{len(held)} streams are held ({', '.join(held[:5])}): stop the workers first, or a segment "
+            "copied while written is damaged",
+        )
+    source, dest = (store, saved) if ns.action == "save" else (saved, store)
+    try:
+        summary = copy(source, dest, progress=sys.stderr.isatty())
+    except SegmentStoreError as e:  # a write: the source is fine, the destination has no room
+        boot.fail(EXIT_WRITE, "cannot write segments", service=prog, error=str(e))
+    print(json.dumps({"action": ns.action, "from": str(source.root), "to": str(dest.root), **summary}))
+    return EXIT_DAMAGED if summary["damaged"] else 0
+
+
+def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -> dict:
+    """Every segment of ``source`` into ``dest``, each read (its checksum checked) and written
+    whole as the store writes one; what was copied, and the segments found damaged (left out).
+    A segment that cannot be written raises SegmentStoreError."""
+    segments = list(_segments(source.root))
+    damaged: list[str] = []
+    copied_bytes = 0
+    t0 = time.perf_counter()
+
+    def one(stream: str, segment_id: str) -> int | SegmentStoreError:
+        try:
+            kv = source.get(stream, segment_id)
+        except SegmentStoreError as e:
+            return e
+        dest.put(stream, segment_id, kv)
+        return kv.numel() * kv.element_size()
+
+    with ThreadPoolExecutor(THREADS) as pool, tqdm(total=len(segments), unit="seg", disable=not progress) as bar:
+        futures = {pool.submit(one, *s): s for s in segments}
+        for future, (stream, segment_id) in futures.items():
+            done = future.result()
+            if isinstance(done, SegmentStoreError):
+                damaged.append(f"{stream}/{segment_id}: {done}")
+            else:
+                copied_bytes += done
+            bar.update()
+    return {
+        "segments": len(segments) - len(damaged),
+        "bytes": copied_bytes,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "damaged": damaged,
+    }
+
+
+def _segments(root: Path) -> Iterator[tuple[str, str]]:
+    """(stream, segment id) of every whole segment under ``root`` (not a writer's leftover)."""
+    for stream in sorted(os.scandir(root), key=lambda e: e.name) if root.is_dir() else ():
+        if stream.is_dir() and not stream.name.startswith("."):
+            for entry in sorted(os.scandir(stream.path), key=lambda e: e.name):
+                if entry.name.endswith(SUFFIX) and not entry.name.startswith("."):
+                    yield stream.name, entry.name[: -len(SUFFIX)]
+
+
+def _directory_store(url: str, prog: str) -> DirectoryStore:
+    """The store as a directory, or exit 2: a Redis or in-process store has nothing to carry."""
+    try:
+        store = open_store(url) if url.startswith(("shm://", "dir://")) or "://" not in url else None
+    except SegmentStoreError as e:
+        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
+    if not isinstance(store, DirectoryStore):
+        boot.fail(
+            boot.EXIT_CONFIG,
+            "bad configuration",
+            service=prog,
+            error=f"segment_store {url!r} is not a directory (shm:// or dir://): nothing to carry over a reboot",
+        )
+    return store
+
+
+def _held_streams(r: redis.Redis) -> list[str]:
+    """The streams a worker holds now (their leases), by name."""
+    pattern = keys.lease("*")
+    return sorted(k.decode().split("{", 1)[1].split("}", 1)[0] for k in r.scan_iter(match=pattern, count=1000))

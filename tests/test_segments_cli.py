@@ -1,0 +1,92 @@
+"""`streamvqa segments save/load`: the shared-memory store carried over a planned reboot through a
+directory on a disk, against a real redis-server (the leases a running worker holds)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import redis
+import torch
+
+from apps import cli
+from common.segment_store import DirectoryStore
+from common.wire import keys
+
+
+def stored(root: Path) -> dict[tuple[str, str], torch.Tensor]:
+    """Segments of two streams, as a worker's writer puts them (K/V shaped, bf16)."""
+    store = DirectoryStore(root, durable=False)
+    segments = {}
+    for i, (stream, segment_id) in enumerate([("cam1", "c1-0"), ("cam1", "c1-1"), ("cam2", "prefix")]):
+        kv = torch.randn(2, 2, 3, 5 + i, 8, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16)
+        store.put(stream, segment_id, kv)
+        segments[stream, segment_id] = kv
+    return segments
+
+
+def segments(action: str, saved: Path, shm: Path, redis_url: str, capsys) -> tuple[int, dict]:
+    code = cli.main(["segments", action, str(saved), "--segment-store", f"shm://{shm}", "--redis-url", redis_url])
+    return code, json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_saved_before_a_reboot_and_loaded_after_the_segments_are_bitwise_the_same(tmp_path, redis_url, capsys):
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    want = stored(shm)
+    (shm / "cam1" / ".c1-2.0000.tmp").write_bytes(b"a writer's leftover")  # not a segment: not carried
+    code, summary = segments("save", saved, shm, redis_url, capsys)
+    assert code == 0 and summary["segments"] == 3 and summary["damaged"] == []
+    assert summary["bytes"] == sum(kv.numel() * kv.element_size() for kv in want.values())
+    shutil.rmtree(shm)  # the reboot: shared memory is gone
+    code, summary = segments("load", saved, shm, redis_url, capsys)
+    assert code == 0 and summary["segments"] == 3
+    store = DirectoryStore(shm, durable=False)
+    for (stream, segment_id), kv in want.items():
+        assert torch.equal(store.get(stream, segment_id), kv)
+    assert sorted(p.name for p in (shm / "cam1").iterdir()) == ["c1-0.seg", "c1-1.seg"]
+
+
+def test_a_damaged_segment_is_left_out_and_named_and_the_others_are_loaded(tmp_path, redis_url, capsys):
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    want = stored(shm)
+    assert segments("save", saved, shm, redis_url, capsys)[0] == 0
+    damaged = saved / "cam1" / "c1-1.seg"
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x40  # a bit flipped in the payload: its checksum no longer holds
+    damaged.write_bytes(bytes(data))
+    shutil.rmtree(shm)
+    code, summary = segments("load", saved, shm, redis_url, capsys)
+    assert code == 1 and summary["segments"] == 2
+    assert len(summary["damaged"]) == 1 and summary["damaged"][0].startswith("cam1/c1-1:")
+    assert not (shm / "cam1" / "c1-1.seg").exists()  # its stream is rebuilt at restore, as any damaged one's
+    assert torch.equal(DirectoryStore(shm).get("cam2", "prefix"), want["cam2", "prefix"])
+
+
+def test_it_refuses_while_a_worker_holds_a_stream_or_the_store_is_no_directory(tmp_path, redis_url, capsys):
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    stored(shm)
+    redis.Redis.from_url(redis_url).set(keys.lease("cam2"), "worker-a", px=60_000)
+    with pytest.raises(SystemExit) as held:
+        segments("save", saved, shm, redis_url, capsys)
+    assert held.value.code == 3 and not saved.exists()
+    assert "cam2" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as memory:
+        cli.main(["segments", "save", str(saved), "--segment-store", "memory://x", "--redis-url", redis_url])
+    assert memory.value.code == 2
+    with pytest.raises(SystemExit) as missing:
+        cli.main(["segments", "load", str(tmp_path / "none"), "--segment-store", f"shm://{shm}"])
+    assert missing.value.code == 2
+
+
+def test_a_full_disk_is_exit_4_with_one_line(tmp_path, redis_url, capsys, small_disk):
+    """A real 2 MiB file system saved to: the first segments fit, the next does not."""
+    shm = tmp_path / "shm"
+    store = DirectoryStore(shm, durable=False)
+    for i in range(3):  # 1.5 MB each
+        store.put("cam1", f"c1-{i}", torch.zeros(2, 2, 4, 3000, 16, dtype=torch.bfloat16))
+    with pytest.raises(SystemExit) as failed:
+        segments("save", small_disk, shm, redis_url, capsys)
+    assert failed.value.code == 4
+    assert "No space left on device" in capsys.readouterr().err
