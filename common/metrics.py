@@ -190,13 +190,16 @@ RECORDER_WRITE_FAILING = Gauge(
 _STEP_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 GPU_STEP_SECONDS = Histogram(
     "svqa_gpu_step_seconds",
-    "GPU scheduler steps by kind (encode, decode, task), GPU work finished",
+    "GPU scheduler steps by kind (encode, history, decode, task), GPU work finished",
     ["kind"],
     buckets=_STEP_BUCKETS,
     **_R,
 )
 GPU_STEP_UNITS = Counter(
-    "svqa_gpu_step_units", "Work done by GPU steps: chunks encoded, question tokens decoded, tasks run", ["kind"], **_R
+    "svqa_gpu_step_units",
+    "Work done by GPU steps: chunks encoded, pieces of the past encoded, question tokens decoded, tasks run",
+    ["kind"],
+    **_R,
 )
 GPU_GRAPH_CAPTURES = Histogram(
     "svqa_gpu_graph_capture_seconds",
