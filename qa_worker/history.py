@@ -272,13 +272,14 @@ class History:
         scheduler finds the next piece waiting when one is done and can encode them back to back
         (scheduler.py, "the past"), while the later ones still decode. An error drops the pieces
         not yet decoded, and waits for those already queued (they write the cache)."""
-        reads: list[_Read | None] = [self._read(log, spec, piece) for piece in self._pieces(spec, chunks)]
+        reads = [self._read(log, spec, piece) for piece in self._pieces(spec, chunks)]
         queued: list[Future[Appended]] = []
         seen: list[LoggedChunk] = []
+        decoded = 0
         try:
-            for i, read in enumerate(reads):
-                assert read is not None
-                frames, reads[i] = self._checked(spec, read.frames), None
+            for read in reads:
+                frames = self._checked(spec, read.frames)
+                decoded += 1
                 if frames:
                     rgb = [m.rgb() for m in frames]
                     queued.append(cache.queue(rgb, [m.ts for m in frames], [m.seq for m in frames]))
@@ -286,9 +287,8 @@ class History:
             for appended in queued:
                 cache.finish(appended)
         finally:
-            for read in reads:
-                if read is not None:
-                    read.cancel()
+            for read in reads[decoded:]:
+                read.cancel()
             futures.wait(queued)
             queued.clear()  # their results hold the cache's pages: an error's traceback keeps this frame
         return seen

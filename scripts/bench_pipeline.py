@@ -206,8 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if ns.cameras < 1 or ns.askers < 1 or ns.workers < 1 or ns.duration <= 0 or ns.warmup < 0 or ns.fps <= 0:
         p.error("need cameras >= 1, askers >= 1, workers >= 1, duration > 0, warmup >= 0, fps > 0")
-    past_counts = (ns.history_askers, ns.retrieval_askers, ns.search_clients, ns.past_pause)
-    if min(past_counts) < 0 or min(ns.log_hours, ns.index_hours) <= 0:
+    non_negative = (ns.history_askers, ns.retrieval_askers, ns.search_clients, ns.past_pause)
+    if min(non_negative) < 0 or min(ns.log_hours, ns.index_hours) <= 0:
         p.error("need history/retrieval askers, search clients and past pause >= 0, log and index hours > 0")
     if ns.retrieval_askers and ns.log_hours < min(ns.index_hours, PAST["retrieval"]["since"].ago_s / 3600):
         p.error("retrieval reads back the chunks of the last hour it finds indexed: --log-hours must cover them")
