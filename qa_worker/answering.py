@@ -277,7 +277,14 @@ class Answerer:
         except (RuntimeError, ValueError) as e:  # e.g. no room in the KV pool: this question fails alone
             bound.exception("answering about the past failed")
             return FinalAnswer(id=q.id, stream=q.stream, error=f"internal error: {e}"[:500])
-        bound.info("answered about the past", ranges=final.ranges, cache_tokens=final.cache_tokens, tokens=final.tokens)
+        bound.info(
+            "answered about the past",
+            ranges=final.ranges,
+            cache_tokens=final.cache_tokens,
+            tokens=final.tokens,
+            decoded_s=round(seen.decoded_s, 4),  # from its turn: its first piece's frames decoded
+            encoded_s=round(seen.encoded_s, 4),  # and its whole cache encoded
+        )
         return dataclasses.replace(final, queue_s=seen.waited_s + (final.queue_s or 0.0))
 
     def _run(

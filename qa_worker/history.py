@@ -73,12 +73,15 @@ class LoggedChunk:
 
 @dataclass(frozen=True)
 class Seen:
-    """What a temporary cache holds: its version, and the capture-time ranges of its chunks; and
-    how long the question waited for its turn at one (`CacheGate.turn`)."""
+    """What a temporary cache holds: its version, and the capture-time ranges of its chunks; how
+    long the question waited for its turn at one (`CacheGate.turn`), and then, from its turn, for
+    its first piece's frames to be read and decoded and for the whole cache to be encoded."""
 
     version: Version
     ranges: tuple[tuple[float, float], ...]
     waited_s: float = 0.0
+    decoded_s: float = 0.0
+    encoded_s: float = 0.0
 
 
 def logged_chunks(framelog: FrameLog, cam: str, t0: float, t1: float, chunk_frames: int) -> list[LoggedChunk]:
@@ -258,15 +261,18 @@ class History:
             )
         tokens = len(self.rt.prefix_ids()) + sum(self.tokens(spec, c.frames) for c in chunks)
         with self.gate.turn(self.rt.in_pages(tokens), tell) as waited, TemporaryCache(self.rt, spec, tokens) as cache:
-            seen = self._fill(log, spec, chunks, cache)
+            t0 = time.perf_counter()
+            seen, decoded_s = self._fill(log, spec, chunks, cache)
             if not seen:
                 raise HistoryError(f"stream {spec.name!r}: the frames log no longer holds those frames")
-            yield Seen(cache.version, tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen)), waited)
+            ranges = tuple(capture_ranges((c.frame_seqs, c.capture_range) for c in seen))
+            yield Seen(cache.version, ranges, waited, decoded_s - t0, time.perf_counter() - t0)
 
     def _fill(
         self, log: FrameLog, spec: StreamSpec, chunks: Sequence[LoggedChunk], cache: TemporaryCache
-    ) -> list[LoggedChunk]:
-        """Append the chunks' frames to the cache piece by piece, in order; the chunks appended.
+    ) -> tuple[list[LoggedChunk], float]:
+        """Append the chunks' frames to the cache piece by piece, in order; the chunks appended,
+        and when (`time.perf_counter`) the first piece's frames were decoded.
         Every piece is read and handed to the decoder at once, and each is queued for the GPU as
         soon as it is decoded, behind the one before (its lane keeps them in order): the
         scheduler finds the next piece waiting when one is done and can encode them back to back
@@ -275,11 +281,12 @@ class History:
         reads = [self._read(log, spec, piece) for piece in self._pieces(spec, chunks)]
         queued: list[Future[Appended]] = []
         seen: list[LoggedChunk] = []
-        decoded = 0
+        decoded, first_decoded = 0, 0.0
         try:
             for read in reads:
                 frames = self._checked(spec, read.frames)
                 decoded += 1
+                first_decoded = first_decoded or time.perf_counter()
                 if frames:
                     rgb = [m.rgb() for m in frames]
                     queued.append(cache.queue(rgb, [m.ts for m in frames], [m.seq for m in frames]))
@@ -291,7 +298,7 @@ class History:
                 read.cancel()
             futures.wait(queued)
             queued.clear()  # their results hold the cache's pages: an error's traceback keeps this frame
-        return seen
+        return seen, first_decoded
 
     def _pieces(self, spec: StreamSpec, chunks: Sequence[LoggedChunk]) -> Iterator[list[LoggedChunk]]:
         """Runs of consecutive chunks of at most PIECE_TOKENS (a chunk larger alone): one append each."""

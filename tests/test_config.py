@@ -184,6 +184,7 @@ def test_the_gpu_settings_are_the_schedule_policys_fields():
         assert mine.default == (True if name == "join_during_encode" else f.default), name
     changed = {f"gpu_{n}": not f.default if isinstance(f.default, bool) else f.default + 1 for n, f in policy.items()}
     changed["gpu_encode_share"] = changed["gpu_max_encode_share"] = changed["gpu_deadline_share"] = 0.5
+    changed["gpu_history_share"] = 0.5
     got = load_config(GPUSettings, [], env={f"SVQA_{k.upper()}": str(v) for k, v in changed.items()}).schedule_policy()
     assert {f"gpu_{n}": getattr(got, n) for n in policy} == changed
 

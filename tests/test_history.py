@@ -190,8 +190,9 @@ def test_a_span_across_the_live_windows_edge_equals_offline_inference_on_the_fra
 
 
 def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt, frames, monkeypatch):
-    """Through a running scheduler, with a live stream's chunk queued alongside: the temporary
-    cache's chunks ride in encode steps with it (background lanes fill what the live ones leave),
+    """Through a running scheduler, with a live stream's chunk queued alongside and the past
+    without credit: the temporary cache's chunks ride in encode steps with it (background lanes
+    fill what the live ones leave),
     and an answer from it equals offline inference on its frames (first-token logits too)."""
     batches: list[list[tuple[str, bool]]] = []
     run_batch = ChunkWork.run_batch.__func__
@@ -201,7 +202,7 @@ def test_the_history_cache_is_encoded_beside_a_live_stream_and_equals_offline(rt
         run_batch(cls, batch)
 
     monkeypatch.setattr(ChunkWork, "run_batch", classmethod(recorded))
-    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4))
+    scheduler = Scheduler(SchedulePolicy(max_batch=8, max_chunks=4, history_burst_s=0.0))  # no steps of its own
     rt.executor = scheduler.start()
     chosen = list(range(4, 20))
     try:

@@ -145,54 +145,64 @@ def cameras_encoding(policy: SchedulePolicy, order: list[str], kinds: list[str],
     return scheduler
 
 
-def test_the_past_goes_ahead_of_late_chunks_while_encoding_holds_its_share():
+def test_the_past_goes_ahead_of_late_chunks_in_one_burst_whatever_encodings_share():
     """A question about the past is a question: its pieces (a background lane) get steps of their
-    own ahead of cameras that are merely behind, while encoding keeps its guaranteed share, and
-    the cameras take the time back after."""
+    own ahead of cameras that are merely behind, back to back while its credit lasts, even with
+    encoding below its guaranteed share; then the cameras take the time back."""
     GpuTime.now = 0.0
     try:
         order: list[str] = []
         kinds: list[str] = []
-        policy = SchedulePolicy(max_chunks=2, encode_share=0.8, chunk_deadline_s=0.0, window_s=0.3)
+        policy = SchedulePolicy(
+            max_chunks=2,
+            encode_share=0.8,
+            chunk_deadline_s=0.0,
+            window_s=0.3,
+            history_share=0.0,
+            history_burst_s=2.5 * ENCODE_S,  # a step starts while any is left: three
+        )  # no refill: the burst alone
         scheduler = cameras_encoding(policy, order, kinds)
-        for _ in range(3):  # three pieces, one after the other in their lane
+        scheduler._encode_s, scheduler._total_s = 0.5, 1.0  # encoding below its share: the burst goes anyway
+        for _ in range(4):  # four pieces, one after the other in their lane
             scheduler.submit(background("h", order))
         for _ in range(3):
             scheduler.step()
         assert order == ["h", "h", "h"] and kinds == ["history"] * 3
-        scheduler.step()
+        scheduler.step()  # the credit spent: the cameras' step, the fourth piece left out
         assert order[3:] == ["cam0", "cam1"] and kinds[3:] == ["encode"]
     finally:
         GpuTime.now = None
 
 
-def test_the_past_fills_only_the_places_the_cameras_leave_below_encodings_share():
-    """Below encoding's guaranteed share the past never displaces a camera's chunk from an encode
-    step, however long it has waited; it rides along where there is room."""
+def test_askers_about_the_past_who_never_stop_get_their_share_of_the_gpu_and_no_more():
     GpuTime.now = 0.0
     try:
         order: list[str] = []
         kinds: list[str] = []
-        policy = SchedulePolicy(max_chunks=2, encode_share=0.99, chunk_deadline_s=0.0, window_s=0.3)
-        scheduler = cameras_encoding(policy, order, kinds, lanes=2)
-        scheduler.submit(background("h", order)), scheduler.submit(background("h", order))
-        scheduler.step()  # all encoding so far: the past goes ahead once
-        assert order == ["h"] and kinds == ["history"]
-        for _ in range(3):  # now under the share: the cameras' steps, the past left out
+        policy = SchedulePolicy(max_chunks=2, chunk_deadline_s=0.0, history_share=0.1, history_burst_s=0.05)
+        scheduler = cameras_encoding(policy, order, kinds, lanes=2)  # no place left in an encode step
+        for _ in range(400):
+            scheduler.submit(background("h", order))
+        for _ in range(300):
             scheduler.step()
-        assert order[1:] == ["cam0", "cam1"] * 3 and kinds[1:] == ["encode"] * 3
-        scheduler = Scheduler(SchedulePolicy(max_chunks=2, encode_share=1.0))  # never ahead
-        order.clear()
-        for work in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
-            scheduler.submit(work)
-        scheduler.submit(Busy("a", order))
-        scheduler._encode_s, scheduler._total_s = 0.5, 1.0  # encoding below its share: no step of its own
-        scheduler.step()  # two cameras wait: the step is theirs
-        assert order == ["a", "b"]
-        scheduler.step()  # one camera's chunk left: the background lane fills the other place
-        assert order == ["a", "b", "a", "h"]
+        share = kinds.count("history") / len(kinds)  # every step takes ENCODE_S
+        assert 0.08 < share < 0.14, share
     finally:
         GpuTime.now = None
+
+
+def test_without_credit_the_past_fills_only_the_places_the_cameras_leave():
+    """The past's credit spent, it never displaces a camera's chunk from an encode step, however
+    long it has waited; it rides along where there is room."""
+    order: list[str] = []
+    scheduler = Scheduler(SchedulePolicy(max_chunks=2, history_burst_s=0.0))  # never ahead
+    for work in (background("h", order), background("h", order), Busy("a", order), Busy("b", order)):
+        scheduler.submit(work)
+    scheduler.submit(Busy("a", order))
+    scheduler.step()  # two cameras wait: the step is theirs
+    assert order == ["a", "b"]
+    scheduler.step()  # one camera's chunk left: the background lane fills the other place
+    assert order == ["a", "b", "a", "h"]
 
 
 def test_the_past_waits_while_a_camera_is_at_risk():
@@ -237,6 +247,8 @@ def test_encoding_leaves_sms_to_questions_only_beside_them_and_while_it_keeps_up
         {"max_encode_share": 1.5},
         {"chunk_deadline_s": -1.0},
         {"decode_sms": -1},
+        {"history_share": 1.5},
+        {"history_burst_s": -0.1},
     ],
 )
 def test_a_bad_policy_is_refused(bad):

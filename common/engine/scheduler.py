@@ -19,13 +19,18 @@ that, every step guarantees:
   question waits; streams are served round-robin, one chunk each an encode step, so when the GPU
   cannot keep up every stream falls behind (and drops frames) alike;
 - the past: background lanes (a question's temporary cache of past frames) are questions' work,
-  not the cameras'. While no camera is at risk and encoding holds its guaranteed `encode_share`,
-  a step of their own encodes them (one piece each, questions decoding beside it), ahead of
-  chunks that are merely late: a question about the last minutes gets its cache in a burst of a
-  few steps instead of the places the cameras leave, which at a full GPU are none (118 s to a
-  first token, 64 cameras, H200, 2026-11-29). Otherwise they fill the places of an encode step
-  the streams leave; their wait never makes encoding due, and their steps count as questions'
-  time in the shares, so the cameras get it back after;
+  not the cameras'. While no camera is at risk and the past has credit left, a step of their own
+  encodes them (one piece each, questions decoding beside it), ahead of chunks that are merely
+  late: a question about the last minutes gets its cache in one burst instead of the places the
+  cameras leave, which at a full GPU are none (118 s to a first token, 64 cameras, H200,
+  2026-11-29). The credit is a token bucket of GPU seconds (`_PastCredit`): it fills at
+  `history_share` of the clock's time up to `history_burst_s`, and the past's own steps spend it.
+  So a lone question's pieces run back to back (with the burst gated by encoding's share
+  instead, they got one step in every few and took 2.3 s to a first token, 2026-11-29), and
+  askers about the past who never stop get at most `history_share` of the GPU. Without credit
+  they fill the places of an encode step the streams leave; their wait never makes encoding
+  due, and their steps count as questions' time in the shares, so the cameras get it back after
+  (a burst is borrowed from encoding's share, never from a camera at risk);
 - questions: every active question advances one token a step (at most `max_batch` active), and
   with `decode_during_encode` never waits out a whole encode step: it decodes beside the step's
   layers. The others wait in order of arrival, and start (`StepWork.start`) in that order;
@@ -80,6 +85,7 @@ that, every step guarantees:
 | `decode_before_encode` | questions take a step alone before each encode step; off, beside its first kernels |
 | `join_during_encode` | questions arriving during an encode step start beside it (needs the pool to defer frees) |
 | `decode_sms` | SMs an encode step leaves to the decode kernels beside it (a green context), while encoding keeps up |
+| `history_share`, `history_burst_s` | the past's steps of its own: their share of GPU time, how much at once |
 | `room` (argument) | tokens the KV pool can still give (`KVPool.room_tokens`), kept for evictions' copies |
 """
 
@@ -165,6 +171,17 @@ class SchedulePolicy:
         "`max_lag_s`, after which its frames are dropped), every step encodes, with no share limit, questions take "
         "one decode step an encode step and are answered one at a time, until no chunk is that late",
     )
+    history_share: float = setting(
+        0.1,
+        "questions about the past get steps of their own, ahead of cameras that are merely behind, for at most "
+        "this share of GPU time (a token bucket, `gpu_history_burst_s` deep); beyond it they fill the places "
+        "encode steps leave",
+    )
+    history_burst_s: float = setting(
+        1.5,
+        "GPU seconds the past may take at once in steps of its own: a question about the last minutes "
+        "(`history_max_tokens` 8192: about 0.5 s of an H200) is encoded in one burst, not between the cameras' steps",
+    )
     window_s: float = 2.0  # the shares are measured over about this long
     decode_during_encode: bool = setting(
         True,
@@ -207,6 +224,8 @@ class SchedulePolicy:
             raise ValueError("decode_sms must be >= 0")
         if self.chunk_deadline_s < 0 or self.window_s <= 0:
             raise ValueError("chunk_deadline_s must be >= 0 and window_s > 0")
+        if not 0.0 <= self.history_share <= 1.0 or self.history_burst_s < 0:
+            raise ValueError("history_share is a share of GPU time, from 0 to 1, and history_burst_s >= 0")
 
     def leaves_sms(self, alongside: bool, waited_s: float) -> bool:
         """Whether an encode step leaves `decode_sms` SMs to questions: only with questions beside
@@ -249,6 +268,7 @@ class Scheduler:
         self._in_flight: tuple[float, list[tuple[Launched, list[StepWork]]]] | None = None  # launched when, steps
         self._broken: Exception | None = None  # raised by a decode step beside an encode step
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
+        self._past = _PastCredit(self.policy.history_share, self.policy.history_burst_s, clock())
         self.at_risk = False  # this step: a waiting chunk is near its deadline (cameras first)
         self._beside = 0  # decode steps launched beside the encode step under way
         self._stop = threading.Event()
@@ -385,8 +405,8 @@ class Scheduler:
 
     def _past_goes_ahead(self) -> bool:
         """Whether a step of the background lanes alone comes next (module doc, "the past"): one
-        waits, no camera is at risk, and encoding holds its guaranteed share."""
-        if self.at_risk or (self._total_s > 0.0 and self._encode_s / self._total_s < self.policy.encode_share):
+        waits, no camera is at risk, and the past has credit left."""
+        if self.at_risk or self._past.left(self.clock()) <= 0.0:
             return False
         with self._lock:
             return any(lane[0].background for lane in self._lanes.values() if lane)
@@ -661,6 +681,8 @@ class Scheduler:
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
         self._total_s = self._total_s * decay + spent
+        if kind == "history":
+            self._past.spend(spent, self.clock())
         if self.on_step is not None:
             self.on_step(kind, spent, units)
 
@@ -674,6 +696,24 @@ class Scheduler:
         fail_all(pending, error)
         for _, future in tasks:
             future.set_exception(error)
+
+
+class _PastCredit:
+    """GPU seconds the past may still take in steps of its own (module doc, "the past"): a token
+    bucket that fills at `share` of the clock's time and holds at most `burst`. A step starts
+    while any is left, so the bucket may go below zero by one step, paid back before the next."""
+
+    def __init__(self, share: float, burst: float, now: float):
+        self.share, self.burst = share, burst
+        self._left, self._at = burst, now
+
+    def left(self, now: float) -> float:
+        self._left = min(self.burst, self._left + self.share * (now - self._at))
+        self._at = now
+        return self._left
+
+    def spend(self, seconds: float, now: float) -> None:
+        self._left = self.left(now) - seconds
 
 
 class _Room:
