@@ -11,8 +11,12 @@ streams at a time, for each case:
 - `store_get`: what restoring did before the Restorer: each stream's segments read one after the
   other by its own thread (`SegmentStore.get`, page-locked on a GPU: cudaHostAlloc per segment).
 
+Each of --checksums writes the heads anew with that checksum in their headers (`crc32c`, what
+segments carry; `crc32`, zlib's, what they carried before 2026-11-29) and runs the cases on them:
+the readers' code is the same, the function they check each byte with is the header's.
+
 Reported: GB/s over all streams, each stream's time (p50, max), and, once, one core's rate of the
-two steps a reader runs per byte (tmpfs read, CRC-32): what a number of readers can feed; last,
+steps a reader runs per byte (tmpfs read, each checksum): what a number of readers can feed; last,
 whether a head restored onto --device is bitwise what the store's own reader gives back.
 
     PYTHONPATH=. python scripts/bench_restore.py --streams 4 --gb-per-stream 0.6 --threads 1,2,4
@@ -30,9 +34,11 @@ import zlib
 from concurrent import futures
 from pathlib import Path
 
+import crc32c
 import numpy as np
 import torch
 
+from common import segment_store
 from common.segment_store import DirectoryStore
 from encoder_worker.restore import Restorer
 
@@ -49,6 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--at-once", type=int, default=4, help="streams restored at once")
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeat", type=int, default=2, help="each case's best of this many")
+    p.add_argument("--checksums", default="crc32c", help="crc32c (what segments carry), crc32 (before), or both")
     return p.parse_args(argv)
 
 
@@ -67,17 +74,19 @@ def write_heads(store: DirectoryStore, ns: argparse.Namespace) -> dict[str, list
 
 
 def one_core_rates(store: DirectoryStore, stream: str, sid: str) -> dict[str, float]:
-    """GB/s of one thread reading a segment from tmpfs into memory, and of zlib's CRC-32 over it."""
+    """GB/s of one thread reading a segment from tmpfs into memory, and of each checksum over it."""
     with store.open(stream, sid) as (meta, f, _):
         buf = bytearray(meta["nbytes"])
         t0 = time.perf_counter()
         f.readinto(buf)
         read_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    zlib.crc32(buf)
-    crc_s = time.perf_counter() - t0
     gb = len(buf) / 1e9
-    return {"tmpfs_read_gb_per_s": round(gb / read_s, 2), "crc32_gb_per_s": round(gb / crc_s, 2)}
+    rates = {"tmpfs_read_gb_per_s": round(gb / read_s, 2)}
+    for name, fn in (("crc32", zlib.crc32), ("crc32c", crc32c.crc32c)):
+        t0 = time.perf_counter()
+        fn(buf)
+        rates[f"{name}_gb_per_s"] = round(gb / (time.perf_counter() - t0), 2)
+    return rates
 
 
 def restore_all(read_one, heads: dict[str, list[str]], at_once: int) -> tuple[float, list[float]]:
@@ -139,33 +148,45 @@ def slot_bytes(ns: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
-    device = torch.device(ns.device)
-    root = Path(tempfile.mkdtemp(prefix="svqa-bench-restore-", dir="/dev/shm"))
-    try:
-        store = DirectoryStore(root, durable=False)
-        heads = write_heads(store, ns)
-        nbytes = sum(p.stat().st_size for p in root.rglob("*.seg"))
-        first = next(iter(heads))
-        print(json.dumps({"one_core": one_core_rates(store, first, heads[first][0]), "device": str(device)}))
-
-        def store_get(stream: str, ids: list[str]) -> None:
-            for sid in ids:
-                store.get(stream, sid, device, pin=device.type == "cuda")
-
-        print(json.dumps(case("store_get", store_get, heads, nbytes, ns, threads=1)))
-        for threads in (int(t) for t in ns.threads.split(",")):
-            restorer = Restorer(device, threads, ns.at_once, slot_bytes(ns))
-            try:
-                run = case(
-                    "restorer", lambda s, ids, r=restorer: restore(r, store, s, ids), heads, nbytes, ns, threads=threads
-                )
-            finally:
-                restorer.close()
-            print(json.dumps(run), flush=True)
-        print(json.dumps({"bitwise_equal": same_as_stored(store, first, heads[first], ns)}))
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for name in ns.checksums.split(","):
+        segment_store.WRITTEN_WITH = name
+        root = Path(tempfile.mkdtemp(prefix="svqa-bench-restore-", dir="/dev/shm"))
+        try:
+            run_cases(DirectoryStore(root, durable=False), root, ns, name)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     return 0
+
+
+def run_cases(store: DirectoryStore, root: Path, ns: argparse.Namespace, checksum: str) -> None:
+    device = torch.device(ns.device)
+    heads = write_heads(store, ns)
+    nbytes = sum(p.stat().st_size for p in root.rglob("*.seg"))
+    first = next(iter(heads))
+    one_core = one_core_rates(store, first, heads[first][0])
+    print(json.dumps({"checksum": checksum, "one_core": one_core, "device": str(device)}))
+
+    def store_get(stream: str, ids: list[str]) -> None:
+        for sid in ids:
+            store.get(stream, sid, device, pin=device.type == "cuda")
+
+    print(json.dumps(case("store_get", store_get, heads, nbytes, ns, threads=1, checksum=checksum)))
+    for threads in (int(t) for t in ns.threads.split(",")):
+        restorer = Restorer(device, threads, ns.at_once, slot_bytes(ns))
+        try:
+            run = case(
+                "restorer",
+                lambda s, ids, r=restorer: restore(r, store, s, ids),
+                heads,
+                nbytes,
+                ns,
+                threads=threads,
+                checksum=checksum,
+            )
+        finally:
+            restorer.close()
+        print(json.dumps(run), flush=True)
+    print(json.dumps({"checksum": checksum, "bitwise_equal": same_as_stored(store, first, heads[first], ns)}))
 
 
 if __name__ == "__main__":

