@@ -12,7 +12,9 @@ maps each (MAP_SHARED, read-only) and measures, over all of them:
   from the registered mapping on one stream, then `cudaHostUnregister`: each step's GB/s.
 
 Each copy is checked on the device against the file's bytes (a sum of its int32 words there and
-here). Prints one JSON line. Run from the root of the code on a GPU:
+here). Prints one JSON line. Measured on an H200 host (16 cores, 2026-11-29, 64 files of 256 MB):
+pageable copies 2.3-2.5 GB/s with 8 or 16 threads; registering 13 GB/s (one thread), the copy from
+registered pages 55 GB/s, unregistering 140 GB/s. Run from the root of the code on a GPU:
 `PYTHONPATH=. python3 scripts/probes/shm_to_gpu.py --files 64 --file-mb 256`.
 """
 
