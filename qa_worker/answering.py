@@ -282,7 +282,7 @@ class Answerer:
             ranges=final.ranges,
             cache_tokens=final.cache_tokens,
             tokens=final.tokens,
-            decoded_s=round(seen.decoded_s, 4),  # from its turn: its first piece's frames decoded
+            decoded_s=round(seen.decoded_s, 4),  # from its turn: its records read, its first piece decoded
             encoded_s=round(seen.encoded_s, 4),  # and its whole cache encoded
         )
         return dataclasses.replace(final, queue_s=seen.waited_s + (final.queue_s or 0.0))

@@ -75,7 +75,8 @@ class LoggedChunk:
 class Seen:
     """What a temporary cache holds: its version, and the capture-time ranges of its chunks; how
     long the question waited for its turn at one (`CacheGate.turn`), and then, from its turn, for
-    its first piece's frames to be read and decoded and for the whole cache to be encoded."""
+    its chunks' records to be read from the log and its first piece decoded, and for the whole
+    cache to be encoded."""
 
     version: Version
     ranges: tuple[tuple[float, float], ...]
@@ -272,7 +273,8 @@ class History:
         self, log: FrameLog, spec: StreamSpec, chunks: Sequence[LoggedChunk], cache: TemporaryCache
     ) -> tuple[list[LoggedChunk], float]:
         """Append the chunks' frames to the cache piece by piece, in order; the chunks appended,
-        and when (`time.perf_counter`) the first piece's frames were decoded.
+        and when (`time.perf_counter`) the first piece's frames were decoded (every piece's
+        records read by then).
         Every piece is read and handed to the decoder at once, and each is queued for the GPU as
         soon as it is decoded, behind the one before (its lane keeps them in order): the
         scheduler finds the next piece waiting when one is done and can encode them back to back

@@ -25,9 +25,10 @@ that, every step guarantees:
   cameras leave, which at a full GPU are none (118 s to a first token, 64 cameras, H200,
   2026-11-29). The credit is a token bucket of GPU seconds (`_PastCredit`): it fills at
   `history_share` of the clock's time up to `history_burst_s`, and the past's own steps spend it.
-  So a lone question's pieces run back to back (with the burst gated by encoding's share
-  instead, they got one step in every few and took 2.3 s to a first token, 2026-11-29), and
-  askers about the past who never stop get at most `history_share` of the GPU. Without credit
+  So a lone question's pieces run back to back (gated by encoding's share instead, they got one
+  step in every few; with the credit a question's four pieces took 0.57-1.07 s while the cameras
+  had room, 64 cameras, H200, 2026-11-29), and askers about the past who never stop get at most
+  `history_share` of the GPU. Without credit
   they fill the places of an encode step the streams leave; their wait never makes encoding
   due, and their steps count as questions' time in the shares, so the cameras get it back after
   (a burst is borrowed from encoding's share, never from a camera at risk);
