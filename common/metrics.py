@@ -208,6 +208,12 @@ GPU_GRAPH_CAPTURES = Histogram(
     buckets=_STEP_BUCKETS,
     **_R,
 )
+GPU_AT_RISK = _ReadCounter(
+    "svqa_gpu_cameras_at_risk_seconds",
+    "GPU loop time with a camera near dropping frames (a chunk waited gpu_deadline_share of max_lag_s): every "
+    "step encodes first and questions are answered one at a time. A share of the time that grows means the GPU "
+    "is at its edge: live answers slow down before frames drop",
+)
 GPU_ALLOC_RETRIES = _ReadCounter(
     "svqa_gpu_alloc_retries",
     "Times torch's CUDA allocator ran out, freed its cache and retried (each one synchronizes the device)",
@@ -252,6 +258,7 @@ def watch_scheduler(scheduler) -> None:
     by phase (common/engine/phases.py) at every scrape."""
     DECODE_TIMES.times = scheduler.decode_times
     LOOP_PHASES.clock = scheduler.phase_clock
+    GPU_AT_RISK.read = lambda: {(): scheduler.at_risk_s}
 
 
 def compiled_frames(name: str) -> float:
@@ -337,6 +344,7 @@ _GPU = (
     DECODE_TIMES,
     LOOP_PHASES,
     GPU_GRAPH_CAPTURES,
+    GPU_AT_RISK,
     GPU_ALLOC_RETRIES,
     GPU_COMPILES,
     KV_POOL_TOKENS,

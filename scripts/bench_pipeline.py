@@ -412,6 +412,7 @@ def frame_counts(ingest_port: int, worker_ports: list[int], cameras: list[str]) 
         "svqa_gpu_graph_capture_seconds_sum",
         "svqa_gpu_graph_capture_seconds_count",
         "svqa_gpu_alloc_retries_total",
+        "svqa_gpu_cameras_at_risk_seconds_total",
     ):
         counts["gpu"][sample] = worker.get((sample, "", ""), 0.0)
     for (name, label, _), value in worker.items():
@@ -1057,7 +1058,8 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
     captures and torch.compile graphs made or declined (stalls, or code left eager: the warm-up
     at start should have made every graph serving needs); allocator retries (each synchronizes
     the device); the KV pools at the end and their caches' re-layouts in the window (copies:
-    somebody held a cache's old pages when it evicted)."""
+    somebody held a cache's old pages when it evicted); the share of the window the loop had the
+    cameras at risk (questions one at a time)."""
 
     def delta(key: str) -> float:
         return after.get("gpu", {}).get(key, 0.0) - before.get("gpu", {}).get(key, 0.0)
@@ -1068,6 +1070,7 @@ def gpu_summary(before: Counts, after: Counts, seconds: float) -> dict[str, Any]
         "seconds": round(delta("svqa_gpu_graph_capture_seconds_sum"), 3),
     }
     out["alloc_retries"] = int(delta("svqa_gpu_alloc_retries_total"))
+    out["cameras_at_risk_share"] = round(delta("svqa_gpu_cameras_at_risk_seconds_total") / seconds, 3)
     out["compiles"] = {how: int(delta(f"svqa_gpu_compiles_total:{how}")) for how in ("compiled", "not_compiled")}
     out["kv_pool"] = {
         **{

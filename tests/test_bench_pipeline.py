@@ -56,7 +56,7 @@ def check_spread(spread: dict[str, int], per_camera: list[int]) -> None:
 def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     """What the benchmark reads of a worker's /metrics: each labelled GPU sample under its own
     label (read without theirs, `svqa_gpu_compiles`' two outcomes were one key, and the report
-    said 0 compiles whatever happened), and the scheduler's decode times."""
+    said 0 compiles whatever happened), the scheduler's decode times and its time at risk."""
     sys.path.insert(0, str(REPO / "scripts"))
     import bench_pipeline
 
@@ -70,6 +70,7 @@ def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     clock = PhaseClock()
     clock.wall, clock.cpu = {"prefill": 2.0, "device wait": 1.5}, {"prefill": 1.5, "device wait": 0.25}
     monkeypatch.setattr(metrics.LOOP_PHASES, "clock", clock)
+    monkeypatch.setattr(metrics.GPU_AT_RISK, "read", lambda: {(): 1.5})
     port = free_port()
     health.serve(port, metrics.registry_for(["worker"]), health.Readiness())
     got = bench_pipeline.scrape(port)
@@ -78,6 +79,7 @@ def test_the_workers_gpu_samples_are_read_one_label_apart(monkeypatch):
     compiles = {("svqa_gpu_compiles_total", "compiled", ""), ("svqa_gpu_compiles_total", "not_compiled", "")}
     assert compiles <= set(got)
     assert ("svqa_gpu_alloc_retries_total", "", "") in got
+    assert got[("svqa_gpu_cameras_at_risk_seconds_total", "", "")] == 1.5
     gpu = {f"{name}:{label}": value for (name, label, _), value in got.items() if name.startswith("svqa_gpu_loop_")}
     assert bench_pipeline.loop_phases(gpu.get, gpu, seconds=4.0) == {
         "device wait": {"share": 0.375, "on_cpu": 0.167},

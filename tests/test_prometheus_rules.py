@@ -43,7 +43,7 @@ def test_the_rules_and_the_scrape_config_parse(promtool):
     for args in (("check", "rules", RULES), ("check", "config", CONFIG)):
         done = run(promtool, *args)
         assert done.returncode == 0, done.stdout + done.stderr
-    assert "8 rules found" in run(promtool, "check", "rules", RULES).stdout
+    assert "9 rules found" in run(promtool, "check", "rules", RULES).stdout
 
 
 def test_each_alert_fires_when_it_should_and_not_otherwise(promtool):

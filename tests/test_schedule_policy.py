@@ -488,6 +488,7 @@ def test_a_chunk_near_its_deadline_takes_the_device_however_small_the_share():
     scheduler.step()
     assert not scheduler.at_risk and safe.done is False, "shares of 0: questions first while no camera is at risk"
     assert (answering.taken, waiting.taken) == (2, 1)
+    assert scheduler.at_risk_s == 0.0
     late.waiting_since, late.deadline = 94.0, 104.0  # waited 6 s of 10
     late.lane = "cam2"
     scheduler.submit(late)
@@ -496,8 +497,11 @@ def test_a_chunk_near_its_deadline_takes_the_device_however_small_the_share():
     scheduler.step()
     assert scheduler.at_risk and late.done and safe.done, "at risk: encoded at once, with no share limit"
     assert (answering.taken, waiting.taken, starting.taken) == (3, 2, 0), "one decode step beside, none started"
+    at_risk_s = scheduler.at_risk_s
+    assert at_risk_s > 0.0, "the step chosen at risk is counted (svqa_gpu_cameras_at_risk_seconds)"
     scheduler.step()
     assert not scheduler.at_risk and starting.taken == 1
+    assert scheduler.at_risk_s == at_risk_s, "and only it"
 
 
 def test_at_risk_questions_are_answered_one_at_a_time_never_starved():

@@ -271,6 +271,7 @@ class Scheduler:
         self._encode_s = self._total_s = 0.0  # decayed GPU seconds, for the encode share
         self._past = _PastCredit(self.policy.history_share, self.policy.history_burst_s, clock())
         self.at_risk = False  # this step: a waiting chunk is near its deadline (cameras first)
+        self.at_risk_s = 0.0  # seconds of steps chosen with the cameras at risk, since start
         self._beside = 0  # decode steps launched beside the encode step under way
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -682,6 +683,8 @@ class Scheduler:
         decay = 0.5 ** (spent / self.policy.window_s)
         self._encode_s = self._encode_s * decay + (spent if kind == "encode" else 0.0)
         self._total_s = self._total_s * decay + spent
+        if self.at_risk:
+            self.at_risk_s += spent
         if kind == "history":
             self._past.spend(spent, self.clock())
         if self.on_step is not None:
