@@ -48,6 +48,17 @@ def clip_path(stream: str, t0: float, t1: float) -> str:
     return f"/api/streams/{stream}/clip?from={t0:.3f}&to={t1:.3f}"
 
 
+def clip_around(stream: str, start: float, end: float, at: float) -> str:
+    """The clip of [start, end], or, when that is longer than a clip may be, of the MAX_CLIP_S of
+    it around `at` (a search result's best chunk). A hundredth of a second short: both ends are
+    written to the millisecond, and their difference must not round past MAX_CLIP_S."""
+    span = MAX_CLIP_S - 0.01
+    if end - start > span:
+        start = min(max(start, at - span / 2), end - span)
+        end = start + span
+    return clip_path(stream, start, end)
+
+
 def snapshot_path(stream: str, at: float) -> str:
     return f"/api/streams/{stream}/snapshot?at={at:.3f}"
 
@@ -132,7 +143,7 @@ def _video_stream(out: Any, codec: str, shape: tuple[int, ...]) -> Any:
     # the rate is a hint for rate control; pts carry the timing
     stream = out.add_stream(codec, rate=2, options=X264_OPTIONS if codec == "libx264" else {})
     height, width = shape[0], shape[1]
-    stream.width, stream.height = width - width % 2, height - height % 2
+    stream.width, stream.height = max(2, width - width % 2), max(2, height - height % 2)  # a 1-pixel side: 2
     stream.pix_fmt = "yuv420p"
     stream.codec_context.time_base = stream.time_base = TIME_BASE
     return stream

@@ -33,7 +33,7 @@ from common.wire.schemas import (
     decode_answer,
     encode_question,
 )
-from common.wire.timeref import TimeRef, parse_time_ref
+from common.wire.timeref import TimeRef, parse_time_ref, seconds_ago
 
 
 def stream_name(name: str, field: str = "stream") -> str:
@@ -83,7 +83,11 @@ def question(stream: str, text: str, **options: Any) -> Question:
 
 
 def _time_ref(name: str, value: float | str) -> TimeRef:
+    """A JSON number is seconds as it is (its text may be 5e-05, which no form reads); a string
+    is read in the protocol's forms."""
     try:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return seconds_ago(value)
         return parse_time_ref(str(value))
     except ValueError as e:
         raise SchemaError(name, str(e)) from None

@@ -5,7 +5,8 @@ Each result is a moment: a camera's run of adjacent matching chunks (qa_worker/m
 capture-time range (unix seconds), frame seqs, how many chunks, and its score, its best chunk's
 (the cosine of question and chunk, in [-1, 1], best first) with that chunk's range and seqs
 (`best_*`); with the URLs of a snapshot (its thumbnail: the frame nearest the best chunk's middle)
-and of the whole range's clip, both served from the frames log (api/clips.py). A span with nothing
+and of the range's clip (a moment longer than a clip may be: its MAX_CLIP_S around the best
+chunk), both served from the frames log (api/clips.py). A span with nothing
 indexed gives an empty list; a bad parameter 400 naming it.
 """
 
@@ -16,7 +17,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from api import errors, replies
-from api.clips import clip_path, snapshot_path
+from api.clips import clip_around, snapshot_path
 from api.guard import require_token
 from common.wire import keys
 from common.wire.schemas import SchemaError, SearchHit
@@ -62,12 +63,11 @@ def _request(text: str, **options: Any) -> SearchRequest:
                 options[name] = replies._time_ref(name, options[name])
         return checked_search(text, **options)
     except SchemaError as e:
-        raise errors.ApiError(400, str(e), param=PARAMS.get(e.field, e.field)) from None
+        param = PARAMS.get(e.field, e.field)
+        raise errors.ApiError(400, f"{param}: {e.problem}", param=param) from None
 
 
 def _result(hit: SearchHit) -> dict[str, Any]:
-    return {
-        **vars(hit),
-        "thumbnail": snapshot_path(hit.stream, (hit.best_start + hit.best_end) / 2),
-        "clip": clip_path(hit.stream, hit.start, hit.end),
-    }
+    best = (hit.best_start + hit.best_end) / 2
+    clip = clip_around(hit.stream, hit.start, hit.end, best)
+    return {**vars(hit), "thumbnail": snapshot_path(hit.stream, best), "clip": clip}

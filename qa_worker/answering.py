@@ -133,7 +133,10 @@ class Answerer:
             bound.info("redelivered question already answered")
             self._audit(qid, existing, self.max_reply_ttl_s)  # in case the crash came before it
         else:
-            waited = queue_wait_s(fields.get(b"asked") or entry_id)  # asked: where it was forwarded from
+            # asked: its entry id where it was forwarded from, written by the forwarder alone (routing.py):
+            # a client's own in the shared queue would move its span and its reported wait
+            asked = fields.get(b"asked") if queue != keys.QUESTIONS else None
+            waited = queue_wait_s(asked or entry_id)
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, fields, attempt, bound, asked_at=time.time() - waited)

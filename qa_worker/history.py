@@ -109,15 +109,21 @@ def evenly(chunks: Sequence[LoggedChunk], n: int) -> list[LoggedChunk]:
 
 def span_of(q: Question, asked_at: float, now: float | None = None) -> tuple[float, float]:
     """The question's span as capture times (unix seconds), `since`/`until` counted from when it
-    was asked; an `until` later than now is now. HistoryError when it is in the future or empty."""
+    was asked; an `until` later than now is now. HistoryError when `since` is not before the
+    asking (however late a worker takes the question: it asks about the past), or the span is empty."""
     assert q.since is not None
     now = time.time() if now is None else now
     t0 = q.since.resolve(asked_at)
+    if t0 > asked_at:
+        raise HistoryError(
+            f"since is {t0 - asked_at:.0f} s after the question was asked, not before: it is in the future, "
+            "ask about the past",
+            param="since",
+        )
     t1 = min(q.until.resolve(asked_at), now) if q.until is not None else min(asked_at, now)
-    if t0 > now:
-        raise HistoryError(f"since is {t0 - now:.0f} s in the future: ask about the past", param="since")
     if t1 <= t0:
-        raise HistoryError("until must be later than since: the span is empty", param="until")
+        field = "until" if q.until is not None else "since"
+        raise HistoryError(f"{field}: the span is empty (until must be later than since)", param=field)
     return t0, t1
 
 

@@ -152,6 +152,38 @@ def test_odd_sized_frames_and_an_undecodable_one_still_make_a_clip(codec):
     assert clips.encode_mp4([], codec) is None
 
 
+@pytest.mark.parametrize(("width", "height"), [(43, 1), (1, 43)])
+def test_frames_one_pixel_thin_still_make_a_clip(width, height):
+    """A side of one pixel is scaled to two (4:2:0 needs even sizes; rounding down made it 0 and
+    the encoder failed: a 500)."""
+    rgb = np.random.default_rng(0).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    records = [
+        Record(seq, T0 + seq / 2, encode_frame(FrameMsg.from_rgb(seq, T0 + seq / 2, seq / 2, rgb))[FIELD])
+        for seq in range(2)
+    ]
+    made = clips.encode_mp4(records)
+    assert made is not None
+    frames = decoded(made[0])
+    assert len(frames) == 2 and {(f.width, f.height) for f in frames} == {(max(2, width - 1), max(2, height - 1))}
+
+
+def test_a_search_results_clip_is_one_the_api_serves_however_long_the_moment():
+    """A moment longer than a clip may be (adjacent matching chunks: an event of 800 s) links the
+    MAX_CLIP_S around its best chunk, inside the moment; a shorter one, all of it."""
+    from api.search import _result
+    from common.wire.schemas import SearchHit
+
+    def clip_of(start: float, end: float, best: float) -> tuple[float, float]:
+        hit = SearchHit(CAM, start, end, 0.5, 0, 1599, 1600, 400, best - 1, best + 1, 0, 3)
+        query = dict(kv.split("=") for kv in _result(hit)["clip"].split("?")[1].split("&"))
+        return clips.parse_time(query["from"], "from"), clips.parse_time(query["to"], "to")
+
+    for best in (T0 + 1.0, T0 + 400.3, T0 + 799.0):
+        t0, t1 = clip_of(T0 + 0.0004, T0 + 800.5, best)
+        assert t1 - t0 <= clips.MAX_CLIP_S and t0 >= T0 and t1 <= T0 + 800.5 and t0 <= best <= t1, (best, t0, t1)
+    assert clip_of(T0, T0 + 30.0, T0 + 10.0) == (T0, T0 + 30.0)
+
+
 def test_a_snapshot_is_the_frame_nearest_the_time_asked(redis_url, frames_dir):
     cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
     near, newest = get(cfg, f"/api/streams/{CAM}/snapshot?at={T0 + 3.1}", f"/api/streams/{CAM}/snapshot")

@@ -6,6 +6,7 @@ the field, before anything is queued."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 import redis
 
 from common.wire import keys
-from common.wire.schemas import SchemaError, checked_question, encode_question, parse_question
+from common.wire.schemas import Question, SchemaError, checked_question, encode_question, parse_question
 from common.wire.timeref import TimeRef, parse_time_ref
 
 NOON = datetime(2026, 11, 28, 12, 0, tzinfo=UTC).timestamp()
@@ -36,6 +37,7 @@ NOON = datetime(2026, 11, 28, 12, 0, tzinfo=UTC).timestamp()
         ("2026-11-28T12:00:00Z", TimeRef(at=NOON)),
         ("2026-11-28T13:30:00+01:30", TimeRef(at=NOON)),
         ("2026-11-28T12:00:00.250+00:00", TimeRef(at=NOON + 0.25)),
+        ("0.00005", TimeRef(ago_s=5e-05)),  # its wire text is not 5e-05, which no form reads
     ],
 )
 def test_a_span_edge_is_seconds_before_asking_or_a_time(text, ref):
@@ -54,11 +56,43 @@ def test_a_span_edge_is_seconds_before_asking_or_a_time(text, ref):
         ("", "empty"),
         ("9" * 70, "too long"),
         ("4000d", "more than ten years"),
+        ("0001-01-01T00:00:00+14:00", "years 1 to 9999"),  # in UTC, year 0: no wire text for it
+        ("9999-12-31T23:59:59-14:00", "years 1 to 9999"),
     ],
 )
 def test_anything_else_is_refused_saying_what_is_taken(text, says):
     with pytest.raises(ValueError, match=says):
         parse_time_ref(text)
+
+
+def test_a_json_number_is_seconds_as_it_is():
+    """The API hands a JSON number over as it is: 5e-05 is 50 microseconds, not text no form reads,
+    and 1.2e19 (what the JSON integer 12345678901234567890 becomes) more than ten years."""
+    from api import errors, replies
+
+    assert replies.question("cam1", "what?", since=5e-05).since == TimeRef(ago_s=5e-05)
+    for value, says in ((1.2345678901234567e19, "more than ten years"), (math.nan, "expected seconds")):
+        with pytest.raises(errors.ApiError, match=says) as e:
+            replies.question("cam1", "what?", since=value)
+        assert e.value.param == "since"
+
+
+@pytest.mark.parametrize(
+    ("since", "until", "taken_s", "field", "says"),
+    [
+        (TimeRef(ago_s=0.0), None, 0.05, "since", "the span is empty"),  # no until: since is what is wrong
+        (TimeRef(at=NOON + 10), None, 20.0, "since", "in the future"),  # in the future when asked, taken later
+        (TimeRef(at=NOON + 10), TimeRef(at=NOON + 30), 40.0, "since", "in the future"),  # wholly after the asking
+        (TimeRef(ago_s=60.0), TimeRef(ago_s=120.0), 1.0, "until", "the span is empty"),
+    ],
+)
+def test_a_span_is_judged_from_when_it_was_asked_and_blames_the_field_at_fault(since, until, taken_s, field, says):
+    from qa_worker.history import HistoryError, span_of
+
+    q = Question(id="q1", stream="cam1", question="what?", since=since, until=until)
+    with pytest.raises(HistoryError, match=says) as e:
+        span_of(q, asked_at=NOON, now=NOON + taken_s)
+    assert e.value.param == field
 
 
 def test_an_edge_counts_back_from_when_the_question_was_asked():
@@ -125,7 +159,11 @@ def test_streamvqa_ask_reads_a_time_without_offset_as_the_machines_own(redis_url
 
 @pytest.mark.parametrize(
     ("flags", "says"),
-    [(["--since", "yesterday"], "since: expected seconds before now"), (["--until", "1h"], "until: needs since")],
+    [
+        (["--since", "yesterday"], "since: expected seconds before now"),
+        (["--until", "1h"], "until: needs since"),
+        (["--since", "9999-12-31T23:59:59-14:00"], "since: '9999-12-31T23:59:59-14:00' is not a time of the years"),
+    ],
 )
 def test_streamvqa_ask_refuses_a_bad_span_before_queueing_it(redis_url, flags, says):
     out = cli_ask(redis_url, *flags)
@@ -154,6 +192,7 @@ def test_the_http_api_takes_since_and_until_and_refuses_a_bad_span(redis_url):
             ({"until": "1h"}, "until"),
             ({"since": "1h", "until": 7200}, "until"),
             ({"since": "2026-11-28T02:00:00"}, "since"),
+            ({"since": "0001-01-01T00:00:00+14:00"}, "since"),  # was a 500: no UTC year 0 to write
         ):
             assert_error(http.post(ask, json={"question": "what happened?", "stream": False} | body), 400, field)
             assert_error(http.post(chat, json=asked | body), 400, field)

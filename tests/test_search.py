@@ -40,6 +40,7 @@ from qa_worker.answering import Answerer
 from qa_worker.client import Client
 from qa_worker.searching import Searcher, SearchError
 from tests.engine_helpers import make_frames
+from tests.pipeline import wait_for
 from tests.retrieval_oracle import chunk_means, question_means, score
 from tests.test_persistence import encoded, run_until, stop
 from tests.test_search_index import CHUNK, FPS, GRID, encoder, recorder, step_until, unacked_features
@@ -586,6 +587,26 @@ def final_of(r: redis.Redis, qid: str):
     finals = [f for _, f in r.xrange(keys.answer(qid)) if f.get(b"type") == b"final"]
     assert len(finals) == 1, finals
     return decode_final(finals[0])
+
+
+def test_a_clients_own_asked_field_moves_neither_its_span_nor_its_wait(rt, world, monkeypatch):
+    """`asked` is the forwarder's (routing.py: the entry id where it was asked, on the queue it
+    forwards to); one a client writes into `svqa:questions` itself is not believed: `since 1h`
+    counts back from the entry there, not from 1970, and its reported wait is its own."""
+    r = world["r"]
+    searched: dict[str, float] = {}
+
+    def search(text, streams, since, until, limit):
+        searched.update(since=since, until=until)
+        return []
+
+    with answering(rt, world) as answerer:
+        monkeypatch.setattr(answerer.searcher, "search", search)
+        r.xadd(keys.QUESTIONS, {"id": "q-forged-asked", "search": QUERY, "since": "1h", "asked": "1000-0"})
+        wait_for(lambda: r.exists(keys.answer("q-forged-asked")) and searched, 30, "the search answered")
+    final = final_of(r, "q-forged-asked")
+    assert abs(searched["since"] - (time.time() - 3600)) < 60, searched
+    assert final.queue_s < 60 and final.elapsed_s < 60, final
 
 
 def test_a_process_without_the_frames_log_forwards_a_search_to_one_with_it(rt, world):

@@ -18,6 +18,7 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from decimal import Decimal
 
 MAX_TEXT = 64
 MAX_AGO_S = 10 * 366 * 86_400  # ten years: beyond any retention
@@ -45,7 +46,7 @@ class TimeRef:
     def __str__(self) -> str:
         """Its wire text, which `parse_time_ref` reads back to an equal value."""
         if self.ago_s is not None:
-            return repr(self.ago_s)
+            return format(Decimal(repr(self.ago_s)), "f")  # positional: 5e-05 is no form the parser reads
         return datetime.fromtimestamp(self.at, UTC).isoformat()
 
 
@@ -59,16 +60,28 @@ def parse_time_ref(text: str, naive_is_local: bool = False) -> TimeRef:
         raise ValueError(f"empty: expected {FORMS}")
     ago = _seconds(s)
     if ago is not None:
-        if not ago <= MAX_AGO_S:
-            raise ValueError(f"{s!r} is more than ten years")
-        return TimeRef(ago_s=ago)
+        return seconds_ago(ago)
     try:
         when = datetime.fromisoformat(s)
     except ValueError:
         raise ValueError(f"expected {FORMS}, got {s!r}") from None
     if when.tzinfo is None and not naive_is_local:
         raise ValueError(f"{s!r} has no UTC offset: add Z or one like +01:00")
-    return TimeRef(at=when.timestamp())
+    try:
+        at = when.timestamp()
+        datetime.fromtimestamp(at, UTC)  # its wire text (__str__) is a UTC time: years 1 to 9999
+    except (ValueError, OverflowError, OSError):
+        raise ValueError(f"{s!r} is not a time of the years 1 to 9999 in UTC") from None
+    return TimeRef(at=at)
+
+
+def seconds_ago(seconds: float) -> TimeRef:
+    """`seconds` before the question was asked (a JSON number, say); ValueError unless 0 to ten years."""
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{seconds!r}: expected {FORMS}")
+    if seconds > MAX_AGO_S:
+        raise ValueError(f"{seconds:g} s is more than ten years")
+    return TimeRef(ago_s=float(seconds))
 
 
 def _seconds(s: str) -> float | None:
