@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import secrets
 import struct
@@ -134,22 +135,37 @@ def encode(kv: torch.Tensor) -> tuple[bytes, memoryview]:
     return _PREFIX.pack(_MAGIC, len(header)) + header, payload
 
 
-def _header(head: bytes, where: str) -> tuple[dict, int]:
-    """The record's header and where its payload starts."""
+def _header(head: bytes, where: str, size: int) -> tuple[dict, int]:
+    """The record's header, rebuilt from values checked to be what a record holds (a foreign or
+    damaged one's may be anything msgpack can hold: a float size, a bool in a shape), and where
+    its payload starts. `size`: the record's bytes; a header claiming more payload than that is
+    refused before anything is allocated for it."""
     if len(head) < _PREFIX.size:
         raise SegmentStoreError(f"corrupt segment {where}: truncated header")
     magic, n = _PREFIX.unpack_from(head)
     if magic != _MAGIC or n > _MAX_HEADER or len(head) < _PREFIX.size + n:
         raise SegmentStoreError(f"corrupt segment {where}: not a segment record")
     try:
-        meta = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + n])
-        dtype, shape, nbytes = _DTYPES[meta["dtype"]], [int(s) for s in meta["shape"]], int(meta["nbytes"])
-        checksum(meta)
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+        raw = msgpack.unpackb(head[_PREFIX.size : _PREFIX.size + n])
+        if not isinstance(raw, dict):
+            raise TypeError("not a map")
+        dtype, shape, nbytes = _DTYPES[raw["dtype"]], [_count(s) for s in raw["shape"]], _count(raw["nbytes"])
+        name = next(name for name in _CHECKSUMS if name in raw)
+        meta = {"dtype": str(dtype), "shape": shape, "nbytes": nbytes, name: _count(raw[name])}
+    except (ValueError, KeyError, TypeError, StopIteration, msgpack.UnpackException) as e:
         raise SegmentStoreError(f"corrupt segment {where}: bad header ({e!r})") from None
-    if nbytes != torch.Size(shape).numel() * dtype.itemsize:
+    if nbytes != math.prod(shape) * dtype.itemsize:
         raise SegmentStoreError(f"corrupt segment {where}: header's size does not match its shape")
+    if nbytes > size - _PREFIX.size - n:
+        raise SegmentStoreError(f"corrupt segment {where}: {size - _PREFIX.size - n} of {nbytes} bytes")
     return meta, _PREFIX.size + n
+
+
+def _count(value: object) -> int:
+    """A header's size, dimension or checksum: an int of 0 or more (not a bool, a float, text)."""
+    if type(value) is not int or value < 0:
+        raise TypeError(f"{value!r} is not a count")
+    return value
 
 
 def payload_tensor(
@@ -174,7 +190,7 @@ def payload_tensor(
 
 def decode(data: bytes, segment_id: str, where: str) -> torch.Tensor:
     """A record held in memory (a Redis value) back to its tensor (a copy of its own)."""
-    meta, start = _header(data[: _MAX_HEADER + _PREFIX.size], where)
+    meta, start = _header(data[: _MAX_HEADER + _PREFIX.size], where, len(data))
     payload = torch.frombuffer(bytearray(data[start:]), dtype=torch.uint8) if len(data) > start else torch.empty(0)
     return payload_tensor(meta, payload.to(torch.uint8), where, segment_id)
 
@@ -235,7 +251,7 @@ class DirectoryStore:
         path = self.path(stream, segment_id)
         try:
             with open(path, "rb", buffering=0) as f:
-                meta, start = _header(f.read(_PREFIX.size + _MAX_HEADER), str(path))
+                meta, start = _header(f.read(_PREFIX.size + _MAX_HEADER), str(path), os.fstat(f.fileno()).st_size)
                 f.seek(start)
                 yield meta, f, str(path)
         except FileNotFoundError as e:

@@ -295,6 +295,47 @@ def test_segments_carry_crc32c_and_those_written_with_zlibs_crc32_before_are_sti
         store.get("cam", "t")
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"nbytes": 256.0},
+        {"nbytes": "256"},
+        {"shape": ["1", "2", "1", "4", "8"]},
+        {"shape": [-1, 2, -1, 4, 8]},
+        {"shape": [True, 2, True, 4, 8]},
+        {"crc32c": float("inf")},
+        {"nbytes": float("inf")},
+        {"shape": [1, 2, 1, 2**63, 8]},
+        {"shape": [1, 2, 1, 2**36, 8], "nbytes": 2**36 * 64},  # 4 TB, shape and size agreeing
+        {"dtype": ["torch.float32"]},
+    ],
+)
+def test_a_header_of_wellformed_msgpack_but_wrong_values_is_corrupt_never_another_error(tmp_path, fields) -> None:
+    """Every value of a header is checked for what a record holds, and the size it claims against
+    the file's, before anything is allocated: a record whose header holds a float size, text or a
+    bool in its shape, or terabytes, is refused like any damaged one, by the store and by the
+    restorer (another error type escaped their callers: a stream never rebuilt, a qa worker that
+    crash-looped, `segments save` stopping at a traceback)."""
+    from encoder_worker.restore import Restorer
+
+    store = DirectoryStore(tmp_path)
+    store.put("cam", "s", arena(torch.float32, tokens=4))
+    path = tmp_path / "cam" / "s.seg"
+    data = path.read_bytes()
+    magic, n = struct.unpack_from("<8sI", data)
+    packed = msgpack.packb(msgpack.unpackb(data[12 : 12 + n]) | fields)
+    path.write_bytes(struct.pack("<8sI", magic, len(packed)) + packed + data[12 + n :])
+    with pytest.raises(SegmentStoreError, match="corrupt segment"):
+        store.get("cam", "s")
+    restorer = Restorer(torch.device("cpu"), threads=1, slots=1, slot_bytes=1 << 20)
+    try:
+        with pytest.raises(SegmentStoreError, match="corrupt segment"):
+            restorer.load(store, "cam", ["s"], [])
+        assert restorer._slots.qsize() == 1, "the slot is back"
+    finally:
+        restorer.close()
+
+
 # -- MemoryStore ---------------------------------------------------------------------------
 
 
