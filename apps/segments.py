@@ -10,10 +10,13 @@ copies them back. The workers then restore each stream from its head as after a 
 
 Every segment is read through the store, so its checksum is checked: one that is damaged is left
 out and named, and its stream is rebuilt from the frames log (or starts over) at restore, as any
-damaged segment's is; the others are unaffected. Exit 0 when every segment was copied, 1 when
-some were damaged (the rest copied), 2 on a bad store or directory, 3 when Redis is unusable or a
-worker still holds a stream, 4 when a segment cannot be written (a full disk): run it again once
-there is room.
+damaged segment's is; the others are unaffected. A save leaves in DIR exactly the segments it
+copied (an earlier save's copy of one found damaged now would come back at load, whole and
+checked, as another life's K/V: segment ids repeat when a stream is rebuilt) and writes DIR/SAVED
+last; `load` takes only a directory with it, so a save cut short is never loaded. Exit 0 when
+every segment was copied, 1 when some were damaged (the rest copied), 2 on a bad store or
+directory, 3 when Redis is unusable or a worker still holds a stream, 4 when a segment cannot be
+written (a full disk): run it again once there is room.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from tqdm import tqdm
 
 from common import boot
 from common.config import ModelSettings, RedisSettings, add_tool_flags
+from common.files import fsync_dir
 from common.logs import configure_logging
 from common.segment_store import DirectoryStore, SegmentStoreError, open_store
 from common.wire import keys
 
 SUFFIX = ".seg"  # the directory store's segment files (segment_store.py)
+MARKER = "SAVED"  # a whole save's last file: its summary
 THREADS = 8  # segments copied at once: reads, checksums and writes release the GIL
 EXIT_DAMAGED, EXIT_WRITE = 1, 4
 
@@ -52,9 +57,11 @@ def main(argv: list[str]) -> int:
     prog = f"streamvqa segments {ns.action}"
     store = _directory_store(ns.segment_store, prog)
     saved = DirectoryStore(ns.dir)  # durable: fsynced
-    if ns.action == "load" and not ns.dir.is_dir():
-        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=f"{ns.dir} is not a directory")
-    held = _held_streams(boot.connect_tool(ns.redis_url, prog))
+    _check_dirs(ns.action, store.root, ns.dir, prog)
+    try:
+        held = _held_streams(boot.connect_tool(ns.redis_url, prog))
+    except redis.RedisError as e:  # a user that may not SCAN (the `client` one), say
+        boot.fail(boot.EXIT_REDIS, "cannot list the leases", service=prog, error=f"{e} (the worker user may)")
     if held:
         boot.fail(
             boot.EXIT_REDIS,
@@ -65,19 +72,55 @@ def main(argv: list[str]) -> int:
         )
     source, dest = (store, saved) if ns.action == "save" else (saved, store)
     try:
+        if ns.action == "save":
+            (ns.dir / MARKER).unlink(missing_ok=True)  # until this save is whole, DIR holds none
         summary = copy(source, dest, progress=sys.stderr.isatty())
-    except SegmentStoreError as e:  # a write: the source is fine, the destination has no room
+        if ns.action == "save":
+            _prune(ns.dir, summary.pop("written"))
+            _mark(ns.dir, summary)
+        else:
+            summary.pop("written")
+    except (SegmentStoreError, OSError) as e:  # a write: the source is fine, the destination has no room
         boot.fail(EXIT_WRITE, "cannot write segments", service=prog, error=str(e))
     print(json.dumps({"action": ns.action, "from": str(source.root), "to": str(dest.root), **summary}))
     return EXIT_DAMAGED if summary["damaged"] else 0
 
 
+def _check_dirs(action: str, store: Path, saved: Path, prog: str) -> None:
+    """Exit 2 unless what is read is a directory (a save's, for load) and DIR can be one."""
+    missing = {
+        "save": [(not store.is_dir(), f"the segment store {store} is no directory: the workers' segment_store?")],
+        "load": [(not (saved / MARKER).is_file(), f"{saved} holds no whole save (its {MARKER} file)")],
+    }[action] + [(saved.exists() and not saved.is_dir(), f"{saved} is not a directory")]
+    for failed, error in missing:
+        if failed:
+            boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=error)
+
+
+def _prune(root: Path, written: set[tuple[str, str]]) -> None:
+    """Delete the segments under `root` this save did not write: an earlier save's."""
+    for stream, segment_id in set(_segments(root)) - written:
+        (root / stream / (segment_id + SUFFIX)).unlink(missing_ok=True)
+
+
+def _mark(root: Path, summary: dict) -> None:
+    """DIR/SAVED, written and fsynced last: the save is whole."""
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / MARKER, "w") as f:
+        json.dump(summary, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(root)
+
+
 def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -> dict:
     """Every segment of ``source`` into ``dest``, each read (its checksum checked) and written
-    whole as the store writes one; what was copied, and the segments found damaged (left out).
+    whole as the store writes one; what was copied (`written`: which), and the segments found
+    damaged (left out).
     A segment that cannot be written raises SegmentStoreError."""
     segments = list(_segments(source.root))
     damaged: list[str] = []
+    written: set[tuple[str, str]] = set()
     copied_bytes = 0
     t0 = time.perf_counter()
 
@@ -97,12 +140,14 @@ def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -
                 damaged.append(f"{stream}/{segment_id}: {done}")
             else:
                 copied_bytes += done
+                written.add((stream, segment_id))
             bar.update()
     return {
         "segments": len(segments) - len(damaged),
         "bytes": copied_bytes,
         "seconds": round(time.perf_counter() - t0, 2),
         "damaged": damaged,
+        "written": written,
     }
 
 

@@ -241,7 +241,8 @@ class DirectoryStore:
             if self.durable:
                 fsync_dir(final.parent)  # the rename itself survives a power cut
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # its directory may be what failed (not a directory)
+                tmp.unlink(missing_ok=True)
             raise _os_error(e, f"cannot write segment {final}") from e
 
     @contextlib.contextmanager

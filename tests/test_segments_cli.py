@@ -75,9 +75,50 @@ def test_it_refuses_while_a_worker_holds_a_stream_or_the_store_is_no_directory(t
     with pytest.raises(SystemExit) as memory:
         cli.main(["segments", "save", str(saved), "--segment-store", "memory://x", "--redis-url", redis_url])
     assert memory.value.code == 2
-    with pytest.raises(SystemExit) as missing:
-        cli.main(["segments", "load", str(tmp_path / "none"), "--segment-store", f"shm://{shm}"])
-    assert missing.value.code == 2
+    for action, saved_at, store in (
+        ("load", tmp_path / "none", shm),  # no such directory
+        ("load", shm, shm),  # a directory, but no save's (no SAVED)
+        ("save", tmp_path / "none", tmp_path / "typo"),  # a store that is no directory: not "0 segments, exit 0"
+        ("save", shm / "cam1" / "c1-0.seg", shm),  # DIR a file: one line, not NotADirectoryError's traceback
+    ):
+        with pytest.raises(SystemExit) as bad:
+            cli.main(["segments", action, str(saved_at), "--segment-store", f"shm://{store}", "--redis-url", redis_url])
+        assert bad.value.code == 2, (action, saved_at)
+    r = redis.Redis.from_url(redis_url)
+    r.acl_setuser("noscan", enabled=True, passwords=["+secret-pw"], keys=["*"], commands=["+ping", "+info", "+get"])
+    try:
+        with pytest.raises(SystemExit) as no_scan:  # a user that may not list the leases (the `client` one)
+            segments("save", saved, shm, redis_url.replace("redis://", "redis://noscan:secret-pw@"), capsys)
+    finally:
+        r.acl_deluser("noscan")
+    assert no_scan.value.code == 3 and "secret-pw" not in capsys.readouterr().err
+
+
+def test_a_save_leaves_only_its_own_segments_and_load_takes_only_a_whole_save(tmp_path, redis_url, capsys):
+    """Segment ids repeat across a stream's lives (rebuilt from the frames log, it encodes the same
+    seqs again): an earlier save's copy of a segment found damaged now must not be loaded in its
+    place, whole and checked but another life's K/V. And a save cut short (no SAVED yet) is no save."""
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    stored(shm)
+    assert segments("save", saved, shm, redis_url, capsys)[0] == 0
+    store = DirectoryStore(shm, durable=False)
+    store.put("cam1", "c1-1", torch.ones(2, 2, 3, 6, 8, dtype=torch.bfloat16))  # the next life's, same id
+    (shm / "cam2" / "prefix.seg").unlink()  # and a stream gone since
+    damaged = shm / "cam1" / "c1-1.seg"
+    data = bytearray(damaged.read_bytes())
+    data[-3] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    code, summary = segments("save", saved, shm, redis_url, capsys)  # the next planned reboot, the same DIR
+    assert code == 1 and summary["damaged"][0].startswith("cam1/c1-1:")
+    assert sorted(p.relative_to(saved).as_posix() for p in saved.rglob("*.seg")) == ["cam1/c1-0.seg"]
+    shutil.rmtree(shm)
+    code, loaded = segments("load", saved, shm, redis_url, capsys)
+    assert code == 0 and (loaded["segments"], loaded["damaged"]) == (1, [])
+    assert sorted(p.relative_to(shm).as_posix() for p in shm.rglob("*.seg")) == ["cam1/c1-0.seg"]
+    (saved / "SAVED").unlink()  # as if the save had been cut short
+    with pytest.raises(SystemExit) as cut:
+        segments("load", saved, shm, redis_url, capsys)
+    assert cut.value.code == 2
 
 
 def test_a_full_disk_is_exit_4_with_one_line(tmp_path, redis_url, capsys, small_disk):
