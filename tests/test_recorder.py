@@ -271,3 +271,25 @@ def test_frames_held_for_a_commit_are_bounded_while_catching_up(redis_url, tmp_p
         held.append(rec.writers[CAM].pending_bytes)
     assert max(held) <= 3 * one + 4 * one  # the bound, then at most one read of 4 frames
     assert logged(tmp_path) == sorted(sent(r).items())
+
+
+def test_a_frame_whose_epoch_the_log_cannot_hold_is_a_bad_frame_not_a_stopped_recorder(redis_url, tmp_path):
+    """The log keeps a frame's epoch in 32 bits: one forged with 2**32 (the wire took any int64)
+    raised out of the recorder's step, and its entry, never acked, stopped it again at every
+    restart, every camera's log with it. It is a bad frame now, refused by the schema everywhere."""
+    import msgpack
+
+    from recorder import service
+    from recorder.config import RecorderConfig
+
+    r = redis.Redis.from_url(redis_url)
+    forged = encode_frame(FrameMsg.from_rgb(0, T0, 0.0, render_frame(0.0, width=16, height=16)))
+    forged[FIELD] = msgpack.packb(msgpack.unpackb(forged[FIELD]) | {"epoch": 2**32})
+    r.xadd(keys.frames(CAM), forged)
+    push(r, range(1, 2))
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(tmp_path), framelog_sync_s=0.05, block_ms=50)
+    rec = service.Recorder(cfg, redisio.connect(redis_url, block_ms=50))
+    rec.open_writers()
+    for _ in range(5):
+        rec.step()
+    assert [seq for seq, _ in logged(tmp_path)] == [1]

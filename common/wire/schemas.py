@@ -49,6 +49,7 @@ STREAM_NAME_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,63}")
 QUESTION_ID_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 # Segment ids end up in file names of the directory store: no leading dot, no separators.
 SEGMENT_ID_RE = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9_.-]{0,127}")
+MAX_FRAME_EPOCH = 2**32 - 1  # a frame's media clock restarts: the frames log keeps them in 32 bits (framelog.py)
 EPOCH_RE = re.compile(r"[A-Za-z0-9_-]{0,64}")  # "": a manifest written before epochs
 
 
@@ -193,7 +194,7 @@ class FrameMsg:
 
     def __post_init__(self) -> None:
         _int("seq", self.seq, 0)
-        _int("epoch", self.epoch, 0)
+        _int("epoch", self.epoch, 0, MAX_FRAME_EPOCH)
         _float("ts", self.ts)
         _float("pts", self.pts)
         _int("h", self.h, 1)
@@ -319,7 +320,8 @@ def capture_time(m: Mapping[str, Any]) -> float | None:
 
 def frame_header(m: Mapping[str, Any]) -> tuple[int, float, int]:
     """An unpacked frame entry's (seq, ts, epoch), its pixels not decoded; SchemaError naming the field."""
-    return _int("seq", _require(m, "seq"), 0), _float("ts", _require(m, "ts")), _int("epoch", m.get("epoch", 0), 0)
+    epoch = _int("epoch", m.get("epoch", 0), 0, MAX_FRAME_EPOCH)
+    return _int("seq", _require(m, "seq"), 0), _float("ts", _require(m, "ts")), epoch
 
 
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
@@ -354,7 +356,7 @@ def frame_from_map(
         w=w,
         data=data,
         fmt=fmt,
-        epoch=_int("epoch", m.get("epoch", 0), 0),
+        epoch=_int("epoch", m.get("epoch", 0), 0, MAX_FRAME_EPOCH),
     )
 
 
