@@ -471,6 +471,7 @@ class CameraWriter:
         self._pending = 0  # records buffered since the last commit
         self._new_file: Path | None = None  # where the buffered records go when they open a new file
         self._broken = False  # a failure left the files unknown: recover before the next write
+        self._started = 0.0  # when this writer started the data file (`_roll_due`)
         self._recover()
 
     @property
@@ -541,10 +542,12 @@ class CameraWriter:
         return fd
 
     def _roll_due(self) -> bool:
-        if self._data is None:
-            return True
-        start_s = int(self._data.stem) / 1000
-        return time.time() - start_s >= self.roll_s
+        """`roll_s` since this writer started the file (not since its name: a name given by a
+        clock that was ahead, a host before NTP, kept the file from rolling until the clock
+        reached it, growing out of retention's reach, the newest file never being collected); a
+        clock set back by more than a roll rolls it too."""
+        now = time.time()
+        return self._data is None or not self._started - self.roll_s <= now < self._started + self.roll_s
 
     def _next_name(self) -> Path:
         now_ms = int(time.time() * 1000)
@@ -557,6 +560,7 @@ class CameraWriter:
         self._data_fd = os.open(data, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._index_fd = os.open(data.with_suffix(INDEX_SUFFIX), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._data, self._size, self._isize, self._new_file = data, 0, 0, None
+        self._started = time.time()
         fsync_dir(self.dir)
 
     def _close_files(self) -> None:
@@ -634,3 +638,4 @@ class CameraWriter:
             os.fdatasync(self._data_fd)
             os.fdatasync(self._index_fd)
         self._data, self._size, self._isize = data, idx.valid_end, len(idx.entries) * _ENTRY_SIZE
+        self._started = min(int(data.stem) / 1000, time.time())  # named ahead: started now

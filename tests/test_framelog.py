@@ -197,3 +197,23 @@ def test_a_full_disk_rolls_back_to_the_last_commit_and_resumes_once_space_is_fre
     assert w.commit() > 0
     w.close()
     assert [r.seq for r in FrameLog(small_disk).frames(CAM, 0, 10**6)] == list(range(s + 1))
+
+
+def test_a_file_named_by_a_clock_that_was_ahead_still_rolls_and_is_collected(tmp_path, monkeypatch):
+    """A host that started with its clock a day ahead (before NTP) names a file for then; once the
+    clock is set right the file still rolls every roll_s (it rolled only once the clock reached its
+    name: one file growing for a day, the newest, which retention never deletes)."""
+    clock = Clock(T0 + 86400)
+    monkeypatch.setattr(framelog.time, "time", clock)
+    log = FrameLog(tmp_path)
+    w = log.writer(CAM, roll_s=60)
+    w.append(0, T0, frame_payload(0)[1])
+    w.commit()
+    clock.t = T0  # set right
+    for seq in range(1, 21):  # ten minutes, a frame and a commit every 30 s
+        w.append(seq, T0 + seq, frame_payload(seq)[1])
+        w.commit()
+        clock.t += 30
+    w.close()
+    assert len(list((tmp_path / CAM).glob("*.log"))) >= 9
+    assert log.collect(CAM, keep_hours=None, keep_bytes=1, now=clock.t), "retention_gb deletes the older ones"
