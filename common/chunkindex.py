@@ -203,7 +203,7 @@ class ChunkIndex:
         if delta is not None and (delta[2].get("base_next_key"), delta[0].model, delta[0].layers) != follows:
             delta = None  # another base's
         if delta is not None:
-            index.removed_before = float(delta[2]["removed_before"])
+            index.removed_before = delta[2]["removed_before"]
             rows = rows[rows["t0"] >= index.removed_before]
         if view:
             index._set_table(rows)
@@ -227,17 +227,21 @@ class ChunkIndex:
         """One graph and its meta: (an index of its graph, its rows that the graph holds, the meta)."""
         try:
             meta = msgpack.unpackb((d / meta_name).read_bytes(), raw=False)
+            if not isinstance(meta, dict):
+                raise TypeError("its meta is not a map")
             graph = Index.restore(str(d / graph_name), view=view)
             if graph is None or meta.get("v") != META_VERSION:
                 raise ValueError("not an index of this version")
             index = cls(meta["model"], tuple(meta["layers"]), int(meta["dim"]), graph)
             rows = np.frombuffer(meta["rows"], dtype=ROW)
+            index.next_key = int(meta["next_key"])
+            if meta_name == DELTA_META_NAME:  # what _load reads of a delta's, checked here with the rest
+                meta["removed_before"] = float(meta["removed_before"])
         except FileNotFoundError:
             return None
-        except (ValueError, KeyError, TypeError, RuntimeError, msgpack.UnpackException) as e:
+        except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, msgpack.UnpackException) as e:
             log.warning("search index unreadable; not used", dir=str(d), file=meta_name, error=str(e)[:200])
             return None
-        index.next_key = int(meta["next_key"])
         in_graph = np.asarray(graph.keys, dtype=np.uint64)
         return index, rows[np.isin(rows["key"], in_graph)], meta  # a crash between the renames: the graph is newer
 

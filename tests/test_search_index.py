@@ -234,6 +234,35 @@ def test_a_crash_between_the_two_files_leaves_a_consistent_index(tmp_path):
     assert reopened.search(vs[2], 1)[0].first_seq == 8
 
 
+@pytest.mark.parametrize("damage", ["no next_key", "next_key inf", "a list", "delta without removed_before"])
+def test_a_meta_of_wellformed_msgpack_but_wrong_values_is_unreadable_not_a_raised_error(tmp_path, damage):
+    """Its map checked with the rest: a meta without next_key, with an infinite one, or not a map
+    at all escaped ChunkIndex.open from the recorder's step (and again after every restart)."""
+    import msgpack
+
+    from common.chunkindex import DELTA_META_NAME, META_NAME
+
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    index.add(planted(0, vectors(1)[0]))
+    index.save(tmp_path)
+    index.add(planted(4, vectors(2)[1]))
+    index.save(tmp_path)  # a delta beside the base
+    name = DELTA_META_NAME if damage.startswith("delta") else META_NAME
+    meta = msgpack.unpackb((tmp_path / name).read_bytes(), raw=False)
+    assert ChunkIndex.open(tmp_path) is not None
+    damaged = {
+        "no next_key": {k: v for k, v in meta.items() if k != "next_key"},
+        "next_key inf": meta | {"next_key": float("inf")},
+        "a list": [meta],
+        "delta without removed_before": {k: v for k, v in meta.items() if k != "removed_before"},
+    }[damage]
+    (tmp_path / name).write_bytes(msgpack.packb(damaged))
+    if name == META_NAME:
+        assert ChunkIndex.open(tmp_path) is None and ChunkIndex.view(tmp_path) is None
+    else:  # the base alone is used
+        assert rows(ChunkIndex.open(tmp_path)) == [(0, 3)]
+
+
 def test_chunks_added_at_once_are_indexed_as_one_by_one(tmp_path):
     """`extend` (a day of chunks in one call to the graph) keeps what `add` keeps: the same rows
     under the same keys, each chunk once (given twice, or indexed already), each vector its own
