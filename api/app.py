@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from api import ask, chat, clips, errors, guard, replies, search, streams
 from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
-from common import metrics
+from common import metrics, redisio
 from common.framelog import FrameLog
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
@@ -119,10 +119,12 @@ async def ready(request: Request, stream: str | None = Query(None, description="
         await r.ping()
         # `?stream=` (a probe built from an unset variable) is a bad name, not "no stream asked"
         holder = await r.get(keys.lease(replies.stream_name(stream))) if stream is not None else None
-    except (aredis.ConnectionError, aredis.TimeoutError, OSError) as e:
+    except (aredis.ConnectionError, aredis.TimeoutError, *redisio.PROBE_ERRORS) as e:
         return errors.response(503, f"redis unreachable: {type(e).__name__}")
+    except aredis.ResponseError as e:  # a user the API may not be (NOPERM): no route would work
+        return JSONResponse(errors.refused(e), status_code=503)
     if stream is not None and holder is None:
-        return errors.response(503, f"no encoder holds stream {stream!r}", param="stream")
+        return errors.response(503, f"no encoder holds stream {stream!r}", param="stream", code="no_encoder")
     body = {"status": "ready", "redis": True}
     return JSONResponse(body | ({"stream": stream, "encoder": holder.decode()} if stream else {}))
 

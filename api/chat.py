@@ -128,19 +128,25 @@ async def chat(body: ChatRequest, request: Request):
     if body.n not in (None, 1):
         raise errors.ApiError(400, "n must be 1", param="n")
     await replies.known_stream(r, body.model, as_model=True)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    # OpenAI takes top_p in [0, 1]; 0 keeps the top token only, as the least top_p here does
-    top_p = None if body.top_p is None else max(body.top_p, MIN_TOP_P)
-    q = replies.question(
-        body.model,
-        question_text(body.messages),
-        max_tokens=max_tokens,
-        temperature=body.temperature,
-        top_p=top_p,
-        since=body.since,
-        until=body.until,
-        scope=body.scope,
-    )
+    # the newer name wins when both are sent; 0 is a value (refused below), not "unset"
+    tokens_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    top_p = body.top_p  # a negative one goes on to the question's check, which refuses it
+    if top_p is not None and top_p >= 0:  # OpenAI's 0 keeps the top token only, as the least top_p here does
+        top_p = max(top_p, MIN_TOP_P)
+    try:
+        q = replies.question(
+            body.model,
+            question_text(body.messages),
+            max_tokens=getattr(body, tokens_field),
+            temperature=body.temperature,
+            top_p=top_p,
+            since=body.since,
+            until=body.until,
+            scope=body.scope,
+        )
+    except errors.ApiError as e:  # named as the client sent it
+        e.param = tokens_field if e.param == "max_tokens" else e.param
+        raise
     sub = await replies.ask(request, q)
     if body.stream:
         return StreamingResponse(

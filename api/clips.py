@@ -12,10 +12,10 @@ import asyncio
 import io
 import itertools
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from fractions import Fraction
-from typing import Any
+from typing import Any, TypeVar
 
 import av
 import numpy as np
@@ -26,10 +26,11 @@ from PIL import Image
 
 from api import errors
 from api.guard import require_token
-from common.framelog import FrameLog, Record, decode
+from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire.schemas import SchemaError, check_stream_name
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 router = APIRouter(prefix="/api", tags=["evidence"], dependencies=[Depends(require_token)])
 
 DEFAULT_CLIP_S = 30.0  # `to` when only `from` is given
@@ -171,6 +172,18 @@ def _headers(**values: Any) -> dict[str, str]:
     return {"Cache-Control": "private, max-age=60"} | {k: str(v) for k, v in values.items()}
 
 
+async def _reading(read: Callable[[], T]) -> T:
+    """`read()` of the frames log, off the event loop; a log that cannot be read (its mount gone,
+    not the API user's to read) is a JSON 503 naming that, not a 500 of plain text."""
+    try:
+        return await asyncio.to_thread(read)
+    except (OSError, FrameLogError) as e:
+        log.error("frames log unreadable", error=f"{type(e).__name__}: {e}")
+        raise errors.ApiError(
+            503, f"the frames log cannot be read ({type(e).__name__}): see the API's log", code="frames_log_unreadable"
+        ) from None
+
+
 @router.get(
     "/streams/{name}/clip",
     responses={200: {"content": {"video/mp4": {}}}},
@@ -189,7 +202,7 @@ async def clip(
         raise errors.ApiError(400, "to: before from", "to")
     if t1 - t0 > MAX_CLIP_S:
         raise errors.ApiError(400, f"to: a clip spans at most {MAX_CLIP_S:g} s, asked {t1 - t0:g} s", "to")
-    made = await asyncio.to_thread(lambda: encode_mp4(frames.between(name, t0, t1)))
+    made = await _reading(lambda: encode_mp4(frames.between(name, t0, t1)))
     if made is None:
         raise errors.ApiError(404, f"no frames of {name!r} kept from {t0:.3f} to {t1:.3f}", code="no_frames")
     data, count, first, last = made
@@ -209,7 +222,7 @@ async def snapshot(
 ) -> Response:
     frames = _frames_log(request, name)
     when = parse_time(at, "at") if at is not None else None
-    found = await asyncio.to_thread(nearest_jpeg, frames, name, when)
+    found = await _reading(lambda: nearest_jpeg(frames, name, when))
     if found is None:
         where = "" if when is None else f" within {SNAPSHOT_WINDOWS_S[-1]:g} s of {when:.3f}"
         raise errors.ApiError(404, f"no frame of {name!r} kept{where}", code="no_frames")

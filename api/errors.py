@@ -8,6 +8,7 @@ a field unknown, missing or of the wrong kind, a value out of range) is 400, nam
 
 from __future__ import annotations
 
+import redis
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -17,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from api.answers import Busy
 from common import metrics
-from common.redisio import OUTAGE_ERRORS
+from common.redisio import PROBE_ERRORS
 from common.wire.schemas import SchemaError
 
 log = structlog.get_logger()
@@ -99,6 +100,13 @@ def unavailable(e: Exception) -> dict:
     return body(503, f"redis unreachable: {type(e).__name__}", code="redis_unreachable")
 
 
+def refused(e: redis.ResponseError) -> dict:
+    """The body for a command Redis refused (a user without a permission the API needs, a stream
+    at its last possible id): 503, not a 500 of plain text; its text (the command, the key) logged."""
+    log.error("redis refused a command", error=f"{type(e).__name__}: {e}")
+    return body(503, f"redis refused a command: {type(e).__name__} (the API's log says which)", code="redis_refused")
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException) -> JSONResponse:
@@ -126,5 +134,6 @@ def install(app: FastAPI) -> None:
     async def outage(_: Request, e: Exception) -> JSONResponse:  # not a 500 with a traceback: the API is fine
         return JSONResponse(unavailable(e), status_code=503)
 
-    for kind in OUTAGE_ERRORS:
+    for kind in PROBE_ERRORS:  # a cluster client that cannot connect raises RedisClusterException
         app.add_exception_handler(kind, outage)
+    app.add_exception_handler(redis.ResponseError, lambda _, e: JSONResponse(refused(e), status_code=503))  # type: ignore[arg-type]

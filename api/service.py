@@ -75,7 +75,7 @@ async def _outlast(server: uvicorn.Server, r: aredis.Redis, grace_s: float) -> b
         try:
             await r.ping()
             down_since = None
-        except (*redisio.OUTAGE_ERRORS, OSError) as e:
+        except redisio.PROBE_ERRORS as e:  # a cluster client raises RedisClusterException while none answers
             down_since = down_since or time.monotonic()
             if time.monotonic() - down_since >= grace_s:
                 log.error(

@@ -63,7 +63,7 @@ OUTAGE_ERRORS: tuple[type[Exception], ...] = (
 )
 # What a probe of a Redis that is not (yet) there may raise: a cluster client also fails to build
 # while no startup node answers or while the cluster has not covered every slot yet.
-_PROBE_ERRORS = (*OUTAGE_ERRORS, RedisClusterException, OSError)
+PROBE_ERRORS = (*OUTAGE_ERRORS, RedisClusterException, OSError)
 # redis+cluster:// (rediss+cluster://) names a Redis Cluster by one or more of its nodes.
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 
@@ -141,12 +141,12 @@ def ping_problem(url: str, timeout_s: float) -> str | None:
     and the client is only built once every slot is covered."""
     try:
         probe = _client(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0))
-    except (*_PROBE_ERRORS, redis.RedisError) as e:
+    except (*PROBE_ERRORS, redis.RedisError) as e:
         return str(e) or type(e).__name__
     try:
         probe.ping(target_nodes=RedisCluster.ALL_NODES) if is_cluster(probe) else probe.ping()
         return None
-    except (*_PROBE_ERRORS, redis.RedisError) as e:
+    except (*PROBE_ERRORS, redis.RedisError) as e:
         return str(e) or type(e).__name__
     finally:
         probe.close()
@@ -168,7 +168,7 @@ def wait_for_redis(url: str, timeout_s: float, *, block_ms: int = 5000) -> redis
                 r = connect(url, block_ms=block_ms)
                 _check_not_cluster_node(r, url)
                 return r
-            except _PROBE_ERRORS as e:  # went away again (a cluster client connects as it is built)
+            except PROBE_ERRORS as e:  # went away again (a cluster client connects as it is built)
                 problem = str(e)
         if time.monotonic() + 0.1 > deadline:
             raise TimeoutError(f"Redis at {redact_url(url)} not reachable after {timeout_s:g} s: {problem}")

@@ -1,0 +1,108 @@
+"""The HTTP API when something beneath it fails or a value is out of range: a JSON error with a
+status and a code that say what happened, never a 500 of plain text (found by probing, each a
+500 or a silent acceptance before)."""
+
+from __future__ import annotations
+
+import asyncio
+import types
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from api.app import connect, create_app
+from api.config import ApiConfig
+from api.service import _outlast
+from common.wire import keys
+from tests.conftest import free_port
+
+CHAT = {"model": "cam1", "messages": [{"role": "user", "content": "what happened?"}]}
+
+
+def requests(cfg: ApiConfig, *calls: tuple[str, str, dict]) -> list[httpx.Response]:
+    async def go() -> list[httpx.Response]:
+        app = create_app(cfg)
+        transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+        async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://api") as c:
+            return [await c.request(method, path, **kw) for method, path, kw in calls]
+
+    return asyncio.run(go())
+
+
+def error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status and resp.headers["content-type"].startswith("application/json"), (
+        resp.status_code,
+        resp.text,
+    )
+    return resp.json()["error"]
+
+
+def camera(redis_url: str) -> redis.Redis:
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("cam1"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    return r
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [({"top_p": -1}, "top_p"), ({"max_completion_tokens": 0}, "max_completion_tokens")],
+)
+def test_an_openai_parameter_out_of_range_is_a_400_naming_it_as_sent(redis_url, extra, param):
+    """top_p -1 was raised to the least top_p, max_completion_tokens 0 read as unset (128), both queued."""
+    r = camera(redis_url)
+    cfg = ApiConfig(redis_url=redis_url, answer_timeout_s=0.3)
+    (resp,) = requests(cfg, ("POST", "/v1/chat/completions", {"json": CHAT | extra}))
+    assert error(resp, 400)["param"] == param
+    assert r.xlen(keys.QUESTIONS) == 0
+
+
+def test_a_command_redis_refuses_is_a_503_saying_so(redis_url):
+    """A stream at its last possible id (or a user without a permission the API needs): every XADD
+    is refused; a 500 of plain text before."""
+    r = camera(redis_url)
+    r.xadd(keys.QUESTIONS, {"stream": "cam1", "question": "x"}, id="18446744073709551615-18446744073709551615")
+    cfg = ApiConfig(redis_url=redis_url, answer_timeout_s=0.3)
+    asked = ("POST", "/api/streams/cam1/ask", {"json": {"question": "x", "stream": False}})
+    chat, search = ("POST", "/v1/chat/completions", {"json": CHAT}), ("GET", "/api/search", {"params": {"q": "van"}})
+    for resp in requests(cfg, asked, chat, search):
+        assert error(resp, 503)["code"] == "redis_refused"
+
+
+def test_a_user_the_api_may_not_be_is_not_ready(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    r.acl_setuser("pingonly", enabled=True, passwords=["+pw"], keys=["*"], commands=["+ping"])
+    try:
+        cfg = ApiConfig(redis_url=redis_url.replace("redis://", "redis://pingonly:pw@"))
+        (ready,) = requests(cfg, ("GET", "/health/ready?stream=cam1", {}))
+    finally:
+        r.acl_deluser("pingonly")
+    assert error(ready, 503)["code"] == "redis_refused"
+
+
+def test_ready_for_a_stream_no_encoder_holds_says_that_not_redis_unreachable(redis_url):
+    (ready,) = requests(ApiConfig(redis_url=redis_url), ("GET", "/health/ready?stream=cam1", {}))
+    assert error(ready, 503)["code"] == "no_encoder"
+
+
+def test_a_cluster_that_is_away_is_a_503_and_past_the_grace_the_api_ends():
+    """A cluster client that cannot connect raises RedisClusterException, which neither the error
+    handlers nor the grace watcher knew: a 500 on every route, and an API that never exited 3."""
+    cfg = ApiConfig(redis_url=f"redis+cluster://127.0.0.1:{free_port()}/0", redis_grace_s=0.5)
+    for resp in requests(cfg, *(("GET", path, {}) for path in ("/health/ready", "/api/streams", "/v1/models"))):
+        error(resp, 503)
+    server = types.SimpleNamespace(should_exit=False)
+
+    async def outlast() -> bool:
+        return await asyncio.wait_for(_outlast(server, connect(cfg), cfg.redis_grace_s), 10)
+
+    assert asyncio.run(outlast()) is True and server.should_exit
+
+
+def test_a_frames_log_that_cannot_be_read_is_a_503_saying_so(redis_url, tmp_path: Path):
+    not_a_dir = tmp_path / "frames"
+    not_a_dir.write_text("a file where the frames log's directory should be")
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(not_a_dir))
+    for resp in requests(cfg, ("GET", "/api/streams/cam1/snapshot", {}), ("GET", "/api/streams/cam1/clip?from=0", {})):
+        assert error(resp, 503)["code"] == "frames_log_unreadable"
