@@ -74,12 +74,10 @@ def main(argv: list[str]) -> int:
     try:
         if ns.action == "save":
             (ns.dir / MARKER).unlink(missing_ok=True)  # until this save is whole, DIR holds none
-        summary = copy(source, dest, progress=sys.stderr.isatty())
+        summary, written = copy(source, dest, progress=sys.stderr.isatty())
         if ns.action == "save":
-            _prune(ns.dir, summary.pop("written"))
+            _prune(ns.dir, written)
             _mark(ns.dir, summary)
-        else:
-            summary.pop("written")
     except (SegmentStoreError, OSError) as e:  # a write: the source is fine, the destination has no room
         boot.fail(EXIT_WRITE, "cannot write segments", service=prog, error=str(e))
     print(json.dumps({"action": ns.action, "from": str(source.root), "to": str(dest.root), **summary}))
@@ -88,13 +86,15 @@ def main(argv: list[str]) -> int:
 
 def _check_dirs(action: str, store: Path, saved: Path, prog: str) -> None:
     """Exit 2 unless what is read is a directory (a save's, for load) and DIR can be one."""
-    missing = {
-        "save": [(not store.is_dir(), f"the segment store {store} is no directory: the workers' segment_store?")],
-        "load": [(not (saved / MARKER).is_file(), f"{saved} holds no whole save (its {MARKER} file)")],
-    }[action] + [(saved.exists() and not saved.is_dir(), f"{saved} is not a directory")]
-    for failed, error in missing:
-        if failed:
-            boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=error)
+    error = None
+    if saved.exists() and not saved.is_dir():
+        error = f"{saved} is not a directory"
+    elif action == "save" and not store.is_dir():
+        error = f"the segment store {store} is no directory: the workers' segment_store?"
+    elif action == "load" and not (saved / MARKER).is_file():
+        error = f"{saved} holds no whole save (its {MARKER} file)"
+    if error is not None:
+        boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=error)
 
 
 def _prune(root: Path, written: set[tuple[str, str]]) -> None:
@@ -113,10 +113,10 @@ def _mark(root: Path, summary: dict) -> None:
     fsync_dir(root)
 
 
-def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -> dict:
+def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -> tuple[dict, set[tuple[str, str]]]:
     """Every segment of ``source`` into ``dest``, each read (its checksum checked) and written
-    whole as the store writes one; what was copied (`written`: which), and the segments found
-    damaged (left out).
+    whole as the store writes one; what was copied and the segments found damaged (left out),
+    and which (stream, segment id) were written.
     A segment that cannot be written raises SegmentStoreError."""
     segments = list(_segments(source.root))
     damaged: list[str] = []
@@ -147,8 +147,7 @@ def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -
         "bytes": copied_bytes,
         "seconds": round(time.perf_counter() - t0, 2),
         "damaged": damaged,
-        "written": written,
-    }
+    }, written
 
 
 def _segments(root: Path) -> Iterator[tuple[str, str]]:
