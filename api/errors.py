@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException
 
 from api.answers import Busy
 from common import metrics
-from common.redisio import PROBE_ERRORS
+from common.redisio import PROBE_ERRORS, REFUSALS
 from common.wire.schemas import SchemaError
 
 log = structlog.get_logger()
@@ -96,6 +96,8 @@ def schema_error(e: SchemaError) -> ApiError:
 def unavailable(e: Exception) -> dict:
     """The body for a Redis that cannot serve (down, timing out, a cluster without a slot's node):
     503, the same words as /health/ready; the exception's own text may name hosts, so only its kind."""
+    if isinstance(e, REFUSALS):  # there, but full or read-only: not "unreachable"
+        return refused(e)
     log.warning("redis unreachable", error=f"{type(e).__name__}: {e}")
     return body(503, f"redis unreachable: {type(e).__name__}", code="redis_unreachable")
 

@@ -1,8 +1,9 @@
 """The metrics port: Prometheus `/metrics`, plus `/health/live` and `/health/ready` for compose.
 
-Ready means the service can do its work now: Redis answers PING, the model is loaded (GPU
-roles), the encoder's lease loop has run recently (it holds and renews its streams' leases), and
-no check a service marked failing (the recorder's frames log while its writes fail) is, with why.
+Ready means the service can do its work now: Redis answers PING and takes writes (a refusal,
+redisio.REFUSALS, fails `redis_writes` with what Redis said), the model is loaded (GPU roles),
+the encoder's lease loop has run recently (it holds and renews its streams' leases), and no check
+a service marked failing (the recorder's frames log while its writes fail) is, with why.
 Both answer JSON; 200 when fine, 503 with the failing checks otherwise.
 """
 
@@ -49,6 +50,8 @@ class Readiness:
             assert self.last_lease_check is not None
             checks["leases"] = time.monotonic() - self.last_lease_check < 2 * self.lease_period_s
         failing = dict(self.failing)  # one copy: the service changes it from another thread
+        if (refused := redisio.REFUSING.why()) is not None:  # answers PING, refuses writes: not ready
+            failing["redis_writes"] = refused
         checks |= dict.fromkeys(failing, False)
         ok = all(checks.values())
         body = {"ready": ok, "checks": checks, "leases": self.leases}

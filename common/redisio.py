@@ -17,9 +17,18 @@ from urllib.parse import urlsplit
 
 import redis
 import structlog
+from redis._parsers.base import BaseParser
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.exceptions import ClusterError, RedisClusterException, ResponseError, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
@@ -50,16 +59,31 @@ DEAD_CONSUMER_IDLE_MS = 3_600_000  # group members silent this long, with nothin
 POLL_S = 0.05  # a cluster read of streams on several hash slots polls at this pace (see read_streams)
 DEAD_LETTER_ONCE_TTL_S = 86_400  # how long a dead letter's marker stops a redelivered entry's second one
 
+
+class WritesRefused(ResponseError):
+    """MISCONF: Redis refuses writes because it cannot persist them (its disk full or gone)."""
+
+
+# redis-py gives OOM and READONLY replies exceptions of their own, MISCONF only a ResponseError,
+# which every handler would take for the command's (the entry's) fault.
+BaseParser.EXCEPTION_CLASSES.setdefault("MISCONF", WritesRefused)
+
+# Redis answers, but refuses writes for a reason of its own, whatever the command: full (maxmemory
+# with noeviction), a replica (read-only), persistence failing. Like an outage it says nothing
+# about the entry being handled (a worker that took it for the entry's fault dead-lettered frames
+# and aborted, 2026-11-29); unlike one, PING cannot tell when it ends (see `ride_out`).
+REFUSALS: tuple[type[Exception], ...] = (OutOfMemoryError, ReadOnlyError, WritesRefused)
 # Redis cannot serve now, whatever the command (not: Redis refused a command). BusyLoadingError
 # (replaying AOF) is one; on a cluster, so is a node that is down (its slots uncovered, the cluster
 # state failed: ClusterDownError is a ClusterError) or a slot whose keys are half moved for longer
-# than redis-py's redirections last (TryAgainError; ClusterError "TTL exhausted").
+# than redis-py's redirections last (TryAgainError; ClusterError "TTL exhausted"); and REFUSALS.
 OUTAGE_ERRORS: tuple[type[Exception], ...] = (
     RedisConnectionError,
     RedisTimeoutError,
     ClusterError,
     TryAgainError,
     SlotNotCoveredError,
+    *REFUSALS,
 )
 # What a probe of a Redis that is not (yet) there may raise: a cluster client also fails to build
 # while no startup node answers or while the cluster has not covered every slot yet.
@@ -694,8 +718,13 @@ def ride_out(r: Clients, error: Exception, grace_s: float, stop: threading.Event
     ``grace_s`` has passed.
 
     Called when a command failed with an outage error (after redis-py's own retries). Logs one
-    line when the wait starts and one when Redis is back.
+    line when the wait starts and one when Redis is back. A refusal (REFUSALS) is waited out by
+    `REFUSING` instead, never past a grace period: Redis is there, and a restarted service would
+    find it as full.
     """
+    if isinstance(error, REFUSALS):
+        REFUSING.wait(error, stop)
+        return
     log.error("redis unreachable; waiting for it", error=str(error), grace_s=grace_s)
     t0 = time.monotonic()
     delay = 0.1
@@ -748,6 +777,8 @@ def run_riding_out(
             ride_out(r, e, grace_s, stop)
             if on_back is not None:  # before the next step: it may depend on what on_back restores
                 call_riding_out(r, on_back, stop, grace_s)
+        else:
+            REFUSING.over()
 
 
 def call_riding_out(r: Clients, fn: Callable[[], None], stop: threading.Event, grace_s: float) -> bool:
@@ -757,11 +788,62 @@ def call_riding_out(r: Clients, fn: Callable[[], None], stop: threading.Event, g
     while not stop.is_set():
         try:
             fn()
+            REFUSING.over()
             return clean
         except OUTAGE_ERRORS as e:
             clean = False
             ride_out(r, e, grace_s, stop)
     return False
+
+
+class Refusing:
+    """Redis refusing writes (REFUSALS), as this process meets it. PING answers all along, so only
+    the next tries tell when it ends: each refused command waits a step of backoff (0.5 s growing
+    to 5 s with the refusal's age) and is tried again; `over()`, after a step that went through
+    with no refusal for `QUIET_S` (a step that only read says little), ends it. One log line when
+    it starts, one a minute while it lasts, one when it ends; meanwhile /health/ready fails naming
+    it (`why`)."""
+
+    LOG_EVERY_S = 60.0
+    QUIET_S = 10.0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since: float | None = None
+        self._last = self._logged = 0.0
+        self._error = ""
+
+    def wait(self, error: Exception, stop: threading.Event | None = None) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if self._since is None:
+                self._since = now
+            self._last = now
+            self._error = f"{type(error).__name__}: {redact_text(str(error))}"[:200]
+            if now - self._logged >= self.LOG_EVERY_S:
+                self._logged = now
+                log.error("redis refuses writes; waiting", error=self._error, for_s=round(now - self._since, 1))
+            delay = min(5.0, max(0.5, (now - self._since) / 4))
+        if stop is None:
+            time.sleep(delay)
+        else:
+            stop.wait(delay)
+
+    def over(self) -> None:
+        if self._since is None:  # the common case, without the lock
+            return
+        now = time.monotonic()
+        with self._lock:
+            if self._since is not None and now - self._last >= self.QUIET_S:
+                log.info("redis takes writes again; resuming", refused_s=round(self._last - self._since, 1))
+                self._since, self._logged = None, 0.0
+
+    def why(self) -> str | None:
+        """What Redis refuses with, while it does (None otherwise)."""
+        return self._error if self._since is not None else None
+
+
+REFUSING = Refusing()  # one per process: every thread meets the same Redis
 
 
 def exit_code(run: Callable[[], None]) -> int:

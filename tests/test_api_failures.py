@@ -70,6 +70,19 @@ def test_a_command_redis_refuses_is_a_503_saying_so(redis_url):
         assert error(resp, 503)["code"] == "redis_refused"
 
 
+def test_a_full_redis_is_a_503_saying_it_refused_not_that_it_is_unreachable(redis_url):
+    """OOM (maxmemory, noeviction) is an outage to the services (waited out), but Redis is there:
+    the API says it refused, as for any refusal."""
+    r = camera(redis_url)
+    r.config_set("maxmemory", "1")
+    try:
+        cfg = ApiConfig(redis_url=redis_url, answer_timeout_s=0.3)
+        (resp,) = requests(cfg, ("POST", "/api/streams/cam1/ask", {"json": {"question": "x", "stream": False}}))
+        assert error(resp, 503)["code"] == "redis_refused"
+    finally:
+        r.config_set("maxmemory", "0")
+
+
 def test_a_user_the_api_may_not_be_is_not_ready(redis_url):
     r = redis.Redis.from_url(redis_url)
     r.acl_setuser("pingonly", enabled=True, passwords=["+pw"], keys=["*"], commands=["+ping"])

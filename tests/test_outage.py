@@ -10,14 +10,18 @@ from __future__ import annotations
 import json
 import signal
 import time
+import urllib.error
+import urllib.request
 
+import numpy as np
 import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
-from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from common.wire.schemas import EndOfStream, FrameMsg, decode_frame, encode_frame
 from qa_worker.client import Client
+from tests.conftest import free_port
 from tests.pipeline import Services, chunk_frames_in_history, head, reading_questions, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 
@@ -180,3 +184,49 @@ def test_rtsp_ingest_rides_out_a_paused_redis_then_exits_3_past_the_grace_period
     finally:
         services.stop_all()
         camera.stop(kill=True)
+
+
+def test_a_full_redis_is_waited_out_and_blamed_on_no_frame_or_question(redis_server, tmp_path):
+    """Redis at `maxmemory` (noeviction) refuses writes with OOM while it answers PING: the worker
+    waits (ready fails naming it), dead-letters nothing, and goes on once there is room. It used
+    to reject the question and the chunk as if they were at fault, then abort (SIGABRT)."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.hset(keys.meta(CAM), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    for seq in range(4):
+        r.xadd(keys.frames(CAM), _frame(seq))
+    port = free_port()
+    services = Services(redis_server.url, tmp_path, SVQA_STREAMS=CAM, SVQA_METRICS_PORT=str(port))
+    worker = services.start("worker", "--chunk-frames", "2")
+    try:
+        wait_for(lambda: (h := head(r, CAM)) and h.last_frame_seq == 3, 120, "the first frames", services)
+        assert Client(r).ask(CAM, "warm?", max_tokens=2, timeout_s=60).error is None
+        asked = Client(r).submit(CAM, "And now?", max_tokens=4)
+        for seq in (4, 5):
+            r.xadd(keys.frames(CAM), _frame(seq))
+        r.config_set("maxmemory", "1")
+        why = wait_for(lambda: _not_ready(port).get("redis_writes"), 30, "ready to name the refusal", services)
+        assert "OutOfMemoryError" in why
+        time.sleep(2)
+        assert worker.poll() is None, services.logs()
+        r.config_set("maxmemory", "0")
+        wait_for(lambda: head(r, CAM).last_frame_seq >= 5, 60, "the frames sent while Redis was full", services)
+        final = wait_for(lambda: _final(r, asked), 60, "the question asked while Redis was full", services)
+        assert final.error is None
+        assert r.xlen(keys.DEAD_LETTER) == 0, r.xrange(keys.DEAD_LETTER)
+        wait_for(lambda: _not_ready(port) == {}, 60, "ready again", services)
+        assert worker.poll() is None and "redis refuses writes; waiting" in services.logs()
+    finally:
+        services.stop_all()
+
+
+def _frame(seq: int) -> dict:
+    return encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, np.zeros((56, 56, 3), np.uint8)))
+
+
+def _not_ready(port: int) -> dict:
+    """/health/ready's failing reasons (empty when ready)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health/ready", timeout=2) as reply:
+            return {} if json.load(reply)["ready"] else {"unknown": "not ready"}
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read()).get("reasons") or {"checks": "failing"}
