@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import redis
+import structlog
 
 from common.wire import keys
 
+log = structlog.get_logger(__name__)
+
 # Renew or release only if we still own it: another encoder may have taken over after expiry.
-_RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
-_RELEASE = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('del', KEYS[1]) end return 0"
+# A lease is a string (its owner); a key of another type there is damage (nothing of ours writes
+# one), and its WRONGTYPE stopped the worker renewing it, and every worker after it: it is
+# deleted (-1), so the stream is free for a worker to take again.
+_OWNED = """
+local owner = redis.pcall('get', KEYS[1])
+if type(owner) == 'table' and owner.err then
+  if string.find(owner.err, 'WRONGTYPE', 1, true) then redis.call('del', KEYS[1]) return -1 end
+  return redis.error_reply(owner.err)
+end
+if owner ~= ARGV[1] then return 0 end
+"""
+_RENEW = _OWNED + "return redis.call('pexpire', KEYS[1], ARGV[2])"
+_RELEASE = _OWNED + "return redis.call('del', KEYS[1])"
 
 
 class Lease:
@@ -22,7 +36,12 @@ class Lease:
         return self.renew()
 
     def renew(self) -> bool:
-        return bool(self.r.eval(_RENEW, 1, self.key, self.owner, self.ttl_ms))
+        return self._owned(self.r.eval(_RENEW, 1, self.key, self.owner, self.ttl_ms))
 
     def release(self) -> None:
-        self.r.eval(_RELEASE, 1, self.key, self.owner)
+        self._owned(self.r.eval(_RELEASE, 1, self.key, self.owner))
+
+    def _owned(self, reply: int) -> bool:
+        if int(reply) < 0:
+            log.error("lease key held no lease (a wrong type); removed, the stream is free again", key=self.key)
+        return int(reply) > 0

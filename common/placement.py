@@ -21,8 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+import structlog
 
 from common.wire import keys
+
+log = structlog.get_logger(__name__)
 
 
 def _text(x: bytes | str) -> str:
@@ -57,6 +60,10 @@ class WorkerLoad:
         return cls(worker, streams, int(capacity) if capacity.isdigit() else None)
 
 
+def _wrong_type(reply: Any) -> bool:
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
 def worker_ids(members: Iterable[bytes | str]) -> list[str]:
     return sorted(_text(m) for m in members)
 
@@ -79,21 +86,38 @@ class Placement:
         self.r, self.worker, self.capacity, self.ttl_ms = r, worker, capacity, ttl_ms
 
     def beat(self, owned: Iterable[str]) -> list[WorkerLoad]:
-        """Say we are alive and hold ``owned``; returns the other live workers as they last said."""
-        key = keys.worker(self.worker)
+        """Say we are alive and hold ``owned``; returns the other live workers as they last said.
+
+        Only workers write the heartbeat keys, as a hash and a set: a key of another type there is
+        damage, and its WRONGTYPE would stop every worker at each heartbeat, restarted or not. It
+        is replaced (one log line); another worker's heartbeat of a wrong type counts as dead."""
         me = WorkerLoad(self.worker, tuple(sorted(owned)), self.capacity)
+        replies = self._say(me)
+        if damaged := {k for k, reply in replies if _wrong_type(reply)}:
+            log.error("heartbeat keys of the wrong type; replaced", keys=sorted(damaged))
+            for key in damaged:  # one at a time: on a cluster they lie in different slots
+                self.r.delete(key)
+            replies = self._say(me)
+        for _, reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        ids = [w for w in worker_ids(replies[-1][1]) if w != self.worker]
+        pipe = self.r.pipeline(transaction=False)
+        queue_workers(pipe, ids)
+        others = workers_from(ids, pipe.execute(raise_on_error=False))
+        if gone := set(ids) - {o.worker for o in others}:  # heartbeats expired: dead workers
+            self.r.srem(keys.WORKERS, *gone)
+        return others
+
+    def _say(self, me: WorkerLoad) -> list[tuple[str, Any]]:
+        """Our heartbeat written, the set of workers read: (key, reply or the error it raised) each."""
+        key = keys.worker(self.worker)
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(key, mapping=me.to_hash())
         pipe.pexpire(key, self.ttl_ms)
         pipe.sadd(keys.WORKERS, self.worker)
         pipe.smembers(keys.WORKERS)
-        ids = [w for w in worker_ids(pipe.execute()[-1]) if w != self.worker]
-        pipe = self.r.pipeline(transaction=False)
-        queue_workers(pipe, ids)
-        others = workers_from(ids, pipe.execute())
-        if gone := set(ids) - {o.worker for o in others}:  # heartbeats expired: dead workers
-            self.r.srem(keys.WORKERS, *gone)
-        return others
+        return list(zip((key, key, keys.WORKERS, keys.WORKERS), pipe.execute(raise_on_error=False), strict=True))
 
     def leave(self) -> None:
         """A clean exit: the others need not wait for the heartbeat to expire."""

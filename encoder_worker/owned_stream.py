@@ -399,9 +399,10 @@ class OwnedStream:
 # Fenced by the lease: the manifest lands only while this encoder holds the stream (KEYS: lease,
 # versions, head; ARGV: owner, versions maxlen, head bytes, then the versions entry's field, value,
 # ...). One script on the stream's slot: atomic, and legal on a cluster, where a WATCH transaction
-# would abort whenever the slot moves.
+# would abort whenever the slot moves. A lease key of a wrong type (pcall: its error, no string)
+# fences like another owner's: the chunk stays pending, the lease check removes the key.
 _PUBLISH = """
-if redis.call('get', KEYS[1]) ~= ARGV[1] then return 0 end
+if redis.pcall('get', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
 redis.call('set', KEYS[3], ARGV[3])
 return 1

@@ -298,12 +298,18 @@ class EncoderService:
                 self.tasks[name] = self.streams_pool.submit(self._open, name)
 
     def _free_streams(self) -> list[str]:
-        """Served streams nobody holds a lease on (one pipelined EXISTS each)."""
+        """Served streams nobody holds a lease on (one pipelined GET each). A lease key of a wrong
+        type (damage) is removed, by the owner-checked release: free, where it stalled the stream."""
         names = [n for n in self.names if n not in self.owned and n not in self.tasks]  # a dropped one's may run on
         pipe = self.r.pipeline(transaction=False)
         for name in names:
-            pipe.exists(keys.lease(name))
-        free = [n for n, held in zip(names, pipe.execute(), strict=True) if not held]
+            pipe.get(keys.lease(name))
+        free = []
+        for name, holder in zip(names, pipe.execute(raise_on_error=False), strict=True):
+            if isinstance(holder, redis.ResponseError):
+                self.leases[name].release()  # WRONGTYPE: removed; anything else is raised here
+            if holder is None or isinstance(holder, redis.ResponseError):
+                free.append(name)
         self._free, self._last_free_check = set(free), time.monotonic()
         for name in set(self._free_since) - set(free):
             del self._free_since[name]
