@@ -109,6 +109,15 @@ def main(argv: list[str]) -> int:
     # which Redis was asked comes first: a wrong one (a default) reads as "no streams"
     asked = {"redis": redact_url(ns.redis_url), "redis_is_default": _default_redis(ns.redis_url)}
     asked |= {"frames_redis": redact_url(ns.frames_redis_url)} if frames else {}
-    found = asked | collect(r, frames)
+    try:
+        found = asked | collect(r, frames)
+    except redis.exceptions.NoPermissionError as e:  # a role that may not look around (client, qa)
+        boot.fail(
+            boot.EXIT_REDIS,
+            "redis refused",
+            service="streamvqa status",
+            error=str(e),
+            hint="status reads every stream's keys: run it as the `api` Redis user (README, Redis users)",
+        )
     print(json.dumps(found, indent=1) if ns.json else render(found))
     return 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+import sys
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -363,3 +365,21 @@ def test_the_services_work_under_their_roles(tmp_path: Path):
     finally:
         services.stop_all()
         server.stop()
+
+
+def test_status_runs_as_the_api_user_and_says_so_in_one_line_as_another(server):
+    """README's compose commands ran `status` as the worker's user; as `client` (the user README
+    gives the host) it ended in a traceback, exit 1. The api user may read what status shows."""
+    ingest_job(as_role(server, "ingest"))
+
+    def status(role: str) -> subprocess.CompletedProcess[str]:
+        url = f"redis://{role}:change-me-{role}@127.0.0.1:{server.port}/0"
+        cmd = [sys.executable, "-m", "apps.cli", "status", "--redis-url", url]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    shown = status("api")
+    assert shown.returncode == 0 and CAM in shown.stdout and "no permissions" not in shown.stdout, shown
+    refused = status("client")
+    assert refused.returncode == 3 and "Traceback" not in refused.stderr, refused
+    (line,) = [json.loads(x) for x in refused.stderr.splitlines() if x.startswith("{")]
+    assert line["event"] == "redis refused" and "api" in line["hint"] and "change-me" not in refused.stderr
