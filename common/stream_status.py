@@ -59,7 +59,7 @@ def group_from(replies: list[Any], group: str) -> dict:
     return info
 
 
-_PER_STREAM = 9  # replies queue_stream adds
+_PER_STREAM = 10  # replies queue_stream adds
 
 
 def queue_stream(pipe: Any, name: str) -> None:
@@ -71,10 +71,11 @@ def queue_stream(pipe: Any, name: str) -> None:
     pipe.pttl(keys.lease(name))
     pipe.xrevrange(keys.events(name), count=RECENT_EVENTS)
     queue_group(pipe, keys.questions(name))
+    pipe.hgetall(keys.drops(name))
 
 
 def stream_from(name: str, replies: list[Any], now: float) -> dict:
-    meta_raw, head_raw, xlen, groups, holder, ttl, events, q_len, q_groups = replies
+    meta_raw, head_raw, xlen, groups, holder, ttl, events, q_len, q_groups, drops = replies
     out: dict = {"stream": name}
     try:
         meta = StreamMeta.from_hash(meta_raw if isinstance(meta_raw, dict) else {})
@@ -92,6 +93,7 @@ def stream_from(name: str, replies: list[Any], now: float) -> dict:
     out["lease"] = {"holder": _text(holder), "ttl_ms": ttl} if holder else None
     out["questions"] = group_from([q_len, q_groups], keys.QA_GROUP)  # routed here, for its owner
     out |= _from_events(events if isinstance(events, list) else [])
+    out["dropped"] = sum(int(n) for n in drops.values()) if isinstance(drops, dict) else None
     return out
 
 
@@ -115,21 +117,16 @@ def _head(raw: bytes, live: bool, now: float) -> dict:
 
 def _from_events(events: list[tuple[Any, dict]]) -> dict:
     """`state`: the newest ingest event about the source (connected, reconnecting, eof...; None if it
-    said nothing recently) and `connected` from it; `dropped`: the encoder's running count of frames
-    dropped (late, or behind the stream's seq), from its newest report of each reason; `last_event`:
-    the newest event of any kind."""
+    said nothing recently) and `connected` from it; `last_event`: the newest event of any kind."""
     state, last = None, None
-    dropped: dict[str, int] = {}
     for _, raw in events:  # newest first
         fields = {_text(k): _text(v) for k, v in raw.items()}
         last = last or {k: fields[k] for k in _LAST_EVENT_FIELDS if k in fields}
         kind = fields.get("type", "")
         if state is None and kind in _UP | _DOWN:
             state = kind
-        if kind == "dropped":
-            dropped.setdefault(fields.get("reason", ""), int(fields.get("total", "0")))
     connected = None if state is None else state in _UP
-    return {"state": state, "connected": connected, "dropped": sum(dropped.values()), "last_event": last}
+    return {"state": state, "connected": connected, "last_event": last}
 
 
 def queue_frames(pipe: Any, names: list[str]) -> None:

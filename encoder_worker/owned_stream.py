@@ -251,16 +251,19 @@ class OwnedStream:
         event(self.r, self.name, "dead_letter", entry_id=entry_id, reason=reason[:200])
 
     def _drop(self, entry_id: str, reason: str, **fields: object) -> None:
-        """Ack a frame that is not encoded and count it; tell operators (an event with the reason's
-        running total, and a log line) at most every DROP_EVENT_EVERY_S per reason, without flooding."""
+        """Ack a frame that is not encoded and count it: in this life's metric and `dropped`, and in
+        the stream's count of every life (`keys.drops`, what status shows: a burst's events, below,
+        name only its first frame, and a metric starts again with each process); tell operators (an
+        event with that total, and a log line) at most every DROP_EVENT_EVERY_S per reason."""
         metrics.FRAMES_DROPPED.labels(self.name, reason).inc()
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
         self.dropped[reason] += 1
+        total = self.r.hincrby(keys.drops(self.name), reason, 1)
         now = time.monotonic()
         if now - self._drop_event_at.get(reason, -math.inf) > DROP_EVENT_EVERY_S:
             self._drop_event_at[reason] = now
-            log.warning("frames dropped", stream=self.name, reason=reason, total=self.dropped[reason], **fields)
-            event(self.r, self.name, "dropped", reason=reason, total=self.dropped[reason], **fields)
+            log.warning("frames dropped", stream=self.name, reason=reason, total=total, **fields)
+            event(self.r, self.name, "dropped", reason=reason, total=total, **fields)
 
     def flush(self) -> Version | None:
         """Encode the pending frames as one chunk (an odd tail is padded), publish, then ack them.

@@ -41,6 +41,12 @@ def head(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:head"
 
 
+def drops(cam: str) -> str:
+    """Frames the encoders dropped (not encoded: late, behind the stream's seq), by reason, since the
+    stream began: a hash of counts, every worker and every life adding to it."""
+    return f"{PREFIX}:{{{cam}}}:drops"
+
+
 def lease(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:lease"
 
