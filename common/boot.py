@@ -46,7 +46,8 @@ HUB_PROBE_TIMEOUT_S = 3.0
 REDIS_START_WAIT_S = 30.0  # a service that finds no Redis at start waits this long at most
 LOCAL_WEIGHTS_HINT = (
     "point --model (SVQA_MODEL) at a local directory holding a Qwen2.5-VL checkpoint (config.json, "
-    "*.safetensors, tokenizer files), or mount a Hugging Face cache that has it at HF_HOME"
+    "*.safetensors, tokenizer files), or mount a Hugging Face cache that has it at HF_HOME; "
+    "to try the pipeline without weights: --model tiny-random (random weights, meaningless answers)"
 )
 
 
