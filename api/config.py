@@ -20,7 +20,8 @@ class ApiConfig(QueueSettings, ReaderSettings, ServiceSettings):
     port: int = setting(8080, "the port the HTTP API listens on")
     token: str | None = setting(
         None,
-        "when set, every /api and /v1 request needs `Authorization: Bearer <token>` (`SVQA_API_TOKEN`); never logged",
+        "when set (at least 16 characters), every /api and /v1 request needs `Authorization: Bearer <token>` "
+        "(`SVQA_API_TOKEN`); never logged",
         secret=True,
     )
     max_body_bytes: int = setting(64 * 1024, "larger request bodies get 413")
