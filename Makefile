@@ -8,7 +8,8 @@ PYTHON := .venv/bin/python
 setup:
 	scripts/setup.sh
 
-demo: setup
+demo:
+	scripts/setup.sh demo
 	$(PYTHON) -m apps.cli demo
 
 test: setup

@@ -25,9 +25,30 @@ def fake_tools(root: Path) -> tuple[Path, Path]:
     return log, root / "venv"
 
 
-def run_setup(repo: Path, venv: Path, path: str) -> subprocess.CompletedProcess[str]:
+def run_setup(repo: Path, venv: Path, path: str, *profile: str) -> subprocess.CompletedProcess[str]:
     env = {"PATH": path, "HOME": str(repo), "VENV": str(venv)}
-    return subprocess.run(["bash", "scripts/setup.sh"], cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+    cmd = ["bash", "scripts/setup.sh", *profile]
+    return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_the_demo_setup_asks_for_no_test_server_or_browser_and_a_test_setup_serves_it(tmp_path):
+    """`make demo` installed the tests' Debian packages (chromium, mosquitto, prometheus, redis-server
+    and GStreamer, some starting system daemons): found by a newcomer's first hour."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    shutil.copy(REPO / "scripts" / "setup.sh", repo / "scripts" / "setup.sh")
+    shutil.copy(REPO / "pyproject.toml", repo / "pyproject.toml")
+    log, venv = fake_tools(tmp_path / "tools")
+    path = f"{tmp_path / 'tools' / 'bin'}:/usr/bin:/bin"
+    assert run_setup(repo, venv, path, "demo").returncode == 0
+    looked_at = [c.split()[-1] for c in log.read_text().splitlines() if c.startswith("dpkg -s ")]
+    assert looked_at == ["python3-venv"] and "pip install -q -e .[demo]" in log.read_text()
+    assert run_setup(repo, venv, path).returncode == 0
+    assert "pip install -q -e .[test,demo]" in log.read_text()
+    log.write_text("")
+    again = run_setup(repo, venv, path, "demo")
+    assert again.returncode == 0 and "pip" not in log.read_text(), "a test set-up serves the demo"
+    assert run_setup(repo, venv, path, "nonsense").returncode == 2
 
 
 def test_a_second_setup_skips_what_is_done_quietly(tmp_path):
