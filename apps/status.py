@@ -88,7 +88,9 @@ def render(found: dict) -> str:
     q = found["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} to route, {q.get('pending', 0)} being routed, "
-        f"{q.get('consumers', 0)} qa workers; dead letters: {found['dead_letters']}"
+        # a consumer of the group is a QA process that read the queue within the last hour (then pruned),
+        # not necessarily a live one: the live stream owners are the `worker` lines above
+        f"{q.get('consumers', 0)} qa consumers seen in the last hour; dead letters: {found['dead_letters']}"
     )
     return "\n".join(lines)
 
