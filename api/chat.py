@@ -62,8 +62,8 @@ class ChatRequest(BaseModel):
     )
 
 
-# Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (the final
-# chunk carries usage, as stream_options.include_usage asks; greedy answers repeat, as seed hopes).
+# Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (greedy answers
+# repeat, as seed hopes); stream_options.include_usage is read by the stream itself (`_chunks`).
 IGNORED = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"})
 # Unsupported unless set to what asks for nothing (a client's defaults, sent explicitly).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -149,8 +149,9 @@ async def chat(body: ChatRequest, request: Request):
         raise
     sub = await replies.ask(request, q)
     if body.stream:
+        usage = _include_usage((body.model_extra or {}).get("stream_options"))
         return StreamingResponse(
-            replies.keep_alive(_chunks(request, q, sub), cfg.keep_alive_s), media_type="text/event-stream"
+            replies.keep_alive(_chunks(request, q, sub, usage), cfg.keep_alive_s), media_type="text/event-stream"
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
@@ -182,11 +183,19 @@ def _usage(final: FinalAnswer) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _include_usage(options: Any) -> bool:
+    """Whether the stream ends with a usage chunk: as OpenAI, only when `stream_options` asks."""
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
 def _chunk(q: Question, delta: dict, finish: str | None = None) -> dict:
     return _envelope(q, "chat.completion.chunk") | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
 
 
-async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIterator[bytes]:
+async def _chunks(request: Request, q: Question, sub: Subscription, usage: bool) -> AsyncIterator[bytes]:
+    """The answer as OpenAI's chunks; with `usage`, a last one of no choices carries it, as OpenAI's
+    `stream_options.include_usage` gives it (the finish chunk carries it no more: clients that sum
+    usage over chunks counted it where none was asked)."""
     cfg = request.app.state.cfg
     yield replies.sse_data(_chunk(q, {"role": "assistant", "content": ""}))
     sent, current = "", ""  # what the client has; the text of the newest attempt
@@ -205,8 +214,11 @@ async def _chunks(request: Request, q: Question, sub: Subscription) -> AsyncIter
             elif reply.error is not None:
                 yield replies.sse_data(errors.body(422, reply.error, _param(reply)))
             else:
-                extra = {"usage": _usage(reply), "streamvqa": replies.final_json(reply, request)}
-                yield replies.sse_data(_chunk(q, {}, _finish(q, reply)) | extra)
+                finished = _chunk(q, {}, _finish(q, reply)) | {"streamvqa": replies.final_json(reply, request)}
+                yield replies.sse_data(finished)
+                if usage:
+                    counted = _envelope(q, "chat.completion.chunk") | {"choices": [], "usage": _usage(reply)}
+                    yield replies.sse_data(counted)
     except TimeoutError as e:
         yield replies.sse_data(errors.body(504, str(e)))
     except OUTAGE_ERRORS as e:  # the response has begun: say so in a chunk, not a cut connection

@@ -269,7 +269,14 @@ def test_openai_client_lists_streams_and_asks(live):
     assert text
     chunks = list(client.chat.completions.create(model=CAM, messages=question, max_tokens=10, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text  # greedy: same text
-    assert chunks[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices[0].finish_reason == "length" and not any(c.usage for c in chunks)
+    counted = list(
+        client.chat.completions.create(
+            model=CAM, messages=question, max_tokens=10, stream=True, stream_options={"include_usage": True}
+        )
+    )  # as OpenAI: usage only when asked, in a last chunk of no choices
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == 10
+    assert counted[-2].choices[0].finish_reason == "length" and not any(c.usage for c in counted[:-1])
     with pytest.raises(Exception) as unknown:
         client.chat.completions.create(model="nope", messages=question)
     assert getattr(unknown.value, "status_code", None) == 404
