@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -148,6 +149,7 @@ def main(argv: list[str]) -> int:
         check_stream_name("stream", ns.stream)
         if command == "ask":  # refused here, before a round trip, as a worker would refuse it
             checked_question(ns.stream, ns.question, **_options(ns))
+            checked_timeout(ns.timeout)
     except SchemaError as e:
         boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     client = Client(boot.connect_tool(ns.redis_url, prog))
@@ -169,6 +171,14 @@ def _options(ns: argparse.Namespace) -> dict:
     span = {name: _time_ref(name, getattr(ns, name)) for name in ("since", "until")}
     choices = tuple(ns.choices) if ns.choices else None
     return {"max_tokens": ns.max_tokens, "choices": choices, "scope": ns.scope, **span}
+
+
+def checked_timeout(seconds: float) -> float:
+    """``--timeout`` of `ask` and `search`: a wait of no time (0, -1, nan) would queue the question
+    and give it up at once, leaving a worker to answer it for nobody."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise SchemaError("timeout", f"must be a number of seconds > 0, not {seconds:g}")
+    return seconds
 
 
 def _time_ref(name: str, text: str | None) -> TimeRef | None:
