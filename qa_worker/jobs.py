@@ -142,7 +142,7 @@ class JobRunner:
     def _remember(self, sched: Schedule) -> None:
         if sched.job.kind == "subtitles":
             recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
-            sched.tracker.remember(redisio.text_fields(f).get("text", "") for _, f in reversed(recent))
+            sched.tracker.resume(cues_of(redisio.text_fields(f) for _, f in reversed(recent)))
 
     def _start_over(self, sched: Schedule, version: Version) -> None:
         """Cues still open close now (what was seen stays seen); the next ones are told apart from
