@@ -107,6 +107,12 @@ def alerts(cam: str) -> str:
     return f"{PREFIX}:{{{cam}}}:alerts"
 
 
+def alerts_armed(cam: str) -> str:
+    """Hash: alert job -> id of its newest alert after which its answer turned back to no (the job
+    may fire again). What a restarted QA worker's gate resumes from, with the newest alert itself."""
+    return f"{PREFIX}:{{{cam}}}:alerts:armed"
+
+
 def alert_acks(cam: str) -> str:
     """Hash: alert id -> unix time someone acknowledged it (the HTTP API; expires a week after the last)."""
     return f"{PREFIX}:{{{cam}}}:alerts:acked"
