@@ -47,9 +47,12 @@ class Client:
 
     def submit(self, stream: str, question: str, **options) -> str:
         """Queue a question; SchemaError, with nothing sent, for one a worker would refuse."""
+        return self._submit(stream, question, **options)[0]
+
+    def _submit(self, stream: str, question: str, **options) -> tuple[str, str]:
+        """The question's id and its entry id in `svqa:questions` (what its final's `asked` names)."""
         q = checked_question(stream, question, **options)
-        self.r.xadd(keys.QUESTIONS, encode_question(q))
-        return q.id
+        return q.id, redisio.text(self.r.xadd(keys.QUESTIONS, encode_question(q)))
 
     def known(self, stream: str, *also: str) -> bool:
         """Whether the stream exists (the API's check: its 404), or any of the keys ``also`` does
@@ -83,11 +86,11 @@ class Client:
         """Ask and wait for the final answer. ``on_delta`` gets text as it is decoded; when the
         answer starts over (its worker died), ``on_restart(attempt)`` says to drop what it got;
         while it waits for the GPU, ``on_queued(position, wait_s)`` its place and estimated wait."""
-        qid = self.submit(stream, question, **options)
+        qid, asked = self._submit(stream, question, **options)
         attempt = 0
         for reply in self.replies(qid, timeout_s):
             if isinstance(reply, FinalAnswer):
-                return reply
+                return own_final(reply, asked, stream)
             if reply.attempt < attempt:
                 continue  # a dead attempt's delta, read after its successor's
             if reply.attempt > attempt:
@@ -106,14 +109,26 @@ class Client:
         and wait for the final, whose ``hits`` are the ranked chunks; SchemaError, with nothing
         sent, for a search a worker would refuse."""
         req = checked_search(text, **options)
-        self.r.xadd(keys.QUESTIONS, encode_search(req))
+        asked = redisio.text(self.r.xadd(keys.QUESTIONS, encode_search(req)))
         for reply in self.replies(req.id, timeout_s):
             if isinstance(reply, FinalAnswer):
-                return reply
+                return own_final(reply, asked, req.stream)
         raise AssertionError("unreachable")
 
     def transcript(self, stream: str) -> list[dict[str, str]]:
         return [redisio.text_fields(f) for _, f in self.r.xrange(keys.transcript(stream))]
+
+
+def own_final(final: FinalAnswer, asked: str, stream: str | None) -> FinalAnswer:
+    """``final`` if it answers the question asked as entry ``asked`` (about ``stream``), else an
+    error final: another question used the same id, and this is its answer (the router does not
+    answer the second one), which the asker would otherwise take for its own."""
+    other_entry = final.asked is not None and final.asked != asked
+    other_stream = stream is not None and final.stream is not None and final.stream != stream
+    if not (other_entry or other_stream):
+        return final
+    error = f"question id {final.id} is in use by another question (entry {final.asked}): ask with a new random id"
+    return FinalAnswer(final.id, stream, error=error, param="id", asked=asked)
 
 
 def main(argv: list[str]) -> int:

@@ -124,6 +124,8 @@ def qa_job(r: redis.Redis) -> None:
     r.get(keys.head(CAM))
     r.xread({keys.versions(CAM): "0"}, count=1)
     r.get(keys.segment(CAM, "s1"))
+    r.set(keys.answer_owner("q1"), "0-1", nx=True, ex=60)  # the router claims the question's id
+    assert r.get(keys.answer_owner("q1")) == b"0-1"
     r.delete(keys.answer("q1"))
     r.xadd(keys.answer("q1"), encode_delta("hi"))
     r.expire(keys.answer("q1"), 60)

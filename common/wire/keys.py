@@ -82,6 +82,12 @@ def answer(qid: str) -> str:
     return f"{PREFIX}:answer:{qid}"
 
 
+def answer_owner(qid: str) -> str:
+    """String with a TTL: the entry id in `QUESTIONS` of the question that holds the id ``qid``
+    (the router's claim); another question with that id is not answered into its answer stream."""
+    return f"{PREFIX}:answer:{qid}:owner"
+
+
 def segment(cam: str, segment_id: str) -> str:
     """Segment bytes when the segment store is Redis (several hosts)."""
     return f"{PREFIX}:{{{cam}}}:seg:{segment_id}"
