@@ -44,6 +44,7 @@ CONFIGS = {
     "recorder": ("recorder.config", "RecorderConfig"),
 }
 EXIT_PIPE = 128 + signal.SIGPIPE  # what a shell reports for a tool whose reader went away
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what a shell reports for a command stopped by Ctrl-C
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,6 +58,17 @@ def main(argv: list[str] | None = None) -> int:
         # that nothing more fails on the way out.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PIPE
+    except KeyboardInterrupt:
+        # Ctrl-C while a tool waits (`ask`, `search`): the person asked for it, so one line and the
+        # shell's code for it, not a traceback from whichever socket read it landed in.
+        import structlog  # here: `streamvqa --help` imports as little as it can
+
+        from common.logs import configure_logging
+
+        if not structlog.is_configured():  # stopped before its command set logging up: still JSON, stderr
+            configure_logging("INFO")
+        structlog.get_logger().error("interrupted", exit_code=EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
 
 
 def _run(argv: list[str]) -> int:

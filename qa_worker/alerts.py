@@ -77,6 +77,11 @@ class Gate:
     armed: bool = True  # a no since the last alert
     last_fired: float = -math.inf
 
+    def resume(self, fired_ago_s: float, armed: bool, now: float) -> None:
+        """Go on from an alert fired ``fired_ago_s`` ago, before a restart: quiet until the answer
+        has turned to no (``armed``: it had, before the restart) and for the rest of the cooldown."""
+        self.armed, self.last_fired = armed, now - max(0.0, fired_ago_s)
+
     def observe(self, yes: bool, now: float) -> bool:
         if not yes:
             self.streak, self.armed = 0, True

@@ -133,17 +133,16 @@ class Answerer:
             bound.info("redelivered question already answered")
             self._audit(qid, existing, self.max_reply_ttl_s)  # in case the crash came before it
         else:
-            # asked: its entry id where it was forwarded from, written by the forwarder alone (routing.py):
-            # a client's own in the shared queue would move its span and its reported wait
-            asked = fields.get(b"asked") if queue != keys.QUESTIONS else None
-            waited = queue_wait_s(asked or entry_id)
+            asked = asked_of(queue, entry_id, fields)
+            waited = queue_wait_s(asked)
             t0 = time.perf_counter()
             with metrics.QUESTIONS_IN_FLIGHT.track_inprogress():
                 final, ttl = self._answer(qid, fields, attempt, bound, asked_at=time.time() - waited)
             elapsed = waited + time.perf_counter() - t0
             waited += final.queue_s or 0.0  # what it then waited here: for a history turn, for the GPU
             metrics.QUEUE_WAIT_SECONDS.observe(waited)
-            self._finish(dataclasses.replace(final, queue_s=round(waited, 3), elapsed_s=round(elapsed, 3)), ttl)
+            timing = {"queue_s": round(waited, 3), "elapsed_s": round(elapsed, 3)}
+            self._finish(dataclasses.replace(final, asked=asked, **timing), ttl)
             metrics.QUESTIONS.labels("error" if final.error else "ok").inc()
             metrics.ANSWER_SECONDS.observe(time.perf_counter() - t0)
             if final.first_token_s is not None:
@@ -161,7 +160,8 @@ class Answerer:
         if existing is not None:
             self._audit(qid, existing, self.max_reply_ttl_s)
         else:
-            self._finish(FinalAnswer(id=qid, stream=None, error=f"question not answered: {reason}"), self.reply_ttl_s)
+            error = f"question not answered: {reason}"
+            self._finish(FinalAnswer(qid, None, error=error, asked=asked_of(queue, entry_id, fields)), self.reply_ttl_s)
             metrics.QUESTIONS.labels("error").inc()
         self.r.xack(queue, keys.QA_GROUP, entry_id)
 
@@ -387,6 +387,14 @@ def _seen_past(seen: Seen) -> dict:
     return dict(
         t_start=seen.ranges[0][0], t_end=seen.ranges[-1][1], ranges=seen.ranges, cache_tokens=seen.version.tokens
     )
+
+
+def asked_of(queue: str, entry_id: str, fields: dict) -> str:
+    """The question's entry id in `svqa:questions`: its own there, else the one its forwarder wrote
+    (routing.py; a client's own `asked` field in the shared queue would move its span, its reported
+    wait and whose answer it is)."""
+    asked = fields.get(b"asked") if queue != keys.QUESTIONS else None
+    return redisio.text(asked or entry_id)
 
 
 def queue_wait_s(entry_id: str | bytes) -> float:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +47,12 @@ class Client:
 
     def submit(self, stream: str, question: str, **options) -> str:
         """Queue a question; SchemaError, with nothing sent, for one a worker would refuse."""
+        return self._submit(stream, question, **options)[0]
+
+    def _submit(self, stream: str, question: str, **options) -> tuple[str, str]:
+        """The question's id and its entry id in `svqa:questions` (what its final's `asked` names)."""
         q = checked_question(stream, question, **options)
-        self.r.xadd(keys.QUESTIONS, encode_question(q))
-        return q.id
+        return q.id, redisio.text(self.r.xadd(keys.QUESTIONS, encode_question(q)))
 
     def known(self, stream: str, *also: str) -> bool:
         """Whether the stream exists (the API's check: its 404), or any of the keys ``also`` does
@@ -82,11 +86,11 @@ class Client:
         """Ask and wait for the final answer. ``on_delta`` gets text as it is decoded; when the
         answer starts over (its worker died), ``on_restart(attempt)`` says to drop what it got;
         while it waits for the GPU, ``on_queued(position, wait_s)`` its place and estimated wait."""
-        qid = self.submit(stream, question, **options)
+        qid, asked = self._submit(stream, question, **options)
         attempt = 0
         for reply in self.replies(qid, timeout_s):
             if isinstance(reply, FinalAnswer):
-                return reply
+                return own_final(reply, asked, stream)
             if reply.attempt < attempt:
                 continue  # a dead attempt's delta, read after its successor's
             if reply.attempt > attempt:
@@ -105,14 +109,26 @@ class Client:
         and wait for the final, whose ``hits`` are the ranked chunks; SchemaError, with nothing
         sent, for a search a worker would refuse."""
         req = checked_search(text, **options)
-        self.r.xadd(keys.QUESTIONS, encode_search(req))
+        asked = redisio.text(self.r.xadd(keys.QUESTIONS, encode_search(req)))
         for reply in self.replies(req.id, timeout_s):
             if isinstance(reply, FinalAnswer):
-                return reply
+                return own_final(reply, asked, req.stream)
         raise AssertionError("unreachable")
 
     def transcript(self, stream: str) -> list[dict[str, str]]:
         return [redisio.text_fields(f) for _, f in self.r.xrange(keys.transcript(stream))]
+
+
+def own_final(final: FinalAnswer, asked: str, stream: str | None) -> FinalAnswer:
+    """``final`` if it answers the question asked as entry ``asked`` (about ``stream``), else an
+    error final: another question used the same id, and this is its answer (the router does not
+    answer the second one), which the asker would otherwise take for its own."""
+    other_entry = final.asked is not None and final.asked != asked
+    other_stream = stream is not None and final.stream is not None and final.stream != stream
+    if not (other_entry or other_stream):
+        return final
+    error = f"question id {final.id} is in use by another question (entry {final.asked}): ask with a new random id"
+    return FinalAnswer(final.id, stream, error=error, param="id", asked=asked)
 
 
 def main(argv: list[str]) -> int:
@@ -148,6 +164,7 @@ def main(argv: list[str]) -> int:
         check_stream_name("stream", ns.stream)
         if command == "ask":  # refused here, before a round trip, as a worker would refuse it
             checked_question(ns.stream, ns.question, **_options(ns))
+            checked_timeout(ns.timeout)
     except SchemaError as e:
         boot.fail(boot.EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     client = Client(boot.connect_tool(ns.redis_url, prog))
@@ -169,6 +186,14 @@ def _options(ns: argparse.Namespace) -> dict:
     span = {name: _time_ref(name, getattr(ns, name)) for name in ("since", "until")}
     choices = tuple(ns.choices) if ns.choices else None
     return {"max_tokens": ns.max_tokens, "choices": choices, "scope": ns.scope, **span}
+
+
+def checked_timeout(seconds: float) -> float:
+    """``--timeout`` of `ask` and `search`: a wait of no time (0, -1, nan) would queue the question
+    and give it up at once, leaving a worker to answer it for nobody."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise SchemaError("timeout", f"must be a number of seconds > 0, not {seconds:g}")
+    return seconds
 
 
 def _time_ref(name: str, text: str | None) -> TimeRef | None:
@@ -264,11 +289,11 @@ def _restarted(attempt: int) -> None:
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:
-    from common.wire.transcript import cues_of, render_transcript
+    from common.wire.transcript import by_start, cues_of, render_transcript
 
     entries = client.transcript(ns.stream)
     if ns.format == "json":
-        print(json.dumps(entries, indent=1))
+        print(json.dumps(by_start(entries), indent=1))
         return 0
     print(render_transcript(cues_of(entries), ns.format), end="")
     return 0

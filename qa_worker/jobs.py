@@ -56,6 +56,7 @@ class Schedule:
     last_run: float | None = None  # time.monotonic() of the last run, while subtitle cues may be open
     tracker: SubtitleTracker = field(default_factory=SubtitleTracker)
     gate: Gate | None = None  # alert jobs
+    last_alert: str = ""  # alert jobs: id of the newest alert, fired here or before a restart
     told: bool = False  # alert jobs: their state has been sent (MQTT) since start
 
     def __post_init__(self) -> None:
@@ -121,6 +122,7 @@ class JobRunner:
             self.delivery = Delivery(discovery_prefix=self.alerts.discovery_prefix)
         for sched in self.schedules:  # a restarted worker does not repeat what it already transcribed
             self._remember(sched)
+        self._resume_alerts()
 
     def run_due(self) -> int:
         """Run every job whose time has come; returns how many ran."""
@@ -142,7 +144,23 @@ class JobRunner:
     def _remember(self, sched: Schedule) -> None:
         if sched.job.kind == "subtitles":
             recent = self.r.xrevrange(keys.transcript(sched.stream), count=sched.tracker.history)
-            sched.tracker.remember(redisio.text_fields(f).get("text", "") for _, f in reversed(recent))
+            sched.tracker.resume(cues_of(redisio.text_fields(f) for _, f in reversed(recent)))
+
+    def _resume_alerts(self) -> None:
+        """Alert gates go on from each job's newest alert, so a restarted worker does not fire again
+        for a state it already alerted on (it did at every restart, with a new id)."""
+        gated: dict[str, dict[str, Schedule]] = {}
+        for sched in self.schedules:
+            if sched.gate is not None:
+                gated.setdefault(sched.stream, {})[sched.job.name] = sched
+        for stream, scheds in gated.items():
+            armed = redisio.text_fields(self.r.hgetall(keys.alerts_armed(stream)))
+            now, wall = time.monotonic(), time.time()
+            for name, alert in newest_alerts(self.r, stream, set(scheds)).items():
+                sched = scheds[name]
+                assert sched.gate is not None
+                sched.last_alert = alert.id
+                sched.gate.resume(wall - alert.at, armed.get(name) == alert.id, now)
 
     def _start_over(self, sched: Schedule, version: Version) -> None:
         """Cues still open close now (what was seen stays seen); the next ones are told apart from
@@ -193,10 +211,13 @@ class JobRunner:
         bound.debug("alert scored", score=round(score, 4))
         was_on = not sched.gate.armed
         if not sched.gate.observe(score >= job.threshold, time.monotonic()):
-            # Off: said at the job's first run here (a state retained from before a restart is
+            on = not sched.gate.armed
+            if was_on and not on:  # turned to no: kept, so that a restarted worker knows it may fire again
+                self.r.hset(keys.alerts_armed(sched.stream), job.name, sched.last_alert)
+            # The state: said at the job's first run here (a state retained from before a restart is
             # replaced; only the worker that runs the job says it) and when the answer turned to no.
-            if not sched.told or (was_on and sched.gate.armed):
-                self.delivery.tell(State(sched.stream, job.name, on=False), job.mqtt)
+            if not sched.told or (was_on and not on):
+                self.delivery.tell(State(sched.stream, job.name, on=on), job.mqtt)
                 sched.told = True
             return
         sched.told = True
@@ -220,6 +241,7 @@ class JobRunner:
             frame=self.alerts.base_url.rstrip("/") + frame_path(sched.stream, alert_id) if copied else None,
         )
         redisio.xadd_capped(self.r, keys.alerts(sched.stream), alert.fields(), self.alerts.maxlen)
+        sched.last_alert = alert_id
         metrics.ALERTS.labels(sched.stream, job.name).inc()
         self.delivery.submit(alert, {"webhook": job.webhook, "mqtt": job.mqtt})
         bound.info("alert", alert=alert_id, score=round(score, 4))
@@ -257,6 +279,30 @@ class JobRunner:
         self.transcript_dir.mkdir(parents=True, exist_ok=True)
         for fmt in sched.job.formats:
             _write_atomic(self.transcript_dir / f"{sched.stream}.{fmt}", render_transcript(cues, fmt))
+
+
+ALERTS_PAGE = 500  # alerts read at a time, newest first, looking for each job's newest
+
+
+def newest_alerts(r: redis.Redis, stream: str, jobs: set[str]) -> dict[str, Alert]:
+    """The newest alert of each of ``jobs`` on ``stream`` that has one (all other jobs' alerts may
+    be newer: read back page by page until each is found or the capped stream ends)."""
+    found: dict[str, Alert] = {}
+    end = "+"
+    while len(found) < len(jobs):
+        page = r.xrevrange(keys.alerts(stream), max=end, count=ALERTS_PAGE)
+        for _, raw in page:
+            fields = redisio.text_fields(raw)
+            name = fields.get("job", "")
+            if name in jobs and name not in found:
+                try:
+                    found[name] = Alert.from_fields(fields)
+                except ValueError:  # an entry that is no alert (written by hand): nothing to go on from
+                    continue
+        if len(page) < ALERTS_PAGE:
+            break
+        end = "(" + redisio.text(page[-1][0])
+    return found
 
 
 def _write_atomic(path: Path, text: str) -> None:

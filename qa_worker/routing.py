@@ -24,11 +24,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import redis
+import structlog
 
 from common import redisio
 from common.wire import keys
 from common.wire.schemas import SchemaError, parse_question, question_id_of
 from common.wire.search_request import is_search
+
+log = structlog.get_logger()
 
 QUEUE_MAXLEN = 10_000  # per stream: questions waiting for an owner, or answered and not yet trimmed
 # A consumer of `svqa:searches` idle less than this is a live process with the frames log: its
@@ -36,6 +39,7 @@ QUEUE_MAXLEN = 10_000  # per stream: questions waiting for an owner, or answered
 # the rest of its step (claims, a periodic job's turn) may delay the next read by a few seconds.
 # Longer would send searches to a process that died that long ago (left until another claims them).
 SEARCHER_IDLE_MS = 10_000
+ID_IN_USE = "question id already in use by another question: ask with a new random id"
 
 # KEYS[1] a stream's queue. ARGV[1] group, ARGV[2] entry id, ARGV[3] consumer, ARGV[4] MAXLEN,
 # ARGV[5..] the entry's fields. Moves the entry to the end of the queue, undelivered, only if it is
@@ -142,6 +146,14 @@ class Router:
         )
 
     def _one(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
+        qid = question_id_of(fields, entry_id)
+        if qid is not None and not self._owns(qid, redisio.text(entry_id)):
+            # Its reply would go into the other question's answer stream, whose asker would read it
+            # (or its asker that one's answer): it is refused where operators look, and its asker,
+            # reading the other's final, finds another entry id there (`asked`; qa_worker/client.py).
+            log.warning("question id already in use; not answered", qid=qid, entry=redisio.text(entry_id))
+            redisio.dead_letter(self.r, queue, entry_id, fields, ID_IN_USE, group=keys.QA_GROUP)
+            return
         if is_search(fields):
             self._search(queue, entry_id, fields, attempt)
             return
@@ -155,6 +167,14 @@ class Router:
             return
         forward(self.r, q.stream, q.id, fields, self.marker_ttl_s, redisio.text(entry_id))
         self.r.xack(queue, keys.QA_GROUP, entry_id)
+
+    def _owns(self, qid: str, entry_id: str) -> bool:
+        """Whether the question asked as ``entry_id`` holds the id ``qid``: the first to claim it
+        does, for `marker_ttl_s`, redelivered or not."""
+        key = keys.answer_owner(qid)
+        return (
+            bool(self.r.set(key, entry_id, nx=True, ex=self.marker_ttl_s)) or redisio.text(self.r.get(key)) == entry_id
+        )
 
     def _search(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
         """To a process with the frames log if one is alive; else its error reply now."""

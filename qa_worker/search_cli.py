@@ -22,7 +22,7 @@ from common.config import RedisSettings, add_tool_flags
 from common.logs import configure_logging, redact_url
 from common.wire.schemas import SchemaError, SearchHit
 from common.wire.search_request import DEFAULT_LIMIT, MAX_LIMIT, checked_search
-from qa_worker.client import Client, _time_ref
+from qa_worker.client import Client, _time_ref, checked_timeout
 
 
 def main(argv: list[str]) -> int:
@@ -48,6 +48,7 @@ def main(argv: list[str]) -> int:
         options = {"stream": ns.stream, "limit": ns.limit}
         options |= {name: _time_ref(name, getattr(ns, name)) for name in ("since", "until")}
         checked_search(ns.text, **options)
+        checked_timeout(ns.timeout)
     except SchemaError as e:
         boot.fail(boot.EXIT_CONFIG, "bad search", service=prog, error=str(e))
     client = Client(boot.connect_tool(ns.redis_url, prog))

@@ -18,7 +18,8 @@ Decisions (see the docstrings for details):
   (default 0.85) means "the same line" (``HELLO W0RLD`` vs ``HELLO WORLD``: 0.91).
 * A new cue starts at the end of the previous observation window, clamped into the current window
   (the line was not reported then, so it appeared after it); the very first observation has nothing
-  better than its own ``t_start``. A cue ends at the ``t_end`` of the last observation that reported it.
+  better than its own ``t_start``, or, for a job restarted, the end of the last cue it wrote before.
+  A cue ends at the ``t_end`` of the last observation that reported it.
 * Recent-history dedupe: a line that fuzzily matches one of the last ``history`` closed cues is NOT
   emitted again, however long the gap (the history is counted in cues, not seconds).
 * Writers never emit an invalid file: cue text is cleaned to non-empty lines, ``&``, ``<``, ``>``
@@ -239,7 +240,8 @@ class SubtitleTracker:
 
     * start of a new cue = end of the previous observation window clamped into ``[t_start, t_end]``
       (it was not reported then, so it appeared after it; clamping covers gaps between windows and
-      cumulative windows); for the first observation (and after a time discontinuity) ``t_start``.
+      cumulative windows); for the first observation (and after a time discontinuity) ``t_start``,
+      unless :meth:`resume` gave the end of the cues written before.
     * end = ``t_end`` of the last observation that reported it, at least ``start + min_duration``.
     * a cue closes (becomes final) once it has been missing from ``close_after_misses`` consecutive
       observations (default 1: the first observation without it), or at :meth:`flush`.
@@ -273,11 +275,15 @@ class SubtitleTracker:
         self._recent: deque[str] = deque(maxlen=history)  # keys of the last `history` closed cues
         self._prev_end: float | None = None
 
-    def remember(self, texts: Iterable[str]) -> None:
-        """Seed the history with cues emitted before (e.g. by this job before a restart), so they
-        are not emitted again."""
-        for text in texts:
-            self._recent.append(normalise(text))
+    def resume(self, cues: Sequence[Cue]) -> None:
+        """Go on from cues emitted before (by this job before a restart), oldest first: their lines
+        are not emitted again, and a new cue starts no earlier than the last of them ended, as if
+        that observation had just been made here. Without the end, the first observation after a
+        restart started its cues at the cache's oldest chunk, over every cue written before it."""
+        for cue in cues:
+            self._recent.append(normalise(cue.text))
+        if cues:
+            self._prev_end = max(cue.end for cue in cues)
 
     def _make_cue(self, o: _Open) -> Cue:
         return Cue(o.start, max(o.end, o.start + self.min_duration), o.text)

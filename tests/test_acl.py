@@ -22,6 +22,7 @@ from common.wire.schemas import EndOfStream, encode_delta, encode_frame
 from encoder_worker.owned_stream import publish_fenced
 from qa_worker.admission import Admission
 from qa_worker.client import Client
+from qa_worker.jobs import newest_alerts
 from qa_worker.routing import forward, forward_search, requeue, searcher_alive, take_over
 from tests.conftest import RedisServer
 from tests.pipeline import Services, head, wait_for
@@ -125,6 +126,8 @@ def qa_job(r: redis.Redis) -> None:
     r.get(keys.head(CAM))
     r.xread({keys.versions(CAM): "0"}, count=1)
     r.get(keys.segment(CAM, "s1"))
+    r.set(keys.answer_owner("q1"), "0-1", nx=True, ex=60)  # the router claims the question's id
+    assert r.get(keys.answer_owner("q1")) == b"0-1"
     r.delete(keys.answer("q1"))
     r.xadd(keys.answer("q1"), encode_delta("hi"))
     r.expire(keys.answer("q1"), 60)
@@ -135,6 +138,9 @@ def qa_job(r: redis.Redis) -> None:
     r.copy(keys.latest_frame(CAM), keys.alert_frame(CAM, "a1"), replace=True)  # an alert job fired
     r.expire(keys.alert_frame(CAM, "a1"), 60)
     r.xadd(keys.alerts(CAM), {"id": "a1", "frame": keys.alert_frame(CAM, "a1")})
+    r.hset(keys.alerts_armed(CAM), "door", "a1")  # its answer turned to no
+    newest_alerts(r, CAM, {"door"})  # a restarted job's gate goes on from its newest alert
+    r.hgetall(keys.alerts_armed(CAM))
     r.xack(keys.QUESTIONS, keys.QA_GROUP, *(eid for _, eid, _ in entries))
     redisio.trim_consumed(r, keys.QUESTIONS, keys.QA_GROUP)
     searches_job(r, attempts)

@@ -194,3 +194,48 @@ def test_alert_job_writes_entries_with_a_frame_copy_and_delivers(rt, redis_url, 
     assert retained[config["state_topic"]] == b"ON"
     assert json.loads(retained[config["json_attributes_topic"]]) == alert_payload(entries[-1])
     assert "site/alerts" not in retained, "the alert events themselves are not retained"
+
+
+def test_a_restarted_worker_fires_again_only_after_the_answer_turned_to_no(rt, redis_url):
+    """Every worker restart fired the alert again, with a new id, for the state it had alerted on
+    (for the very same version, of a file that had ended): receivers could not drop it by its id."""
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    chunks = iter(range(100))
+
+    def worker_life(hook_url: str, yes_on: set[int], new_chunks: int) -> None:
+        """One worker's life: the job runs on the head as it finds it, then on each new chunk."""
+        job = Job(
+            name="door", stream="cam1", kind="alert", prompt="Is the door open?", every_versions=1, cooldown_s=0.0,
+            webhook=hook_url,
+        )  # fmt: skip
+        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], Scorer(yes_on))
+        runner.run_due()
+        for _ in range(new_chunks):
+            i = next(chunks)
+            engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5], [2 * i, 2 * i + 1])
+            runner.run_due()
+        runner.flush()
+
+    yes_on = {2, 3, 5}
+    with webhook() as hook:
+        worker_life(hook.url, yes_on, 2)  # yes on version 2: fires
+        worker_life(hook.url, yes_on, 0)  # restarted, no new video: version 2 again, still yes
+        worker_life(hook.url, yes_on, 1)  # restarted, version 3: still yes
+        worker_life(hook.url, yes_on, 1)  # version 4: no
+        worker_life(hook.url, yes_on, 1)  # restarted after that no, version 5: yes again, fires
+    entries = [{k.decode(): v.decode() for k, v in f.items()} for _, f in r.xrange(keys.alerts("cam1"))]
+    assert [int(e["version"]) for e in entries] == [2, 5]
+    assert [a["id"] for a in hook.accepted] == [e["id"] for e in entries]
+
+
+def test_a_resumed_gate_keeps_what_is_left_of_the_cooldown():
+    gate = Gate(debounce=1, cooldown_s=60.0)
+    gate.resume(fired_ago_s=50.0, armed=True, now=1000.0)  # fired before a restart, then a no
+    assert not gate.observe(True, 1000.0), "10 s of the cooldown are left"
+    assert gate.observe(True, 1010.0)
+    quiet = Gate(debounce=1, cooldown_s=0.0)
+    quiet.resume(fired_ago_s=3600.0, armed=False, now=1000.0)  # fired before a restart, no no since
+    assert not quiet.observe(True, 1000.0) and not quiet.observe(True, 2000.0)
+    assert not quiet.observe(False, 2001.0) and quiet.observe(True, 2002.0)

@@ -178,3 +178,53 @@ def test_ask_says_how_long_a_question_waited_in_the_queue_as_well_as_its_compute
     )
     assert timing_line(FinalAnswer("q2", "cam1", text="x", total_s=0.5)) == "answered in 0.50 s"
     assert timing_line(FinalAnswer("q3", "cam1", error="bad question")) is None
+
+
+def _wait_for_queued(r: redis.Redis, proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Until the command's question or search is queued: it then waits in its read loop."""
+    deadline = time.monotonic() + timeout_s
+    while not r.xlen(keys.QUESTIONS):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("argv", [["ask", "--stream", "cam1", "hi"], ["search", "x"]], ids=lambda a: a[0])
+def test_ctrl_c_while_waiting_is_one_line_and_exit_130(argv, redis_url):
+    """Ctrl-C while `ask` or `search` waited for its answer printed redis-py's KeyboardInterrupt
+    traceback, and the process died by the signal."""
+    import signal
+
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("cam1"), "fps", "2")  # the stream exists; no worker answers
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apps.cli", *argv, "--timeout", "60", "--redis-url", redis_url],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _wait_for_queued(r, proc)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == cli.EXIT_INTERRUPTED == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["event"] == "interrupted", err
+    assert out == ""
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])
+@pytest.mark.parametrize("argv", [["ask", "--stream", "cam1", "hi"], ["search", "x"]], ids=lambda a: a[0])
+def test_a_timeout_that_waits_for_nothing_is_refused_before_anything_is_queued(argv, timeout, redis_url):
+    """`--timeout -1` or `nan` queued the question, then gave it up at once (exit 1): a worker
+    answered it for nobody."""
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("cam1"), "fps", "2")
+        out = subprocess.run(
+            [sys.executable, "-m", "apps.cli", *argv, "--timeout", timeout, "--redis-url", redis_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and "timeout" in json.loads(lines[0])["error"], out.stderr
+        assert r.xlen(keys.QUESTIONS) == 0

@@ -3,6 +3,7 @@ through `streamvqa worker` (one process: encoder + qa) with metrics scraped whil
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -233,6 +234,58 @@ def test_a_restarted_subtitle_job_does_not_repeat_cues(rt, redis_url, tmp_path):
         runner.flush()
     texts = [f[b"text"].decode() for _, f in r.xrange(keys.transcript("cam1"))]
     assert texts == ["EXIT ONLY", "NO PARKING"]
+
+
+def _cues(r: redis.Redis, stream: str) -> list[tuple[float, float, str]]:
+    """The transcript's cues as (start, end, text), in the order they were written."""
+    entries = r.xrange(keys.transcript(stream))
+    return [(float(f[b"start"]), float(f[b"end"]), f[b"text"].decode()) for _, f in entries]
+
+
+def test_a_restarted_subtitle_job_goes_on_from_its_last_cue(rt, redis_url):
+    """After a restart the cache is the same (restored from the segment store): the first new cue
+    used to start at the cache's oldest chunk, spanning all of it, over every cue written before."""
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1)
+
+    def screen(version, prompt: str) -> str:
+        return "EXIT ONLY" if version.id < 4 else "NO PARKING"
+
+    chunk = 0
+    for _restart in range(2):  # the worker restarts between the two runs
+        runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], screen)
+        for _ in range(3):
+            engine.append([np.full((56, 56, 3), chunk, np.uint8)] * 2, [10.0 + chunk, 10.5 + chunk])
+            chunk += 1
+            runner.run_due()
+        runner.flush()
+    assert engine.head.capture_range[0] == 10.0, "the cache still holds the first chunk"
+    (exit_only, no_parking) = _cues(r, "cam1")
+    assert exit_only[2] == "EXIT ONLY" and no_parking[2] == "NO PARKING"
+    assert no_parking[0] == exit_only[1] == 12.5, "from the end of the last cue, not the cache's start"
+
+
+def test_transcript_json_is_in_the_order_of_the_cues(rt, redis_url):
+    """A short line closes before a long one that began earlier, so the stream holds their cues out
+    of order: `streamvqa transcript --format json` gave them so (the files were sorted)."""
+    r = redis.Redis.from_url(redis_url)
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1)
+    screens = {1: "EXIT ONLY", 2: "EXIT ONLY\nNO PARKING", 3: "EXIT ONLY"}
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: screens.get(v.id, "NONE"))
+    for i in range(4):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5])
+        runner.run_due()
+    assert [c[2] for c in _cues(r, "cam1")] == ["NO PARKING", "EXIT ONLY"], "written as they closed"
+    argv = ["transcript", "--stream", "cam1", "--format", "json", "--redis-url", redis_url]
+    cli = subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    shown = json.loads(cli.stdout)
+    assert [e["text"] for e in shown] == ["EXIT ONLY", "NO PARKING"]
+    assert [float(e["start"]) for e in shown] == sorted(float(e["start"]) for e in shown)
 
 
 def test_open_subtitle_cues_close_once_the_stream_goes_quiet(rt, redis_url, tmp_path):

@@ -23,7 +23,8 @@ from common.wire.schemas import FinalAnswer, decode_answer
 from encoder_worker.config import EncoderConfig
 from encoder_worker.service import EncoderService
 from qa_worker.answering import Answerer
-from qa_worker.routing import Router, forward, requeue, take_over
+from qa_worker.client import Client
+from qa_worker.routing import ID_IN_USE, Router, forward, requeue, take_over
 
 CAM = "cam1"
 
@@ -83,6 +84,36 @@ def test_router_forwards_once_across_a_redelivery_and_replies_to_bad_questions(r
     for qid, word in refused.items():
         (final,) = [decode_answer(f) for _, f in r.xrange(keys.answer(qid))]
         assert isinstance(final, FinalAnswer) and word in final.error
+
+
+def test_a_reused_question_id_is_not_answered_and_its_asker_is_told(r, rt):
+    """Two questions with one id (on one stream, or on two): the second was dropped by the
+    forwarding marker, or answered into the first one's answer stream, and its asker read the
+    other question's answer, about another camera even, as its own."""
+    known = {CAM, "cam2"}.__contains__
+    answerer = Answerer(rt, r, lambda s, at: None, known, consumer="a")
+    router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
+    for cam in (CAM, "cam2"):
+        r.set(keys.head(cam), b"a manifest")
+    redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
+    reader = redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100)
+    first = r.xadd(keys.QUESTIONS, {"id": "dup", "stream": CAM, "question": "first"}).decode()
+    router.route(reader.read())
+    answerer.handle_entries(redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "a", block_ms=100).read())
+    (theirs,) = [decode_answer(f) for _, f in r.xrange(keys.answer("dup"))]
+    assert theirs.asked == first and theirs.stream == CAM
+
+    client = Client(r)
+    for cam in (CAM, "cam2"):  # the first's final is there already: each asker reads it at once
+        mine = client.ask(cam, "second, another asker", id="dup", timeout_s=5)
+        assert mine.param == "id" and "in use by another question" in mine.error and mine.stream == cam
+    router.route(reader.read())
+    assert [f[b"question"] for f in queued(r)] == [b"first"] and not queued(r, "cam2"), "neither is answered"
+    assert [decode_answer(f) for _, f in r.xrange(keys.answer("dup"))] == [theirs], "the first's answer is kept"
+    dead = [f for _, f in r.xrange(keys.DEAD_LETTER)]
+    assert [f[b"f:question"] for f in dead] == [b"second, another asker"] * 2
+    assert all(f[b"reason"].decode() == ID_IN_USE for f in dead)
+    assert r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"] == 0
 
 
 def test_a_final_answer_counts_the_queue_from_the_asking_and_names_the_field_it_refuses(r, rt):

@@ -88,6 +88,12 @@ def answer(qid: str) -> str:
     return f"{PREFIX}:answer:{qid}"
 
 
+def answer_owner(qid: str) -> str:
+    """String with a TTL: the entry id in `QUESTIONS` of the question that holds the id ``qid``
+    (the router's claim); another question with that id is not answered into its answer stream."""
+    return f"{PREFIX}:answer:{qid}:owner"
+
+
 def segment(cam: str, segment_id: str) -> str:
     """Segment bytes when the segment store is Redis (several hosts)."""
     return f"{PREFIX}:{{{cam}}}:seg:{segment_id}"
@@ -111,6 +117,12 @@ def latest_frame(cam: str) -> str:
 def alerts(cam: str) -> str:
     """Alerts fired by the stream's alert jobs (capped stream)."""
     return f"{PREFIX}:{{{cam}}}:alerts"
+
+
+def alerts_armed(cam: str) -> str:
+    """Hash: alert job -> id of its newest alert after which its answer turned back to no (the job
+    may fire again). What a restarted QA worker's gate resumes from, with the newest alert itself."""
+    return f"{PREFIX}:{{{cam}}}:alerts:armed"
 
 
 def alert_acks(cam: str) -> str:

@@ -847,6 +847,9 @@ class FinalAnswer:
     hits: tuple[SearchHit, ...] | None = (
         None  # a search's ranked moments, best first (JSON list; common/wire/search_request.py)
     )
+    # the entry id in `svqa:questions` of the question this answers: an asker whose own entry id
+    # differs reads another question's answer, that reused the id
+    asked: str | None = None
 
     def __post_init__(self) -> None:
         _str("id", self.id, 128, QUESTION_ID_RE)
@@ -909,7 +912,7 @@ _HIT_FIELDS = {"stream", "start", "end", "score", "first_seq", "last_seq", "fram
 _MOMENT_FIELDS = {"chunks", "best_start", "best_end", "best_first_seq", "best_last_seq"}
 _FINAL_INTS = ("version", "cache_tokens", "tokens")
 _FINAL_FLOATS = ("t_start", "t_end", "first_token_s", "total_s", "queue_s", "elapsed_s")
-_FINAL_STRS = ("stream", "text", "error", "choice", "epoch", "param")
+_FINAL_STRS = ("stream", "text", "error", "choice", "epoch", "param", "asked")
 
 
 def encode_delta(text: str, attempt: int = 1) -> dict[str, str]:
@@ -950,7 +953,7 @@ def decode_final(fields: Mapping[Any, Any]) -> FinalAnswer:
     if f.get("type") != FINAL:
         raise SchemaError("type", f"expected {FINAL!r}, got {f.get('type')!r}")
     kw: dict[str, Any] = {"id": _require(f, "id"), "stream": f.get("stream")}
-    for k in ("text", "error", "choice", "epoch", "param"):
+    for k in ("text", "error", "choice", "epoch", "param", "asked"):
         kw[k] = f.get(k)
     for k in _FINAL_INTS:
         if k in f:

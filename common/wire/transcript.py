@@ -59,6 +59,21 @@ def cues_of(entries: Iterable[Mapping[str, str]]) -> list[Cue]:
     return cues
 
 
+def by_start(entries: Iterable[Mapping[str, str]]) -> list[Mapping[str, str]]:
+    """Transcript entries in the order of their cues' starts, as the subtitle files are: the stream
+    holds them in the order they were written, which closing cues of different lengths does not
+    keep. An entry with no usable start comes last; equal starts keep the stream's order."""
+
+    def start(entry: Mapping[str, str]) -> float:
+        try:
+            value = float(entry["start"])
+        except (KeyError, ValueError, TypeError):
+            return math.inf
+        return value if math.isfinite(value) else math.inf
+
+    return sorted(entries, key=start)
+
+
 def _cue_lines(text: str) -> list[str]:
     lines = []
     for raw in clean_chars(str(text)).splitlines():
