@@ -32,6 +32,7 @@ from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (
+    INT64_MAX,
     EndOfStream,
     FrameMsg,
     SchemaError,
@@ -119,6 +120,8 @@ class Source:
             return 0
         # the backoff, and the reopens since a session last delivered a frame (what max_reconnects bounds)
         self._delay, self._failures = self.cfg.reconnect_min_s, 0
+        # a file whose last session failed, or a live source given up on: not a success (exit 1)
+        self._failed = False
         finished: bool | None = None
         while finished is None and not self.stop.is_set():
             try:
@@ -133,20 +136,28 @@ class Source:
             redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
             eof = {"frames": self.stats.published, "decode_errors": self.stats.decode_errors}
             redisio.call_riding_out(self.r, lambda: self.event("eof", **eof), self.stop, self.cfg.redis_grace_s)
-        return 0 if self.stats.published or self.next_seq > 0 else 1
+        if self._failed:
+            return 1
+        return 0 if self.live or self.stats.published or self.next_seq > 0 else 1
 
     def _session(self) -> bool | None:
         """One open of the source and, live, the wait before the next: None to go on, else whether
         the source was read to its end. Every Redis call of a session is in here, events included:
         an outage anywhere in it is ridden out by `run`, never taken for a fault of the source."""
         published = self.stats.published
-        finished = False
+        finished, failed = False, True
         try:
-            finished = self._run_once()
+            finished, failed = self._run_once(), False
             self._delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
         except SourceError as e:
             self.event("error", error=str(e))
+        except (redis.RedisError, *redisio.OUTAGE_ERRORS):
+            raise  # an outage is ridden out by `run`; a refusal ends this camera (ingest/service.py)
+        except Exception as e:  # no fault of the source's we know of (a bug): never a silently dead camera
+            self.log.error("source failed", exc_info=True)
+            self.event("error", error=f"{type(e).__name__}: {e}")
         if not self.live:
+            self._failed = failed
             return finished
         if self.stats.published > published:
             # The source worked until this outage: back off from the start again, or a camera
@@ -157,6 +168,7 @@ class Source:
         metrics.RECONNECTS.labels(self.spec.stream).inc()
         if self.cfg.max_reconnects is not None and self._failures > self.cfg.max_reconnects:
             self.event("gave_up", reconnects=self.stats.reconnects)
+            self._failed = True
             return False
         wait = self._delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
         self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self._failures)
@@ -378,6 +390,8 @@ class Source:
                 continue
             if isinstance(msg, EndOfStream):
                 end = end or msg
+                continue
+            if msg.seq >= INT64_MAX:  # forged: no seq could follow it, and this camera would publish none
                 continue
             if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, self.live or self.spec.realtime) is not None:
                 continue

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from fractions import Fraction
 
@@ -20,7 +21,7 @@ import redis
 
 from apps.samplevideo import write_sample_video
 from common.wire import keys
-from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from common.wire.schemas import INT64_MAX, EndOfStream, FrameMsg, decode_frame, encode_frame
 from ingest.video import ended_playlist
 from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
@@ -488,3 +489,91 @@ def test_hls_over_http(redis_url, services, hls_vod):
     body = [f for f in frames(r) if isinstance(f, FrameMsg)]
     assert len(body) >= 12 and [f.seq for f in body] == list(range(len(body)))
     assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_a_forged_frame_with_the_last_seq_does_not_stop_a_new_camera(redis_url, services, tmp_path):
+    """An entry with seq INT64_MAX on a stream without a head was taken as the resume point: no seq
+    follows it, and the camera's thread died at its first frame while ingest exited 0."""
+    r = redis.Redis.from_url(redis_url)
+    forged = FrameMsg.from_rgb(INT64_MAX, 1.0, 1.0, np.zeros((28, 28, 3), np.uint8), 0)
+    r.xadd(keys.frames(CAM), encode_frame(forged, codec="rgb24"))
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=2, fps=10, width=160, height=120)
+    assert ingest(services, video, "--fps", "2", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    ours = frames(r)[1:]
+    assert [f.seq for f in ours] == [0, 1, 2, 3, 3] and isinstance(ours[-1], EndOfStream)
+
+
+def _metric(port: int, name: str, stream: str) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    prefix = f'{name}{{stream="{stream}"}} '
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), None)
+
+
+def test_a_camera_that_fails_unexpectedly_is_down_with_an_error_event_and_fails_the_exit(redis_url, services, tmp_path):
+    """A failure no source error names (here a stored grid over the frame limit, which FrameMsg
+    refuses) ended the camera's thread with a generic log line: its last event stayed `connected`,
+    svqa_ingest_up 1, and ingest exited 0 once the other camera ended."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("big"), mapping={"fps": "1", "height": "4200", "width": "4200", "live": "0", "url": "x"})
+    small = write_sample_video(str(tmp_path / "small.mp4"), seconds=2, fps=10, width=160, height=120)
+    longer = write_sample_video(str(tmp_path / "long.mp4"), seconds=6, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        "cameras:\n"
+        f"  - {{name: big, url: '{small}', fps: 1}}\n"
+        f"  - {{name: ok, url: '{longer}', fps: 2, realtime: true}}\n"
+    )
+    port = free_port()
+    proc = services.start("ingest", "--cameras-file", str(cameras), "--metrics-port", str(port))
+    wait_for(lambda: b"error" in [f[b"type"] for _, f in r.xrange(keys.events("big"))], 60, "big's error", services)
+    assert _metric(port, "svqa_ingest_up", "big") == 0
+    assert _metric(port, "svqa_ingest_up", "ok") == 1
+    assert proc.wait(timeout=60) == 1, services.logs()
+    last = r.xrevrange(keys.events("big"), count=1)[0][1]
+    assert last[b"type"] == b"error" and b"SchemaError" in last[b"error"]
+    assert r.xlen(keys.frames("ok")) == 13  # the other camera went on to its end: 12 frames and its marker
+    assert '"stream": "big"' in services.logs() and "cameras failed" in services.logs()
+
+
+def test_a_camera_redis_refuses_stops_alone_and_is_named(redis_server, tmp_path):
+    """The ACL's ingest user lacks camera b's keys (added to the file before the users script ran
+    again): b is named and reported, a streams to its end; it was an unnamed traceback and exit 1
+    within a second, a publishing nothing."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.execute_command("ACL", "SETUSER", "ing", "on", ">IngPw-77", "~svqa:{a}:*", "+@all")
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=3, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        f"cameras:\n  - {{name: a, url: '{video}', fps: 2, realtime: true}}\n  - {{name: b, url: '{video}', fps: 2}}\n"
+    )
+    services = Services(f"redis://ing:IngPw-77@127.0.0.1:{redis_server.port}/0", tmp_path)
+    try:
+        rc = services.start("ingest", "--cameras-file", str(cameras)).wait(timeout=60)
+    finally:
+        services.stop_all()
+    logs = services.logs()
+    assert rc == 1, logs
+    assert isinstance(decode_frame(r.xrevrange(keys.frames("a"), count=1)[0][1]), EndOfStream)
+    refused = [line for line in logs.splitlines() if '"stream": "b"' in line and "camera failed" in line]
+    assert refused and "NoPermissionError" in refused[0], logs
+    assert "IngPw-77" not in logs
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_a_camera_given_up_on_fails_the_exit_even_after_frames(redis_url, services):
+    """Giving up after max_reconnects exited 0 once the camera had published: compose's
+    restart: on-failure left ingest down, read as finished fine."""
+    r = redis.Redis.from_url(redis_url)
+    server = RtspServer(fps=10, width=160, height=120).start()
+    try:
+        proc = ingest(
+            services,
+            server.url,
+            *("--fps", "5", "--open-timeout-s", "2", "--read-timeout-s", "2", "--max-reconnects", "2"),
+            *("--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5"),
+        )
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 2, 60, "frames from RTSP", services)
+    finally:
+        server.stop(kill=True)
+    assert proc.wait(timeout=60) == 1, services.logs()
+    assert events(r)[-1] == "gave_up"
