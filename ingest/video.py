@@ -24,6 +24,8 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from email.message import Message
+from typing import IO
 
 import av
 import numpy as np
@@ -80,7 +82,7 @@ def ended_playlist(url: str, timeout_s: float) -> bool:
         for _ in range(2):  # the playlist, or a master playlist and its first variant
             if not url.lower().startswith(("http://", "https://")):  # a playlist may name any URL
                 return False
-            with urllib.request.urlopen(_request(url), timeout=timeout_s) as reply:
+            with _OPENER.open(_request(url), timeout=timeout_s) as reply:
                 text = reply.read(_MAX_PLAYLIST_BYTES).decode("utf-8", errors="replace")
             if "#EXT-X-ENDLIST" in text:
                 return True
@@ -93,6 +95,27 @@ def ended_playlist(url: str, timeout_s: float) -> bool:
     except (OSError, ValueError):
         return False
     return False
+
+
+class _CredentialsStayWithTheirOrigin(urllib.request.HTTPRedirectHandler):
+    """urllib copies every header onto a redirected request: a playlist origin that answers 302 to
+    a CDN edge, or to http:// from https://, had the camera's Basic credentials sent there."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: Message, newurl: str
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+
+
+_OPENER = urllib.request.build_opener(_CredentialsStayWithTheirOrigin)
 
 
 def _request(url: str) -> urllib.request.Request:

@@ -577,3 +577,32 @@ def test_a_camera_given_up_on_fails_the_exit_even_after_frames(redis_url, servic
         server.stop(kill=True)
     assert proc.wait(timeout=60) == 1, services.logs()
     assert events(r)[-1] == "gave_up"
+
+
+def test_hls_credentials_stay_with_their_origin_across_redirects(hls_vod):
+    """A playlist origin that answers 302 to another host (a CDN edge) had the camera's Basic
+    credentials sent there: urllib copies ordinary headers onto the redirected request."""
+    seen: list[str | None] = []
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            # /same -> /hop on this host (the login goes on) -> /edge on another (localhost) -> the VOD
+            port = self.server.server_address[1]
+            hops = {"/same": "/hop", "/hop": f"http://localhost:{port}/edge", "/edge": f"http://{hls_vod}/v.m3u8"}
+            self.send_response(302)
+            self.send_header("Location", hops[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    origin = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    try:
+        assert ended_playlist(f"http://cam:Hls-PW7@127.0.0.1:{origin.server_port}/same", 5)
+    finally:
+        origin.shutdown()
+    login = "Basic " + base64.b64encode(b"cam:Hls-PW7").decode()
+    assert seen == [login, login, None]
