@@ -219,6 +219,7 @@ class Source:
 
     def _pump(self, frames: queue.Queue) -> bool:
         wall0 = pts0 = None
+        epoch0 = 0  # the media clock (DecodedFrame.epoch) that (wall0, pts0) anchors
         while not self.stop.is_set():
             item = self._take(frames)
             self._alive_at = time.monotonic()
@@ -231,7 +232,11 @@ class Source:
                 continue  # already published before a restart (pts alone repeats after a clock restart)
             if self.spec.realtime:
                 now = time.monotonic()
-                wall0, pts0 = (wall0, pts0) if wall0 is not None else (now, frame.pts)
+                if wall0 is None or frame.epoch != epoch0:
+                    # The first frame, or the media clock started over (recordings back to back, an HLS
+                    # discontinuity): paced to the old anchor, every later frame was overdue and the rest
+                    # went out in a burst.
+                    wall0, pts0, epoch0 = now, frame.pts, frame.epoch
                 due = (frame.pts - pts0) - (now - wall0)
                 if self.live and due > self.cfg.read_timeout_s:
                     # A live source's clock jumped ahead (an encoder restarted, a clock was stepped):

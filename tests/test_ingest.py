@@ -13,6 +13,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -98,19 +99,25 @@ def test_file_backpressure_bounds_the_stream_and_interrupted_file_resumes(redis_
     assert isinstance(got[-1], EndOfStream)
 
 
-def test_a_file_whose_clock_restarts_resumes_after_the_frame_it_sent_last(redis_url, services, tmp_path):
-    """Two recordings back to back in one TS file (its timestamps start over): read across the
-    restart, and an ingest stopped in the second one resumes after its last frame. Resuming by pts
-    alone re-sent the first recording's frames past that pts (each one, then, a second time)."""
-    r = redis.Redis.from_url(redis_url)
+def recordings_back_to_back(tmp_path, seconds: float) -> Path:
+    """Two recordings in one TS file: its timestamps start over halfway."""
     parts = []
     for i in range(2):
-        mp4 = write_sample_video(str(tmp_path / f"{i}.mp4"), seconds=3, fps=10, width=160, height=120)
+        mp4 = write_sample_video(str(tmp_path / f"{i}.mp4"), seconds=seconds, fps=10, width=160, height=120)
         ts = tmp_path / f"{i}.ts"
         subprocess.run(["ffmpeg", "-v", "error", "-i", mp4, "-c", "copy", "-f", "mpegts", str(ts)], check=True)
         parts.append(ts.read_bytes())
     video = tmp_path / "both.ts"
     video.write_bytes(b"".join(parts))
+    return video
+
+
+def test_a_file_whose_clock_restarts_resumes_after_the_frame_it_sent_last(redis_url, services, tmp_path):
+    """Two recordings back to back in one TS file (its timestamps start over): read across the
+    restart, and an ingest stopped in the second one resumes after its last frame. Resuming by pts
+    alone re-sent the first recording's frames past that pts (each one, then, a second time)."""
+    r = redis.Redis.from_url(redis_url)
+    video = recordings_back_to_back(tmp_path, seconds=3)
     r.xgroup_create(keys.frames(CAM), keys.ENCODER_GROUP, id="0", mkstream=True)
     stop = threading.Event()
 
@@ -148,6 +155,17 @@ def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     body = [f for f in frames(r) if isinstance(f, FrameMsg)]
     assert abs(body[-1].ts - time.time()) < 30, "a simulated camera stamps wall-clock capture times"
     assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_a_realtime_file_whose_clock_restarts_is_paced_across_the_restart(redis_url, services, tmp_path):
+    """Pacing was anchored once: after the clock started over every frame was overdue, and the
+    second recording went out in a burst (20 frames in 0.27 s against 3.8 s for the first)."""
+    r = redis.Redis.from_url(redis_url)
+    video = recordings_back_to_back(tmp_path, seconds=2)
+    assert ingest(services, str(video), "--fps", "5", "--realtime", "true").wait(timeout=60) == 0, services.logs()
+    got = [f for f in frames(r) if isinstance(f, FrameMsg)]
+    second = [f.ts for f in got if f.epoch == 1]
+    assert len(second) == 10 and second[-1] - second[0] >= 1.6, [f"{t - got[0].ts:.2f}" for t in second]
 
 
 def encode_clip(path: str, pictures: list[np.ndarray], configure: Callable[[av.VideoStream], None]) -> str:
