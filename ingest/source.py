@@ -57,6 +57,15 @@ from ingest.video import (
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+_STOPPED = object()  # the service is stopping: the pump leaves without waiting for the next frame
+STOP_POLL_S = 0.2  # how often a pump waiting for a frame looks at the stop
+STOP_JOIN_S = 1.0  # how long a stopping session waits for its decode thread
+
+
+class _SessionOver(Exception):
+    """Raised in the decode thread by its per-frame hook: the pump has left this session."""
+
+
 FINISHED = (math.inf, math.inf)  # a resume point past every frame: the file was sent to its end
 RESUME_SCAN = 200  # newest frames entries searched for the last valid frame when resuming
 FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
@@ -159,6 +168,8 @@ class Source:
         if not self.live:
             self._failed = failed
             return finished
+        if self.stop.is_set():
+            return False  # stopped, not lost: no reconnect to count or announce
         if self.stats.published > published:
             # The source worked until this outage: back off from the start again, or a camera
             # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
@@ -199,9 +210,10 @@ class Source:
         finally:
             session_over.set()
             # Closing a container while another thread reads it is unsafe: wait for the decoder
-            # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the process.
+            # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the
+            # process, as it is at once when stopping (a stalled camera held SIGTERM up 20 s).
             if decoder is not None:
-                decoder.join(timeout=2 * self.cfg.read_timeout_s + 1)
+                decoder.join(timeout=STOP_JOIN_S if self.stop.is_set() else 2 * self.cfg.read_timeout_s + 1)
             if decoder is None or not decoder.is_alive():
                 container.close()
 
@@ -209,11 +221,17 @@ class Source:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
             for frame in sample_frames(
-                container, self.spec.fps, on_error=self._decode_error, grid=grid, on_decoded=self._decoded
+                container,
+                self.spec.fps,
+                on_error=self._decode_error,
+                grid=grid,
+                on_decoded=lambda: self._decoded(session_over),
             ):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
+        except _SessionOver:
+            return
         except Exception as e:  # handed over to the pump, which reports it
             _offer(out, e, session_over)
 
@@ -223,6 +241,8 @@ class Source:
         while not self.stop.is_set():
             item = self._take(frames)
             self._alive_at = time.monotonic()
+            if item is _STOPPED:
+                return False
             if item is _END:
                 return True
             if isinstance(item, Exception):  # a Redis outage (a decode_error event) stays an outage
@@ -263,8 +283,10 @@ class Source:
         rt = self.cfg.read_timeout_s
         kept_by = time.monotonic() + rt + 2 / self.spec.fps
         while (left := min(self._alive_at + rt, kept_by) - time.monotonic()) > 0:
+            if self.stop.is_set():
+                return _STOPPED  # a stop is no stall: SIGTERM waited out a stalled or slow camera
             try:
-                return frames.get(timeout=left)
+                return frames.get(timeout=min(left, STOP_POLL_S))
             except queue.Empty:
                 continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
         self.stats.stalls += 1
@@ -412,8 +434,12 @@ class Source:
             return -1, None
         return m.last_frame_seq, m.last_ts
 
-    def _decoded(self) -> None:
-        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames."""
+    def _decoded(self, session_over: threading.Event) -> None:
+        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames.
+        The session's end is looked at here too: at a low fps the next kept frame, where the thread
+        would otherwise notice, may be a minute away."""
+        if session_over.is_set():
+            raise _SessionOver
         self._alive_at = time.monotonic()
 
     def _decode_error(self, message: str) -> None:

@@ -624,3 +624,23 @@ def test_hls_credentials_stay_with_their_origin_across_redirects(hls_vod):
         origin.shutdown()
     login = "Basic " + base64.b64encode(b"cam:Hls-PW7").decode()
     assert seen == [login, login, None]
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+@pytest.mark.parametrize(("fps", "stalled"), [("2", True), ("0.05", False)], ids=["stalled", "slow"])
+def test_sigterm_stops_within_seconds_and_is_no_reconnect(redis_url, services, fps, stalled):
+    """A stalled camera held SIGTERM up 20 s, one at fps 0.05 37 s (compose kills at 10 s), and a
+    clean stop of a live camera wrote a `reconnecting` event."""
+    r = redis.Redis.from_url(redis_url)
+    with RtspServer(fps=10, width=160, height=120) as server:
+        proc = ingest(services, server.url, "--fps", fps)
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 1, 60, "a frame", services)
+        if stalled:
+            os.kill(server.proc.pid, signal.SIGSTOP)  # the camera hangs; RtspServer.stop wakes it
+            time.sleep(0.5)
+        before = len(events(r))
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, services.logs()
+        assert time.monotonic() - started < 3
+    assert events(r)[before:] == []
