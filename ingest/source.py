@@ -142,7 +142,9 @@ class Source:
                 self.resume_at = self.last_at
         if not self.live and finished:  # interrupted files resume later instead of ending
             end = EndOfStream(self.next_seq - 1)
-            redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
+            # the marker goes to the frames Redis and the meta to the durable one: either may be down
+            both = [self.r, self.frames]
+            redisio.call_riding_out(both, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
             eof = {"frames": self.stats.published, "decode_errors": self.stats.decode_errors}
             redisio.call_riding_out(self.r, lambda: self.event("eof", **eof), self.stop, self.cfg.redis_grace_s)
         if self._failed:

@@ -21,10 +21,14 @@ import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
+from common import redisio
 from common.wire import keys
 from common.wire.schemas import INT64_MAX, EndOfStream, FrameMsg, decode_frame, encode_frame
+from ingest.config import IngestConfig
+from ingest.service import source_specs
+from ingest.source import Source
 from ingest.video import ended_playlist
-from tests.conftest import free_port
+from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 from tests.videodamage import corrupt_bytes, truncate_file, write_garbage_file
@@ -644,3 +648,38 @@ def test_sigterm_stops_within_seconds_and_is_no_reconnect(redis_url, services, f
         assert proc.wait(timeout=30) == 0, services.logs()
         assert time.monotonic() - started < 3
     assert events(r)[before:] == []
+
+
+class FramesRedisDiesAtTheEnd(Source):
+    """The frames Redis (compose's redis-frames) goes away just as the file ends."""
+
+    frames_server: RedisServer
+
+    def _publish(self, msg: FrameMsg | EndOfStream) -> None:
+        if isinstance(msg, EndOfStream):
+            self.frames_server.stop()
+        super()._publish(msg)
+
+
+def test_end_of_stream_during_a_frames_redis_outage_ends_past_the_grace_period(redis_url, redis_server, tmp_path):
+    """The marker was retried riding out the durable Redis, which answered: 'redis unreachable',
+    'redis back' every 10 s for ever, where the README promises exit 3 after redis_grace_s."""
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=1, fps=10, width=160, height=120)
+    cfg = IngestConfig(url=video, stream=CAM, redis_url=redis_url, frames_redis_url=redis_server.url, redis_grace_s=2)
+    source = FramesRedisDiesAtTheEnd(
+        redisio.connect(redis_url), source_specs(cfg)[0], cfg, threading.Event(), redisio.connect(redis_server.url)
+    )
+    source.frames_server = redis_server
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            source.run()
+        except redisio.RedisGone as e:
+            ended.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=40)
+    source.stop.set()  # ends the loop that never stopped, so the test does not leave it behind
+    assert ended, "still riding out the durable Redis after 40 s (grace 2 s)"
