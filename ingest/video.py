@@ -19,6 +19,9 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import os
+import select
+import stat
 import time
 import urllib.parse
 import urllib.request
@@ -65,7 +68,7 @@ def is_live(url: str) -> bool:
         return True
     if lower.startswith("/dev/video"):
         return True
-    return is_hls(url)
+    return is_hls(url) or is_fifo(url)
 
 
 def is_hls(url: str) -> bool:
@@ -135,16 +138,43 @@ def open_container(
     """Open ``url`` for reading with timeouts; raise SourceError (with url and reason) on failure."""
     target, fmt, options = _open_args(url, read_timeout_s)
     started = time.monotonic()
+    held = _wait_for_a_writer(url, open_timeout_s) if is_fifo(url) else None
     try:
         container = av.open(
             target, mode="r", format=fmt, container_options=options, timeout=(open_timeout_s, read_timeout_s)
         )
     except (av.FFmpegError, OSError) as exc:
         raise SourceError(f"cannot open {url}: {_open_failure_reason(exc, started, open_timeout_s)}") from exc
+    finally:
+        if held is not None:
+            os.close(held)
     if not container.streams.video:
         container.close()
         raise SourceError(f"cannot open {url}: no video stream")
     return container
+
+
+def is_fifo(url: str) -> bool:
+    """A named pipe: a bridge (`ffmpeg ... -f mpegts /run/cam.ts`), live as a camera is."""
+    try:
+        return stat.S_ISFIFO(os.stat(url).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for_a_writer(path: str, open_timeout_s: float) -> int:
+    """Wait, at most ``open_timeout_s``, for a named pipe's first bytes. FFmpeg's open(2) of a pipe
+    with no writer blocks where neither the open timeout nor PyAV's interrupt reaches it: ingest hung
+    for good, deaf to SIGTERM. The read end returned keeps the writer from a broken pipe until
+    FFmpeg has opened its own: close it then."""
+    try:
+        held = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # returns at once, writer or not
+    except OSError as e:
+        raise SourceError(f"cannot open {path}: {e}") from e
+    if not select.select([held], [], [], open_timeout_s)[0]:
+        os.close(held)
+        raise SourceError(f"cannot open {path}: no writer to the named pipe within {open_timeout_s:g} s")
+    return held
 
 
 def _open_args(url: str, read_timeout_s: float) -> tuple[str, str | None, dict[str, str]]:

@@ -683,3 +683,44 @@ def test_end_of_stream_during_a_frames_redis_outage_ends_past_the_grace_period(r
     runner.join(timeout=40)
     source.stop.set()  # ends the loop that never stopped, so the test does not leave it behind
     assert ended, "still riding out the durable Redis after 40 s (grace 2 s)"
+
+
+def test_a_named_pipe_without_a_writer_is_waited_for_within_the_open_timeout(redis_url, services, tmp_path):
+    """FFmpeg's open of a pipe with no writer blocked in open(2): no event, no log line, and
+    SIGTERM ignored (the main thread joined the stuck camera). It is a camera now: bounded opens,
+    retried, and read once a writer comes."""
+    r = redis.Redis.from_url(redis_url)
+    mp4 = write_sample_video(str(tmp_path / "a.mp4"), seconds=2, fps=10, width=160, height=120)
+    ts = tmp_path / "a.ts"
+    subprocess.run(["ffmpeg", "-v", "error", "-i", mp4, "-c", "copy", "-f", "mpegts", str(ts)], check=True)
+    fifo = tmp_path / "cam.ts"
+    os.mkfifo(fifo)
+    proc = ingest(
+        services,
+        str(fifo),
+        *("--fps", "5", "--open-timeout-s", "1", "--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5"),
+    )
+    wait_for(lambda: "reconnecting" in events(r), 30, "a bounded open, retried", services)
+    assert b"no writer" in r.xrange(keys.events(CAM))[0][1][b"error"]
+
+    bridged = threading.Event()
+
+    def bridge() -> None:  # comes up and streams; a reader that timed out as it opened is a broken pipe
+        while not bridged.is_set():
+            try:
+                with fifo.open("wb") as out:
+                    while not bridged.is_set():
+                        out.write(ts.read_bytes())
+            except BrokenPipeError:
+                continue
+
+    threading.Thread(target=bridge, daemon=True).start()
+    try:
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 5, 30, "frames through the pipe", services)
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, services.logs()
+        assert time.monotonic() - started < 3
+    finally:
+        bridged.set()
+    assert r.hget(keys.meta(CAM), "live") == b"1"
