@@ -46,6 +46,7 @@ class ApiConfig(QueueSettings, ReaderSettings, ServiceSettings):
     )
 
     def __post_init__(self) -> None:
+        ServiceSettings.__post_init__(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.max_body_bytes < 1024:

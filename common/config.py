@@ -37,6 +37,7 @@ from urllib.parse import urlsplit
 
 import yaml
 
+from common.engine.grid import min_pixels_limit
 from common.engine.names import DEFAULT_MODEL
 from common.engine.scheduler import SchedulePolicy
 from common.engine.settings import setting
@@ -438,6 +439,10 @@ class ServiceSettings(RedisSettings):
         None, 'Prometheus metrics and `/health/live`, `/health/ready` on this port (README "Operating it")'
     )
 
+    def __post_init__(self) -> None:
+        if not self.redis_grace_s >= 0:
+            raise ValueError(f"redis_grace_s must be 0 or more, got {self.redis_grace_s}")
+
 
 @dataclass(frozen=True)
 class CamerasSettings(ServiceSettings):
@@ -486,6 +491,7 @@ class StreamSettings(CamerasSettings):
     )
 
     def __post_init__(self) -> None:
+        ServiceSettings.__post_init__(self)
         for name in self.streams:
             check_stream_name("streams", name)
         if not self.streams and not self.cameras_file:
@@ -553,6 +559,17 @@ MIN_PIXELS_FLOOR = 28 * 28  # one merged patch of the model grid
 MAX_FPS = 240.0
 
 
+def check_pixel_bounds(min_pixels: int | None, max_pixels: int | None) -> None:
+    """Model grid bounds (None: the service default) with which every grid chosen stays within the
+    frame limit: ValueError naming the one that is off."""
+    limits = {"min_pixels": min_pixels_limit(MAX_FRAME_PIXELS), "max_pixels": MAX_FRAME_PIXELS}
+    for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)):
+        if v is not None and not MIN_PIXELS_FLOOR <= v <= limits[k]:
+            raise ValueError(f"{k}: must be in [{MIN_PIXELS_FLOOR}, {limits[k]}], got {v}")
+    if min_pixels is not None and max_pixels is not None and min_pixels > max_pixels:
+        raise ValueError(f"min_pixels: {min_pixels} > max_pixels {max_pixels}")
+
+
 def _check_name(field: str, v: str) -> None:
     try:
         check_stream_name(field, v)
@@ -575,12 +592,10 @@ class Camera:
             raise ConfigError("url: empty")
         if not 0 < self.fps <= MAX_FPS:
             raise ConfigError(f"fps: must be in (0, {MAX_FPS:g}], got {self.fps}")
-        for k in ("max_pixels", "min_pixels"):
-            v = getattr(self, k)
-            if v is not None and not MIN_PIXELS_FLOOR <= v <= MAX_FRAME_PIXELS:
-                raise ConfigError(f"{k}: must be in [{MIN_PIXELS_FLOOR}, {MAX_FRAME_PIXELS}], got {v}")
-        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
-            raise ConfigError(f"min_pixels: {self.min_pixels} > max_pixels {self.max_pixels}")
+        try:
+            check_pixel_bounds(self.min_pixels, self.max_pixels)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -22,17 +22,24 @@ import sys
 import threading
 from collections.abc import MutableMapping
 from typing import Any, TextIO
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 import structlog
 
 MASK = "***"
-# scheme://userinfo@ : the userinfo is everything up to the last @ before the next whitespace. A
-# password may hold '/', '?', '#' or '@' unescaped (FFmpeg takes "rtsp://u:p@ss@host/": the last @
-# ends it; elsewhere the URL is broken, and its error quotes it): masking a path that holds an '@'
-# as well is the price of never showing such a password.
-_URL_USERINFO = re.compile(r"(?P<scheme>\b[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<userinfo>\S+)@")
-_SECRET_PARAMS = re.compile(r"pass|pwd|secret|token|key|auth|sig", re.I)
+_SCHEME = r"\b[a-zA-Z][a-zA-Z0-9+.-]*:"
+# scheme:[/...]userinfo@ : the userinfo is everything up to the LAST '@'. A password may hold '/',
+# '?', '#' or '@' unescaped (FFmpeg takes "rtsp://u:p@ss@host/": the last @ ends it; elsewhere the
+# URL is broken, and its error quotes it): masking a path that holds an '@' as well is the price of
+# never showing such a password. People type one slash or none ("rtsp:/u:p@host", FFmpeg takes it;
+# "ingest:pw@redis:6379" for a Redis URL) and passwords with spaces ("admin:correct horse@host"):
+# after a slash the userinfo may hold spaces, up to the last '@' before the next URL or line end;
+# with no slash it may not, or every "word: ... user@host" of free text would be masked.
+_URL_USERINFO = re.compile(
+    rf"(?P<scheme>{_SCHEME})(?:(?P<slashes>/+)(?P<spaced>(?:(?!{_SCHEME}/)[^\n])*)|(?P<plain>\S+))@"
+)
+_URL_START = re.compile(rf"^{_SCHEME}/*")  # a whole URL: its userinfo runs to its last '@'
+_SECRET_PARAMS = re.compile(r"pass|pw|secret|token|key|auth|sig", re.I)
 # ?name=value / &name=value inside free text: masked when the name looks secret, as redact_url does
 # (cameras such as rtsp://host/stream?user=admin&password=... carry it there, and FFmpeg quotes it).
 _QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[\w.~%+-]+)=)(?P<value>[^&#\s'\"]+?)(?=[&#\s'\"]|:\s|$)")
@@ -40,32 +47,30 @@ _QUERY_PARAM = re.compile(r"(?P<lead>[?&](?P<name>[\w.~%+-]+)=)(?P<value>[^&#\s'
 
 def redact_url(url: str) -> str:
     """``url`` with its password (or a lone user token) and secret-looking query values masked."""
-    scheme, sep, rest = url.partition("://")
-    if sep and "@" in rest:
+    start = _URL_START.match(url)
+    if start and "@" in url[start.end() :]:
         # Up to the last '@', not the netloc a parser finds: an unescaped '/', '?', '#' or '@' in a
         # password would end the netloc early and leave the rest of the password in path or query.
-        userinfo, _, rest = rest.rpartition("@")
-        url = f"{scheme}://{_mask_userinfo(userinfo)}@{rest}"
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return redact_text(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, host = netloc.rsplit("@", 1)
-        user, has_password, _ = userinfo.partition(":")
-        netloc = f"{user}:{MASK}@{host}" if has_password else f"{MASK}@{host}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, MASK if _SECRET_PARAMS.search(k) else v) for k, v in pairs], safe="*")
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
+        userinfo, _, rest = url[start.end() :].rpartition("@")
+        url = f"{start[0]}{_mask_userinfo(userinfo)}@{rest}"
+    # The query by hand, not by a parser: one rebuilding the URL would add '//' to "rtsp:/host".
+    head, has_query, tail = url.partition("?")
+    if not has_query:
+        return url
+    query, has_fragment, fragment = tail.partition("#")
+    pairs = parse_qsl(query, keep_blank_values=True)
+    query = urlencode([(k, MASK if _SECRET_PARAMS.search(k) else v) for k, v in pairs], safe="*")
+    return f"{head}?{query}{has_fragment}{fragment}"
 
 
 def redact_text(text: str) -> str:
     """Mask the credentials of every URL inside free text (error messages, tracebacks)."""
-    text = _URL_USERINFO.sub(lambda m: m["scheme"] + _mask_userinfo(m["userinfo"]) + "@", text)
+    text = _URL_USERINFO.sub(_masked_userinfo, text)
     return _QUERY_PARAM.sub(lambda m: m["lead"] + MASK if _SECRET_PARAMS.search(m["name"]) else m[0], text)
+
+
+def _masked_userinfo(m: re.Match[str]) -> str:
+    return m["scheme"] + (m["slashes"] or "") + _mask_userinfo(m["spaced"] or m["plain"] or "") + "@"
 
 
 def _mask_userinfo(userinfo: str) -> str:

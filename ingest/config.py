@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from common.config import CamerasSettings, setting
+from common.config import MAX_FPS, CamerasSettings, ServiceSettings, check_pixel_bounds, setting
 from common.wire.schemas import check_stream_name
 
 
@@ -49,15 +49,29 @@ class IngestConfig(CamerasSettings):
     max_reconnects: int | None = setting(None, "live sources give up after this many reconnects; none: never")
 
     def __post_init__(self) -> None:
-        if self.cameras_file is None and not (self.url and self.stream):
-            raise ValueError("set url and stream (one source) or cameras_file")
-        if self.stream is not None:
-            check_stream_name("stream", self.stream)
-        if not 0 < self.min_pixels <= self.max_pixels:
-            raise ValueError(f"need 0 < min_pixels <= max_pixels, got {self.min_pixels} and {self.max_pixels}")
-        if not self.frames_max_age_s > 0:
-            raise ValueError(f"frames_max_age_s must be positive, got {self.frames_max_age_s}")
-        if not self.fps > 0:
-            raise ValueError(f"fps must be positive, got {self.fps}")
+        ServiceSettings.__post_init__(self)
+        self._check_sources()
+        check_pixel_bounds(self.min_pixels, self.max_pixels)
+        if not 0 < self.fps <= MAX_FPS:
+            raise ValueError(f"fps must be in (0, {MAX_FPS:g}], got {self.fps}")
+        # Each of these at 0 or below did something worse than refuse: a file that waits for ever
+        # (max_backlog), XADD refused at the first frame (frames_maxlen), every source stalled at once.
+        for name in ("max_backlog", "frames_maxlen"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("frames_max_age_s", "open_timeout_s", "read_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.reconnect_min_s <= 0 or self.reconnect_max_s < self.reconnect_min_s:
             raise ValueError("need 0 < reconnect_min_s <= reconnect_max_s")
+        if self.max_reconnects is not None and self.max_reconnects < 0:
+            raise ValueError(f"max_reconnects must be 0 or more (none: never give up), got {self.max_reconnects}")
+
+    def _check_sources(self) -> None:
+        """One source or a cameras file, never both: the one source was dropped without a word."""
+        if self.cameras_file is None and not (self.url and self.stream):
+            raise ValueError("set url and stream (one source) or cameras_file")
+        if self.cameras_file is not None and (self.url is not None or self.stream is not None):
+            raise ValueError("url and stream (one source) cannot go with cameras_file: set one or the other")
+        if self.stream is not None:
+            check_stream_name("stream", self.stream)

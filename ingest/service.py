@@ -7,7 +7,7 @@ import threading
 import redis
 import structlog
 
-from common import boot, redisio
+from common import boot, metrics, redisio
 from common.config import load_cameras_file
 from ingest.config import IngestConfig
 from ingest.source import Source, SourceSpec
@@ -35,23 +35,16 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
 
 
 def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.Redis | None = None) -> int:
-    """``frames``: where frames and the latest-frame pictures go (default ``r``)."""
-    sources = [Source(r, spec, cfg, stop, frames) for spec in source_specs(cfg)]
+    """``frames``: where frames and the latest-frame pictures go (default ``r``).
+
+    0 when every camera ended well; 3 when Redis stayed away past the grace period; else 1 once
+    every camera has ended, naming those that failed (README "Start-up")."""
     results: dict[str, int] = {}
 
-    def one(source: Source) -> None:
-        try:
-            results[source.spec.stream] = source.run()
-        except redisio.RedisGone as e:  # past the grace period: exit 3, get restarted
-            log.error("redis gone past the grace period; source stopped", stream=source.spec.stream, error=str(e))
-            results[source.spec.stream] = 3
-            stop.set()
-        except redis.RedisError as e:  # Redis refused a command: exit non-zero, get restarted
-            log.error("redis failed; source stopped", stream=source.spec.stream, error=str(e))
-            results[source.spec.stream] = 1
-            stop.set()
+    def one(spec: SourceSpec) -> None:
+        results[spec.stream] = run_source(spec, cfg, r, stop, frames)
 
-    threads = [threading.Thread(target=one, args=(s,), name=f"ingest:{s.spec.stream}") for s in sources]
+    threads = [threading.Thread(target=one, args=(s,), name=f"ingest:{s.stream}") for s in source_specs(cfg)]
     for t in threads:
         t.start()
     for t in threads:
@@ -60,8 +53,36 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.
         return 3
     failed = [name for name, rc in results.items() if rc]
     if failed:
-        log.error("no usable frames", streams=failed)
+        log.error("cameras failed", streams=failed)
     return 1 if failed else 0
+
+
+def run_source(
+    spec: SourceSpec, cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.Redis | None
+) -> int:
+    """One camera from its resume point to its end, in its own thread: its exit status. The Source
+    is built here, not by the caller, since building it reads Redis: whatever fails, from a
+    command Redis refuses (NOPERM: a camera added to the file before its keys to the ACL) to a
+    bug, fails this camera alone, named, with an error event, and the others go on."""
+    try:
+        return Source(r, spec, cfg, stop, frames).run()
+    except redisio.RedisGone as e:  # past the grace period: exit 3, get restarted
+        log.error("redis gone past the grace period; source stopped", stream=spec.stream, error=str(e))
+        stop.set()
+        return 3
+    except Exception as e:
+        log.error("camera failed; its source stopped", stream=spec.stream, exc_info=True)
+        camera_failed(r, spec.stream, e)
+        return 1
+
+
+def camera_failed(r: redis.Redis, stream: str, error: Exception) -> None:
+    """Down in the metrics, and an error event when Redis takes it (a refused camera may not write one)."""
+    metrics.INGEST_UP.labels(stream).set(0)
+    try:
+        redisio.event(r, stream, "ingest", "error", error=f"{type(error).__name__}: {error}")
+    except redis.RedisError as e:
+        log.warning("error event not written", stream=stream, error=str(e))
 
 
 def main(argv: list[str]) -> int:

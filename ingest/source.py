@@ -32,6 +32,7 @@ from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
 from common.wire.schemas import (
+    INT64_MAX,
     EndOfStream,
     FrameMsg,
     SchemaError,
@@ -56,6 +57,15 @@ from ingest.video import (
 log = structlog.get_logger()
 
 _END = object()  # the decode thread finished the source
+_STOPPED = object()  # the service is stopping: the pump leaves without waiting for the next frame
+STOP_POLL_S = 0.2  # how often a pump waiting for a frame looks at the stop
+STOP_JOIN_S = 1.0  # how long a stopping session waits for its decode thread
+
+
+class _SessionOver(Exception):
+    """Raised in the decode thread by its per-frame hook: the pump has left this session."""
+
+
 FINISHED = (math.inf, math.inf)  # a resume point past every frame: the file was sent to its end
 RESUME_SCAN = 200  # newest frames entries searched for the last valid frame when resuming
 FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
@@ -119,6 +129,8 @@ class Source:
             return 0
         # the backoff, and the reopens since a session last delivered a frame (what max_reconnects bounds)
         self._delay, self._failures = self.cfg.reconnect_min_s, 0
+        # a file whose last session failed, or a live source given up on: not a success (exit 1)
+        self._failed = False
         finished: bool | None = None
         while finished is None and not self.stop.is_set():
             try:
@@ -130,24 +142,36 @@ class Source:
                 self.resume_at = self.last_at
         if not self.live and finished:  # interrupted files resume later instead of ending
             end = EndOfStream(self.next_seq - 1)
-            redisio.call_riding_out(self.r, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
+            # the marker goes to the frames Redis and the meta to the durable one: either may be down
+            both = [self.r, self.frames]
+            redisio.call_riding_out(both, lambda: self._publish(end), self.stop, self.cfg.redis_grace_s)
             eof = {"frames": self.stats.published, "decode_errors": self.stats.decode_errors}
             redisio.call_riding_out(self.r, lambda: self.event("eof", **eof), self.stop, self.cfg.redis_grace_s)
-        return 0 if self.stats.published or self.next_seq > 0 else 1
+        if self._failed:
+            return 1
+        return 0 if self.live or self.stats.published or self.next_seq > 0 else 1
 
     def _session(self) -> bool | None:
         """One open of the source and, live, the wait before the next: None to go on, else whether
         the source was read to its end. Every Redis call of a session is in here, events included:
         an outage anywhere in it is ridden out by `run`, never taken for a fault of the source."""
         published = self.stats.published
-        finished = False
+        finished, failed = False, True
         try:
-            finished = self._run_once()
+            finished, failed = self._run_once(), False
             self._delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
         except SourceError as e:
             self.event("error", error=str(e))
+        except (redis.RedisError, *redisio.OUTAGE_ERRORS):
+            raise  # an outage is ridden out by `run`; a refusal ends this camera (ingest/service.py)
+        except Exception as e:  # no fault of the source's we know of (a bug): never a silently dead camera
+            self.log.error("source failed", exc_info=True)
+            self.event("error", error=f"{type(e).__name__}: {e}")
         if not self.live:
+            self._failed = failed
             return finished
+        if self.stop.is_set():
+            return False  # stopped, not lost: no reconnect to count or announce
         if self.stats.published > published:
             # The source worked until this outage: back off from the start again, or a camera
             # with a blip now and then waits reconnect_max_s (and gives up) for good one day.
@@ -157,6 +181,7 @@ class Source:
         metrics.RECONNECTS.labels(self.spec.stream).inc()
         if self.cfg.max_reconnects is not None and self._failures > self.cfg.max_reconnects:
             self.event("gave_up", reconnects=self.stats.reconnects)
+            self._failed = True
             return False
         wait = self._delay * random.uniform(0.5, 1.5)  # jitter: cameras behind one switch don't retry in step
         self.event("reconnecting", in_s=f"{wait:.2f}", attempt=self._failures)
@@ -187,9 +212,10 @@ class Source:
         finally:
             session_over.set()
             # Closing a container while another thread reads it is unsafe: wait for the decoder
-            # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the process.
+            # (PyAV's read timeout frees it); one stuck in C beyond that is left to die with the
+            # process, as it is at once when stopping (a stalled camera held SIGTERM up 20 s).
             if decoder is not None:
-                decoder.join(timeout=2 * self.cfg.read_timeout_s + 1)
+                decoder.join(timeout=STOP_JOIN_S if self.stop.is_set() else 2 * self.cfg.read_timeout_s + 1)
             if decoder is None or not decoder.is_alive():
                 container.close()
 
@@ -197,19 +223,28 @@ class Source:
         """Decode thread: PyAV may block in C; the pump watches it from outside."""
         try:
             for frame in sample_frames(
-                container, self.spec.fps, on_error=self._decode_error, grid=grid, on_decoded=self._decoded
+                container,
+                self.spec.fps,
+                on_error=self._decode_error,
+                grid=grid,
+                on_decoded=lambda: self._decoded(session_over),
             ):
                 if not _offer(out, frame, session_over):
                     return  # the pump gave up on this session
             _offer(out, _END, session_over)
+        except _SessionOver:
+            return
         except Exception as e:  # handed over to the pump, which reports it
             _offer(out, e, session_over)
 
     def _pump(self, frames: queue.Queue) -> bool:
         wall0 = pts0 = None
+        epoch0 = 0  # the media clock (DecodedFrame.epoch) that (wall0, pts0) anchors
         while not self.stop.is_set():
             item = self._take(frames)
             self._alive_at = time.monotonic()
+            if item is _STOPPED:
+                return False
             if item is _END:
                 return True
             if isinstance(item, Exception):  # a Redis outage (a decode_error event) stays an outage
@@ -219,7 +254,11 @@ class Source:
                 continue  # already published before a restart (pts alone repeats after a clock restart)
             if self.spec.realtime:
                 now = time.monotonic()
-                wall0, pts0 = (wall0, pts0) if wall0 is not None else (now, frame.pts)
+                if wall0 is None or frame.epoch != epoch0:
+                    # The first frame, or the media clock started over (recordings back to back, an HLS
+                    # discontinuity): paced to the old anchor, every later frame was overdue and the rest
+                    # went out in a burst.
+                    wall0, pts0, epoch0 = now, frame.pts, frame.epoch
                 due = (frame.pts - pts0) - (now - wall0)
                 if self.live and due > self.cfg.read_timeout_s:
                     # A live source's clock jumped ahead (an encoder restarted, a clock was stepped):
@@ -246,8 +285,10 @@ class Source:
         rt = self.cfg.read_timeout_s
         kept_by = time.monotonic() + rt + 2 / self.spec.fps
         while (left := min(self._alive_at + rt, kept_by) - time.monotonic()) > 0:
+            if self.stop.is_set():
+                return _STOPPED  # a stop is no stall: SIGTERM waited out a stalled or slow camera
             try:
-                return frames.get(timeout=left)
+                return frames.get(timeout=min(left, STOP_POLL_S))
             except queue.Empty:
                 continue  # frames decode, the sampler keeps none yet (fps below 1 / read_timeout_s)
         self.stats.stalls += 1
@@ -379,6 +420,8 @@ class Source:
             if isinstance(msg, EndOfStream):
                 end = end or msg
                 continue
+            if msg.seq >= INT64_MAX:  # forged: no seq could follow it, and this camera would publish none
+                continue
             if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, self.live or self.spec.realtime) is not None:
                 continue
             finished = end is not None and end.seq == msg.seq
@@ -393,8 +436,12 @@ class Source:
             return -1, None
         return m.last_frame_seq, m.last_ts
 
-    def _decoded(self) -> None:
-        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames."""
+    def _decoded(self, session_over: threading.Event) -> None:
+        """Decode thread, every decoded frame: the watchdog counts from here, not from kept frames.
+        The session's end is looked at here too: at a low fps the next kept frame, where the thread
+        would otherwise notice, may be a minute away."""
+        if session_over.is_set():
+            raise _SessionOver
         self._alive_at = time.monotonic()
 
     def _decode_error(self, message: str) -> None:

@@ -19,11 +19,16 @@ from __future__ import annotations
 import base64
 import logging
 import math
+import os
+import select
+import stat
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from email.message import Message
+from typing import IO
 
 import av
 import numpy as np
@@ -63,7 +68,7 @@ def is_live(url: str) -> bool:
         return True
     if lower.startswith("/dev/video"):
         return True
-    return is_hls(url)
+    return is_hls(url) or is_fifo(url)
 
 
 def is_hls(url: str) -> bool:
@@ -80,7 +85,7 @@ def ended_playlist(url: str, timeout_s: float) -> bool:
         for _ in range(2):  # the playlist, or a master playlist and its first variant
             if not url.lower().startswith(("http://", "https://")):  # a playlist may name any URL
                 return False
-            with urllib.request.urlopen(_request(url), timeout=timeout_s) as reply:
+            with _OPENER.open(_request(url), timeout=timeout_s) as reply:
                 text = reply.read(_MAX_PLAYLIST_BYTES).decode("utf-8", errors="replace")
             if "#EXT-X-ENDLIST" in text:
                 return True
@@ -93,6 +98,27 @@ def ended_playlist(url: str, timeout_s: float) -> bool:
     except (OSError, ValueError):
         return False
     return False
+
+
+class _CredentialsStayWithTheirOrigin(urllib.request.HTTPRedirectHandler):
+    """urllib copies every header onto a redirected request: a playlist origin that answers 302 to
+    a CDN edge, or to http:// from https://, had the camera's Basic credentials sent there."""
+
+    def redirect_request(
+        self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str, headers: Message, newurl: str
+    ) -> urllib.request.Request | None:
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and _origin(newurl) != _origin(req.full_url):
+            new.remove_header("Authorization")
+        return new
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme.lower())
+
+
+_OPENER = urllib.request.build_opener(_CredentialsStayWithTheirOrigin)
 
 
 def _request(url: str) -> urllib.request.Request:
@@ -112,16 +138,43 @@ def open_container(
     """Open ``url`` for reading with timeouts; raise SourceError (with url and reason) on failure."""
     target, fmt, options = _open_args(url, read_timeout_s)
     started = time.monotonic()
+    held = _wait_for_a_writer(url, open_timeout_s) if is_fifo(url) else None
     try:
         container = av.open(
             target, mode="r", format=fmt, container_options=options, timeout=(open_timeout_s, read_timeout_s)
         )
     except (av.FFmpegError, OSError) as exc:
         raise SourceError(f"cannot open {url}: {_open_failure_reason(exc, started, open_timeout_s)}") from exc
+    finally:
+        if held is not None:
+            os.close(held)
     if not container.streams.video:
         container.close()
         raise SourceError(f"cannot open {url}: no video stream")
     return container
+
+
+def is_fifo(url: str) -> bool:
+    """A named pipe: a bridge (`ffmpeg ... -f mpegts /run/cam.ts`), live as a camera is."""
+    try:
+        return stat.S_ISFIFO(os.stat(url).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _wait_for_a_writer(path: str, open_timeout_s: float) -> int:
+    """Wait, at most ``open_timeout_s``, for a named pipe's first bytes. FFmpeg's open(2) of a pipe
+    with no writer blocks where neither the open timeout nor PyAV's interrupt reaches it: ingest hung
+    for good, deaf to SIGTERM. The read end returned keeps the writer from a broken pipe until
+    FFmpeg has opened its own: close it then."""
+    try:
+        held = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # returns at once, writer or not
+    except OSError as e:
+        raise SourceError(f"cannot open {path}: {e}") from e
+    if not select.select([held], [], [], open_timeout_s)[0]:
+        os.close(held)
+        raise SourceError(f"cannot open {path}: no writer to the named pipe within {open_timeout_s:g} s")
+    return held
 
 
 def _open_args(url: str, read_timeout_s: float) -> tuple[str, str | None, dict[str, str]]:

@@ -27,8 +27,11 @@ from common.config import (
     unknown_env,
 )
 from common.engine.eviction import EvictionPolicy
+from common.engine.grid import MAX_ASPECT, choose_grid, min_pixels_limit
 from common.engine.scheduler import SchedulePolicy
+from common.wire.schemas import MAX_FRAME_PIXELS
 from encoder_worker.config import EncoderConfig
+from ingest.config import IngestConfig
 
 
 @dataclass(frozen=True)
@@ -249,6 +252,11 @@ def test_cameras_file_ok(tmp_path):
         ("cameras: [{name: cam1, url: '', fps: 1}]", r"cameras\[0\]\.url: empty"),
         ("cameras: [{name: c, url: a, fps: 1, min_pixels: 9000, max_pixels: 8000}]", r"min_pixels: 9000 >"),
         ("cameras: [{name: c, url: a, fps: 1, max_pixels: 10}]", r"max_pixels: must be in"),
+        # inside [784, 4096²], but a frame scaled up to it rounds past 4096² pixels (exit 1 at the first frame)
+        (
+            "cameras: [{name: c, url: a, fps: 1, min_pixels: 16600000, max_pixels: 16777216}]",
+            r"min_pixels: must be in \[784, 15223690\]",
+        ),
         ("cameras: {name: cam1}", r"cameras: expected a list"),
         ("cams: []", r"unknown setting 'cams'"),
     ],
@@ -281,6 +289,36 @@ def test_job_errors(tmp_path, job, match):
     text = f"cameras: [{{name: c, url: a, fps: 1}}]\njobs: [{job}]\n"
     with pytest.raises(ConfigError, match=match):
         load_cameras_file(_write(tmp_path, text))
+
+
+def test_the_largest_min_pixels_chooses_no_grid_over_the_frame_limit():
+    """Scaling up to min_pixels rounds each side up: the bound holds at every aspect ratio allowed."""
+    limit = min_pixels_limit(MAX_FRAME_PIXELS)
+    for short in (1, 2, 3, 7, 13, 27, 29, 100, 1000):
+        for long in range(short, MAX_ASPECT * short + 1, max(1, MAX_ASPECT * short // 499)):
+            grid = choose_grid(short, long, min_pixels=limit, max_pixels=MAX_FRAME_PIXELS)
+            assert grid.height * grid.width <= MAX_FRAME_PIXELS, (short, long)
+    assert limit > 15_000_000  # not much below the limit: only the rounding's worst case is cut
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--max-backlog", "0"], r"max_backlog must be at least 1"),  # a file waited for ever
+        (["--frames-maxlen", "-1"], r"frames_maxlen must be at least 1"),
+        (["--read-timeout-s", "0"], r"read_timeout_s must be positive"),  # every source stalled at once
+        (["--open-timeout-s", "-1"], r"open_timeout_s must be positive"),
+        (["--redis-grace-s", "-1"], r"redis_grace_s must be 0 or more"),
+        (["--max-reconnects", "-1"], r"max_reconnects must be 0 or more"),
+        (["--max-pixels", str(10**13)], r"max_pixels: must be in \[784, 16777216\]"),
+        (["--min-pixels", "17000000", "--max-pixels", "16777216"], r"min_pixels: must be in \[784, 15223690\]"),
+        (["--fps", "1000"], r"fps must be in \(0, 240\]"),
+        (["--cameras-file", "c.yaml"], r"url and stream \(one source\) cannot go with cameras_file"),
+    ],
+)
+def test_bad_ingest_settings_are_refused_at_start(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(IngestConfig, ["--url", "a.mp4", "--stream", "cam1", *argv], env={})
 
 
 def test_duplicate_jobs(tmp_path):

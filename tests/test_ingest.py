@@ -10,8 +10,10 @@ import socket
 import subprocess
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from fractions import Fraction
+from pathlib import Path
 
 import av
 import numpy as np
@@ -19,10 +21,14 @@ import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
+from common import redisio
 from common.wire import keys
-from common.wire.schemas import EndOfStream, FrameMsg, decode_frame
+from common.wire.schemas import INT64_MAX, EndOfStream, FrameMsg, decode_frame, encode_frame
+from ingest.config import IngestConfig
+from ingest.service import source_specs
+from ingest.source import Source
 from ingest.video import ended_playlist
-from tests.conftest import free_port
+from tests.conftest import RedisServer, free_port
 from tests.pipeline import Services, wait_for
 from tests.rtsp_server import RtspServer, gst_available
 from tests.videodamage import corrupt_bytes, truncate_file, write_garbage_file
@@ -97,19 +103,25 @@ def test_file_backpressure_bounds_the_stream_and_interrupted_file_resumes(redis_
     assert isinstance(got[-1], EndOfStream)
 
 
-def test_a_file_whose_clock_restarts_resumes_after_the_frame_it_sent_last(redis_url, services, tmp_path):
-    """Two recordings back to back in one TS file (its timestamps start over): read across the
-    restart, and an ingest stopped in the second one resumes after its last frame. Resuming by pts
-    alone re-sent the first recording's frames past that pts (each one, then, a second time)."""
-    r = redis.Redis.from_url(redis_url)
+def recordings_back_to_back(tmp_path, seconds: float) -> Path:
+    """Two recordings in one TS file: its timestamps start over halfway."""
     parts = []
     for i in range(2):
-        mp4 = write_sample_video(str(tmp_path / f"{i}.mp4"), seconds=3, fps=10, width=160, height=120)
+        mp4 = write_sample_video(str(tmp_path / f"{i}.mp4"), seconds=seconds, fps=10, width=160, height=120)
         ts = tmp_path / f"{i}.ts"
         subprocess.run(["ffmpeg", "-v", "error", "-i", mp4, "-c", "copy", "-f", "mpegts", str(ts)], check=True)
         parts.append(ts.read_bytes())
     video = tmp_path / "both.ts"
     video.write_bytes(b"".join(parts))
+    return video
+
+
+def test_a_file_whose_clock_restarts_resumes_after_the_frame_it_sent_last(redis_url, services, tmp_path):
+    """Two recordings back to back in one TS file (its timestamps start over): read across the
+    restart, and an ingest stopped in the second one resumes after its last frame. Resuming by pts
+    alone re-sent the first recording's frames past that pts (each one, then, a second time)."""
+    r = redis.Redis.from_url(redis_url)
+    video = recordings_back_to_back(tmp_path, seconds=3)
     r.xgroup_create(keys.frames(CAM), keys.ENCODER_GROUP, id="0", mkstream=True)
     stop = threading.Event()
 
@@ -147,6 +159,17 @@ def test_realtime_file_is_paced_like_a_camera(redis_url, services, tmp_path):
     body = [f for f in frames(r) if isinstance(f, FrameMsg)]
     assert abs(body[-1].ts - time.time()) < 30, "a simulated camera stamps wall-clock capture times"
     assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_a_realtime_file_whose_clock_restarts_is_paced_across_the_restart(redis_url, services, tmp_path):
+    """Pacing was anchored once: after the clock started over every frame was overdue, and the
+    second recording went out in a burst (20 frames in 0.27 s against 3.8 s for the first)."""
+    r = redis.Redis.from_url(redis_url)
+    video = recordings_back_to_back(tmp_path, seconds=2)
+    assert ingest(services, str(video), "--fps", "5", "--realtime", "true").wait(timeout=60) == 0, services.logs()
+    got = [f for f in frames(r) if isinstance(f, FrameMsg)]
+    second = [f.ts for f in got if f.epoch == 1]
+    assert len(second) == 10 and second[-1] - second[0] >= 1.6, [f"{t - got[0].ts:.2f}" for t in second]
 
 
 def encode_clip(path: str, pictures: list[np.ndarray], configure: Callable[[av.VideoStream], None]) -> str:
@@ -487,4 +510,217 @@ def test_hls_over_http(redis_url, services, hls_vod):
     assert ingest(services, f"http://{hls_vod}/v.m3u8", "--fps", "5").wait(timeout=60) == 0, services.logs()
     body = [f for f in frames(r) if isinstance(f, FrameMsg)]
     assert len(body) >= 12 and [f.seq for f in body] == list(range(len(body)))
+    assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_a_forged_frame_with_the_last_seq_does_not_stop_a_new_camera(redis_url, services, tmp_path):
+    """An entry with seq INT64_MAX on a stream without a head was taken as the resume point: no seq
+    follows it, and the camera's thread died at its first frame while ingest exited 0."""
+    r = redis.Redis.from_url(redis_url)
+    forged = FrameMsg.from_rgb(INT64_MAX, 1.0, 1.0, np.zeros((28, 28, 3), np.uint8), 0)
+    r.xadd(keys.frames(CAM), encode_frame(forged, codec="rgb24"))
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=2, fps=10, width=160, height=120)
+    assert ingest(services, video, "--fps", "2", "--max-backlog", "1000").wait(timeout=60) == 0, services.logs()
+    ours = frames(r)[1:]
+    assert [f.seq for f in ours] == [0, 1, 2, 3, 3] and isinstance(ours[-1], EndOfStream)
+
+
+def _metric(port: int, name: str, stream: str) -> float | None:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    prefix = f'{name}{{stream="{stream}"}} '
+    return next((float(line[len(prefix) :]) for line in text.splitlines() if line.startswith(prefix)), None)
+
+
+def test_a_camera_that_fails_unexpectedly_is_down_with_an_error_event_and_fails_the_exit(redis_url, services, tmp_path):
+    """A failure no source error names (here a stored grid over the frame limit, which FrameMsg
+    refuses) ended the camera's thread with a generic log line: its last event stayed `connected`,
+    svqa_ingest_up 1, and ingest exited 0 once the other camera ended."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("big"), mapping={"fps": "1", "height": "4200", "width": "4200", "live": "0", "url": "x"})
+    small = write_sample_video(str(tmp_path / "small.mp4"), seconds=2, fps=10, width=160, height=120)
+    longer = write_sample_video(str(tmp_path / "long.mp4"), seconds=6, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        "cameras:\n"
+        f"  - {{name: big, url: '{small}', fps: 1}}\n"
+        f"  - {{name: ok, url: '{longer}', fps: 2, realtime: true}}\n"
+    )
+    port = free_port()
+    proc = services.start("ingest", "--cameras-file", str(cameras), "--metrics-port", str(port))
+    wait_for(lambda: b"error" in [f[b"type"] for _, f in r.xrange(keys.events("big"))], 60, "big's error", services)
+    assert _metric(port, "svqa_ingest_up", "big") == 0
+    assert _metric(port, "svqa_ingest_up", "ok") == 1
+    assert proc.wait(timeout=60) == 1, services.logs()
+    last = r.xrevrange(keys.events("big"), count=1)[0][1]
+    assert last[b"type"] == b"error" and b"SchemaError" in last[b"error"]
+    assert r.xlen(keys.frames("ok")) == 13  # the other camera went on to its end: 12 frames and its marker
+    assert '"stream": "big"' in services.logs() and "cameras failed" in services.logs()
+
+
+def test_a_camera_redis_refuses_stops_alone_and_is_named(redis_server, tmp_path):
+    """The ACL's ingest user lacks camera b's keys (added to the file before the users script ran
+    again): b is named and reported, a streams to its end; it was an unnamed traceback and exit 1
+    within a second, a publishing nothing."""
+    r = redis.Redis.from_url(redis_server.url)
+    r.execute_command("ACL", "SETUSER", "ing", "on", ">IngPw-77", "~svqa:{a}:*", "+@all")
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=3, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        f"cameras:\n  - {{name: a, url: '{video}', fps: 2, realtime: true}}\n  - {{name: b, url: '{video}', fps: 2}}\n"
+    )
+    services = Services(f"redis://ing:IngPw-77@127.0.0.1:{redis_server.port}/0", tmp_path)
+    try:
+        rc = services.start("ingest", "--cameras-file", str(cameras)).wait(timeout=60)
+    finally:
+        services.stop_all()
+    logs = services.logs()
+    assert rc == 1, logs
+    assert isinstance(decode_frame(r.xrevrange(keys.frames("a"), count=1)[0][1]), EndOfStream)
+    refused = [line for line in logs.splitlines() if '"stream": "b"' in line and "camera failed" in line]
+    assert refused and "NoPermissionError" in refused[0], logs
+    assert "IngPw-77" not in logs
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+def test_a_camera_given_up_on_fails_the_exit_even_after_frames(redis_url, services):
+    """Giving up after max_reconnects exited 0 once the camera had published: compose's
+    restart: on-failure left ingest down, read as finished fine."""
+    r = redis.Redis.from_url(redis_url)
+    server = RtspServer(fps=10, width=160, height=120).start()
+    try:
+        proc = ingest(
+            services,
+            server.url,
+            *("--fps", "5", "--open-timeout-s", "2", "--read-timeout-s", "2", "--max-reconnects", "2"),
+            *("--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5"),
+        )
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 2, 60, "frames from RTSP", services)
+    finally:
+        server.stop(kill=True)
+    assert proc.wait(timeout=60) == 1, services.logs()
+    assert events(r)[-1] == "gave_up"
+
+
+def test_hls_credentials_stay_with_their_origin_across_redirects(hls_vod):
+    """A playlist origin that answers 302 to another host (a CDN edge) had the camera's Basic
+    credentials sent there: urllib copies ordinary headers onto the redirected request."""
+    seen: list[str | None] = []
+
+    class Redirecting(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.headers.get("Authorization"))
+            # /same -> /hop on this host (the login goes on) -> /edge on another (localhost) -> the VOD
+            port = self.server.server_address[1]
+            hops = {"/same": "/hop", "/hop": f"http://localhost:{port}/edge", "/edge": f"http://{hls_vod}/v.m3u8"}
+            self.send_response(302)
+            self.send_header("Location", hops[self.path])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    origin = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirecting)
+    threading.Thread(target=origin.serve_forever, daemon=True).start()
+    try:
+        assert ended_playlist(f"http://cam:Hls-PW7@127.0.0.1:{origin.server_port}/same", 5)
+    finally:
+        origin.shutdown()
+    login = "Basic " + base64.b64encode(b"cam:Hls-PW7").decode()
+    assert seen == [login, login, None]
+
+
+@pytest.mark.skipif(not gst_available()[0], reason=gst_available()[1])
+@pytest.mark.parametrize(("fps", "stalled"), [("2", True), ("0.05", False)], ids=["stalled", "slow"])
+def test_sigterm_stops_within_seconds_and_is_no_reconnect(redis_url, services, fps, stalled):
+    """A stalled camera held SIGTERM up 20 s, one at fps 0.05 37 s (compose kills at 10 s), and a
+    clean stop of a live camera wrote a `reconnecting` event."""
+    r = redis.Redis.from_url(redis_url)
+    with RtspServer(fps=10, width=160, height=120) as server:
+        proc = ingest(services, server.url, "--fps", fps)
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 1, 60, "a frame", services)
+        if stalled:
+            os.kill(server.proc.pid, signal.SIGSTOP)  # the camera hangs; RtspServer.stop wakes it
+            time.sleep(0.5)
+        before = len(events(r))
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, services.logs()
+        assert time.monotonic() - started < 3
+    assert events(r)[before:] == []
+
+
+class FramesRedisDiesAtTheEnd(Source):
+    """The frames Redis (compose's redis-frames) goes away just as the file ends."""
+
+    frames_server: RedisServer
+
+    def _publish(self, msg: FrameMsg | EndOfStream) -> None:
+        if isinstance(msg, EndOfStream):
+            self.frames_server.stop()
+        super()._publish(msg)
+
+
+def test_end_of_stream_during_a_frames_redis_outage_ends_past_the_grace_period(redis_url, redis_server, tmp_path):
+    """The marker was retried riding out the durable Redis, which answered: 'redis unreachable',
+    'redis back' every 10 s for ever, where the README promises exit 3 after redis_grace_s."""
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=1, fps=10, width=160, height=120)
+    cfg = IngestConfig(url=video, stream=CAM, redis_url=redis_url, frames_redis_url=redis_server.url, redis_grace_s=2)
+    source = FramesRedisDiesAtTheEnd(
+        redisio.connect(redis_url), source_specs(cfg)[0], cfg, threading.Event(), redisio.connect(redis_server.url)
+    )
+    source.frames_server = redis_server
+    ended: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            source.run()
+        except redisio.RedisGone as e:
+            ended.append(e)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(timeout=40)
+    source.stop.set()  # ends the loop that never stopped, so the test does not leave it behind
+    assert ended, "still riding out the durable Redis after 40 s (grace 2 s)"
+
+
+def test_a_named_pipe_without_a_writer_is_waited_for_within_the_open_timeout(redis_url, services, tmp_path):
+    """FFmpeg's open of a pipe with no writer blocked in open(2): no event, no log line, and
+    SIGTERM ignored (the main thread joined the stuck camera). It is a camera now: bounded opens,
+    retried, and read once a writer comes."""
+    r = redis.Redis.from_url(redis_url)
+    mp4 = write_sample_video(str(tmp_path / "a.mp4"), seconds=2, fps=10, width=160, height=120)
+    ts = tmp_path / "a.ts"
+    subprocess.run(["ffmpeg", "-v", "error", "-i", mp4, "-c", "copy", "-f", "mpegts", str(ts)], check=True)
+    fifo = tmp_path / "cam.ts"
+    os.mkfifo(fifo)
+    proc = ingest(
+        services,
+        str(fifo),
+        *("--fps", "5", "--open-timeout-s", "1", "--reconnect-min-s", "0.2", "--reconnect-max-s", "0.5"),
+    )
+    wait_for(lambda: "reconnecting" in events(r), 30, "a bounded open, retried", services)
+    assert b"no writer" in r.xrange(keys.events(CAM))[0][1][b"error"]
+
+    bridged = threading.Event()
+
+    def bridge() -> None:  # comes up and streams; a reader that timed out as it opened is a broken pipe
+        while not bridged.is_set():
+            try:
+                with fifo.open("wb") as out:
+                    while not bridged.is_set():
+                        out.write(ts.read_bytes())
+            except BrokenPipeError:
+                continue
+
+    threading.Thread(target=bridge, daemon=True).start()
+    try:
+        wait_for(lambda: r.xlen(keys.frames(CAM)) >= 5, 30, "frames through the pipe", services)
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(timeout=30) == 0, services.logs()
+        assert time.monotonic() - started < 3
+    finally:
+        bridged.set()
     assert r.hget(keys.meta(CAM), "live") == b"1"

@@ -11,6 +11,8 @@ import urllib.request
 import pytest
 import redis
 
+from common.config import ConfigError, check_redis_url
+from common.logs import MASK, redact_text, redact_url
 from tests.conftest import free_port
 from tests.pipeline import Services, head, wait_for
 from tests.rtsp_server import RtspServer, gst_available
@@ -154,3 +156,33 @@ def test_password_in_the_query_string_is_masked(redis_url, tmp_path):
     assert PASSWORD not in logs, [line for line in logs.splitlines() if PASSWORD in line][:3]
     leaks = [b[:200] for b in all_redis_bytes(r) if PASSWORD.encode() in b]
     assert not leaks, leaks
+
+
+@pytest.mark.parametrize(
+    ("url", "masked"),
+    [
+        # FFmpeg takes one slash and streams; its errors quote the other forms on every retry
+        ("rtsp:/viewer:OneSlash-PW7@10.0.0.5/cam", f"rtsp:/viewer:{MASK}@10.0.0.5/cam"),
+        ("rtsp:viewer:NoSlash-PW7@10.0.0.5/cam", f"rtsp:viewer:{MASK}@10.0.0.5/cam"),
+        ("rtsp://admin:correct horse@10.0.0.5/cam", f"rtsp://admin:{MASK}@10.0.0.5/cam"),
+        ("rtsp://10.0.0.5/cam?user=admin&pw=Query-PW7", f"rtsp://10.0.0.5/cam?user=admin&pw={MASK}"),
+        # redis_url typed without '//': the bad-configuration line quotes it
+        ("ingest:Redis-PW7@redis:6379/0", f"ingest:{MASK}@redis:6379/0"),
+        ("redis:/ingest:Redis-PW7@redis:6379/0", f"redis:/ingest:{MASK}@redis:6379/0"),
+    ],
+)
+def test_every_url_form_people_type_is_masked(url, masked):
+    assert redact_url(url) == masked
+    assert redact_text(f"cam1: '{url}': Connection refused") == f"cam1: '{masked}': Connection refused"
+    assert redact_text(f"{url} and rtsp://u:Other-PW7@h2/x") == f"{masked} and rtsp://u:{MASK}@h2/x"
+
+
+def test_free_text_without_a_url_keeps_its_words():
+    assert redact_text("error: no frames for bob@example.com") == "error: no frames for bob@example.com"
+
+
+@pytest.mark.parametrize("url", ["ingest:Redis-PW7@redis:6379/0", "redis:/ingest:Redis-PW7@redis:6379/0"])
+def test_a_redis_url_without_slashes_is_refused_without_its_password(url):
+    with pytest.raises(ConfigError) as e:
+        check_redis_url(url, "redis_url")
+    assert "Redis-PW7" not in str(e.value) and MASK in str(e.value)

@@ -15,6 +15,7 @@ import numpy as np
 from PIL import Image
 
 PATCH_PIXELS = 28  # vision patch 14 x spatial merge 2: one merged LLM token per 28x28 pixels
+MAX_ASPECT = 200  # the longest side over the shortest that a grid is chosen for
 
 
 class FrameError(ValueError):
@@ -71,8 +72,8 @@ def choose_grid(
         raise FrameError(f"frame size must be positive, got {height}x{width}")
     if factor <= 0 or min_pixels <= 0 or max_pixels < min_pixels:
         raise FrameError(f"bad limits: factor {factor}, min_pixels {min_pixels}, max_pixels {max_pixels}")
-    if max(height, width) / min(height, width) > 200:
-        raise FrameError(f"aspect ratio of {height}x{width} is over 200")
+    if max(height, width) / min(height, width) > MAX_ASPECT:
+        raise FrameError(f"aspect ratio of {height}x{width} is over {MAX_ASPECT}")
     # Same float expressions as transformers' smart_resize (round() is round-half-to-even there too).
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -85,6 +86,20 @@ def choose_grid(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return Grid(h_bar, w_bar)
+
+
+def min_pixels_limit(max_grid_pixels: int, factor: int = PATCH_PIXELS) -> int:
+    """The largest ``min_pixels`` whose grid stays within ``max_grid_pixels`` at every aspect ratio.
+
+    Scaling a small frame up to ``min_pixels`` rounds each side up to a multiple of ``factor``
+    (as transformers does), so the grid may hold up to ``factor * (h + w) + factor**2`` pixels
+    more, where h * w = min_pixels and h + w is largest at MAX_ASPECT: a ``min_pixels`` just under
+    the frame limit chose grids the encoder refuses.
+    """
+    spread = factor * (math.sqrt(MAX_ASPECT) + 1 / math.sqrt(MAX_ASPECT))  # (h + w) / sqrt(h * w), at most
+    # the largest s = sqrt(min_pixels) with s**2 + spread * s + factor**2 <= max_grid_pixels
+    root = (-spread + math.sqrt(spread**2 + 4 * (max_grid_pixels - factor**2))) / 2
+    return math.floor(root**2)
 
 
 def check_frame(frame: object, index: int | None = None) -> np.ndarray:
