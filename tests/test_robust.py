@@ -162,6 +162,23 @@ def test_real_frames_behind_a_forged_seq_are_reported(rt, redis_url):
     assert r.hgetall(keys.drops(CAM)) == {b"seq_behind": b"18", b"late": b"1"}
 
 
+def test_a_drop_is_still_a_drop_under_an_acl_that_predates_its_count(rt, redis_url):
+    """A users.acl made by an older release refuses HINCRBY on `svqa:{cam}:drops`: the late frame
+    is dropped and counted in this life, and the camera goes on (a refused count must not fail it)."""
+    admin = redis.Redis.from_url(redis_url)
+    admin.acl_setuser("old", enabled=True, passwords=["+old-password"], keys=["*"], commands=["+@all", "-hincrby"])
+    url = redis_url.replace("redis://", "redis://old:old-password@")
+    r = redis.Redis.from_url(url)
+    svc = live_camera(rt, r, url)
+    r.xadd(keys.frames(CAM), frame(4, ts=time.time() - 60))  # late
+    for seq in range(5, 7):
+        r.xadd(keys.frames(CAM), frame(seq, ts=time.time()))
+    drain(svc, r)
+    assert svc.owned[CAM].dropped["late"] == 1 and head_seq(r) == 6
+    assert not admin.exists(keys.drops(CAM)) and admin.xlen(keys.DEAD_LETTER) == 0
+    assert [f[b"total"] for f in events(admin, b"dropped")] == [b"1"]
+
+
 def test_an_oversize_frames_entry_is_dead_lettered_unread(rt, redis_url):
     """Issue 37.7: an entry over the stream's cap (its grid raw, plus 4 KB) is refused before it
     is unpacked, even a well-formed frame padded with a field nobody reads."""
