@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import redis
@@ -844,6 +844,27 @@ class Refusing:
 
 
 REFUSING = Refusing()  # one per process: every thread meets the same Redis
+
+
+T = TypeVar("T")
+_REFUSED: set[str] = set()  # what `unless_refused` has said it goes on without
+
+
+def unless_refused(fn: Callable[[], T], default: T, what: str) -> T:
+    """``fn()``, or ``default`` when this role's Redis user may not run it (NOPERM): a users.acl made
+    by an older release, before the role used those keys, should cost the feature, not the service.
+    Said once per ``what``; `scripts/redis-users.sh` run again grants them."""
+    try:
+        return fn()
+    except redis.exceptions.NoPermissionError as e:
+        if what not in _REFUSED:
+            _REFUSED.add(what)
+            log.warning(
+                "redis user refused; going on without it (run scripts/redis-users.sh again)",
+                what=what,
+                error=str(e)[:200],
+            )
+        return default
 
 
 def exit_code(run: Callable[[], None]) -> int:

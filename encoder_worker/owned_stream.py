@@ -18,6 +18,7 @@ persistence); versions, head, lease, events and dead letters stay on the durable
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections import Counter
@@ -258,10 +259,8 @@ class OwnedStream:
         metrics.FRAMES_DROPPED.labels(self.name, reason).inc()
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, entry_id)
         self.dropped[reason] += 1
-        try:
-            total = self.r.hincrby(keys.drops(self.name), reason, 1)
-        except redis.exceptions.NoPermissionError:  # a users.acl made before the count: this life's then
-            total = self.dropped[reason]
+        count = functools.partial(self.r.hincrby, keys.drops(self.name), reason, 1)
+        total = redisio.unless_refused(count, self.dropped[reason], "the stream's drop count")
         now = time.monotonic()
         if now - self._drop_event_at.get(reason, -math.inf) > DROP_EVENT_EVERY_S:
             self._drop_event_at[reason] = now

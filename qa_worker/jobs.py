@@ -10,6 +10,7 @@ the delivery thread (`qa_worker.alerts`).
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -154,13 +155,22 @@ class JobRunner:
             if sched.gate is not None:
                 gated.setdefault(sched.stream, {})[sched.job.name] = sched
         for stream, scheds in gated.items():
-            armed = redisio.text_fields(self.r.hgetall(keys.alerts_armed(stream)))
+            armed, newest = self._gates(stream, set(scheds))
             now, wall = time.monotonic(), time.time()
-            for name, alert in newest_alerts(self.r, stream, set(scheds)).items():
+            for name, alert in newest.items():
                 sched = scheds[name]
                 assert sched.gate is not None
                 sched.last_alert = alert.id
                 sched.gate.resume(wall - alert.at, armed.get(name) == alert.id, now)
+
+    def _gates(self, stream: str, jobs: set[str]) -> tuple[dict[str, str], dict[str, Alert]]:
+        """What `_resume_alerts` goes on from; nothing under a users.acl older than it (the gates then
+        start afresh, as they did before)."""
+
+        def read() -> tuple[dict[str, str], dict[str, Alert]]:
+            return redisio.text_fields(self.r.hgetall(keys.alerts_armed(stream))), newest_alerts(self.r, stream, jobs)
+
+        return redisio.unless_refused(read, ({}, {}), "alert gates across restarts")
 
     def _start_over(self, sched: Schedule, version: Version) -> None:
         """Cues still open close now (what was seen stays seen); the next ones are told apart from
@@ -213,7 +223,8 @@ class JobRunner:
         if not sched.gate.observe(score >= job.threshold, time.monotonic()):
             on = not sched.gate.armed
             if was_on and not on:  # turned to no: kept, so that a restarted worker knows it may fire again
-                self.r.hset(keys.alerts_armed(sched.stream), job.name, sched.last_alert)
+                armed = functools.partial(self.r.hset, keys.alerts_armed(sched.stream), job.name, sched.last_alert)
+                redisio.unless_refused(armed, 0, "alert gates across restarts")
             # The state: said at the job's first run here (a state retained from before a restart is
             # replaced; only the worker that runs the job says it) and when the answer turned to no.
             if not sched.told or (was_on and not on):

@@ -170,11 +170,17 @@ class Router:
 
     def _owns(self, qid: str, entry_id: str) -> bool:
         """Whether the question asked as ``entry_id`` holds the id ``qid``: the first to claim it
-        does, for `marker_ttl_s`, redelivered or not."""
+        does, for `marker_ttl_s`, redelivered or not (every one, unchecked, under a users.acl older
+        than the claim)."""
         key = keys.answer_owner(qid)
-        return (
-            bool(self.r.set(key, entry_id, nx=True, ex=self.marker_ttl_s)) or redisio.text(self.r.get(key)) == entry_id
-        )
+
+        def claimed() -> bool:
+            return (
+                bool(self.r.set(key, entry_id, nx=True, ex=self.marker_ttl_s))
+                or redisio.text(self.r.get(key)) == entry_id
+            )
+
+        return redisio.unless_refused(claimed, True, "the claim of question ids")
 
     def _search(self, queue: str, entry_id: str, fields: dict, attempt: int) -> None:
         """To a process with the frames log if one is alive; else its error reply now."""
