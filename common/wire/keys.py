@@ -90,8 +90,9 @@ def answer(qid: str) -> str:
 
 def answer_owner(qid: str) -> str:
     """String with a TTL: the entry id in `QUESTIONS` of the question that holds the id ``qid``
-    (the router's claim); another question with that id is not answered into its answer stream."""
-    return f"{PREFIX}:answer:{qid}:owner"
+    (the router's claim); another question with that id is not answered into its answer stream.
+    Not under ``answer(qid)``'s name: whoever scans for answer streams finds streams only."""
+    return f"{PREFIX}:owner:{qid}"
 
 
 def segment(cam: str, segment_id: str) -> str:
