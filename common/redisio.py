@@ -60,6 +60,13 @@ POLL_S = 0.05  # a cluster read of streams on several hash slots polls at this p
 DEAD_LETTER_ONCE_TTL_S = 86_400  # how long a dead letter's marker stops a redelivered entry's second one
 
 
+class GroupLost(RedisConnectionError):
+    """A consumer group gone under entries read from it: Redis lost it (restarted empty). An outage
+    to the services, waited out and recovered from (groups made again, leases and heads checked),
+    never the entries' fault: an encoder's stream task raised NOGROUP out of the worker (CI,
+    2026-11-29, a Redis restarted empty under a live camera)."""
+
+
 class WritesRefused(ResponseError):
     """MISCONF: Redis refuses writes because it cannot persist them (its disk full or gone)."""
 
@@ -549,18 +556,24 @@ Rejecter = Callable[[str, str, dict[bytes, bytes], str], None]  # (stream, entry
 
 
 def delivery_counts(r: redis.Redis, group: str, consumer: str, entries: list[Entry]) -> dict[str, int]:
-    """How often each entry was handed out (XPENDING's counter: XREADGROUP and XAUTOCLAIM raise it)."""
+    """How often each entry was handed out (XPENDING's counter: XREADGROUP and XAUTOCLAIM raise it).
+    GroupLost when the group is gone: Redis lost it (restarted empty) since the entries were read."""
     counts: dict[str, int] = {}
     for stream in dict.fromkeys(s for s, _, _ in entries):
         ids = [e for s, e, _ in entries if s == stream]
-        pend = r.xpending_range(
-            stream,
-            group,
-            min=min(ids, key=_id_key),
-            max=max(ids, key=_id_key),
-            count=len(ids) + 1000,
-            consumername=consumer,
-        )
+        try:
+            pend = r.xpending_range(
+                stream,
+                group,
+                min=min(ids, key=_id_key),
+                max=max(ids, key=_id_key),
+                count=len(ids) + 1000,
+                consumername=consumer,
+            )
+        except ResponseError as e:
+            if "NOGROUP" in str(e):
+                raise GroupLost(str(e)) from e
+            raise
         counts |= {text(p["message_id"]): int(p["times_delivered"]) for p in pend}
     return counts
 
