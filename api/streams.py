@@ -117,7 +117,11 @@ async def jobs(name: str, request: Request) -> dict:
 async def job_outputs(name: str, job: str, request: Request, count: int = Count) -> dict:
     r = request.app.state.r
     key = keys.job_output(await replies.known_stream(r, name), replies.stream_name(job, "job"))
-    return {"stream": name, "job": job, "outputs": entries(await r.xrevrange(key, count=count))}
+    found = await r.xrevrange(key, count=count)
+    # a job that never wrote here (a typo, another stream's job) is not found, as `jobs` lists it not
+    if not found and not await r.exists(key):
+        raise errors.ApiError(404, f"stream {name!r} has no outputs of job {job!r}", param="job", code="job_not_found")
+    return {"stream": name, "job": job, "outputs": entries(found)}
 
 
 async def stream_alerts_of(request: Request, name: str, count: int) -> list[dict]:

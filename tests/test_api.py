@@ -357,7 +357,7 @@ def test_caption_job_outputs(live):
     assert live.http.get(f"/api/streams/{CAM}/jobs").json()["jobs"] == ["captions"]
     outputs = live.http.get(f"/api/streams/{CAM}/jobs/captions", params={"count": 5}).json()["outputs"]
     assert outputs and all(o["job"] == "captions" and "text" in o and int(o["version"]) >= 0 for o in outputs)
-    assert live.http.get(f"/api/streams/{CAM}/jobs/nope").json()["outputs"] == []
+    assert_error(live.http.get(f"/api/streams/{CAM}/jobs/nope"), 404, "job", "job_not_found")
 
 
 def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):

@@ -119,3 +119,17 @@ def test_a_frames_log_that_cannot_be_read_is_a_503_saying_so(redis_url, tmp_path
     cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(not_a_dir))
     for resp in requests(cfg, ("GET", "/api/streams/cam1/snapshot", {}), ("GET", "/api/streams/cam1/clip?from=0", {})):
         assert error(resp, 503)["code"] == "frames_log_unreadable"
+
+
+def test_outputs_of_a_job_that_never_wrote_are_a_404_not_an_empty_200(redis_url):
+    """A job name the stream has no outputs of (a typo, another stream's job) was 200 with no
+    outputs, which reads as "nothing yet"; a job that wrote answers 200 with them."""
+    r = camera(redis_url)
+    r.xadd(keys.job_output("cam1", "captions"), {"job": "captions", "version": "3", "text": "a van"})
+    cfg = ApiConfig(redis_url=redis_url)
+    known, unknown = requests(
+        cfg, ("GET", "/api/streams/cam1/jobs/captions", {}), ("GET", "/api/streams/cam1/jobs/nope", {})
+    )
+    assert known.status_code == 200 and [o["text"] for o in known.json()["outputs"]] == ["a van"]
+    missing = error(unknown, 404)
+    assert (missing["param"], missing["code"]) == ("job", "job_not_found") and "'nope'" in missing["message"]
