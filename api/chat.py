@@ -164,10 +164,15 @@ async def chat(body: ChatRequest, request: Request):
     }
 
 
-def _param(final: FinalAnswer) -> str:
-    """The request field a refused question's final names, streamed or not: the chat fields the
-    worker checks itself, else the messages (the question)."""
-    return final.param if final.param in ("since", "until", "scope") else "messages"
+# The question fields a worker's refusal may name, as this endpoint's request calls them.
+_CHAT_FIELDS = {"since": "since", "until": "until", "scope": "scope", "question": "messages", "stream": "model"}
+
+
+def _param(final: FinalAnswer) -> str | None:
+    """The request field a refused question's final names, streamed or not, by its chat name;
+    None where the worker named none (or one a chat request cannot send): the refusal is then
+    about no field of the request, and "messages" would send its client to fix the wrong one."""
+    return _CHAT_FIELDS.get(final.param or "")
 
 
 def _envelope(q: Question, kind: str) -> dict:

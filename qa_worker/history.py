@@ -234,7 +234,9 @@ class History:
         except OSError as e:
             raise HistoryError(f"the frames log is not readable: {e}") from None
         if not chunks:
-            raise HistoryError(f"stream {q.stream!r}: the frames log holds no frame of {_span_text(t0, t1)}")
+            # the span asked for is what is wrong: it names no logged video (since sets where it starts)
+            message = f"stream {q.stream!r}: the frames log holds no frame of {_span_text(t0, t1)}"
+            raise HistoryError(message, param="since")
         return spec, evenly(chunks, self.fit(spec))
 
     def fit(self, spec: StreamSpec) -> int:

@@ -279,7 +279,7 @@ def test_what_cannot_be_answered_about_the_past_is_an_error_final_and_the_worker
     world = World(rt, r, redis_url, tmp_path, frames)
     pool = rt.lm.pool.used_tokens
     cases = {
-        "no frames": ({"since": iso(T0 - 600), "until": iso(T0 - 60)}, "holds no frame", None),
+        "no frames": ({"since": iso(T0 - 600), "until": iso(T0 - 60)}, "holds no frame", "since"),
         "future": ({"since": iso(time.time() + 3600)}, "in the future", "since"),
         "empty": ({"since": iso(T0 + 5), "until": "7200"}, "later than since", "until"),  # until: 2 h ago
         "contradiction": ({"since": "1h", "until": "2h"}, "bad question: until", None),

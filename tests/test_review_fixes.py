@@ -282,7 +282,9 @@ def test_a_stream_that_fails_to_open_fails_alone(rt, redis_url, monkeypatch):
 
 def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
     """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
-    and so does its streamed error chunk (which named "messages" whatever the worker said)."""
+    and so does its streamed error chunk (which named "messages" whatever the worker said); the
+    question is the messages; a refusal naming no field names none (it named "messages": a client
+    fixing its messages for a span the frames log lacks, say)."""
     import asyncio
 
     import httpx
@@ -295,7 +297,8 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
 
     r = redis.Redis.from_url(redis_url)
     r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
-    params = ["until", "scope", None, "until", "scope", None]  # each refusal, not streamed then streamed
+    named_by_worker = ["until", "scope", None, "question", "at"]
+    params = named_by_worker * 2  # each refusal, not streamed then streamed
 
     def worker() -> None:
         for n, param in enumerate(params):
@@ -308,7 +311,7 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
         app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
             for stream in (False, True):
-                for _ in range(3):
+                for _ in named_by_worker:
                     body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream}
                     response = await client.post("/v1/chat/completions", json=body)
                     if stream:
@@ -326,7 +329,7 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
     thread.start()
     named = asyncio.run(ask())
     thread.join(10)
-    assert named == ["until", "scope", "messages"] * 2
+    assert named == ["until", "scope", None, "messages", None] * 2
 
 
 def _finishes(fn, timeout_s: float = 30.0) -> list:
