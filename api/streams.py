@@ -15,7 +15,7 @@ from common import placement, redisio, stream_status
 from common.wire import keys
 from common.wire.alert_record import alert_payload
 from common.wire.schemas import INT64_MAX
-from common.wire.transcript import by_start, cues_of, render_transcript
+from common.wire.transcript import by_start, cues_of, entry_json, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
 
@@ -101,7 +101,7 @@ async def transcript(
     r = request.app.state.r
     found = entries(await r.xrevrange(keys.transcript(await replies.known_stream(r, name)), count=count))
     if format == "json":
-        return {"stream": name, "cues": by_start(found)}
+        return {"stream": name, "cues": [entry_json(e) for e in by_start(found)]}
     return PlainTextResponse(render_transcript(cues_of(found), format), media_type=SUBTITLE_TYPES[format])
 
 

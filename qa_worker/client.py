@@ -289,11 +289,11 @@ def _restarted(attempt: int) -> None:
 
 
 def _transcript(client: Client, ns: argparse.Namespace) -> int:
-    from common.wire.transcript import by_start, cues_of, render_transcript
+    from common.wire.transcript import by_start, cues_of, entry_json, render_transcript
 
     entries = client.transcript(ns.stream)
     if ns.format == "json":
-        print(json.dumps(by_start(entries), indent=1))
+        print(json.dumps([entry_json(e) for e in by_start(entries)], indent=1))
         return 0
     print(render_transcript(cues_of(entries), ns.format), end="")
     return 0

@@ -269,13 +269,9 @@ class JobRunner:
         if not cues:
             return
         for cue in cues:
-            fields = {
-                "start": f"{cue.start:.3f}",
-                "end": f"{cue.end:.3f}",
-                "text": cue.text,
-                "job": sched.job.name,
-                "version": str(version.id if version else -1),
-            }
+            fields = {"start": f"{cue.start:.3f}", "end": f"{cue.end:.3f}", "text": cue.text, "job": sched.job.name}
+            if version is not None:  # none when the cue closed without a new version (transcript.entry_json)
+                fields["version"] = str(version.id)
             redisio.xadd_capped(self.r, keys.transcript(sched.stream), fields, TRANSCRIPT_MAXLEN)
         if self.transcript_dir is not None:
             try:

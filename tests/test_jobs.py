@@ -288,6 +288,44 @@ def test_transcript_json_is_in_the_order_of_the_cues(rt, redis_url):
     assert [float(e["start"]) for e in shown] == sorted(float(e["start"]) for e in shown)
 
 
+def test_transcript_json_gives_numbers_as_numbers_and_no_version_as_null(rt, redis_url):
+    """The API's and the CLI's JSON: `start`, `end` and `version` are numbers (they were the text
+    Redis keeps), and a cue closed with no new version (here: at shutdown) has version null (it
+    was "-1"); an entry an older worker wrote with "-1" reads as null too."""
+    import asyncio
+
+    import httpx
+
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("cam1"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="subs", stream="cam1", kind="subtitles", every_versions=1)
+    screens = {1: "EXIT ONLY", 2: "EXIT ONLY", 3: "NO PARKING", 4: "NO PARKING"}
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: screens.get(v.id, "NONE"))
+    for i in range(4):
+        engine.append([np.full((56, 56, 3), i, np.uint8)] * 2, [i, i + 0.5])
+        runner.run_due()
+    runner.flush()  # NO PARKING is still on screen: closed with no version
+    r.xadd(keys.transcript("cam1"), {"start": "9.000", "end": "9.500", "text": "OLD", "job": "subs", "version": "-1"})
+
+    async def api() -> list[dict]:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return (await client.get("/api/streams/cam1/transcript")).json()["cues"]
+
+    argv = ["transcript", "--stream", "cam1", "--format", "json", "--redis-url", redis_url]
+    cli = subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    for shown in (asyncio.run(api()), json.loads(cli.stdout)):
+        assert [(c["text"], c["version"]) for c in shown] == [("EXIT ONLY", 3), ("NO PARKING", None), ("OLD", None)]
+        assert all(isinstance(c["start"], float) and isinstance(c["end"], float) for c in shown), shown
+        assert shown[0]["start"] == 0.0 and shown[-1]["end"] == 9.5
+
+
 def test_open_subtitle_cues_close_once_the_stream_goes_quiet(rt, redis_url, tmp_path):
     """A file that ended (or a camera that stopped) leaves its last lines open; they become cues
     after `idle_flush_s` without a new version, not only when the service stops."""

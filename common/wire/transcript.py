@@ -74,6 +74,27 @@ def by_start(entries: Iterable[Mapping[str, str]]) -> list[Mapping[str, str]]:
     return sorted(entries, key=start)
 
 
+def entry_json(entry: Mapping[str, str]) -> dict:
+    """A transcript entry (its fields as Redis keeps them: text) as JSON values: `start` and `end`
+    numbers (capture seconds), `version` the cache version whose answer closed the cue, an int, or
+    None for a cue closed with no new version (the stream went quiet, or the worker stopped; such
+    an entry holds no `version`, or "-1" as written before). A value that is no number is None."""
+    out: dict = dict(entry)
+    for name in ("start", "end"):
+        out[name] = _number(entry.get(name))
+    version = _number(entry.get("version"))
+    out["version"] = int(version) if version is not None and version >= 0 else None
+    return out
+
+
+def _number(value: str | None) -> float | None:
+    try:
+        number = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
 def _cue_lines(text: str) -> list[str]:
     lines = []
     for raw in clean_chars(str(text)).splitlines():
