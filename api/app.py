@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from api import ask, chat, clips, errors, guard, replies, search, streams
 from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
-from common import metrics, redisio
+from common import health, metrics, redisio
 from common.framelog import FrameLog
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
@@ -110,23 +110,34 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
 
 
 async def live() -> dict:
-    return {"status": "ok"}
+    return dict(health.LIVE)  # the services' shape (common/health.py), as /health/ready's below
 
 
 async def ready(request: Request, stream: str | None = Query(None, description="also require its lease")):
+    """The services' /health/ready shape (`ready`, `checks`, `leases`, `reasons`); a 503 also
+    carries the API's error object, whose `code` says which check failed."""
     r = request.app.state.r
     try:
         await r.ping()
         # `?stream=` (a probe built from an unset variable) is a bad name, not "no stream asked"
         holder = await r.get(keys.lease(replies.stream_name(stream))) if stream is not None else None
     except (aredis.ConnectionError, aredis.TimeoutError, *redisio.PROBE_ERRORS) as e:
-        return errors.response(503, f"redis unreachable: {type(e).__name__}")
+        return _not_ready({"redis": False}, errors.body(503, f"redis unreachable: {type(e).__name__}"))
     except aredis.ResponseError as e:  # a user the API may not be (NOPERM): no route would work
-        return JSONResponse(errors.refused(e), status_code=503)
-    if stream is not None and holder is None:
-        return errors.response(503, f"no encoder holds stream {stream!r}", param="stream", code="no_encoder")
-    body = {"status": "ready", "redis": True}
-    return JSONResponse(body | ({"stream": stream, "encoder": holder.decode()} if stream else {}))
+        return _not_ready({"redis": False}, errors.refused(e))
+    if stream is None:
+        return JSONResponse(health.ready_body({"redis": True}, [], {})[1])
+    if holder is None:
+        error = errors.body(503, f"no encoder holds stream {stream!r}", param="stream", code="no_encoder")
+        return _not_ready({"redis": True, "encoder": False}, error)
+    _, body = health.ready_body({"redis": True, "encoder": True}, [], {})
+    return JSONResponse(body | {"stream": stream, "encoder": holder.decode()})
+
+
+def _not_ready(checks: dict[str, bool], error: dict) -> JSONResponse:
+    """503: the failing check, its reason (the error's message) under `reasons`, and the error."""
+    failing = dict.fromkeys((k for k, ok in checks.items() if not ok), error["error"]["message"])
+    return JSONResponse(health.ready_body(checks, [], failing)[1] | error, status_code=503)
 
 
 async def favicon() -> FileResponse:

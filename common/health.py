@@ -4,7 +4,8 @@ Ready means the service can do its work now: Redis answers PING and takes writes
 redisio.REFUSALS, fails `redis_writes` with what Redis said), the model is loaded (GPU roles),
 the encoder's lease loop has run recently (it holds and renews its streams' leases), and no check
 a service marked failing (the recorder's frames log while its writes fail) is, with why.
-Both answer JSON; 200 when fine, 503 with the failing checks otherwise.
+Both answer JSON; 200 when fine, 503 with the failing checks otherwise. The HTTP API answers its
+own /health/* in the same shape (`LIVE`, `ready_body`), so one probe reads every service.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from common import redisio
 
 PROBE_TIMEOUT_S = 1.0
+LIVE = {"live": True}  # /health/live's body
+
+
+def ready_body(checks: dict[str, bool], leases: list[str], failing: dict[str, str]) -> tuple[bool, dict[str, Any]]:
+    """/health/ready's verdict and body: `ready`, every check's outcome, the leases held, and why
+    each failing one fails (`reasons`, only when one does)."""
+    ok = all(checks.values())
+    return ok, {"ready": ok, "checks": checks, "leases": leases} | ({"reasons": failing} if failing else {})
 
 
 @dataclass
@@ -53,9 +62,7 @@ class Readiness:
         if (refused := redisio.REFUSING.why()) is not None:  # answers PING, refuses writes: not ready
             failing["redis_writes"] = refused
         checks |= dict.fromkeys(failing, False)
-        ok = all(checks.values())
-        body = {"ready": ok, "checks": checks, "leases": self.leases}
-        return ok, body | ({"reasons": failing} if failing else {})
+        return ready_body(checks, self.leases, failing)
 
     @staticmethod
     def _answers(url: str | None) -> bool:
@@ -76,7 +83,7 @@ def serve(port: int | None, registry: CollectorRegistry, readiness: Readiness = 
             if path == "/metrics":
                 self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)
             elif path == "/health/live":
-                self._send(200, b'{"live": true}', "application/json")
+                self._send(200, json.dumps(LIVE).encode(), "application/json")
             elif path == "/health/ready":
                 ok, body = readiness.check()
                 self._send(200 if ok else 503, json.dumps(body).encode(), "application/json")

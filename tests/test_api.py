@@ -384,8 +384,8 @@ def test_alert_fires_once_and_is_delivered_to_webhook_and_mqtt(live):
 
 
 def test_health_and_openapi(live):
-    assert httpx.get(live.base + "/health/live").json() == {"status": "ok"}
-    assert httpx.get(live.base + "/health/ready").json()["redis"] is True
+    assert httpx.get(live.base + "/health/live").json() == {"live": True}
+    assert httpx.get(live.base + "/health/ready").json()["checks"] == {"redis": True}
     ready = httpx.get(live.base + "/health/ready", params={"stream": CAM}).json()
     assert ready["encoder"] == live.r.get(keys.lease(CAM)).decode()
     assert_error(httpx.get(live.base + "/health/ready", params={"stream": "nope"}), 503, "stream")
@@ -407,6 +407,7 @@ def test_not_ready_without_redis_but_alive():
     live_probe, ready_probe = asyncio.run(probe())
     assert live_probe.status_code == 200
     assert "redis unreachable" in assert_error(ready_probe, 503)["message"]
+    assert (ready_probe.json()["ready"], ready_probe.json()["checks"]) == (False, {"redis": False})
 
 
 def test_a_camera_that_never_connected_has_status_and_events(redis_url, tmp_path):

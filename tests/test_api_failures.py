@@ -133,3 +133,36 @@ def test_outputs_of_a_job_that_never_wrote_are_a_404_not_an_empty_200(redis_url)
     assert known.status_code == 200 and [o["text"] for o in known.json()["outputs"]] == ["a van"]
     missing = error(unknown, 404)
     assert (missing["param"], missing["code"]) == ("job", "job_not_found") and "'nope'" in missing["message"]
+
+
+def test_the_apis_health_answers_in_the_services_shape(redis_url):
+    """/health/live and /health/ready of the API read as every service's (common/health.py):
+    `live`; `ready`, `checks`, `leases`, and `reasons` when not ready. The API answered
+    {"status": "ok"} and {"status": "ready", "redis": true}, and a bare error when not ready."""
+    from common import health
+
+    r = camera(redis_url)
+    _, service = health.Readiness(redis_url=redis_url).check()
+    cfg = ApiConfig(redis_url=redis_url)
+    live, ready, unheld = requests(
+        cfg, ("GET", "/health/live", {}), ("GET", "/health/ready", {}), ("GET", "/health/ready?stream=cam1", {})
+    )
+    assert live.status_code == 200 and live.json() == health.LIVE
+    assert ready.status_code == 200 and ready.json() == service == {
+        "ready": True,
+        "checks": {"redis": True},
+        "leases": [],
+    }
+    assert error(unheld, 503)["code"] == "no_encoder", "the error object stays, for the clients that read it"
+    body = unheld.json()
+    assert (body["ready"], body["checks"], body["leases"]) == (False, {"redis": True, "encoder": False}, [])
+    assert body["reasons"] == {"encoder": "no encoder holds stream 'cam1'"}
+    r.set(keys.lease("cam1"), "enc-1")
+    (held,) = requests(cfg, ("GET", "/health/ready?stream=cam1", {}))
+    assert held.status_code == 200 and held.json() == {
+        "ready": True,
+        "checks": {"redis": True, "encoder": True},
+        "leases": [],
+        "stream": "cam1",
+        "encoder": "enc-1",
+    }
