@@ -26,7 +26,15 @@ import redis
 import structlog
 
 from common import health, metrics, redisio
-from common.config import ConfigError, GPUSettings, check_redis_url, check_settings, load_config, unknown_env
+from common.config import (
+    ConfigError,
+    GPUSettings,
+    check_redis_url,
+    check_settings,
+    load_cameras_file,
+    load_config,
+    unknown_env,
+)
 from common.engine.names import RANDOM_MODELS
 from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
@@ -139,6 +147,9 @@ def startup_fields(cfg: Any) -> dict[str, Any]:
     """Model, device and streams always; every other setting only where it differs from its default."""
     always = ("model", "device", "streams", "stream", "cameras_file")
     out: dict[str, Any] = {k: getattr(cfg, k) for k in always if hasattr(cfg, k)}
+    if getattr(cfg, "cameras_file", None) and not getattr(cfg, "streams", None):
+        # the streams the file names (its cameras' URLs, which may hold credentials, are never shown)
+        out["streams"] = [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
     changed = {}
     for f in dataclasses.fields(cfg):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default

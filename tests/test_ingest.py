@@ -724,3 +724,24 @@ def test_a_named_pipe_without_a_writer_is_waited_for_within_the_open_timeout(red
     finally:
         bridged.set()
     assert r.hget(keys.meta(CAM), "live") == b"1"
+
+
+def test_the_starting_line_names_the_cameras_files_streams_never_their_urls(tmp_path):
+    """Cameras from a cameras file: the `starting` log line lists their names (it showed none),
+    and no URL, whose credentials stay out of the logs."""
+    import json
+    import sys
+
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        "cameras:\n"
+        "  - {name: door, url: 'rtsp://viewer:Sup3r-s3cret@10.0.0.5/door', fps: 2}\n"
+        "  - {name: yard, url: '/videos/yard.mp4', fps: 2}\n"
+    )
+    argv = ["ingest", "--cameras-file", str(cameras), "--redis-grace-s", "0.5"]
+    argv += ["--redis-url", f"redis://127.0.0.1:{free_port()}/0"]  # nobody there: it exits after starting
+    out = subprocess.run([sys.executable, "-m", "apps.cli", *argv], capture_output=True, text=True, timeout=60)
+    lines = [json.loads(line) for line in out.stderr.splitlines() if line.startswith("{")]
+    (starting,) = [line for line in lines if line["event"] == "starting"]
+    assert starting["streams"] == ["door", "yard"], starting
+    assert "Sup3r-s3cret" not in out.stderr and "10.0.0.5" not in out.stderr and "yard.mp4" not in out.stderr
