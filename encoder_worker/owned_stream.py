@@ -424,10 +424,14 @@ def publish_fenced(r: redis.Redis, name: str, owner: str, manifest: Manifest, ve
 
 
 def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpec, bool]:
+    """The stream's spec and liveness from its description; StreamNotReady before ingest wrote one.
+    A forged or damaged one (a grid over the frame limit, say) fails this stream's open, said in an
+    `open_failed` event: the stream was opened on a grid over the limit, and let go of without a
+    word when its description did not decode."""
     try:
         meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
-    except SchemaError as e:  # a forged or damaged description: not startable until ingest re-states it
-        raise StreamNotReady(f"{name}: {e}") from None
+    except SchemaError as e:  # not startable until ingest re-states it (with its next frame)
+        raise ValueError(f"{name}: bad stream description: {e}") from None
     if meta is None:
         raise StreamNotReady(name)
     return meta.spec(name, chunk_frames), meta.live

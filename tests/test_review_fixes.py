@@ -280,6 +280,29 @@ def test_a_stream_that_fails_to_open_fails_alone(rt, redis_url, monkeypatch):
     stop(svc, r)
 
 
+def test_a_stream_described_with_a_grid_over_the_frame_limit_fails_alone_with_an_event(rt, redis_url):
+    """A stream's description (its meta hash) holding a grid over the frame limit, forged or
+    damaged: that stream is not opened, an `open_failed` event says why, and the worker's other
+    stream is encoded. It was opened on that grid, which no frame off the wire can have."""
+    from encoder_worker import service as encoder_service
+    from encoder_worker.config import EncoderConfig
+    from tests.test_persistence import encoded, events, push, run_until, stop
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("bad"), mapping={"fps": 2, "height": 4200, "width": 4200, "live": 0})
+    r.hset(keys.meta("good"), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = EncoderConfig(redis_url=redis_url, streams=("bad", "good"), consumer="enc", chunk_frames=2, block_ms=50)
+    svc = encoder_service.EncoderService(cfg, rt, r, MemoryStore())
+    push(r, "good", range(4))
+    run_until(
+        svc, lambda: encoded(r, "good", 3) and bool(events(r, "bad", b"open_failed")), "good encoded, bad refused"
+    )
+    (failed,) = events(r, "bad", b"open_failed")
+    assert b"grid 4200x4200 exceeds the frame limit" in failed[b"error"], failed
+    assert "bad" not in svc.owned and not events(r, "bad", b"encoder_attached")
+    stop(svc, r)
+
+
 def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
     """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
     and so does its streamed error chunk (which named "messages" whatever the worker said); the

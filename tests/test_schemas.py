@@ -288,6 +288,7 @@ def _with_segment(i: int, **change) -> list[dict]:
         ({"fps": 0}, "fps"),
         ({"grid": [56]}, "grid"),
         ({"grid": [56, "84"]}, "grid[1]"),
+        ({"grid": [4200, 4200]}, "grid"),  # each side in range, the frame over the limit
         ({"segments": "prefix"}, "segments"),
         ({"segments": []}, "segments"),
         ({"segments": [1]}, "segments[0]"),
@@ -313,6 +314,16 @@ def _with_segment(i: int, **change) -> list[dict]:
 def test_manifest_bad_fields(change, field):
     d = msgpack.unpackb(manifest_to_bytes(_manifest()))
     _raises(field, manifest_from_bytes, msgpack.packb({**d, **change}))
+
+
+def test_a_stream_description_with_a_grid_over_the_frame_limit_is_refused_at_read():
+    """Ingest never chooses such a grid, but one forged or damaged in Redis was taken as it was:
+    the encoder opened the stream on it, and ingest resized every frame to it."""
+    from common.wire.meta import StreamMeta
+
+    meta = {b"fps": b"2", b"height": b"4200", b"width": b"4200", b"live": b"1"}
+    _raises("meta.grid", StreamMeta.from_hash, meta)
+    assert StreamMeta.from_hash(meta | {b"height": b"3920"}).grid.height == 3920  # 3920 x 4200 is within it
 
 
 def test_manifest_missing_and_garbage():

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.engine.grid import FrameError, Grid, StreamSpec
-from common.wire.schemas import SchemaError
+from common.wire.schemas import SchemaError, check_grid
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class StreamMeta:
             raise SchemaError("meta", str(e)) from None
         if not fps > 0:
             raise SchemaError("meta.fps", f"must be positive, got {d['fps']}")
+        check_grid("meta.grid", grid.height, grid.width)
         return cls(fps, grid, d.get("live") == "1", d.get("url", ""))
 
     def spec(self, name: str, chunk_frames: int) -> StreamSpec:

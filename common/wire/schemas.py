@@ -406,6 +406,13 @@ def _check_pixels(h: int, w: int, limits: Limits) -> None:
         raise SchemaError("h", f"h*w = {h}*{w} exceeds the limit of {limits.max_frame_pixels} pixels")
 
 
+def check_grid(field: str, h: int, w: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    """SchemaError for a stored grid (a stream's meta, a manifest's) over the frame limit: no frame
+    of it would be taken off the wire, and its chunks would cost tokens no cache holds."""
+    if h * w > limits.max_frame_pixels:
+        raise SchemaError(field, f"grid {h}x{w} exceeds the frame limit of {limits.max_frame_pixels} pixels")
+
+
 # --------------------------------------------------------------------------- cache manifest
 
 
@@ -513,6 +520,7 @@ class Manifest:
         )
         object.__setattr__(self, "segments", records)
         object.__setattr__(self, "grid", _pair("grid", self.grid, lambda n, v: _int(n, v, 1, 1 << 16)))
+        check_grid("grid", *self.grid)
         _validate_manifest(self)
 
     @property
