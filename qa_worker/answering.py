@@ -362,6 +362,22 @@ class Answerer:
         flat = [x for kv in fields.items() for x in kv]
         there = self.r.eval(_WRITE_FINAL, 1, keys.answer(final.id), ttl, *flat)
         self._audit(final.id, dict(zip(there[::2], there[1::2], strict=True)) if there else fields, ttl)
+        if final.asked is not None:
+            self._keep_claim(final.id, final.asked, ttl)
+
+    def _keep_claim(self, qid: str, asked: str, ttl: int) -> None:
+        """The id's claim (routing.py) lives as long as the answer stream it guards, from now: set
+        at routing for `reply_ttl_s`, it ran out before a question's own longer `reply_ttl` did, and
+        another question with the id was answered into this one's stream. Only a claim there is
+        renewed, the one this question holds; nothing under a users.acl older than claims."""
+        key = keys.answer_owner(qid)
+
+        def renew() -> None:
+            held = self.r.get(key)
+            if held is not None and redisio.text(held) == asked:
+                self.r.set(key, asked, xx=True, ex=ttl)
+
+        redisio.unless_refused(renew, None, "the claim of question ids")
 
     def _audit(self, qid: str, fields: dict, ttl: int) -> None:
         """The final on `svqa:answers`, once per question id: a redelivered question whose final

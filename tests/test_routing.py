@@ -135,6 +135,25 @@ def test_a_final_answer_counts_the_queue_from_the_asking_and_names_the_field_it_
     assert final.queue_s >= 4.9 and final.elapsed_s >= final.queue_s, final
 
 
+def test_a_question_id_stays_claimed_as_long_as_its_answer_is_kept(r, rt):
+    """A question's own `reply_ttl` longer than the server's `reply_ttl_s` (here 3600 s against
+    60): its id's claim, set for `reply_ttl_s` when it was routed, ran out 59 minutes before its
+    answer stream did, and another question with the id was answered there. The claim now lives
+    as long as the answer it guards, a short `reply_ttl` alike."""
+    known = {CAM}.__contains__
+    answerer = Answerer(rt, r, lambda s, at: None, known, consumer="a", reply_ttl_s=60, max_reply_ttl_s=86_400)
+    router = Router(r, known, answerer.handle, answerer.reject, consumer="a", marker_ttl_s=60, max_deliveries=3)
+    r.set(keys.head(CAM), b"a manifest")
+    redisio.ensure_group(r, keys.QUESTIONS, keys.QA_GROUP)
+    for qid, reply_ttl in (("kept-long", 3600), ("kept-short", 20)):
+        r.xadd(keys.QUESTIONS, {"id": qid, "stream": CAM, "question": "then?", "at": "3", "reply_ttl": str(reply_ttl)})
+    router.route(redisio.GroupReader(r, [keys.QUESTIONS], keys.QA_GROUP, "a", block_ms=100).read())
+    answerer.handle_entries(redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "a", block_ms=100).read())
+    for qid, reply_ttl in (("kept-long", 3600), ("kept-short", 20)):
+        answer, claim = r.ttl(keys.answer(qid)), r.ttl(keys.answer_owner(qid))
+        assert reply_ttl - 5 <= answer <= claim <= reply_ttl, (qid, answer, claim)
+
+
 def test_a_question_of_a_stream_that_moved_on_goes_back_to_its_queue_once(r):
     forward(r, CAM, "q1", {b"stream": CAM.encode(), b"question": b"hi"}, ttl_s=60)
     reader = redisio.GroupReader(r, [keys.questions(CAM)], keys.QA_GROUP, "old", block_ms=100)
