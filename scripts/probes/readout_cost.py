@@ -1,0 +1,143 @@
+"""What handing each chunk's K/V and retrieval vector to the host costs an encode step.
+
+`bench_engine.py` streams chunks with no sinks; the worker's engines have `on_segment` (the
+chunk's K/V, 19 MB at 448², copied into page-locked memory for the segment writer) and
+`on_features` (its retrieval vector). The pipeline's encode steps ran at 78 % of the engine's
+rate (2026-11-29), and its GPU loop spent a quarter of its time in the publish phase. This
+streams the same chunks (random embeddings, 4-frame 448² chunks, `STEPS` steps of 8 chunks over
+16 streams at 32K cached tokens, evicting) three ways: no sinks; the worker's sinks, whose K/V a
+writer thread copies away (as the shm store does) before dropping it; and the same once more
+(torch's page-locked cache warm). Each prints a JSON line: ms a step (host until launched, and
+to the device's end), the GPU loop's host ms in the publish phase, and torch's page-locked
+allocator counters over the steps (allocations that had to pin fresh memory, and their time).
+
+Run from the root of the code on a GPU: `PYTHONPATH=. python3 scripts/probes/readout_cost.py`;
+`tiny-random cpu` as arguments: a smoke run on the CPU.
+"""
+
+import json
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from common.engine.eviction import EvictionPolicy
+from common.engine.grid import Grid, StreamSpec
+from common.engine.model import load_model
+from common.engine.runtime import Runtime
+from common.engine.stream_engine import Chunk, ChunkWork, StreamEngine
+
+STREAMS, BATCH, STEPS, CHUNK_TOKENS = 16, 8, 40, 512
+
+
+class Writer:
+    """The segment writer's part: copy each K/V out of its page-locked buffer, then drop it."""
+
+    def __init__(self) -> None:
+        self.todo: queue.Queue[torch.Tensor | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while (kv := self.todo.get()) is not None:
+            np.array(kv.view(torch.uint8).numpy(), copy=True)
+
+    def close(self) -> None:
+        self.todo.put(None)
+        self.thread.join()
+
+
+def engines(rt: Runtime, budget: int, writer: Writer | None) -> list[StreamEngine]:
+    sinks = {}
+    if writer is not None:
+        sinks = dict(on_segment=lambda _s, kv: writer.todo.put(kv), on_features=lambda _s, _v: None)
+    policy = EvictionPolicy(max_cache_tokens=budget)
+    out = [StreamEngine(rt, StreamSpec(f"cam{i}", 2.0, Grid(448, 448), 4), policy, **sinks) for i in range(STREAMS)]
+    for group in (out[i : i + BATCH] for i in range(0, STREAMS, BATCH)):
+        while group[0].head.tokens + CHUNK_TOKENS <= budget - CHUNK_TOKENS:
+            step(rt, group, ThreadPoolExecutor(1))
+    return out
+
+
+def step(rt: Runtime, group: list[StreamEngine], finishing: ThreadPoolExecutor) -> float:
+    """One encode step of a chunk per engine; the host's seconds until everything is launched."""
+    dim = rt.lm.embed_tokens.embedding_dim
+    work = []
+    for e in group:
+        seq = e.head.last_frame_seq + 1
+        embeds = torch.randn(CHUNK_TOKENS, dim, device=rt.device, dtype=rt.lm.dtype) * 0.02
+        work.append(ChunkWork(e, Chunk((2, 0, 0), (seq, seq + 3), (seq / 2, seq / 2 + 1.5), embeds=embeds)))
+    t0 = time.perf_counter()
+    ChunkWork.run_batch(work)
+    launched = time.perf_counter() - t0
+    for w in work:  # the stream threads' part
+        finishing.submit(w.engine.finish, w.future.result())
+    return launched
+
+
+def host_stats() -> dict:
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.host_memory_stats()
+    return {k: stats.get(k, 0) for k in ("num_host_alloc", "num_host_free", "host_alloc_time.total")}
+
+
+def measure(rt: Runtime, label: str, streams: list[StreamEngine]) -> None:
+    publish = [0.0]
+    output = ChunkWork._output
+
+    def timed_output(self: ChunkWork):
+        t0 = time.perf_counter()
+        try:
+            return output(self)
+        finally:
+            publish[0] += time.perf_counter() - t0
+
+    ChunkWork._output = timed_output  # type: ignore[method-assign]
+    finishing = ThreadPoolExecutor(8)
+    before = host_stats()
+    sync()
+    t0 = time.perf_counter()
+    launched = sum(step(rt, streams[(i * BATCH) % STREAMS :][:BATCH], finishing) for i in range(STEPS))
+    sync()
+    wall = time.perf_counter() - t0
+    finishing.shutdown()
+    ChunkWork._output = output  # type: ignore[method-assign]
+    after = host_stats()
+    row = {
+        "sinks": label,
+        "ms_a_step": round(1000 * wall / STEPS, 2),
+        "host_launched_ms_a_step": round(1000 * launched / STEPS, 2),
+        "publish_host_ms_a_step": round(1000 * publish[0] / STEPS, 2),
+        "chunks_per_s": round(STEPS * BATCH / wall, 1),
+        "host_alloc": {k: after[k] - before.get(k, 0) for k in after},
+        "evictions": sum(e.head.stats.evictions for e in streams),
+    }
+    print(json.dumps(row), flush=True)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    model, device = (sys.argv[1], sys.argv[2]) if len(sys.argv) > 2 else ("random-3b", "cuda")
+    rt = Runtime(load_model(model, device=device))
+    budget = 32768 if device == "cuda" else 4 * CHUNK_TOKENS
+    plain = engines(rt, budget, None)
+    measure(rt, "none", plain)
+    del plain
+    writer = Writer()
+    sinking = engines(rt, budget, writer)
+    measure(rt, "worker's", sinking)
+    measure(rt, "worker's, again", sinking)
+    writer.close()
+
+
+if __name__ == "__main__":
+    main()
