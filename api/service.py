@@ -21,6 +21,7 @@ from api.app import create_app
 from api.config import ApiConfig
 from common import boot, redisio
 from common.logs import redact_url
+from common.version import VERSION
 
 log = structlog.get_logger()
 
@@ -50,7 +51,16 @@ def main(argv: list[str]) -> int:
             error=problem,
         )
     warn_if_exposed(cfg)
-    log.info("api starting", host=cfg.host, port=cfg.port, auth=cfg.token is not None)
+    # the `starting` line every service writes (README "Logs"): version and the settings changed
+    log.info(
+        "starting",
+        service=prog,
+        version=VERSION,
+        host=cfg.host,
+        port=cfg.port,
+        auth=cfg.token is not None,
+        **boot.startup_fields(cfg),
+    )
     return serve(create_app(cfg), cfg)
 
 

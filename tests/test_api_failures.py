@@ -5,6 +5,7 @@ status and a code that say what happened, never a 500 of plain text (found by pr
 from __future__ import annotations
 
 import asyncio
+import json
 import types
 from pathlib import Path
 
@@ -15,8 +16,10 @@ import redis
 from api.app import connect, create_app
 from api.config import ApiConfig
 from api.service import _outlast
+from common.version import VERSION
 from common.wire import keys
 from tests.conftest import free_port
+from tests.pipeline import Services, wait_for
 
 CHAT = {"model": "cam1", "messages": [{"role": "user", "content": "what happened?"}]}
 
@@ -119,3 +122,21 @@ def test_a_frames_log_that_cannot_be_read_is_a_503_saying_so(redis_url, tmp_path
     cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(not_a_dir))
     for resp in requests(cfg, ("GET", "/api/streams/cam1/snapshot", {}), ("GET", "/api/streams/cam1/clip?from=0", {})):
         assert error(resp, 503)["code"] == "frames_log_unreadable"
+
+
+def test_the_api_starts_with_the_starting_line_every_service_writes(redis_url, tmp_path: Path):
+    """Its first line was `api starting` (host, port, auth): no version and no settings, unlike
+    every other service's `starting` line (README "Logs"). The token is `***` there, never itself."""
+    token = "t0ken-never-logged-1234"
+    services = Services(redis_url, tmp_path)
+    port = free_port()
+    services.start("api", "--port", str(port), "--framelog-dir", str(tmp_path), SVQA_API_TOKEN=token)
+    try:
+        wait_for(lambda: '"starting"' in services.logs(), 30, "the starting line", services)
+    finally:
+        services.stop_all()
+    line = next(json.loads(s) for s in services.logs().splitlines() if '"starting"' in s)
+    assert line["service"] == "streamvqa api" and line["version"] == VERSION, line
+    assert line["port"] == port and line["auth"] is True, line
+    assert line["settings"]["framelog_dir"] == str(tmp_path) and line["settings"]["token"] == "***", line
+    assert token not in services.logs()
