@@ -143,6 +143,25 @@ def test_status_names_its_redis_and_gives_live_capture_times_as_local_time_and_a
     assert str(int(now - 5)) not in lines[1]  # no epoch seconds
 
 
+def test_status_of_a_stream_with_no_cache_yet_gives_no_version_age():
+    """A stream with no head (a camera never connected) read `version age -s`."""
+    found = {
+        "at": time.time(),
+        "streams": [
+            {
+                "stream": "cam1",
+                "live": True,
+                "head": None,
+                "last_event": {"type": "reconnecting"},
+                **{"lease": None, "frames": {}, "questions": {}, "source": None, "grid": None},
+            }
+        ],
+        **{"workers": [], "questions": {}, "dead_letters": 0},
+    }
+    line = status.render(found).splitlines()[0]
+    assert "version age -  " in line and "-s" not in line, line
+
+
 def test_status_first_line_says_which_redis_it_asked(redis_url):
     out = subprocess.run(
         [sys.executable, "-m", "apps.cli", "status"],
