@@ -8,6 +8,7 @@ line, as the other services do, so an orchestrator restarts it.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 
@@ -50,6 +51,7 @@ def main(argv: list[str]) -> int:
             grace_s=cfg.redis_grace_s,
             error=problem,
         )
+    check_listen(cfg, prog)  # exit 2 when host:port cannot be listened on
     warn_if_exposed(cfg)
     # the `starting` line every service writes (README "Logs"): version and the settings changed
     log.info(
@@ -62,6 +64,17 @@ def main(argv: list[str]) -> int:
         **boot.startup_fields(cfg),
     )
     return serve(create_app(cfg), cfg)
+
+
+def check_listen(cfg: ApiConfig, prog: str) -> None:
+    """Exit 2 with one line when the API's address cannot be listened on (a port in use, an
+    address not this host's), as for a `metrics_port` in use. Left to uvicorn it logged
+    "Application startup complete", then the error, and exited 3, the code of Redis unusable."""
+    try:
+        family, *_, where = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        socket.create_server(where[:2], family=family).close()  # SO_REUSEADDR, as uvicorn's own
+    except OSError as e:
+        boot.fail(boot.EXIT_CONFIG, "api address unusable", service=prog, host=cfg.host, port=cfg.port, error=str(e))
 
 
 def serve(app: FastAPI, cfg: ApiConfig) -> int:

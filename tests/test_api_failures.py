@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -140,3 +143,21 @@ def test_the_api_starts_with_the_starting_line_every_service_writes(redis_url, t
     assert line["port"] == port and line["auth"] is True, line
     assert line["settings"]["framelog_dir"] == str(tmp_path) and line["settings"]["token"] == "***", line
     assert token not in services.logs()
+
+
+def test_a_port_in_use_is_exit_2_and_one_line(redis_url):
+    """uvicorn logged "Application startup complete", then the bind error, and exited 3: the code
+    of Redis unusable (README "Start-up"), for a port another process held."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "apps.cli", "api", "--port", str(port), "--redis-url", redis_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    line = json.loads(lines[0])
+    assert line["event"] == "api address unusable" and line["port"] == port and "in use" in line["error"], line
