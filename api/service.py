@@ -8,6 +8,7 @@ line, as the other services do, so an orchestrator restarts it.
 from __future__ import annotations
 
 import asyncio
+import socket
 import sys
 import time
 
@@ -21,6 +22,7 @@ from api.app import create_app
 from api.config import ApiConfig
 from common import boot, redisio
 from common.logs import redact_url
+from common.version import VERSION
 
 log = structlog.get_logger()
 
@@ -49,9 +51,30 @@ def main(argv: list[str]) -> int:
             grace_s=cfg.redis_grace_s,
             error=problem,
         )
+    check_listen(cfg, prog)  # exit 2 when host:port cannot be listened on
     warn_if_exposed(cfg)
-    log.info("api starting", host=cfg.host, port=cfg.port, auth=cfg.token is not None)
+    # the `starting` line every service writes (README "Logs"): version and the settings changed
+    log.info(
+        "starting",
+        service=prog,
+        version=VERSION,
+        host=cfg.host,
+        port=cfg.port,
+        auth=cfg.token is not None,
+        **boot.startup_fields(cfg),
+    )
     return serve(create_app(cfg), cfg)
+
+
+def check_listen(cfg: ApiConfig, prog: str) -> None:
+    """Exit 2 with one line when the API's address cannot be listened on (a port in use, an
+    address not this host's), as for a `metrics_port` in use. Left to uvicorn it logged
+    "Application startup complete", then the error, and exited 3, the code of Redis unusable."""
+    try:
+        family, *_, where = socket.getaddrinfo(cfg.host, cfg.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        socket.create_server(where[:2], family=family).close()  # SO_REUSEADDR, as uvicorn's own
+    except OSError as e:
+        boot.fail(boot.EXIT_CONFIG, "api address unusable", service=prog, host=cfg.host, port=cfg.port, error=str(e))
 
 
 def serve(app: FastAPI, cfg: ApiConfig) -> int:

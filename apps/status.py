@@ -73,9 +73,10 @@ def render(found: dict) -> str:
         lease = s["lease"]["holder"] if s["lease"] else "-"
         frames, questions = s["frames"], s["questions"]
         video = _ranges(head.get("ranges") or [], s["live"], found["at"]) + _newest(head)
+        age = f"{head['age_s']}s" if head.get("age_s") is not None else "-"
         lines.append(
             f"{s['stream']:<16} v{head.get('version', '-'):<6} {head.get('tokens', 0):>8} tok  "
-            f"seq {head.get('last_frame_seq', '-'):<6} video {video}  version age {head.get('age_s', '-')}s  "
+            f"seq {head.get('last_frame_seq', '-'):<6} video {video}  version age {age}  "
             f"frames waiting {frames.get('lag', 0) + frames.get('pending', 0):<5} "
             f"questions {questions.get('lag', 0) + questions.get('pending', 0):<4} worker {lease}  {s['source'] or ''}"
         )

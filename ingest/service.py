@@ -37,8 +37,9 @@ def source_specs(cfg: IngestConfig) -> list[SourceSpec]:
 def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.Redis | None = None) -> int:
     """``frames``: where frames and the latest-frame pictures go (default ``r``).
 
-    0 when every camera ended well; 3 when Redis stayed away past the grace period; else 1 once
-    every camera has ended, naming those that failed (README "Start-up")."""
+    0 when every camera ended well, or when stopped (SIGTERM, Ctrl-C: cameras that had failed are
+    still named); 3 when Redis stayed away past the grace period; else 1 once every camera has
+    ended, naming those that failed (README "Start-up")."""
     results: dict[str, int] = {}
 
     def one(spec: SourceSpec) -> None:
@@ -54,7 +55,9 @@ def run(cfg: IngestConfig, r: redis.Redis, stop: threading.Event, frames: redis.
     failed = [name for name, rc in results.items() if rc]
     if failed:
         log.error("cameras failed", streams=failed)
-    return 1 if failed else 0
+    # a stop asked for is a clean end (systemd marks a unit whose stop exits 1 failed): a failed
+    # camera fails the exit only when ingest ended by itself, for restart: on-failure
+    return 1 if failed and not stop.is_set() else 0
 
 
 def run_source(

@@ -18,6 +18,7 @@ import json
 import math
 import sys
 import time
+import unicodedata
 from collections.abc import Callable, Iterator
 from typing import TextIO
 
@@ -206,12 +207,20 @@ def _time_ref(name: str, text: str | None) -> TimeRef | None:
         raise SchemaError(name, str(e)) from None
 
 
+def for_terminal(text: str) -> str:
+    """Model text as a terminal may show it: a control character (ESC, BEL, ...; line breaks and
+    tabs kept) as U+FFFD. Answers are the model's, steered by what a camera sees: a random-weight
+    model's beeped and garbled the terminal, and an escape sequence in one could rewrite it."""
+    return "".join("\ufffd" if unicodedata.category(ch) == "Cc" and ch not in "\n\t" else ch for ch in text)
+
+
 def _ask(client: Client, ns: argparse.Namespace) -> int:
     place = Place(sys.stderr)
+    shown = for_terminal if sys.stdout.isatty() else str  # a pipe gets the answer exactly
 
     def delta(text: str) -> None:
         place.clear()
-        print(text, end="", flush=True)
+        print(shown(text), end="", flush=True)
 
     final = client.ask(
         ns.stream,
@@ -227,7 +236,7 @@ def _ask(client: Client, ns: argparse.Namespace) -> int:
         print(f"error: {final.error}", file=sys.stderr)
         return 1
     if final.choice is not None:
-        print(final.choice)
+        print(shown(final.choice))
     else:
         print()
     if (timing := timing_line(final)) is not None:

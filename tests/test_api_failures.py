@@ -5,6 +5,10 @@ status and a code that say what happened, never a 500 of plain text (found by pr
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
+import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -15,8 +19,10 @@ import redis
 from api.app import connect, create_app
 from api.config import ApiConfig
 from api.service import _outlast
+from common.version import VERSION
 from common.wire import keys
 from tests.conftest import free_port
+from tests.pipeline import Services, wait_for
 
 CHAT = {"model": "cam1", "messages": [{"role": "user", "content": "what happened?"}]}
 
@@ -166,3 +172,39 @@ def test_the_apis_health_answers_in_the_services_shape(redis_url):
         "stream": "cam1",
         "encoder": "enc-1",
     }
+
+
+def test_the_api_starts_with_the_starting_line_every_service_writes(redis_url, tmp_path: Path):
+    """Its first line was `api starting` (host, port, auth): no version and no settings, unlike
+    every other service's `starting` line (README "Logs"). The token is `***` there, never itself."""
+    token = "t0ken-never-logged-1234"
+    services = Services(redis_url, tmp_path)
+    port = free_port()
+    services.start("api", "--port", str(port), "--framelog-dir", str(tmp_path), SVQA_API_TOKEN=token)
+    try:
+        wait_for(lambda: '"starting"' in services.logs(), 30, "the starting line", services)
+    finally:
+        services.stop_all()
+    line = next(json.loads(s) for s in services.logs().splitlines() if '"starting"' in s)
+    assert line["service"] == "streamvqa api" and line["version"] == VERSION, line
+    assert line["port"] == port and line["auth"] is True, line
+    assert line["settings"]["framelog_dir"] == str(tmp_path) and line["settings"]["token"] == "***", line
+    assert token not in services.logs()
+
+
+def test_a_port_in_use_is_exit_2_and_one_line(redis_url):
+    """uvicorn logged "Application startup complete", then the bind error, and exited 3: the code
+    of Redis unusable (README "Start-up"), for a port another process held."""
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "apps.cli", "api", "--port", str(port), "--redis-url", redis_url],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1, out.stderr
+    line = json.loads(lines[0])
+    assert line["event"] == "api address unusable" and line["port"] == port and "in use" in line["error"], line

@@ -143,6 +143,25 @@ def test_status_names_its_redis_and_gives_live_capture_times_as_local_time_and_a
     assert str(int(now - 5)) not in lines[1]  # no epoch seconds
 
 
+def test_status_of_a_stream_with_no_cache_yet_gives_no_version_age():
+    """A stream with no head (a camera never connected) read `version age -s`."""
+    found = {
+        "at": time.time(),
+        "streams": [
+            {
+                "stream": "cam1",
+                "live": True,
+                "head": None,
+                "last_event": {"type": "reconnecting"},
+                **{"lease": None, "frames": {}, "questions": {}, "source": None, "grid": None},
+            }
+        ],
+        **{"workers": [], "questions": {}, "dead_letters": 0},
+    }
+    line = status.render(found).splitlines()[0]
+    assert "version age -  " in line and "-s" not in line, line
+
+
 def test_status_first_line_says_which_redis_it_asked(redis_url):
     out = subprocess.run(
         [sys.executable, "-m", "apps.cli", "status"],
@@ -209,6 +228,64 @@ def test_ctrl_c_while_waiting_is_one_line_and_exit_130(argv, redis_url):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["event"] == "interrupted", err
     assert out == ""
+
+
+def _answer_once(r: redis.Redis, text: str) -> None:
+    """A stand-in worker: answers the one queued question with `text`, as a delta and a final."""
+    from common.wire.schemas import FinalAnswer, encode_delta, encode_final
+
+    deadline = time.monotonic() + 30
+    while not (entries := r.xrange(keys.QUESTIONS)):
+        assert time.monotonic() < deadline, "no question queued"
+        time.sleep(0.05)
+    entry_id, fields = entries[0]
+    qid = fields[b"id"].decode()
+    r.xadd(keys.answer(qid), encode_delta(text))
+    final = FinalAnswer(qid, "cam1", text=text, total_s=0.1, asked=entry_id.decode())
+    r.xadd(keys.answer(qid), encode_final(final))
+
+
+ESCAPES = "a\x1b]0;owned\x07b\x1b[2Jc\x08d\x00e\tf\ng"
+
+
+@pytest.mark.parametrize("terminal", [True, False], ids=["terminal", "pipe"])
+def test_ask_shows_a_terminal_no_control_character_of_the_answer(terminal, redis_url):
+    """A random-weight model's answers (`tiny-random`, README) beeped and garbled the terminal
+    `ask` printed them on (BEL, vertical tab, DEL, ...), and an answer with an escape sequence
+    could retitle or clear it. On a terminal each is U+FFFD now; a pipe gets the text exactly."""
+    import pty
+    import threading
+
+    with redis.Redis.from_url(redis_url) as r:
+        r.hset(keys.meta("cam1"), "fps", "2")
+        master, slave = pty.openpty() if terminal else os.pipe()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "apps.cli", "ask", "--stream", "cam1", "hi", "--redis-url", redis_url],
+            stdout=slave,
+            stderr=subprocess.PIPE,
+        )
+        os.close(slave)
+        responder = threading.Thread(target=_answer_once, args=(r, ESCAPES))
+        responder.start()
+        out = b""
+        while chunk := _read(master):
+            out += chunk
+        responder.join()
+        assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        os.close(master)
+    text = out.decode().replace("\r\n", "\n")  # a terminal's line discipline
+    if terminal:
+        assert text == "a\ufffd]0;owned\ufffdb\ufffd[2Jc\ufffdd\ufffde\tf\ng\n", repr(text)
+    else:
+        assert text == ESCAPES + "\n", repr(text)
+
+
+def _read(fd: int) -> bytes:
+    """What the command wrote, until it closed its end (a pty's master reads EIO then)."""
+    try:
+        return os.read(fd, 4096)
+    except OSError:
+        return b""
 
 
 @pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf"])

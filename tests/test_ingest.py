@@ -557,6 +557,26 @@ def test_a_camera_that_fails_unexpectedly_is_down_with_an_error_event_and_fails_
     assert '"stream": "big"' in services.logs() and "cameras failed" in services.logs()
 
 
+def test_stopped_ingest_exits_0_though_a_camera_had_failed(redis_url, services, tmp_path):
+    """SIGTERM exited 1 (`cameras failed`) once any camera had failed before it, a missing file
+    of a copied cameras file say: a stop asked for read as a crash (systemd marks the unit failed).
+    The failed camera is still named."""
+    r = redis.Redis.from_url(redis_url)
+    video = write_sample_video(str(tmp_path / "a.mp4"), seconds=30, fps=10, width=160, height=120)
+    cameras = tmp_path / "cameras.yaml"
+    cameras.write_text(
+        "cameras:\n"
+        f"  - {{name: gone, url: '{tmp_path / 'missing.mp4'}', fps: 2}}\n"
+        f"  - {{name: ok, url: '{video}', fps: 2, realtime: true}}\n"
+    )
+    proc = services.start("ingest", "--cameras-file", str(cameras))
+    wait_for(lambda: b"error" in [f[b"type"] for _, f in r.xrange(keys.events("gone"))], 60, "gone's error", services)
+    wait_for(lambda: r.xlen(keys.frames("ok")) >= 2, 60, "ok's frames", services)
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0, services.logs()
+    assert "cameras failed" in services.logs() and '"gone"' in services.logs()
+
+
 def test_a_camera_redis_refuses_stops_alone_and_is_named(redis_server, tmp_path):
     """The ACL's ingest user lacks camera b's keys (added to the file before the users script ran
     again): b is named and reported, a streams to its end; it was an unnamed traceback and exit 1
