@@ -355,6 +355,48 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
     assert named == ["until", "scope", None, "messages", None] * 2
 
 
+def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redis_url):
+    """POST /api/streams/{name}/ask refused by the worker: the 422's param is the field the worker
+    named (by this request's name for it), and null where it named none or one this request cannot
+    send. It said "question" whenever the worker named none."""
+    import asyncio
+
+    import httpx
+
+    from api.app import create_app
+    from api.config import ApiConfig
+    from common.wire.schemas import FinalAnswer, encode_final
+    from tests.pipeline import wait_for
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    named_by_worker = ["until", "scope", None, "question", "at", "id"]
+
+    def worker() -> None:
+        for n, param in enumerate(named_by_worker):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    async def ask() -> list[str | None]:
+        named = []
+        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            for _ in named_by_worker:
+                response = await client.post("/api/streams/ghost/ask", json={"question": "x", "stream": False})
+                assert response.status_code == 422, response.text
+                error = response.json()["error"]
+                assert error["message"] == "refused", error
+                named.append(error["param"])
+        return named
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    named = asyncio.run(ask())
+    thread.join(10)
+    assert named == ["until", "scope", None, "question", "at", None]
+
+
 def _finishes(fn, timeout_s: float = 30.0) -> list:
     """``fn()`` run in a thread: what it returned or raised, once it has, within ``timeout_s`` (a
     thread still waiting then is the failure: its work would have waited forever)."""
