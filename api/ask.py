@@ -53,6 +53,12 @@ class AskRequest(BaseModel):
     stream: bool = Field(True, description="server-sent events (default) or one JSON object")
 
 
+# The question fields a worker's refusal may name, by this request's own names (a "stream" it names is
+# the unknown stream, as known_stream names it); one it names no field for is null, not "question":
+# the refusal is then about no field, a span the frames log lacks, say.
+_ASK_FIELDS = {name: name for name in AskRequest.model_fields}
+
+
 @router.post(
     "/streams/{name}/ask",
     responses={200: {"content": {"text/event-stream": {}, "application/json": {}}}},
@@ -74,7 +80,8 @@ async def ask(name: str, body: AskRequest, request: Request):
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        return errors.response(422, final.error, param=final.param or "question", headers=headers)
+        param = replies.refused_param(final, _ASK_FIELDS)
+        return errors.response(422, final.error, param=param, headers=headers)
     return JSONResponse(replies.final_json(final, request), headers=headers)
 
 

@@ -155,7 +155,7 @@ async def chat(body: ChatRequest, request: Request):
         )
     final = await replies.final_of(request, sub)
     if final.error is not None:
-        raise errors.ApiError(422, final.error, param=_param(final))
+        raise errors.ApiError(422, final.error, param=replies.refused_param(final, _CHAT_FIELDS))
     message = {"role": "assistant", "content": final.text}
     return _envelope(q, "chat.completion") | {
         "choices": [{"index": 0, "message": message, "finish_reason": _finish(q, final)}],
@@ -164,15 +164,9 @@ async def chat(body: ChatRequest, request: Request):
     }
 
 
-# The question fields a worker's refusal may name, as this endpoint's request calls them.
+# The question fields a worker's refusal may name, as this endpoint's request calls them (streamed or
+# not); "messages" for one the worker named none would send its client to fix the wrong field.
 _CHAT_FIELDS = {"since": "since", "until": "until", "scope": "scope", "question": "messages", "stream": "model"}
-
-
-def _param(final: FinalAnswer) -> str | None:
-    """The request field a refused question's final names, streamed or not, by its chat name;
-    None where the worker named none (or one a chat request cannot send): the refusal is then
-    about no field of the request, and "messages" would send its client to fix the wrong one."""
-    return _CHAT_FIELDS.get(final.param or "")
 
 
 def _envelope(q: Question, kind: str) -> dict:
@@ -217,7 +211,7 @@ async def _chunks(request: Request, q: Question, sub: Subscription, usage: bool)
                     yield replies.sse_data(_chunk(q, {"content": current[len(sent) :]}))
                     sent = current
             elif reply.error is not None:
-                yield replies.sse_data(errors.body(422, reply.error, _param(reply)))
+                yield replies.sse_data(errors.body(422, reply.error, replies.refused_param(reply, _CHAT_FIELDS)))
             else:
                 finished = _chunk(q, {}, _finish(q, reply)) | {"streamvqa": replies.final_json(reply, request)}
                 yield replies.sse_data(finished)

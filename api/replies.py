@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import redis.asyncio as aredis
@@ -220,6 +220,14 @@ async def final_of(request: Request, sub: Subscription) -> FinalAnswer:
     except TimeoutError as e:
         raise errors.ApiError(504, str(e)) from None
     raise errors.ApiError(499, "client closed the request")  # sent to no one
+
+
+def refused_param(final: FinalAnswer, fields: Mapping[str, str]) -> str | None:
+    """The request field a refused question's final names, by the endpoint's name for it (``fields``:
+    the worker's name to the request's); None where the worker named none, or one the request cannot
+    send: the refusal is then about no field of it, and naming one would send its client to fix the
+    wrong one."""
+    return fields.get(final.param or "")
 
 
 def final_json(final: FinalAnswer, request: Request) -> dict[str, Any]:

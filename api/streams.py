@@ -15,7 +15,7 @@ from common import placement, redisio, stream_status
 from common.wire import keys
 from common.wire.alert_record import alert_payload
 from common.wire.schemas import INT64_MAX
-from common.wire.transcript import by_start, cues_of, entry_json, render_transcript
+from common.wire.transcript import by_start, cues_of, entry_json, output_json, render_transcript
 
 router = APIRouter(prefix="/api", tags=["streams"], dependencies=[Depends(require_token)])
 
@@ -121,7 +121,7 @@ async def job_outputs(name: str, job: str, request: Request, count: int = Count)
     # a job that never wrote here (a typo, another stream's job) is not found, as `jobs` lists it not
     if not found and not await r.exists(key):
         raise errors.ApiError(404, f"stream {name!r} has no outputs of job {job!r}", param="job", code="job_not_found")
-    return {"stream": name, "job": job, "outputs": entries(found)}
+    return {"stream": name, "job": job, "outputs": [output_json(e) for e in entries(found)]}
 
 
 async def stream_alerts_of(request: Request, name: str, count: int) -> list[dict]:

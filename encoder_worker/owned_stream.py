@@ -76,6 +76,11 @@ class StreamNotReady(RuntimeError):
     """The stream has no meta yet (ingest has not started it)."""
 
 
+class BadDescription(ValueError):
+    """The stream's description (meta) does not decode: bad data, said in one line (no traceback)
+    until ingest re-states it."""
+
+
 class LeaseLost(RuntimeError):
     """Another encoder owns the stream now; this one must stop writing it."""
 
@@ -431,7 +436,7 @@ def stream_spec(r: redis.Redis, name: str, chunk_frames: int) -> tuple[StreamSpe
     try:
         meta = StreamMeta.from_hash(r.hgetall(keys.meta(name)))
     except SchemaError as e:  # not startable until ingest re-states it (with its next frame)
-        raise ValueError(f"{name}: bad stream description: {e}") from None
+        raise BadDescription(f"{name}: bad stream description: {e}") from None
     if meta is None:
         raise StreamNotReady(name)
     return meta.spec(name, chunk_frames), meta.live

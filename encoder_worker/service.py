@@ -40,9 +40,10 @@ from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
-from common.wire.schemas import capture_time, check_frame_entry, unpack_frame
+from common.wire.schemas import SchemaError, capture_time, check_frame_entry, unpack_frame
 from encoder_worker.config import EncoderConfig
 from encoder_worker.owned_stream import (
+    BadDescription,
     LeaseLost,
     OwnedStream,
     StreamNotReady,
@@ -63,6 +64,10 @@ FREE_CHECK_S = 0.2  # and free streams looked for this often (one pipelined EXIS
 HAND_OFF_EVERY_S = 3.0  # at most one stream handed off per this long: rebalancing is gradual
 HAND_OFF_WAIT_S = 10.0  # a stream handed off waits this long at most for its partial chunk
 STOP_WAIT_S = 10.0  # at a clean stop, questions being answered here get this long to finish
+# A stream whose open fails is tried again every lease period; the same cause is said (event, log
+# line) at most this often per stream: it was an event and a traceback every 5 s
+OPEN_FAILED_EVERY_S = 60.0
+BAD_DATA = (BadDescription, SchemaError)  # open failures said in one line: the message says it all
 # Streams restored at once: each has a slot of the restorer's page-locked arena (encoder_worker/
 # restore.py), which its segments are read into by the restorer's threads (`restore_threads`) and
 # copied out of by the GPU loop. Enough to keep the readers busy while heads wait for the loop (up
@@ -108,6 +113,7 @@ class EncoderService:
         self.decoder = FrameDecoder(cfg.decode_processes)  # pixels decoded out of this process's GIL
         self._last_lease_check = self._last_free_check = 0.0
         self._free: set[str] = set()  # streams nobody held at the last look (`_free_streams`)
+        self._open_failed: dict[str, tuple[str, float]] = {}  # stream -> the open failure last said, and when
         self._lease_check_s = min(cfg.lease_ms / 3000, LEASE_CHECK_MAX_S)
         self._free_wait_ms = min(cfg.block_ms, int(FREE_CHECK_S * 1000))  # a read's longest wait
         self._last_prune = time.monotonic()
@@ -341,8 +347,7 @@ class EncoderService:
         except Exception as e:  # that stream's alone (docs/DESIGN.md "Damage stays with its stream")
             # re-raised by _collect, it ended the worker and all its streams, then every worker
             # that took the stream next. Its lease, no longer renewed, runs out: tried again then.
-            log.exception("stream not opened; tried again once its lease runs out", stream=name)
-            event(self.r, name, "open_failed", error=f"{type(e).__name__}: {e}"[:200])
+            self._say_open_failed(name, e)
             return None
         # Frames another consumer read but never acked belong to a dead or departed owner: take
         # them over before reading on, so nothing is skipped and the file source is not held back.
@@ -358,8 +363,22 @@ class EncoderService:
         }
         return owned
 
+    def _say_open_failed(self, name: str, e: Exception) -> None:
+        """An `open_failed` event and one log line, with a traceback only when the failure is
+        unexpected; the same cause again within OPEN_FAILED_EVERY_S is not said again (the status
+        still shows it: the stream's last event, and its meta's error for a bad description)."""
+        error, now = f"{type(e).__name__}: {e}"[:200], time.monotonic()
+        said = self._open_failed.get(name)
+        if said is not None and said[0] == error and now - said[1] < OPEN_FAILED_EVERY_S:
+            return
+        self._open_failed[name] = (error, now)
+        why = "stream not opened; tried again once its lease runs out"
+        log.error(why, stream=name, error=error, exc_info=not isinstance(e, BAD_DATA))
+        event(self.r, name, "open_failed", error=error)
+
     def _attach(self, name: str, owned: OwnedStream) -> None:
         """An opened stream joins the owned ones and is read from now on (this thread only)."""
+        self._open_failed.pop(name, None)  # a failure after this one is news: said at once
         self.owned[name] = owned
         owned.keep_lease = lambda: self._renew_if_due(owned)  # while a chunk waits for KV room
         self.reader.add(keys.frames(name), claimed=True)  # `_open` claimed them: one delivery this life

@@ -19,7 +19,10 @@ import random
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from concurrent import futures
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import redis
@@ -64,6 +67,13 @@ STOP_JOIN_S = 1.0  # how long a stopping session waits for its decode thread
 
 class _SessionOver(Exception):
     """Raised in the decode thread by its per-frame hook: the pump has left this session."""
+
+
+class Stopped(Exception):
+    """The service stopped while the source was being opened (`unless_stopped`)."""
+
+
+T = TypeVar("T")
 
 
 FINISHED = (math.inf, math.inf)  # a resume point past every frame: the file was sent to its end
@@ -122,8 +132,12 @@ class Source:
     # -- the loop ------------------------------------------------------------------------------
     def run(self) -> int:
         """Publish until the file ends (0 if any frame was usable, else 1) or, live, until stopped."""
-        if self.live and is_hls(self.spec.url) and ended_playlist(self.spec.url, self.cfg.open_timeout_s):
-            self.live = False  # here, in the source's own thread: a slow server holds up no other camera
+        if self.live and is_hls(self.spec.url):
+            try:
+                ended = unless_stopped(lambda: ended_playlist(self.spec.url, self.cfg.open_timeout_s), self.stop)
+            except Stopped:
+                return 0  # stopped before anything was published
+            self.live = not ended  # here, in the source's own thread: a slow server holds up no other camera
         if self.resume_at == FINISHED:
             self.log.info("file already published to its end", url=redact_url(self.spec.url))
             return 0
@@ -160,6 +174,8 @@ class Source:
         try:
             finished, failed = self._run_once(), False
             self._delay = self.cfg.reconnect_min_s  # a session ended normally: start over quickly
+        except Stopped:
+            return False  # while it opened: nothing published, no fault of the source's to announce
         except SourceError as e:
             self.event("error", error=str(e))
         except (redis.RedisError, *redisio.OUTAGE_ERRORS):
@@ -191,9 +207,8 @@ class Source:
 
     def _run_once(self) -> bool:
         """One open-to-close session; True when the source reached its end."""
-        container = open_container(
-            self.spec.url, open_timeout_s=self.cfg.open_timeout_s, read_timeout_s=self.cfg.read_timeout_s
-        )
+        opts = {"open_timeout_s": self.cfg.open_timeout_s, "read_timeout_s": self.cfg.read_timeout_s}
+        container = unless_stopped(lambda: open_container(self.spec.url, **opts), self.stop, lambda c: c.close())
         decoder: threading.Thread | None = None
         session_over = threading.Event()
         try:
@@ -465,6 +480,30 @@ def to_jpeg(rgb: np.ndarray) -> bytes:
     out = io.BytesIO()
     Image.fromarray(rgb).save(out, format="JPEG", quality=JPEG_QUALITY)
     return out.getvalue()
+
+
+def unless_stopped(call: Callable[[], T], stop: threading.Event, discard: Callable[[T], object] | None = None) -> T:
+    """``call()``'s result, or Stopped as soon as ``stop`` is set. FFmpeg's open heeds nothing but
+    its own timeout (open_timeout_s): a camera that never answers held SIGTERM up that long. So the
+    call runs in a daemon thread, left to finish on its own after a stop (the process does not wait
+    for it), and what it returns then goes to ``discard`` (a container closed)."""
+    if stop.is_set():
+        raise Stopped
+    result: futures.Future = futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(call())
+        except BaseException as e:  # the caller's to handle, as if it had called itself
+            result.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="source-open").start()
+    while not stop.is_set():
+        if futures.wait([result], STOP_POLL_S).done:
+            return result.result()
+    if discard is not None:
+        result.add_done_callback(lambda done: done.exception() is None and discard(done.result()))
+    raise Stopped
 
 
 def _offer(out: queue.Queue, item: object, session_over: threading.Event) -> bool:

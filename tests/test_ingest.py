@@ -503,6 +503,30 @@ def test_server_that_accepts_and_never_answers_does_not_hang_ingest(redis_url, s
         listener.close()
 
 
+def test_sigterm_while_a_camera_opens_exits_at_once(redis_url, services):
+    """A camera that accepts and never answers holds its open (FFmpeg's) for open_timeout_s, which
+    no stop reached: SIGTERM waited it out (compose kills at 10 s). The open is left to time out on
+    its own; the camera published nothing, and a stop is no error."""
+    r = redis.Redis.from_url(redis_url)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.settimeout(60)
+    port = listener.getsockname()[1]
+    try:
+        proc = ingest(services, f"rtsp://127.0.0.1:{port}/cam", "--open-timeout-s", "30", "--read-timeout-s", "30")
+        conn, _ = listener.accept()  # ingest is in its open now, waiting for an answer
+        time.sleep(0.5)
+        started = time.monotonic()
+        proc.terminate()
+        assert proc.wait(timeout=60) == 0, services.logs()
+        assert time.monotonic() - started < 2.5, (time.monotonic() - started, services.logs())
+        conn.close()
+    finally:
+        listener.close()
+    assert r.xlen(keys.frames(CAM)) == 0 and events(r) == []
+
+
 def test_hls_over_http(redis_url, services, hls_vod):
     """HTTP/HLS through a real HTTP server: an ffmpeg-segmented playlist, paced like a camera (its
     meta says live) and, since it ends, read to its end once."""

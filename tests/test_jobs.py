@@ -326,6 +326,37 @@ def test_transcript_json_gives_numbers_as_numbers_and_no_version_as_null(rt, red
         assert shown[0]["start"] == 0.0 and shown[-1]["end"] == 9.5
 
 
+def test_job_outputs_json_gives_numbers_as_numbers_and_absent_as_null(rt, redis_url):
+    """GET /api/streams/{cam}/jobs/{job}: `version` an int, `t_start` and `t_end` numbers (they
+    were the text Redis keeps, as transcripts' were); one an entry lacks (another writer's) null."""
+    import asyncio
+
+    import httpx
+
+    from api.app import create_app
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("cam1"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    grid = choose_grid(56, 56, min_pixels=4 * 28 * 28)
+    engine = StreamEngine(rt, StreamSpec("cam1", 2.0, grid, 2))
+    job = Job(name="cap", stream="cam1", kind="caption", every_versions=1)
+    runner = JobRunner(r, lambda s: engine.head, [job], ["cam1"], lambda v, p: f"caption of v{v.id}")
+    engine.append([np.full((56, 56, 3), 1, np.uint8)] * 2, [3.0, 3.5])
+    assert runner.run_due() == 1
+    r.xadd(keys.job_output("cam1", "cap"), {"job": "cap", "text": "OLD"})
+
+    async def api() -> list[dict]:
+        app = create_app(ApiConfig(redis_url=redis_url))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            return (await client.get("/api/streams/cam1/jobs/cap")).json()["outputs"]
+
+    ran, old = asyncio.run(api())
+    assert (ran["text"], ran["version"], ran["t_start"], ran["t_end"]) == ("caption of v1", 1, 3.0, 3.5), ran
+    assert type(ran["version"]) is int and type(ran["t_start"]) is float and type(ran["t_end"]) is float
+    assert (old["text"], old["version"], old["t_start"], old["t_end"]) == ("OLD", None, None, None), old
+
+
 def test_open_subtitle_cues_close_once_the_stream_goes_quiet(rt, redis_url, tmp_path):
     """A file that ended (or a camera that stopped) leaves its last lines open; they become cues
     after `idle_flush_s` without a new version, not only when the service stops."""

@@ -303,6 +303,60 @@ def test_a_stream_described_with_a_grid_over_the_frame_limit_fails_alone_with_an
     stop(svc, r)
 
 
+def test_a_bad_description_is_said_in_one_line_once_a_minute_while_another_stream_encodes(rt, redis_url, monkeypatch):
+    """A stream whose description does not decode fails its open again every lease period; for
+    ~12 s of that (6 tries at a 2 s lease) it is said once, an event and a log line without a
+    traceback (it was both, with a traceback, every try), the status still shows it, and the
+    worker's other stream encodes all the while. An unexpected failure keeps its traceback."""
+    from structlog.testing import capture_logs
+
+    from common import stream_status
+    from encoder_worker import service as encoder_service
+    from encoder_worker.config import EncoderConfig
+    from tests.test_persistence import encoded, events, push, stop
+
+    real, tries = encoder_service.open_stream, []
+
+    def open_stream(rt, r, writer, cfg, name, *args):
+        tries.append(name)  # counted, then opened as ever
+        return real(rt, r, writer, cfg, name, *args)
+
+    monkeypatch.setattr(encoder_service, "open_stream", open_stream)
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("bad"), mapping={"fps": 2, "height": 4200, "width": 4200, "live": 0})
+    r.hset(keys.meta("good"), mapping={"fps": 2, "height": 56, "width": 56, "live": 0})
+    cfg = EncoderConfig(
+        redis_url=redis_url, streams=("bad", "good"), consumer="enc", chunk_frames=2, block_ms=50, lease_ms=2000
+    )
+    svc = encoder_service.EncoderService(cfg, rt, r, MemoryStore())
+    start, sent = time.monotonic(), 0
+    with capture_logs() as said:
+        while time.monotonic() - start < 12:
+            if sent < 2 * int(time.monotonic() - start) + 2:  # two frames a second, all along
+                push(r, "good", range(sent, sent + 2))
+                sent += 2
+            svc.step()
+        deadline = time.monotonic() + 30
+        while not encoded(r, "good", sent - 1) and time.monotonic() < deadline:
+            svc.step()
+    assert encoded(r, "good", sent - 1), "the good stream encoded every frame"
+    assert tries.count("bad") >= 4, tries
+    (failed,) = events(r, "bad", b"open_failed")
+    assert b"grid 4200x4200 exceeds the frame limit" in failed[b"error"], failed
+    (line,) = [e for e in said if e.get("stream") == "bad" and e["log_level"] in ("warning", "error")]
+    assert "BadDescription" in line["error"] and not line.get("exc_info"), line
+    pipe = r.pipeline()
+    stream_status.queue_stream(pipe, "bad")
+    status = stream_status.stream_from("bad", pipe.execute(raise_on_error=False), time.time())
+    assert status["error"].startswith("bad meta") and status["last_event"]["type"] == "open_failed", status
+    with capture_logs() as said:  # a failure of another cause is news: said at once, with its traceback
+        svc._say_open_failed("bad", RuntimeError("CUDA error: an illegal memory access was encountered"))
+    (line,) = said
+    assert line["exc_info"] is True and "illegal memory access" in line["error"], line
+    assert len(events(r, "bad", b"open_failed")) == 2
+    stop(svc, r)
+
+
 def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
     """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
     and so does its streamed error chunk (which named "messages" whatever the worker said); the
@@ -353,6 +407,48 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
     named = asyncio.run(ask())
     thread.join(10)
     assert named == ["until", "scope", None, "messages", None] * 2
+
+
+def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redis_url):
+    """POST /api/streams/{name}/ask refused by the worker: the 422's param is the field the worker
+    named (by this request's name for it), and null where it named none or one this request cannot
+    send. It said "question" whenever the worker named none."""
+    import asyncio
+
+    import httpx
+
+    from api.app import create_app
+    from api.config import ApiConfig
+    from common.wire.schemas import FinalAnswer, encode_final
+    from tests.pipeline import wait_for
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    named_by_worker = ["until", "scope", None, "question", "at", "id"]
+
+    def worker() -> None:
+        for n, param in enumerate(named_by_worker):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    async def ask() -> list[str | None]:
+        named = []
+        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
+            for _ in named_by_worker:
+                response = await client.post("/api/streams/ghost/ask", json={"question": "x", "stream": False})
+                assert response.status_code == 422, response.text
+                error = response.json()["error"]
+                assert error["message"] == "refused", error
+                named.append(error["param"])
+        return named
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    named = asyncio.run(ask())
+    thread.join(10)
+    assert named == ["until", "scope", None, "question", "at", None]
 
 
 def _finishes(fn, timeout_s: float = 30.0) -> list:

@@ -82,9 +82,25 @@ def entry_json(entry: Mapping[str, str]) -> dict:
     out: dict = dict(entry)
     for name in ("start", "end"):
         out[name] = _number(entry.get(name))
-    version = _number(entry.get("version"))
-    out["version"] = int(version) if version is not None and version >= 0 else None
+    out["version"] = _version(entry.get("version"))
     return out
+
+
+def output_json(entry: Mapping[str, str]) -> dict:
+    """A caption/custom job's output entry (`svqa:{cam}:job:{name}`, its fields as Redis keeps them:
+    text) as JSON values, as `entry_json` gives a cue: `version` the cache version answered, an int,
+    `t_start` and `t_end` numbers (the capture seconds it covers); None where one is absent or no
+    number (an entry an older or other writer left)."""
+    out: dict = dict(entry)
+    for name in ("t_start", "t_end"):
+        out[name] = _number(entry.get(name))
+    out["version"] = _version(entry.get("version"))
+    return out
+
+
+def _version(value: str | None) -> int | None:
+    number = _number(value)
+    return int(number) if number is not None and number >= 0 else None
 
 
 def _number(value: str | None) -> float | None:
