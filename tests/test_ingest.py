@@ -556,11 +556,11 @@ def _metric(port: int, name: str, stream: str) -> float | None:
 
 
 def test_a_camera_that_fails_unexpectedly_is_down_with_an_error_event_and_fails_the_exit(redis_url, services, tmp_path):
-    """A failure no source error names (here a stored grid over the frame limit, which FrameMsg
-    refuses) ended the camera's thread with a generic log line: its last event stayed `connected`,
-    svqa_ingest_up 1, and ingest exited 0 once the other camera ended."""
+    """A failure no source error names (here Redis refusing the frames: the camera's frames key
+    holds a string) ended the camera's thread with a generic log line: its last event stayed
+    `connected`, svqa_ingest_up 1, and ingest exited 0 once the other camera ended."""
     r = redis.Redis.from_url(redis_url)
-    r.hset(keys.meta("big"), mapping={"fps": "1", "height": "4200", "width": "4200", "live": "0", "url": "x"})
+    r.set(keys.frames("big"), "not a stream")
     small = write_sample_video(str(tmp_path / "small.mp4"), seconds=2, fps=10, width=160, height=120)
     longer = write_sample_video(str(tmp_path / "long.mp4"), seconds=6, fps=10, width=160, height=120)
     cameras = tmp_path / "cameras.yaml"
@@ -576,7 +576,7 @@ def test_a_camera_that_fails_unexpectedly_is_down_with_an_error_event_and_fails_
     assert _metric(port, "svqa_ingest_up", "ok") == 1
     assert proc.wait(timeout=60) == 1, services.logs()
     last = r.xrevrange(keys.events("big"), count=1)[0][1]
-    assert last[b"type"] == b"error" and b"SchemaError" in last[b"error"]
+    assert last[b"type"] == b"error" and b"WRONGTYPE" in last[b"error"], last
     assert r.xlen(keys.frames("ok")) == 13  # the other camera went on to its end: 12 frames and its marker
     assert '"stream": "big"' in services.logs() and "cameras failed" in services.logs()
 
