@@ -59,7 +59,9 @@ def _unit_rows(x: torch.Tensor) -> torch.Tensor:
 def chunk_vector(rt: Runtime, kv: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...]) -> torch.Tensor:
     """A chunk's vector from its K/V as prefilled, ``kv`` (model layers, 2, kv_heads, n, hd) with
     keys rotated at ``positions`` (3, n): (len(layers) * kv_heads * hd,) float32 on the device."""
-    keys = kv[list(layers), 0]  # (L, kv_heads, n, hd)
+    # Views stacked, not `kv[list(layers), 0]`: indexing a CUDA tensor with a list waited for the
+    # device, once a chunk, before the encode step's publish went on (readout_cost.py, 2026-11-29)
+    keys = torch.stack([kv[layer, 0] for layer in layers])  # (L, kv_heads, n, hd)
     return _unit_rows(unrotate(keys, positions, rt).mean(dim=2))
 
 

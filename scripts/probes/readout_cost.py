@@ -5,11 +5,12 @@ chunk's K/V, 19 MB at 448², copied into page-locked memory for the segment writ
 `on_features` (its retrieval vector). The pipeline's encode steps ran at 78 % of the engine's
 rate (2026-11-29), and its GPU loop spent a quarter of its time in the publish phase. This
 streams the same chunks (random embeddings, 4-frame 448² chunks, `STEPS` steps of 8 chunks over
-16 streams at 32K cached tokens, evicting) three ways: no sinks; the worker's sinks, whose K/V a
-writer thread copies away (as the shm store does) before dropping it; and the same once more
-(torch's page-locked cache warm). Each prints a JSON line: ms a step (host until launched, and
-to the device's end), the GPU loop's host ms in the publish phase, and torch's page-locked
-allocator counters over the steps (allocations that had to pin fresh memory, and their time).
+16 streams at 32K cached tokens, evicting) two ways, each twice, alternating (a run's first steps
+pay for first evictions and warm-up): no sinks; the worker's sinks, whose K/V a writer thread
+copies away (as the shm store does) before dropping it. Each prints a JSON line: ms a step (host
+until launched, and to the device's end), the GPU loop's host ms in each part of the publish
+phase, where one step synchronised with the device (CUDA's sync debug mode), and torch's
+page-locked allocator counters (allocations that had to pin fresh memory, and their time).
 
 Run from the root of the code on a GPU: `PYTHONPATH=. python3 scripts/probes/readout_cost.py`;
 `tiny-random cpu` as arguments: a smoke run on the CPU.
@@ -20,13 +21,19 @@ import queue
 import sys
 import threading
 import time
+import traceback
+import warnings
+from collections import Counter
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
+from common.engine.kvcache import StreamCache
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
 from common.engine.stream_engine import Chunk, ChunkWork, StreamEngine
@@ -86,33 +93,84 @@ def host_stats() -> dict:
     return {k: stats.get(k, 0) for k in ("num_host_alloc", "num_host_free", "host_alloc_time.total")}
 
 
+PARTS = [
+    (ChunkWork, "_output"),
+    (StreamEngine, "_read_out"),
+    (StreamEngine, "_features"),
+    (StreamEngine, "_appended"),
+    (StreamCache, "publish_chunk"),
+]
+
+
+@contextmanager
+def timed_parts() -> Iterator[dict[str, float]]:
+    """Host seconds spent in each of `PARTS` while the block runs."""
+    spent: dict[str, float] = {}
+    originals = [(cls, name, getattr(cls, name)) for cls, name in PARTS]
+
+    def timer(name: str, fn):
+        def timed(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    for cls, name, fn in originals:
+        setattr(cls, name, timer(name, fn))
+    try:
+        yield spent
+    finally:
+        for cls, name, fn in originals:
+            setattr(cls, name, fn)
+
+
+@contextmanager
+def syncs_seen() -> Iterator[Counter]:
+    """Where in the project's code the host synchronised with the device (CUDA sync debug mode)."""
+    seen: Counter = Counter()
+    if not torch.cuda.is_available():
+        yield seen
+        return
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if "/common/" in f.filename]
+        seen[" < ".join(f"{f.filename.split('/common/')[-1]}:{f.lineno}" for f in reversed(frames[-4:]))] += 1
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            yield seen
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = shown
+
+
 def measure(rt: Runtime, label: str, streams: list[StreamEngine]) -> None:
-    publish = [0.0]
-    output = ChunkWork._output
-
-    def timed_output(self: ChunkWork):
-        t0 = time.perf_counter()
-        try:
-            return output(self)
-        finally:
-            publish[0] += time.perf_counter() - t0
-
-    ChunkWork._output = timed_output  # type: ignore[method-assign]
     finishing = ThreadPoolExecutor(8)
+    with syncs_seen() as syncs:
+        step(rt, streams[:BATCH], finishing)
     before = host_stats()
     sync()
     t0 = time.perf_counter()
-    launched = sum(step(rt, streams[(i * BATCH) % STREAMS :][:BATCH], finishing) for i in range(STEPS))
+    with timed_parts() as spent:
+        launched = sum(step(rt, streams[(i * BATCH) % STREAMS :][:BATCH], finishing) for i in range(STEPS))
     sync()
     wall = time.perf_counter() - t0
     finishing.shutdown()
-    ChunkWork._output = output  # type: ignore[method-assign]
     after = host_stats()
     row = {
         "sinks": label,
         "ms_a_step": round(1000 * wall / STEPS, 2),
         "host_launched_ms_a_step": round(1000 * launched / STEPS, 2),
-        "publish_host_ms_a_step": round(1000 * publish[0] / STEPS, 2),
+        "host_ms_a_step_in": {k: round(1000 * v / STEPS, 2) for k, v in spent.items()},
+        "syncs_in_one_step": dict(syncs),
         "chunks_per_s": round(STEPS * BATCH / wall, 1),
         "host_alloc": {k: after[k] - before.get(k, 0) for k in after},
         "evictions": sum(e.head.stats.evictions for e in streams),
@@ -130,12 +188,15 @@ def main() -> None:
     rt = Runtime(load_model(model, device=device))
     budget = 32768 if device == "cuda" else 4 * CHUNK_TOKENS
     plain = engines(rt, budget, None)
-    measure(rt, "none", plain)
-    del plain
     writer = Writer()
     sinking = engines(rt, budget, writer)
-    measure(rt, "worker's", sinking)
-    measure(rt, "worker's, again", sinking)
+    for label, streams in (
+        ("none", plain),
+        ("worker's", sinking),
+        ("none, again", plain),
+        ("worker's, again", sinking),
+    ):
+        measure(rt, label, streams)
     writer.close()
 
 
