@@ -10,7 +10,8 @@ pay for first evictions and warm-up): no sinks; the worker's sinks, whose K/V a 
 copies away (as the shm store does) before dropping it. Each prints a JSON line: ms a step (host
 until launched, and to the device's end), the GPU loop's host ms in each part of the publish
 phase, where one step synchronised with the device (CUDA's sync debug mode), and torch's
-page-locked allocator counters (allocations that had to pin fresh memory, and their time).
+page-locked allocator counters (allocations that had to pin fresh memory, and their time). Then
+where a step of real frames (the vision tower too) and a lone 16-token answer wait for the device.
 
 Run from the root of the code on a GPU: `PYTHONPATH=. python3 scripts/probes/readout_cost.py`;
 `tiny-random cpu` as arguments: a smoke run on the CPU.
@@ -31,10 +32,12 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
 from common.engine.grid import Grid, StreamSpec
 from common.engine.kvcache import StreamCache
 from common.engine.model import load_model
+from common.engine.params import GenerationParams
 from common.engine.runtime import Runtime
 from common.engine.stream_engine import Chunk, ChunkWork, StreamEngine
 
@@ -197,7 +200,36 @@ def main() -> None:
         ("worker's, again", sinking),
     ):
         measure(rt, label, streams)
+    print(json.dumps({"syncs_in_a_step_of_frames": frames_step_syncs(rt, sinking[:BATCH])}), flush=True)
+    print(json.dumps({"syncs_in_an_answer": answer_syncs(rt, sinking[0])}), flush=True)
     writer.close()
+
+
+def frames_step_syncs(rt: Runtime, group: list[StreamEngine]) -> dict[str, int]:
+    """Where a step of real frames (vision, inputs, plan, prefill, publish) waits for the device."""
+    frames = list(np.random.default_rng(0).integers(0, 256, (4, 448, 448, 3), dtype=np.uint8))
+    work = []
+    for e in group:
+        seq = e.head.last_frame_seq + 1
+        work.append(ChunkWork(e, e.prepare(frames, [(seq + k) / 2 for k in range(4)], range(seq, seq + 4))))
+    ChunkWork.run_batch(work)  # the first step of a composition may capture or compile: not this one
+    for w in work:
+        w.engine.finish(w.future.result())
+    work = [ChunkWork(w.engine, w.engine.prepare(frames, None, None)) for w in work]
+    with syncs_seen() as syncs:
+        ChunkWork.run_batch(work)
+    for w in work:
+        w.engine.finish(w.future.result())
+    return dict(syncs)
+
+
+def answer_syncs(rt: Runtime, engine: StreamEngine) -> dict[str, int]:
+    """Where a 16-token answer waits for the device (a decode step's tokens are read each step)."""
+    params = GenerationParams(max_tokens=16)
+    ask(rt, engine.head, "What happened?", params)
+    with syncs_seen() as syncs:
+        ask(rt, engine.head, "What happened?", params)
+    return dict(syncs)
 
 
 if __name__ == "__main__":
