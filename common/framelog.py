@@ -19,7 +19,8 @@ and the index (group commit: the recorder calls it at most every ``framelog_sync
 frame). What `commit` returned for is on disk; on a failure everything since the last commit is
 rolled back (truncated) and `FrameLogError` (`LogFull` for ENOSPC/EDQUOT) says "not written,
 retry later". A torn or corrupt record (crash mid-write, bit flip) fails its crc: readers skip it
-with a warning, and a writer cuts a torn tail off the newest file when it opens.
+with a warning, and a writer cuts a torn tail off the newest file when it opens. A file that
+cannot be read (EIO) is skipped by readers with a warning, and collected like any other.
 
 Retention: `collect` deletes whole files, oldest first, by age (the data file's last write) and
 by bytes per camera; the newest file (the one being written) is never deleted.
@@ -365,11 +366,18 @@ class FrameLog:
             f = open(data, "rb")  # noqa: SIM115 (held across yields; closed below)
         except FileNotFoundError:  # collected meanwhile
             return
+        except OSError as e:  # unreadable since its index was read: its frames are left out, not the span's
+            log.warning("frames log file unreadable; skipped", file=str(data), error=f"{type(e).__name__}: {e}")
+            return
         with f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
             for e in entries:
-                rec = _record_at(fd, e.offset, size)
+                try:
+                    rec = _record_at(fd, e.offset, size)
+                except OSError as err:  # a bad sector under this record: the others are still read
+                    log.warning("frames log record unreadable; skipped", file=str(data), seq=e.seq, error=str(err))
+                    continue
                 if rec is None or rec != e:
                     if not (newest and e.end > size):  # the newest file may have been rolled back
                         log.warning("frames log record damaged; skipped", file=str(data), seq=e.seq, offset=e.offset)
@@ -392,6 +400,9 @@ class FrameLog:
         try:
             return self._cached(data, key, newest)
         except FileNotFoundError:
+            return None
+        except OSError as e:  # EIO of a bad sector: the camera's other files are still read (and this one collected)
+            log.warning("frames log file unreadable; skipped", file=str(data), error=f"{type(e).__name__}: {e}")
             return None
 
     @staticmethod
