@@ -30,6 +30,7 @@ No torch here; safe to import from any service.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -45,7 +46,7 @@ from typing import NamedTuple
 import structlog
 
 from common.files import fsync_dir, write_all
-from common.wire.schemas import FIELD, FrameMsg, check_stream_name, decode_frame
+from common.wire.schemas import FIELD, FrameMsg, SchemaError, check_stream_name, decode_frame
 
 log = structlog.get_logger(__name__)
 
@@ -246,6 +247,14 @@ def _cam_dir(root: Path, cam: str) -> Path:
     return root / cam
 
 
+def _is_name(name: str) -> bool:
+    try:
+        check_stream_name("cam", name)
+    except SchemaError:
+        return False
+    return True
+
+
 def _data_files(d: Path) -> list[Path]:
     """A camera's data files, oldest first (names are start times, zero-padded)."""
     try:
@@ -263,8 +272,9 @@ class FrameLog:
         self._cached = lru_cache(maxsize=_CACHED_FILES)(self._load_logged)
 
     def cameras(self) -> list[str]:
+        """The cameras with files here (a directory not named as a stream, lost+found, is none)."""
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _data_files(p))
+            return sorted(p.name for p in self.root.iterdir() if _is_name(p.name) and p.is_dir() and _data_files(p))
         except FileNotFoundError:
             return []
 
@@ -305,17 +315,37 @@ class FrameLog:
         return sum(_file_bytes(data) for data in _data_files(_cam_dir(self.root, cam)))
 
     def collect(
-        self, cam: str, keep_hours: float | None, keep_bytes: int | None, now: float | None = None
+        self,
+        cam: str,
+        keep_hours: float | None,
+        keep_bytes: int | None,
+        now: float | None = None,
+        *,
+        unwritten: bool = False,
     ) -> list[Removed]:
         """Delete whole files, oldest first: those last written more than ``keep_hours`` ago, then
-        more while the camera's log exceeds ``keep_bytes``. The newest file is always kept."""
+        more while the camera's log exceeds ``keep_bytes``. The newest file is kept (a writer appends
+        to it) unless ``unwritten`` (a camera no longer recorded: removed, renamed) and no writer
+        holds the camera's lock."""
         d = _cam_dir(self.root, cam)
-        files = _data_files(d)
+        with _lock_if_free(d) if unwritten else contextlib.nullcontext(False) as idle:
+            files = _data_files(d)
+            return self._collect(d, files, len(files) if idle else len(files) - 1, keep_hours, keep_bytes, now)
+
+    def _collect(
+        self,
+        d: Path,
+        files: list[Path],
+        candidates: int,
+        keep_hours: float | None,
+        keep_bytes: int | None,
+        now: float | None,
+    ) -> list[Removed]:
         now = time.time() if now is None else now
         sizes = {p: _file_bytes(p) for p in files}
         total = sum(sizes.values())
         removed: list[Removed] = []
-        for p in files[:-1]:
+        for p in files[:candidates]:
             try:
                 old = keep_hours is not None and p.stat().st_mtime < now - keep_hours * 3600
             except FileNotFoundError:
@@ -443,6 +473,27 @@ def _stat_or_none(p: Path) -> os.stat_result | None:
 
 def _file_bytes(data: Path) -> int:
     return sum(st.st_size for st in (_stat_or_none(data), _stat_or_none(data.with_suffix(INDEX_SUFFIX))) if st)
+
+
+@contextlib.contextmanager
+def _lock_if_free(d: Path) -> Iterator[bool]:
+    """Whether no writer holds the camera's lock; when none does, it is held here meanwhile (a
+    writer starting now waits its turn: `LogLocked`, retried)."""
+    try:
+        fd = os.open(d / LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        yield True  # no writer ever opened this log: nobody to wait for
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            free = False
+        else:
+            free = True
+        yield free
+    finally:
+        os.close(fd)
 
 
 def _remove_orphan_indexes(d: Path) -> None:

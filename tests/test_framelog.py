@@ -246,3 +246,18 @@ def test_a_file_that_cannot_be_read_is_skipped_by_readers_and_still_collected(tm
     removed = log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0 + 600)
     assert [(r.name, r.frames) for r in removed] == [(files[0].name, 0), (files[1].name, 5)]
     assert sorted((tmp_path / CAM).glob("*.log")) == files[2:]
+
+
+def test_a_camera_no_longer_recorded_loses_its_newest_file_too_unless_a_writer_holds_it(tmp_path):
+    log = FrameLog(tmp_path)
+    write(log, range(3))
+    (data,) = (tmp_path / CAM).glob("*.log")
+    old = T0 - 48 * 3600
+    os.utime(data, (old, old))
+    w = log.writer(CAM, 600)  # another recorder writes it: its file stays
+    assert log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0, unwritten=True) == []
+    w.close()
+    removed = log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0, unwritten=True)
+    assert [(r.name, r.frames, r.reason) for r in removed] == [(data.name, 3, "age")]
+    assert log.span(CAM) is None
+    log.writer(CAM, 600).close()  # a writer starts it anew
