@@ -96,6 +96,7 @@ def create_app(cfg: ApiConfig, r: aredis.Redis | None = None) -> FastAPI:
     app.state.answers = AnswerHub(*readers)
     # one reader for every request: it keeps the log files' indexes while they are unchanged
     app.state.framelog = FrameLog(cfg.framelog_dir) if cfg.framelog_dir is not None else None
+    app.state.clips_encoding = 0  # clips being encoded now (api/clips.py), at most cfg.max_clips
     metrics.API_ANSWERS.set_function(app.state.answers.held)
     app.add_middleware(guard.BodyLimit, max_bytes=cfg.max_body_bytes)
     errors.install(app)

@@ -9,6 +9,7 @@ Encoding runs in a worker thread: the event loop keeps serving answers meanwhile
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import itertools
 import math
@@ -25,6 +26,7 @@ from fastapi.responses import Response
 from PIL import Image
 
 from api import errors
+from api.answers import Busy
 from api.guard import require_token
 from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire.schemas import SchemaError, check_stream_name
@@ -184,6 +186,21 @@ async def _reading(read: Callable[[], T]) -> T:
         ) from None
 
 
+@contextlib.contextmanager
+def _encoding_slot(request: Request) -> Iterator[None]:
+    """One of the process's `max_clips` encodes, or 503 busy: unbounded, a few requests for long
+    clips of busy video took every core and hundreds of MB each (encoding cannot be cancelled, a
+    client gone included), answers and the page slowed with them."""
+    state = request.app.state
+    if state.clips_encoding >= state.cfg.max_clips:
+        raise Busy(f"busy: this API process encodes {state.cfg.max_clips} clips already (max_clips)", retry_after_s=5)
+    state.clips_encoding += 1
+    try:
+        yield
+    finally:
+        state.clips_encoding -= 1
+
+
 @router.get(
     "/streams/{name}/clip",
     responses={200: {"content": {"video/mp4": {}}}},
@@ -202,7 +219,8 @@ async def clip(
         raise errors.ApiError(400, "to: before from", "to")
     if t1 - t0 > MAX_CLIP_S:
         raise errors.ApiError(400, f"to: a clip spans at most {MAX_CLIP_S:g} s, asked {t1 - t0:g} s", "to")
-    made = await _reading(lambda: encode_mp4(frames.between(name, t0, t1)))
+    with _encoding_slot(request):
+        made = await _reading(lambda: encode_mp4(frames.between(name, t0, t1)))
     if made is None:
         raise errors.ApiError(404, f"no frames of {name!r} kept from {t0:.3f} to {t1:.3f}", code="no_frames")
     data, count, first, last = made

@@ -39,6 +39,11 @@ class ApiConfig(QueueSettings, ReaderSettings, ServiceSettings):
         "Redis connections that read every answer being waited for (api/answers.py): answers hold no pooled connection",
     )
     max_answers: int = setting(10_000, "answers one API process waits for at once; past it a question gets 503 busy")
+    max_clips: int = setting(
+        2,
+        "clips one API process encodes at once (ten minutes of busy video: a core or two for tens of seconds, "
+        "a few hundred MB); past it a clip gets 503 busy",
+    )
     framelog_dir: str | None = setting(
         None,
         "the recorder's frames log, read-only: clips, snapshots and answers' evidence URLs (README \"Evidence\"); "
@@ -56,7 +61,7 @@ class ApiConfig(QueueSettings, ReaderSettings, ServiceSettings):
         QueueSettings.__post_init__(self)
         if not self.keep_alive_s > 0:
             raise ValueError(f"keep_alive_s must be > 0, got {self.keep_alive_s}")
-        for name in ("redis_max_connections", "answer_readers", "max_answers"):
+        for name in ("redis_max_connections", "answer_readers", "max_answers", "max_clips"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.token is not None and len(self.token) < 16:

@@ -19,7 +19,8 @@ and the index (group commit: the recorder calls it at most every ``framelog_sync
 frame). What `commit` returned for is on disk; on a failure everything since the last commit is
 rolled back (truncated) and `FrameLogError` (`LogFull` for ENOSPC/EDQUOT) says "not written,
 retry later". A torn or corrupt record (crash mid-write, bit flip) fails its crc: readers skip it
-with a warning, and a writer cuts a torn tail off the newest file when it opens.
+with a warning, and a writer cuts a torn tail off the newest file when it opens. A file that
+cannot be read (EIO) is skipped by readers with a warning, and collected like any other.
 
 Retention: `collect` deletes whole files, oldest first, by age (the data file's last write) and
 by bytes per camera; the newest file (the one being written) is never deleted.
@@ -29,6 +30,7 @@ No torch here; safe to import from any service.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -44,7 +46,7 @@ from typing import NamedTuple
 import structlog
 
 from common.files import fsync_dir, write_all
-from common.wire.schemas import FIELD, FrameMsg, check_stream_name, decode_frame
+from common.wire.schemas import FIELD, FrameMsg, SchemaError, check_stream_name, decode_frame
 
 log = structlog.get_logger(__name__)
 
@@ -245,6 +247,14 @@ def _cam_dir(root: Path, cam: str) -> Path:
     return root / cam
 
 
+def _is_name(name: str) -> bool:
+    try:
+        check_stream_name("cam", name)
+    except SchemaError:
+        return False
+    return True
+
+
 def _data_files(d: Path) -> list[Path]:
     """A camera's data files, oldest first (names are start times, zero-padded)."""
     try:
@@ -262,8 +272,9 @@ class FrameLog:
         self._cached = lru_cache(maxsize=_CACHED_FILES)(self._load_logged)
 
     def cameras(self) -> list[str]:
+        """The cameras with files here (a directory not named as a stream, lost+found, is none)."""
         try:
-            return sorted(p.name for p in self.root.iterdir() if p.is_dir() and _data_files(p))
+            return sorted(p.name for p in self.root.iterdir() if _is_name(p.name) and p.is_dir() and _data_files(p))
         except FileNotFoundError:
             return []
 
@@ -304,17 +315,37 @@ class FrameLog:
         return sum(_file_bytes(data) for data in _data_files(_cam_dir(self.root, cam)))
 
     def collect(
-        self, cam: str, keep_hours: float | None, keep_bytes: int | None, now: float | None = None
+        self,
+        cam: str,
+        keep_hours: float | None,
+        keep_bytes: int | None,
+        now: float | None = None,
+        *,
+        unwritten: bool = False,
     ) -> list[Removed]:
         """Delete whole files, oldest first: those last written more than ``keep_hours`` ago, then
-        more while the camera's log exceeds ``keep_bytes``. The newest file is always kept."""
+        more while the camera's log exceeds ``keep_bytes``. The newest file is kept (a writer appends
+        to it) unless ``unwritten`` (a camera no longer recorded: removed, renamed) and no writer
+        holds the camera's lock."""
         d = _cam_dir(self.root, cam)
-        files = _data_files(d)
+        with _lock_if_free(d) if unwritten else contextlib.nullcontext(False) as idle:
+            files = _data_files(d)
+            return self._collect(d, files, len(files) if idle else len(files) - 1, keep_hours, keep_bytes, now)
+
+    def _collect(
+        self,
+        d: Path,
+        files: list[Path],
+        candidates: int,
+        keep_hours: float | None,
+        keep_bytes: int | None,
+        now: float | None,
+    ) -> list[Removed]:
         now = time.time() if now is None else now
         sizes = {p: _file_bytes(p) for p in files}
         total = sum(sizes.values())
         removed: list[Removed] = []
-        for p in files[:-1]:
+        for p in files[:candidates]:
             try:
                 old = keep_hours is not None and p.stat().st_mtime < now - keep_hours * 3600
             except FileNotFoundError:
@@ -365,11 +396,18 @@ class FrameLog:
             f = open(data, "rb")  # noqa: SIM115 (held across yields; closed below)
         except FileNotFoundError:  # collected meanwhile
             return
+        except OSError as e:  # unreadable since its index was read: its frames are left out, not the span's
+            log.warning("frames log file unreadable; skipped", file=str(data), error=f"{type(e).__name__}: {e}")
+            return
         with f:
             fd = f.fileno()
             size = os.fstat(fd).st_size
             for e in entries:
-                rec = _record_at(fd, e.offset, size)
+                try:
+                    rec = _record_at(fd, e.offset, size)
+                except OSError as err:  # a bad sector under this record: the others are still read
+                    log.warning("frames log record unreadable; skipped", file=str(data), seq=e.seq, error=str(err))
+                    continue
                 if rec is None or rec != e:
                     if not (newest and e.end > size):  # the newest file may have been rolled back
                         log.warning("frames log record damaged; skipped", file=str(data), seq=e.seq, offset=e.offset)
@@ -392,6 +430,9 @@ class FrameLog:
         try:
             return self._cached(data, key, newest)
         except FileNotFoundError:
+            return None
+        except OSError as e:  # EIO of a bad sector: the camera's other files are still read (and this one collected)
+            log.warning("frames log file unreadable; skipped", file=str(data), error=f"{type(e).__name__}: {e}")
             return None
 
     @staticmethod
@@ -432,6 +473,27 @@ def _stat_or_none(p: Path) -> os.stat_result | None:
 
 def _file_bytes(data: Path) -> int:
     return sum(st.st_size for st in (_stat_or_none(data), _stat_or_none(data.with_suffix(INDEX_SUFFIX))) if st)
+
+
+@contextlib.contextmanager
+def _lock_if_free(d: Path) -> Iterator[bool]:
+    """Whether no writer holds the camera's lock; when none does, it is held here meanwhile (a
+    writer starting now waits its turn: `LogLocked`, retried)."""
+    try:
+        fd = os.open(d / LOCK_NAME, os.O_RDWR)
+    except FileNotFoundError:
+        yield True  # no writer ever opened this log: nobody to wait for
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            free = False
+        else:
+            free = True
+        yield free
+    finally:
+        os.close(fd)
 
 
 def _remove_orphan_indexes(d: Path) -> None:

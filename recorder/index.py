@@ -90,7 +90,7 @@ class Indexes:
                 log.error("search index not saved; retried", stream=cam, error=str(e))
                 return
             metrics.RECORDER_INDEXED.labels(cam).set(len(index))
-        if ids := self.unacked[cam]:
+        if ids := self.unacked.get(cam):  # none for a camera no longer recorded (its log collected)
             self.frames.xack(keys.features(cam), keys.RECORDER_GROUP, *ids)
             redisio.trim_consumed(self.frames, keys.features(cam), keys.RECORDER_GROUP)
             ids.clear()

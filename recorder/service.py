@@ -9,7 +9,8 @@ nothing of that camera: readiness fails naming the reason, an event says so on t
 pauses and the writes are retried, with backoff, from the pending entries until they succeed.
 
 Retention runs every `collect_every_s`: whole files last written more than `retention_hours` ago,
-then the oldest while a camera's log exceeds `retention_gb` (then an event: space forced it).
+then the oldest while a camera's log exceeds `retention_gb` (then an event: space forced it); the
+logs of cameras no longer recorded (removed, renamed) too, their newest file included.
 A Redis outage is waited out for `redis_grace_s` (exit 3 past it).
 
 Search: each camera's chunk vectors (its features stream, from the encoder) go into its index
@@ -227,9 +228,14 @@ class Recorder:
         if time.monotonic() - self.last_collect < self.cfg.collect_every_s:
             return
         self.last_collect = time.monotonic()
-        for cam in self.names:
+        # cameras no longer recorded (removed from the cameras file, renamed) too: their frames
+        # would otherwise stay on disk past retention for good
+        for cam in sorted({*self.names, *self.log.cameras()}):
+            unwritten = cam not in self.names
             try:
-                removed = self.log.collect(cam, self.cfg.retention_hours, self.cfg.retention_bytes())
+                removed = self.log.collect(
+                    cam, self.cfg.retention_hours, self.cfg.retention_bytes(), unwritten=unwritten
+                )
                 if removed:
                     self.indexes.forget_collected(cam)
             except OSError as e:
@@ -248,7 +254,8 @@ class Recorder:
         fields = {"files": len(gone), "bytes": nbytes, "frames": sum(x.frames for x in gone), "from": first, "to": last}
         if reason == "space":  # history shorter than retention_hours: the operator should know
             log.warning("frames log over retention_gb; oldest files deleted", stream=cam, **fields)
-            redisio.event(self.r, cam, SOURCE, "frames_log_collected", reason=reason, **fields)
+            if cam in self.names:  # an event of a camera no longer recorded would list it again (/api/streams)
+                redisio.event(self.r, cam, SOURCE, "frames_log_collected", reason=reason, **fields)
         else:
             log.info("frames log files past retention_hours deleted", stream=cam, **fields)
 

@@ -319,3 +319,27 @@ def test_the_page_plays_an_answers_and_an_alerts_evidence_clip(redis_url, frames
             assert [width, height] == [W, H] and 2.0 <= duration <= 3.5, duration  # T0+5 .. T0+7
         finally:
             browser.close()
+
+
+def test_clips_encoded_at_once_are_bounded_past_it_busy(redis_url, tmp_path):
+    """Clip encoding was unbounded: a few requests for ten minutes of busy video took every core
+    and hundreds of MB each, and a client that gave up did not stop its encode. One API process
+    encodes at most max_clips at once; the next is a 503 busy with Retry-After, served once one ends."""
+    w = FrameLog(tmp_path).writer(CAM, roll_s=600.0)
+    for seq in range(120):  # a minute at 2 fps, big enough that an encode outlasts the second request
+        assert w.append(seq, T0 + seq / 2, packed(seq, 448, 448))
+    w.commit()
+    w.close()
+    cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(tmp_path), max_clips=1)
+    path = f"/api/streams/{CAM}/clip?from={T0}&to={T0 + 60}"
+
+    async def run() -> list[httpx.Response]:
+        async with api(cfg) as client:
+            first, second = await asyncio.gather(client.get(path), client.get(path))
+            return [first, second, await client.get(path)]
+
+    first, second, after = asyncio.run(run())
+    assert first.status_code == 200 and int(first.headers["X-Clip-Frames"]) == 120
+    assert_error(second, 503, code="busy")
+    assert "max_clips" in second.json()["error"]["message"] and second.headers["Retry-After"] == "5"
+    assert after.status_code == 200

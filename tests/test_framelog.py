@@ -217,3 +217,47 @@ def test_a_file_named_by_a_clock_that_was_ahead_still_rolls_and_is_collected(tmp
     w.close()
     assert len(list((tmp_path / CAM).glob("*.log"))) >= 9
     assert log.collect(CAM, keep_hours=None, keep_bytes=1, now=clock.t), "retention_gb deletes the older ones"
+
+
+def test_a_file_that_cannot_be_read_is_skipped_by_readers_and_still_collected(tmp_path, clock):
+    """A data file whose open fails (EIO on a bad sector; here a link to a directory, which open
+    refuses with an OSError as it would EIO): every read of the camera raised, the spans it does
+    not touch included (a clip's 503), and retention stopped at it for good, the disk filling."""
+    log = FrameLog(tmp_path)
+    w = log.writer(CAM, roll_s=60)
+    for f in range(3):  # three files of 5 frames, 60 s apart
+        for s in range(f * 5, f * 5 + 5):
+            w.append(s, T0 + s, frame_payload(s)[1])
+        w.commit()
+        clock.t += 60
+    w.close()
+    files = sorted((tmp_path / CAM).glob("*.log"))
+    files[0].unlink()
+    (tmp_path / "elsewhere").mkdir()
+    files[0].symlink_to(tmp_path / "elsewhere")
+    log = FrameLog(tmp_path)
+    assert [r.seq for r in log.between(CAM, T0, T0 + 100)] == list(range(5, 15))
+    assert [s for s, _ in log.stamps(CAM, T0, T0 + 100)] == list(range(5, 15))
+    span = log.span(CAM)
+    assert span is not None and (span.first_seq, span.last_seq, span.files) == (5, 14, 3)
+    old = T0 - 48 * 3600
+    for p in files[1:]:
+        os.utime(p, (old, old))
+    removed = log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0 + 600)
+    assert [(r.name, r.frames) for r in removed] == [(files[0].name, 0), (files[1].name, 5)]
+    assert sorted((tmp_path / CAM).glob("*.log")) == files[2:]
+
+
+def test_a_camera_no_longer_recorded_loses_its_newest_file_too_unless_a_writer_holds_it(tmp_path):
+    log = FrameLog(tmp_path)
+    write(log, range(3))
+    (data,) = (tmp_path / CAM).glob("*.log")
+    old = T0 - 48 * 3600
+    os.utime(data, (old, old))
+    w = log.writer(CAM, 600)  # another recorder writes it: its file stays
+    assert log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0, unwritten=True) == []
+    w.close()
+    removed = log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0, unwritten=True)
+    assert [(r.name, r.frames, r.reason) for r in removed] == [(data.name, 3, "age")]
+    assert log.span(CAM) is None
+    log.writer(CAM, 600).close()  # a writer starts it anew

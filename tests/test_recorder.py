@@ -293,3 +293,30 @@ def test_a_frame_whose_epoch_the_log_cannot_hold_is_a_bad_frame_not_a_stopped_re
     for _ in range(5):
         rec.step()
     assert [seq for seq, _ in logged(tmp_path)] == [1]
+
+
+def test_the_log_of_a_camera_no_longer_recorded_is_collected_too(redis_url, tmp_path):
+    """A camera removed from the cameras file (or renamed) kept its frames on disk for good:
+    retention ran only over the cameras recorded now. Its files past retention_hours go too, the
+    newest included (nobody writes it), and no event lists it again on /api/streams."""
+    from recorder import service
+    from recorder.config import RecorderConfig
+
+    gone = FrameLog(tmp_path).writer("gone", roll_s=600)
+    for s in range(3):
+        gone.append(
+            s, T0 + s, encode_frame(FrameMsg.from_rgb(s, T0 + s, s, render_frame(s, width=16, height=16)))[FIELD]
+        )
+    gone.commit()
+    gone.close()
+    old = time.time() - 48 * 3600
+    for p in (tmp_path / "gone").iterdir():
+        os.utime(p, (old, old))
+    (tmp_path / "lost+found").mkdir()  # a file system's own directory: not a camera
+    r = redis.Redis.from_url(redis_url)
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(tmp_path), retention_hours=24, block_ms=50)
+    rec = service.Recorder(cfg, redisio.connect(redis_url, block_ms=50))
+    rec.open_writers()
+    rec.step()
+    assert not list((tmp_path / "gone").glob("*.log")) and FrameLog(tmp_path).span("gone") is None
+    assert not r.exists(keys.events("gone"))
