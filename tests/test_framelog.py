@@ -150,16 +150,21 @@ def test_one_writer_per_camera(tmp_path):
     log.writer(CAM, 600).close()
 
 
-def test_collect_removes_whole_files_oldest_first_by_age_then_by_bytes(tmp_path, clock):
-    log = FrameLog(tmp_path)
+def _files_a_minute_apart(log: FrameLog, root: Path, clock, n: int) -> list[Path]:
+    """`n` data files of 5 frames each (seqs 0..5n-1), each written 60 s after the last."""
     w = log.writer(CAM, roll_s=60)
-    for f in range(4):  # four files of 5 frames, each written 60 s after the last
+    for f in range(n):
         for s in range(f * 5, f * 5 + 5):
             w.append(s, T0 + s, frame_payload(s)[1])
         w.commit()
         clock.t += 60
     w.close()
-    files = sorted((tmp_path / CAM).glob("*.log"))
+    return sorted((root / CAM).glob("*.log"))
+
+
+def test_collect_removes_whole_files_oldest_first_by_age_then_by_bytes(tmp_path, clock):
+    log = FrameLog(tmp_path)
+    files = _files_a_minute_apart(log, tmp_path, clock, 4)
     for i, p in enumerate(files):  # last written 4, 3, 2, 1 hours ago
         t = T0 - (4 - i) * 3600
         os.utime(p, (t, t))
@@ -223,15 +228,7 @@ def test_a_file_that_cannot_be_read_is_skipped_by_readers_and_still_collected(tm
     """A data file whose open fails (EIO on a bad sector; here a link to a directory, which open
     refuses with an OSError as it would EIO): every read of the camera raised, the spans it does
     not touch included (a clip's 503), and retention stopped at it for good, the disk filling."""
-    log = FrameLog(tmp_path)
-    w = log.writer(CAM, roll_s=60)
-    for f in range(3):  # three files of 5 frames, 60 s apart
-        for s in range(f * 5, f * 5 + 5):
-            w.append(s, T0 + s, frame_payload(s)[1])
-        w.commit()
-        clock.t += 60
-    w.close()
-    files = sorted((tmp_path / CAM).glob("*.log"))
+    files = _files_a_minute_apart(FrameLog(tmp_path), tmp_path, clock, 3)
     files[0].unlink()
     (tmp_path / "elsewhere").mkdir()
     files[0].symlink_to(tmp_path / "elsewhere")

@@ -357,6 +357,25 @@ def test_a_bad_description_is_said_in_one_line_once_a_minute_while_another_strea
     stop(svc, r)
 
 
+def _refusing_worker(redis_url: str, params: list[str | None]) -> threading.Thread:
+    """A worker for stream "ghost" that refuses each question in turn, naming `params[n]` the n-th."""
+    from common.wire.schemas import FinalAnswer, encode_final
+    from tests.pipeline import wait_for
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:
+        for n, param in enumerate(params):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
     """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
     and so does its streamed error chunk (which named "messages" whatever the worker said); the
@@ -368,20 +387,10 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
 
     from api.app import create_app
     from api.config import ApiConfig
-    from common.wire.schemas import FinalAnswer, encode_final
-    from tests.pipeline import wait_for
     from tests.test_api import _parse_sse
 
-    r = redis.Redis.from_url(redis_url)
-    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
     named_by_worker = ["until", "scope", None, "question", "at"]
-    params = named_by_worker * 2  # each refusal, not streamed then streamed
-
-    def worker() -> None:
-        for n, param in enumerate(params):
-            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
-            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
-            r.xadd(keys.answer(qid.decode()), encode_final(final))
+    thread = _refusing_worker(redis_url, named_by_worker * 2)  # each refusal, not streamed then streamed
 
     async def ask() -> list[str | None]:
         named = []
@@ -402,8 +411,6 @@ def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url)
                     named.append(error["param"])
         return named
 
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
     named = asyncio.run(ask())
     thread.join(10)
     assert named == ["until", "scope", None, "messages", None] * 2
@@ -419,18 +426,9 @@ def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redi
 
     from api.app import create_app
     from api.config import ApiConfig
-    from common.wire.schemas import FinalAnswer, encode_final
-    from tests.pipeline import wait_for
 
-    r = redis.Redis.from_url(redis_url)
-    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
     named_by_worker = ["until", "scope", None, "question", "at", "id"]
-
-    def worker() -> None:
-        for n, param in enumerate(named_by_worker):
-            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 10, "q")
-            final = FinalAnswer(id=qid.decode(), stream="ghost", error="refused", param=param)
-            r.xadd(keys.answer(qid.decode()), encode_final(final))
+    thread = _refusing_worker(redis_url, named_by_worker)
 
     async def ask() -> list[str | None]:
         named = []
@@ -444,8 +442,6 @@ def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redi
                 named.append(error["param"])
         return named
 
-    thread = threading.Thread(target=worker, daemon=True)
-    thread.start()
     named = asyncio.run(ask())
     thread.join(10)
     assert named == ["until", "scope", None, "question", "at", None]
