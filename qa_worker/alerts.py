@@ -16,6 +16,7 @@ Assistant MQTT discovery config (retained), so each alert job appears there as a
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import queue
@@ -187,6 +188,16 @@ def _where(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
+def _scrubbed(error: str, url: str) -> str:
+    """An error's text without the URL's secrets (its password, path and query): some name the URL
+    (http.client's InvalidURL quotes the path and query of one with a space, a token's say)."""
+    parts = urlsplit(url)
+    for secret in (url, parts.password, parts.path + (f"?{parts.query}" if parts.query else ""), parts.query):
+        if secret and secret != "/":
+            error = error.replace(secret, "…").replace(repr(secret)[1:-1], "…")
+    return error
+
+
 class Delivery:
     """A queue and one thread: ``submit`` and ``tell`` return at once; the thread sends and retries."""
 
@@ -224,7 +235,12 @@ class Delivery:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            self._deliver(*item)
+            try:
+                self._deliver(*item)
+            except Exception as e:  # this thread ending ended every later delivery, and close() waited on a full queue
+                message, kind, url = item
+                where = {"stream": message.stream, "job": message.job, "target": kind, "to": _where(url)}
+                log.error("alert delivery failed unexpectedly", **where, error=_scrubbed(repr(e), url)[:300])
 
     def _send(self, message: Message, kind: str, url: str) -> None:
         if kind == "webhook":
@@ -243,8 +259,10 @@ class Delivery:
                 bound.info("alert delivered", attempt=attempt)
                 self._count(message, kind, "delivered")
                 return True
-            except (OSError, urllib.error.URLError, ValueError) as e:
-                bound.warning("alert delivery failed", attempt=attempt, error=str(e)[:300])
+            # HTTPException: a receiver's answer that is no HTTP (a bad status line), or a URL
+            # http.client refuses (a space in it): it escaped and ended the delivery thread
+            except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:
+                bound.warning("alert delivery failed", attempt=attempt, error=_scrubbed(str(e), url)[:300])
             if attempt == self.retry.attempts or self.stop.wait(delay):
                 break
             delay = min(delay * 2, self.retry.backoff_max_s)

@@ -102,6 +102,48 @@ def test_a_dead_receiver_gives_up_after_the_attempts_and_never_blocks_submit(tmp
     assert deliveries("webhook", "failed") == failed + 3
 
 
+def test_a_receiver_answering_no_http_or_a_url_with_a_space_fails_that_delivery_alone_and_no_secret_is_logged():
+    """A bad status line (http.client's BadStatusLine) and a URL with a space (its InvalidURL, which
+    quotes the path and query) are no OSError: each escaped and ended the delivery thread, with the
+    token in its traceback, and every later alert was queued for nobody. Now each fails its own
+    delivery, said without the URL's secrets, and the next alert is delivered."""
+    import socket
+    import threading
+
+    from structlog.testing import capture_logs
+
+    from tests.conftest import free_port
+
+    listening = socket.create_server(("127.0.0.1", free_port()))
+
+    def answer_no_http() -> None:
+        while True:
+            try:
+                conn, _ = listening.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 abc OK\r\n\r\n")
+
+    threading.Thread(target=answer_no_http, daemon=True).start()
+    hostile = f"http://127.0.0.1:{listening.getsockname()[1]}/hook?token=s3cr3t"
+    with webhook() as hook, capture_logs() as logs:
+        delivery = Delivery(FAST)
+        failed = deliveries("webhook", "failed")
+        delivery.submit(alert(1), {"webhook": hostile, "mqtt": None})
+        delivery.submit(alert(2), {"webhook": f"http://127.0.0.1:{hook.server.server_port}/hook?token=s3 cr3t"})
+        after = alert(3)
+        delivery.submit(after, {"webhook": hook.url, "mqtt": None})
+        delivery.close(timeout_s=20)
+    listening.close()
+    assert hook.accepted == [after.payload()], "the alert after them was delivered"
+    assert deliveries("webhook", "failed") == failed + 2
+    errors = [e["error"] for e in logs if e["event"] == "alert delivery failed"]
+    assert len(errors) == 2 * FAST.attempts and any("abc" in e for e in errors), errors
+    assert not any("s3" in str(e) or "cr3t" in str(e) for e in logs), logs
+
+
 def test_mqtt_delivery_through_mosquitto(tmp_path):
     with broker(tmp_path, "site/alerts") as mq:
         delivery = Delivery(FAST)
