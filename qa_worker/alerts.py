@@ -164,18 +164,32 @@ def publish_mqtt(url: str, messages: list[tuple[str, bytes, bool]], timeout_s: f
         client.username_pw_set(unquote(parts.username), unquote(parts.password or ""))
     if parts.scheme == "mqtts":
         client.tls_set_context(ssl.create_default_context())
+    refused: list[str] = []  # a broker that refuses the client (its credentials) says so in its CONNACK
+    client.on_connect = lambda _c, _u, _f, reason, _p: refused.append(str(reason)) if reason.is_failure else None
     client.connect(parts.hostname or "localhost", parts.port or (8883 if parts.scheme == "mqtts" else 1883))
     client.loop_start()
     try:
         sent = [client.publish(topic, payload, qos=1, retain=retain) for topic, payload, retain in messages]
         deadline = time.monotonic() + timeout_s
-        while not all(info.is_published() for info in sent) and time.monotonic() < deadline:
+        while not _published(sent, refused) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if not all(info.is_published() for info in sent):
+        if not _published(sent, refused):
             raise OSError(f"MQTT broker did not acknowledge within {timeout_s:g} s")
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+def _published(sent: list[mqtt.MQTTMessageInfo], refused: list[str]) -> bool:
+    """Whether the broker acknowledged every message; OSError once it refused the client: that was
+    waited out as no acknowledgement, and a publish after the refusal raised RuntimeError, which
+    no retry caught."""
+    if refused:
+        raise OSError(f"MQTT broker refused the connection: {refused[0]}")
+    try:
+        return all(info.is_published() for info in sent)
+    except RuntimeError as e:  # paho: the message cannot be sent (the client is not connected)
+        raise OSError(f"MQTT publish failed: {e}") from None
 
 
 def mqtt_topic(url: str) -> str:
