@@ -199,8 +199,11 @@ class ChunkIndex:
         index, rows, _ = loaded
         index.base_next_key = index.next_key
         delta = cls._files(d, DELTA_GRAPH_NAME, DELTA_META_NAME, view)
-        follows = (index.next_key, index.model, index.layers)
-        if delta is not None and (delta[2].get("base_next_key"), delta[0].model, delta[0].layers) != follows:
+        follows = (index.next_key, index.model, index.layers, index.dim)
+        if (
+            delta is not None
+            and (delta[2].get("base_next_key"), delta[0].model, delta[0].layers, delta[0].dim) != follows
+        ):
             delta = None  # another base's
         if delta is not None:
             index.removed_before = delta[2]["removed_before"]
@@ -233,6 +236,8 @@ class ChunkIndex:
             if graph is None or meta.get("v") != META_VERSION:
                 raise ValueError("not an index of this version")
             index = cls(meta["model"], tuple(meta["layers"]), int(meta["dim"]), graph)
+            if graph.ndim != index.dim:  # a graph of another index's: every search and add of it raised
+                raise ValueError(f"its graph holds vectors of {graph.ndim} dimensions, its meta says {index.dim}")
             rows = np.frombuffer(meta["rows"], dtype=ROW)
             index.next_key = int(meta["next_key"])
             if meta_name == DELTA_META_NAME:  # what _load reads of a delta's, checked here with the rest

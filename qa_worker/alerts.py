@@ -16,6 +16,7 @@ Assistant MQTT discovery config (retained), so each alert job appears there as a
 
 from __future__ import annotations
 
+import http.client
 import json
 import math
 import queue
@@ -163,18 +164,32 @@ def publish_mqtt(url: str, messages: list[tuple[str, bytes, bool]], timeout_s: f
         client.username_pw_set(unquote(parts.username), unquote(parts.password or ""))
     if parts.scheme == "mqtts":
         client.tls_set_context(ssl.create_default_context())
+    refused: list[str] = []  # a broker that refuses the client (its credentials) says so in its CONNACK
+    client.on_connect = lambda _c, _u, _f, reason, _p: refused.append(str(reason)) if reason.is_failure else None
     client.connect(parts.hostname or "localhost", parts.port or (8883 if parts.scheme == "mqtts" else 1883))
     client.loop_start()
     try:
         sent = [client.publish(topic, payload, qos=1, retain=retain) for topic, payload, retain in messages]
         deadline = time.monotonic() + timeout_s
-        while not all(info.is_published() for info in sent) and time.monotonic() < deadline:
+        while not _published(sent, refused) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if not all(info.is_published() for info in sent):
+        if not _published(sent, refused):
             raise OSError(f"MQTT broker did not acknowledge within {timeout_s:g} s")
     finally:
         client.disconnect()
         client.loop_stop()
+
+
+def _published(sent: list[mqtt.MQTTMessageInfo], refused: list[str]) -> bool:
+    """Whether the broker acknowledged every message; OSError once it refused the client: that was
+    waited out as no acknowledgement, and a publish after the refusal raised RuntimeError, which
+    no retry caught."""
+    if refused:
+        raise OSError(f"MQTT broker refused the connection: {refused[0]}")
+    try:
+        return all(info.is_published() for info in sent)
+    except RuntimeError as e:  # paho: the message cannot be sent (the client is not connected)
+        raise OSError(f"MQTT publish failed: {e}") from None
 
 
 def mqtt_topic(url: str) -> str:
@@ -185,6 +200,16 @@ def _where(url: str) -> str:
     """Scheme, host and port only: webhook paths and queries often carry secrets (tokens)."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def _scrubbed(error: str, url: str) -> str:
+    """An error's text without the URL's secrets (its password, path and query): some name the URL
+    (http.client's InvalidURL quotes the path and query of one with a space, a token's say)."""
+    parts = urlsplit(url)
+    for secret in (url, parts.password, parts.path + (f"?{parts.query}" if parts.query else ""), parts.query):
+        if secret and secret != "/":
+            error = error.replace(secret, "…").replace(repr(secret)[1:-1], "…")
+    return error
 
 
 class Delivery:
@@ -224,7 +249,12 @@ class Delivery:
 
     def _run(self) -> None:
         while (item := self.queue.get()) is not None:
-            self._deliver(*item)
+            try:
+                self._deliver(*item)
+            except Exception as e:  # this thread ending ended every later delivery, and close() waited on a full queue
+                message, kind, url = item
+                where = {"stream": message.stream, "job": message.job, "target": kind, "to": _where(url)}
+                log.error("alert delivery failed unexpectedly", **where, error=_scrubbed(repr(e), url)[:300])
 
     def _send(self, message: Message, kind: str, url: str) -> None:
         if kind == "webhook":
@@ -243,8 +273,10 @@ class Delivery:
                 bound.info("alert delivered", attempt=attempt)
                 self._count(message, kind, "delivered")
                 return True
-            except (OSError, urllib.error.URLError, ValueError) as e:
-                bound.warning("alert delivery failed", attempt=attempt, error=str(e)[:300])
+            # HTTPException: a receiver's answer that is no HTTP (a bad status line), or a URL
+            # http.client refuses (a space in it): it escaped and ended the delivery thread
+            except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:
+                bound.warning("alert delivery failed", attempt=attempt, error=_scrubbed(str(e), url)[:300])
             if attempt == self.retry.attempts or self.stop.wait(delay):
                 break
             delay = min(delay * 2, self.retry.backoff_max_s)

@@ -102,6 +102,94 @@ def test_a_dead_receiver_gives_up_after_the_attempts_and_never_blocks_submit(tmp
     assert deliveries("webhook", "failed") == failed + 3
 
 
+def test_a_receiver_answering_no_http_or_a_url_with_a_space_fails_that_delivery_alone_and_no_secret_is_logged():
+    """A bad status line (http.client's BadStatusLine) and a URL with a space (its InvalidURL, which
+    quotes the path and query) are no OSError: each escaped and ended the delivery thread, with the
+    token in its traceback, and every later alert was queued for nobody. Now each fails its own
+    delivery, said without the URL's secrets, and the next alert is delivered."""
+    import socket
+    import threading
+
+    from structlog.testing import capture_logs
+
+    from tests.conftest import free_port
+
+    listening = socket.create_server(("127.0.0.1", free_port()))
+
+    def answer_no_http() -> None:
+        while True:
+            try:
+                conn, _ = listening.accept()
+            except OSError:  # closed: the test is over
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 abc OK\r\n\r\n")
+
+    threading.Thread(target=answer_no_http, daemon=True).start()
+    hostile = f"http://127.0.0.1:{listening.getsockname()[1]}/hook?token=s3cr3t"
+    with webhook() as hook, capture_logs() as logs:
+        delivery = Delivery(FAST)
+        failed = deliveries("webhook", "failed")
+        delivery.submit(alert(1), {"webhook": hostile, "mqtt": None})
+        delivery.submit(alert(2), {"webhook": f"http://127.0.0.1:{hook.server.server_port}/hook?token=s3 cr3t"})
+        after = alert(3)
+        delivery.submit(after, {"webhook": hook.url, "mqtt": None})
+        delivery.close(timeout_s=20)
+    listening.close()
+    assert hook.accepted == [after.payload()], "the alert after them was delivered"
+    assert deliveries("webhook", "failed") == failed + 2
+    errors = [e["error"] for e in logs if e["event"] == "alert delivery failed"]
+    assert len(errors) == 2 * FAST.attempts and any("abc" in e for e in errors), errors
+    assert not any("s3" in str(e) or "cr3t" in str(e) for e in logs), logs
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return False
+    return True
+
+
+def test_a_broker_refusing_the_client_fails_each_attempt_at_once_saying_so(tmp_path):
+    """mosquitto refusing the client's credentials: the first attempt waited out its timeout as
+    "did not acknowledge", and the next one's publish raised paho's RuntimeError (not connected),
+    which no retry caught: it ended the delivery thread. Now every attempt fails at once with the
+    broker's reason, and the alert is counted failed; the password is in no log line."""
+    import subprocess
+
+    from structlog.testing import capture_logs
+
+    from tests.alerting import MOSQUITTO
+    from tests.conftest import free_port
+
+    port = free_port()
+    (tmp_path / "mosquitto.conf").write_text(f"listener {port} 127.0.0.1\nallow_anonymous false\npersistence false\n")
+    broker = subprocess.Popen([MOSQUITTO, "-c", str(tmp_path / "mosquitto.conf")], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while not _listening(port):
+            assert time.monotonic() < deadline and broker.poll() is None, "mosquitto did not listen"
+            time.sleep(0.05)
+        failed = deliveries("mqtt", "failed")
+        with capture_logs() as logs:
+            delivery = Delivery(FAST)
+            t0 = time.monotonic()
+            delivery.submit(alert(), {"webhook": None, "mqtt": f"mqtt://user:pa55w0rd@127.0.0.1:{port}/alerts"})
+            delivery.close(timeout_s=30)
+    finally:
+        broker.terminate()
+        broker.wait()
+    assert deliveries("mqtt", "failed") == failed + 1
+    errors = [e["error"] for e in logs if e["event"] == "alert delivery failed"]
+    assert errors == ["MQTT broker refused the connection: Not authorized"] * FAST.attempts, logs
+    assert time.monotonic() - t0 < FAST.attempts * FAST.timeout_s, "no attempt waited out its timeout"
+    assert not any("pa55w0rd" in str(e) for e in logs)
+
+
 def test_mqtt_delivery_through_mosquitto(tmp_path):
     with broker(tmp_path, "site/alerts") as mq:
         delivery = Delivery(FAST)

@@ -263,6 +263,32 @@ def test_a_meta_of_wellformed_msgpack_but_wrong_values_is_unreadable_not_a_raise
         assert rows(ChunkIndex.open(tmp_path)) == [(0, 3)]
 
 
+def test_a_graph_of_another_dimension_than_its_meta_is_unreadable_and_the_recorder_builds_anew(redis_url, tmp_path):
+    """A graph file of another index's (32 dimensions beside a meta of 64: restored from another
+    backup, say) was taken as the index: the recorder's add of the next chunk raised from its step
+    (after every restart: a crash loop), and every search over the camera raised. Now it is unreadable,
+    with a warning: the recorder starts the index anew and a search leaves it out."""
+    r = redis.Redis.from_url(redis_url)
+    other = ChunkIndex("tiny-random", LAYERS, 32)
+    other.add(planted(0, np.ones(32, dtype=np.float16)))
+    other.save(tmp_path)
+    graph32 = (tmp_path / "chunks.usearch").read_bytes()
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    index.add(planted(0, vectors(1)[0]))
+    (tmp_path / CAM).mkdir()
+    index.save(tmp_path / CAM)
+    (tmp_path / CAM / "chunks.usearch").write_bytes(graph32)
+    assert ChunkIndex.view(tmp_path / CAM) is None and ChunkIndex.open(tmp_path / CAM) is None
+    vs = vectors(3, seed=5)
+    send(r, [planted(4 * i, vs[i]) for i in range(3)])
+    rec = recorder(redis_url, tmp_path)
+    step_until(rec, lambda: unacked_features(r) == 0, "the new chunks saved and acked")
+    end(rec)
+    rebuilt = saved(tmp_path)
+    assert (rebuilt.dim, rows(rebuilt)) == (64, [(0, 3), (4, 7), (8, 11)])
+    assert rebuilt.search(vs[2], 1)[0].first_seq == 8
+
+
 def test_chunks_added_at_once_are_indexed_as_one_by_one(tmp_path):
     """`extend` (a day of chunks in one call to the graph) keeps what `add` keeps: the same rows
     under the same keys, each chunk once (given twice, or indexed already), each vector its own
