@@ -60,6 +60,9 @@ LOCK_NAME = ".lock"
 MAX_RECORD = 256 << 20  # no frame payload comes near this: a larger length is a damaged header
 _RESYNC_CHUNK = 1 << 20
 _CACHED_FILES = 256  # file indexes kept in memory by a reader (~1,200 entries each at 2 fps)
+# Errors of the disk or the process, not of one file: a file that fails with one is no reason to
+# leave it for a new one (which fails the same way).
+_NOT_THE_FILE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class FrameLogError(Exception):
@@ -589,7 +592,13 @@ class CameraWriter:
         self._new_file: Path | None = None  # where the buffered records go when they open a new file
         self._broken = False  # a failure left the files unknown: recover before the next write
         self._started = 0.0  # when this writer started the data file (`_roll_due`)
-        self._recover()
+        self._left: dict[Path, str] = {}  # newest files that could not be resumed, and why
+        self.left: list[tuple[Path, str]] = []  # those not yet reported (`take_left`)
+        try:
+            self._recover()
+        except BaseException:  # let go of the lock: kept, every later try was refused as another writer's
+            self.close()
+            raise
 
     @property
     def pending(self) -> int:
@@ -640,6 +649,11 @@ class CameraWriter:
         self._buf, self._ibuf, self._pending = bytearray(), bytearray(), 0
         self._mark = _Mark(self._data, self._size, self._isize, self.last_seq, self.last_ts)
         return written
+
+    def take_left(self) -> list[tuple[Path, str]]:
+        """The newest files left unresumed since the last call (an EIO of a bad sector), and why."""
+        left, self.left = self.left, []
+        return left
 
     def close(self) -> None:
         """Drop what was not committed and let go of the files and the lock."""
@@ -724,14 +738,36 @@ class CameraWriter:
         self.last_seq, self.last_ts = -1, float("-inf")
         files = _data_files(self.dir)
         if files:
-            self._resume(files[-1])
+            self._resume_or_leave(files[-1])
         for data in reversed(files):  # the newest file may be empty
-            idx = _load(data)
+            try:
+                idx = _load(data)
+            except OSError as e:  # left (above), or an older bad sector: the one before it knows
+                if e.errno in _NOT_THE_FILE:
+                    raise
+                continue
             if idx.entries:
                 last = idx.entries[-1]
                 self.last_seq, self.last_ts = last.seq, last.ts
                 break
         self._mark = _Mark(self._data, self._size, self._isize, self.last_seq, self.last_ts)
+
+    def _resume_or_leave(self, data: Path) -> None:
+        """Resume the newest file, or leave it as it is when it cannot be read or opened (EIO):
+        retrying it failed every write of the camera for good, and nothing but that file is lost
+        by starting a new one with the next frame. Readers skip it, retention collects it."""
+        try:
+            self._resume(data)
+        except OSError as e:
+            if e.errno in _NOT_THE_FILE:
+                raise
+            self._close_files()
+            self._data, self._size, self._isize = None, 0, 0  # the next append starts a new file
+            if data not in self._left:
+                why = f"{type(e).__name__}: {e}"
+                self.log.warning("frames log file unusable; left, a new file is started", file=str(data), error=why)
+                self._left[data] = why
+                self.left.append((data, why))
 
     def _resume(self, data: Path) -> None:
         """Go on appending to the newest file, made whole first."""
