@@ -50,6 +50,7 @@ from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire import keys
 from common.wire.manifest import from_manifest
 from common.wire.schemas import FrameMsg, Question, SchemaError, manifest_from_bytes
+from common.wire.timeref import in_the_future
 from qa_worker.admission import Admission, Ticket
 
 T = TypeVar("T")
@@ -141,12 +142,8 @@ def span_of(q: Question, asked_at: float, now: float | None = None) -> tuple[flo
     assert q.since is not None
     now = time.time() if now is None else now
     t0 = q.since.resolve(asked_at)
-    if t0 > asked_at:
-        raise HistoryError(
-            f"since is {t0 - asked_at:.0f} s after the question was asked, not before: it is in the future, "
-            "ask about the past",
-            param="since",
-        )
+    if future := in_the_future(t0, asked_at):
+        raise HistoryError(future, param="since")
     t1 = min(q.until.resolve(asked_at), now) if q.until is not None else min(asked_at, now)
     if t1 <= t0:
         field = "until" if q.until is not None else "since"
