@@ -7,7 +7,8 @@ capture-time range (unix seconds), frame seqs, how many chunks, and its score, i
 (`best_*`); with the URLs of a snapshot (its thumbnail: the frame nearest the best chunk's middle)
 and of the range's clip (a moment longer than a clip may be: its MAX_CLIP_S around the best
 chunk), both served from the frames log (api/clips.py). A span with nothing
-indexed gives an empty list; a bad parameter 400 naming it.
+indexed gives an empty list; a bad parameter 400 naming it; a span the worker refuses from when the
+search was asked (a `since` in the future, as a question's is) 422 naming the field.
 """
 
 from __future__ import annotations

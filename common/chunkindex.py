@@ -228,24 +228,30 @@ class ChunkIndex:
     @classmethod
     def _files(cls, d: Path, graph_name: str, meta_name: str, view: bool) -> tuple[ChunkIndex, np.ndarray, dict] | None:
         """One graph and its meta: (an index of its graph, its rows that the graph holds, the meta)."""
+        at = meta_name  # the file being read: the one a warning names (it named the meta, the graph damaged)
         try:
             meta = msgpack.unpackb((d / meta_name).read_bytes(), raw=False)
             if not isinstance(meta, dict):
                 raise TypeError("its meta is not a map")
-            graph = Index.restore(str(d / graph_name), view=view)
-            if graph is None or meta.get("v") != META_VERSION:
+            if meta.get("v") != META_VERSION:
                 raise ValueError("not an index of this version")
-            index = cls(meta["model"], tuple(meta["layers"]), int(meta["dim"]), graph)
-            if graph.ndim != index.dim:  # a graph of another index's: every search and add of it raised
-                raise ValueError(f"its graph holds vectors of {graph.ndim} dimensions, its meta says {index.dim}")
+            model, layers, dim = meta["model"], tuple(meta["layers"]), int(meta["dim"])
             rows = np.frombuffer(meta["rows"], dtype=ROW)
-            index.next_key = int(meta["next_key"])
+            next_key = int(meta["next_key"])
             if meta_name == DELTA_META_NAME:  # what _load reads of a delta's, checked here with the rest
                 meta["removed_before"] = float(meta["removed_before"])
+            at = graph_name
+            graph = Index.restore(str(d / graph_name), view=view)
+            if graph is None:
+                raise ValueError("not a graph of this version")
+            if graph.ndim != dim:  # a graph of another index's: every search and add of it raised
+                raise ValueError(f"its graph holds vectors of {graph.ndim} dimensions, its meta says {dim}")
+            index = cls(model, layers, dim, graph)
+            index.next_key = next_key
         except FileNotFoundError:
             return None
         except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, msgpack.UnpackException) as e:
-            log.warning("search index unreadable; not used", dir=str(d), file=meta_name, error=str(e)[:200])
+            log.warning("search index unreadable; not used", dir=str(d), file=at, error=str(e)[:200])
             return None
         in_graph = np.asarray(graph.keys, dtype=np.uint64)
         return index, rows[np.isin(rows["key"], in_graph)], meta  # a crash between the renames: the graph is newer

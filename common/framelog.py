@@ -37,9 +37,9 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,6 +60,9 @@ LOCK_NAME = ".lock"
 MAX_RECORD = 256 << 20  # no frame payload comes near this: a larger length is a damaged header
 _RESYNC_CHUNK = 1 << 20
 _CACHED_FILES = 256  # file indexes kept in memory by a reader (~1,200 entries each at 2 fps)
+# Errors of the disk or the process, not of one file: a file that fails with one is no reason to
+# leave it for a new one (which fails the same way).
+_NOT_THE_FILE = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM})
 
 
 class FrameLogError(Exception):
@@ -155,11 +158,19 @@ class _FileIndex:
     damaged: int  # records or index entries found damaged
 
     def summary(self) -> tuple[int, int, float, float] | None:
+        return self._bounds
+
+    @cached_property
+    def _bounds(self) -> tuple[int, int, float, float] | None:
+        """Once per file read: every read of a camera asks every file's."""
         if not self.entries:
             return None
-        seqs = [e.seq for e in self.entries]
-        tss = [e.ts for e in self.entries]
-        return min(seqs), max(seqs), min(tss), max(tss)
+        return (
+            min(e.seq for e in self.entries),
+            max(e.seq for e in self.entries),
+            min(e.ts for e in self.entries),
+            max(e.ts for e in self.entries),
+        )
 
 
 def _read_index(data: Path, size: int) -> tuple[list[_Entry], int]:
@@ -294,6 +305,29 @@ class FrameLog:
         an hour chooses its frames before it reads any."""
         return [(e.seq, e.ts) for _, entries, _ in self._entries(cam, _captured(t0, t1)) for e in entries]
 
+    def stamps_at(
+        self, cam: str, t0: float, t1: float, at: Callable[[int], Sequence[int]]
+    ) -> dict[int, tuple[int, float]]:
+        """(seq, ts) of the records `stamps` would give, at the positions among them `at(n)` names
+        (n: how many there are; positions ascending), by position: a question about a week chooses
+        a few of its million frames without a list of them all. A file collected meanwhile leaves
+        its positions out."""
+        counted = [(data, newest, n) for data, newest, idx in self._files(cam, t0, t1) if (n := _count(idx, t0, t1))]
+        positions = at(sum(n for _, _, n in counted))
+        found: dict[int, tuple[int, float]] = {}
+        first, i = 0, 0  # the first position in this file; the next position wanted
+        for data, newest, n in counted:
+            mine = []
+            while i < len(positions) and positions[i] < first + n:
+                mine.append(positions[i] - first)
+                i += 1
+            idx = self._index_of(data, newest) if mine else None
+            if idx is not None:
+                entries = _within(idx, t0, t1)
+                found |= {first + k: (entries[k].seq, entries[k].ts) for k in mine if k < len(entries)}
+            first += n
+        return found
+
     def span(self, cam: str) -> Span | None:
         """The log's bounds and size for ``cam``; None when it holds no frame."""
         files = _data_files(_cam_dir(self.root, cam))
@@ -389,6 +423,17 @@ class FrameLog:
             if idx is not None:
                 yield data, [e for e in idx.entries if wanted(e)], newest
 
+    def _files(self, cam: str, t0: float, t1: float) -> Iterator[tuple[Path, bool, _FileIndex]]:
+        """The camera's files holding frames captured within t0..t1 (by their bounds), their
+        indexes, and whether each is the newest file; one at a time (the cache keeps some)."""
+        files = _data_files(_cam_dir(self.root, cam))
+        for i, data in enumerate(files):
+            newest = i == len(files) - 1
+            idx = self._index_of(data, newest)
+            s = idx.summary() if idx is not None else None
+            if idx is not None and s is not None and s[2] <= t1 and s[3] >= t0:
+                yield data, newest, idx
+
     def _records(self, data: Path, entries: list[_Entry], newest: bool) -> Iterator[Record]:
         if not entries:
             return
@@ -456,6 +501,19 @@ class FrameLog:
 def _captured(t0: float, t1: float) -> tuple[Callable[[tuple], bool], Callable[[_Entry], bool]]:
     """Files and entries of frames captured at t0 <= ts <= t1."""
     return (lambda s: s[2] <= t1 and s[3] >= t0), (lambda e: t0 <= e.ts <= t1)
+
+
+def _within(idx: _FileIndex, t0: float, t1: float) -> Sequence[_Entry]:
+    """The file's entries captured at t0 <= ts <= t1: all of them, not a copy, when its bounds
+    lie within (every file of a long span but its first and last)."""
+    s = idx.summary()
+    if s is not None and t0 <= s[2] and s[3] <= t1:
+        return idx.entries
+    return [e for e in idx.entries if t0 <= e.ts <= t1]
+
+
+def _count(idx: _FileIndex, t0: float, t1: float) -> int:
+    return len(_within(idx, t0, t1))
 
 
 def log_error(cam: str, e: OSError) -> FrameLogError:
@@ -534,7 +592,13 @@ class CameraWriter:
         self._new_file: Path | None = None  # where the buffered records go when they open a new file
         self._broken = False  # a failure left the files unknown: recover before the next write
         self._started = 0.0  # when this writer started the data file (`_roll_due`)
-        self._recover()
+        self._left: dict[Path, str] = {}  # newest files that could not be resumed, and why
+        self.left: list[tuple[Path, str]] = []  # those not yet reported (`take_left`)
+        try:
+            self._recover()
+        except BaseException:  # let go of the lock: kept, every later try was refused as another writer's
+            self.close()
+            raise
 
     @property
     def pending(self) -> int:
@@ -585,6 +649,11 @@ class CameraWriter:
         self._buf, self._ibuf, self._pending = bytearray(), bytearray(), 0
         self._mark = _Mark(self._data, self._size, self._isize, self.last_seq, self.last_ts)
         return written
+
+    def take_left(self) -> list[tuple[Path, str]]:
+        """The newest files left unresumed since the last call (an EIO of a bad sector), and why."""
+        left, self.left = self.left, []
+        return left
 
     def close(self) -> None:
         """Drop what was not committed and let go of the files and the lock."""
@@ -669,14 +738,36 @@ class CameraWriter:
         self.last_seq, self.last_ts = -1, float("-inf")
         files = _data_files(self.dir)
         if files:
-            self._resume(files[-1])
+            self._resume_or_leave(files[-1])
         for data in reversed(files):  # the newest file may be empty
-            idx = _load(data)
+            try:
+                idx = _load(data)
+            except OSError as e:  # left (above), or an older bad sector: the one before it knows
+                if e.errno in _NOT_THE_FILE:
+                    raise
+                continue
             if idx.entries:
                 last = idx.entries[-1]
                 self.last_seq, self.last_ts = last.seq, last.ts
                 break
         self._mark = _Mark(self._data, self._size, self._isize, self.last_seq, self.last_ts)
+
+    def _resume_or_leave(self, data: Path) -> None:
+        """Resume the newest file, or leave it as it is when it cannot be read or opened (EIO):
+        retrying it failed every write of the camera for good, and nothing but that file is lost
+        by starting a new one with the next frame. Readers skip it, retention collects it."""
+        try:
+            self._resume(data)
+        except OSError as e:
+            if e.errno in _NOT_THE_FILE:
+                raise
+            self._close_files()
+            self._data, self._size, self._isize = None, 0, 0  # the next append starts a new file
+            if data not in self._left:
+                why = f"{type(e).__name__}: {e}"
+                self.log.warning("frames log file unusable; left, a new file is started", file=str(data), error=why)
+                self._left[data] = why
+                self.left.append((data, why))
 
     def _resume(self, data: Path) -> None:
         """Go on appending to the newest file, made whole first."""

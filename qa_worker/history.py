@@ -2,7 +2,8 @@
 
 A question with `since` (and `until`) names a span. Its logged frames are cut into chunks of the
 stream's `chunk_frames` consecutive frames, oldest first (`logged_chunks`, from the log's indexes
-alone), and as many as `history_max_tokens` holds are chosen evenly over the span (`evenly`).
+alone), and as many as `history_max_tokens` holds are chosen evenly over the span (`evenly`); a
+question looks up only the chunks it chooses (`chosen_chunks`: a week is 300,000 chunks).
 `History.cache` reads exactly those frames back from the log, decodes them bit-identically to what
 the encoder saw, and appends them to a temporary cache (common/engine/temporary_cache.py: the GPU
 scheduler encodes them below live cameras), which the question is then answered from like a live
@@ -33,6 +34,7 @@ from concurrent import futures
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import redis
 
@@ -48,7 +50,10 @@ from common.framelog import FrameLog, FrameLogError, Record, decode
 from common.wire import keys
 from common.wire.manifest import from_manifest
 from common.wire.schemas import FrameMsg, Question, SchemaError, manifest_from_bytes
+from common.wire.timeref import in_the_future
 from qa_worker.admission import Admission, Ticket
+
+T = TypeVar("T")
 
 
 class HistoryError(Exception):
@@ -96,7 +101,30 @@ def logged_chunks(framelog: FrameLog, cam: str, t0: float, t1: float, chunk_fram
     return chunks
 
 
-def evenly(chunks: Sequence[LoggedChunk], n: int) -> list[LoggedChunk]:
+def chosen_chunks(
+    framelog: FrameLog, cam: str, t0: float, t1: float, chunk_frames: int, n: Callable[[], int]
+) -> list[LoggedChunk]:
+    """`evenly(logged_chunks(...), n())`, with only the chosen chunks' first and last frames looked
+    up: what a question builds is as large as what it chooses, not as its span (a list of a
+    week's frames at 2 fps is 1.2 M stamps, built holding the GIL). `n()` is asked only of a span
+    with frames (one without is the question's error first). A chunk whose file is collected
+    meanwhile is left out."""
+    ends: list[tuple[int, int]] = []  # the chosen chunks' first and last positions among the span's frames
+
+    def wanted(frames: int) -> list[int]:
+        firsts = evenly(range(0, frames, chunk_frames), n()) if frames else []
+        ends.extend((a, min(a + chunk_frames, frames) - 1) for a in firsts)
+        return [p for pair in ends for p in pair]
+
+    stamps = framelog.stamps_at(cam, t0, t1, wanted)
+    return [
+        LoggedChunk((stamps[a][0], stamps[b][0]), (stamps[a][1], stamps[b][1]), b - a + 1)
+        for a, b in ends
+        if a in stamps and b in stamps
+    ]
+
+
+def evenly(chunks: Sequence[T], n: int) -> list[T]:
     """`n` of the chunks spread evenly over them, the first and the last included (the middle one
     alone for n = 1); all of them when they are no more than `n`."""
     if len(chunks) <= n:
@@ -114,12 +142,8 @@ def span_of(q: Question, asked_at: float, now: float | None = None) -> tuple[flo
     assert q.since is not None
     now = time.time() if now is None else now
     t0 = q.since.resolve(asked_at)
-    if t0 > asked_at:
-        raise HistoryError(
-            f"since is {t0 - asked_at:.0f} s after the question was asked, not before: it is in the future, "
-            "ask about the past",
-            param="since",
-        )
+    if future := in_the_future(t0, asked_at):
+        raise HistoryError(future, param="since")
     t1 = min(q.until.resolve(asked_at), now) if q.until is not None else min(asked_at, now)
     if t1 <= t0:
         field = "until" if q.until is not None else "since"
@@ -230,14 +254,14 @@ class History:
         t0, t1 = span_of(q, asked_at)
         spec = self.spec(q.stream)
         try:
-            chunks = logged_chunks(log, q.stream, t0, t1, spec.chunk_frames)
+            chunks = chosen_chunks(log, q.stream, t0, t1, spec.chunk_frames, lambda: self.fit(spec))
         except OSError as e:
             raise HistoryError(f"the frames log is not readable: {e}") from None
         if not chunks:
             # the span asked for is what is wrong: it names no logged video (since sets where it starts)
             message = f"stream {q.stream!r}: the frames log holds no frame of {_span_text(t0, t1)}"
             raise HistoryError(message, param="since")
-        return spec, evenly(chunks, self.fit(spec))
+        return spec, chunks
 
     def fit(self, spec: StreamSpec) -> int:
         """How many of the stream's chunks a temporary cache of `history_max_tokens` holds (at

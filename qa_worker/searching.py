@@ -28,7 +28,7 @@ from common.engine.params import MAX_QUESTION_TOKENS
 from common.engine.runtime import Runtime
 from common.wire.schemas import FinalAnswer, SchemaError, SearchHit
 from common.wire.search_request import SearchRequest, parse_search
-from common.wire.timeref import TimeRef
+from common.wire.timeref import TimeRef, in_the_future
 from qa_worker.index_process import Ended, IndexProcess, Layers
 
 log = structlog.get_logger()
@@ -47,8 +47,12 @@ class SearchError(Exception):
 
 
 def search_span(since: TimeRef | None, until: TimeRef | None, asked_at: float) -> tuple[float, float]:
-    """The span as capture times: all the log holds without `since`, up to the asking without `until`."""
+    """The span as capture times: all the log holds without `since`, up to the asking without `until`.
+    A `since` after the asking is refused as a question's is (history.span_of), not searched: it
+    found nothing, read as "nothing of that span is indexed"."""
     t0 = since.resolve(asked_at) if since is not None else -math.inf
+    if future := in_the_future(t0, asked_at, "search"):
+        raise SearchError(future, param="since")
     t1 = until.resolve(asked_at) if until is not None else math.inf
     if t1 <= t0:
         raise SearchError("until must be later than since: the span is empty", param="until")

@@ -170,6 +170,8 @@ class Recorder:
         acks = self.frames.pipeline(transaction=False)
         for cam in self.names:
             w = self.writers.get(cam)
+            if w is not None:
+                self._report_left(cam, w)
             try:
                 if w is not None and w.pending:
                     frames, t0 = w.pending, time.perf_counter()
@@ -187,6 +189,12 @@ class Recorder:
             if cam not in failed:
                 self.unacked[cam].clear()
         return failed
+
+    def _report_left(self, cam: str, w: CameraWriter) -> None:
+        """An event per newest file the writer could not resume (an I/O error) and left for a new
+        one: its frames are not read back, and the operator should know of the disk."""
+        for data, why in w.take_left():
+            redisio.event(self.r, cam, SOURCE, "frames_log_file_left", file=data.name, reason=why)
 
     def _settle(self, failed: dict[str, str]) -> None:
         """After a commit: on failures, say so (once per camera and outage), drop what those cameras

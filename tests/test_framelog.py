@@ -3,6 +3,7 @@ and a full disk (a small tmpfs) rolled back without a torn record."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -243,6 +244,50 @@ def test_a_file_that_cannot_be_read_is_skipped_by_readers_and_still_collected(tm
     removed = log.collect(CAM, keep_hours=24, keep_bytes=None, now=T0 + 600)
     assert [(r.name, r.frames) for r in removed] == [(files[0].name, 0), (files[1].name, 5)]
     assert sorted((tmp_path / CAM).glob("*.log")) == files[2:]
+
+
+def test_a_newest_file_that_cannot_be_opened_is_left_for_a_new_one(tmp_path, clock):
+    """The newest data file unopenable (EIO; here a link to a directory, which open refuses with
+    an OSError as it would EIO): every writer of the camera failed at start, retried for good, the
+    camera recording nothing. It is left now, said once, and the next frame starts a new file."""
+    files = _files_a_minute_apart(FrameLog(tmp_path), tmp_path, clock, 2)
+    files[-1].unlink()
+    (tmp_path / "elsewhere").mkdir()
+    files[-1].symlink_to(tmp_path / "elsewhere")
+    log = FrameLog(tmp_path)
+    w = log.writer(CAM, roll_s=60)
+    (left,) = w.take_left()
+    assert left[0] == files[-1] and "IsADirectoryError" in left[1] and w.last_seq == 4
+    for s in range(10, 15):
+        assert w.append(s, T0 + s, frame_payload(s)[1])
+    assert w.commit() > 0 and w.take_left() == []
+    w.close()
+    assert [r.seq for r in log.frames(CAM, 0, 100)] == [*range(5), *range(10, 15)]
+    now = sorted((tmp_path / CAM).glob("*.log"))
+    assert now[:2] == files and len(now) == 3
+    w = log.writer(CAM, roll_s=60)
+    assert w.take_left() == [] and w.last_seq == 14, "the new file is resumed next time"
+    w.close()
+
+
+def test_a_writer_that_cannot_start_lets_go_of_the_camera(small_disk):
+    """A writer whose start failed (its newest file's index rewritten on a full disk) kept the
+    camera's lock: every later writer was refused as another process's (LogLocked) for good, also
+    once space was freed."""
+    log = FrameLog(small_disk)
+    write(log, range(10))
+    newest_data(small_disk).with_suffix(INDEX_SUFFIX).unlink()  # found by scanning, written again at start
+    fd = os.open(small_disk / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):  # ENOSPC: the disk is full
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    with pytest.raises(LogFull):
+        log.writer(CAM, 600)
+    (small_disk / "filler").unlink()
+    w = log.writer(CAM, 600)
+    assert w.last_seq == 9
+    w.close()
 
 
 def test_a_camera_no_longer_recorded_loses_its_newest_file_too_unless_a_writer_holds_it(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+import tracemalloc
 from collections.abc import Iterator
 from dataclasses import replace
 from datetime import UTC, datetime
@@ -31,7 +32,7 @@ import redis
 import torch
 
 from apps.samplevideo import write_sample_video
-from common import redisio
+from common import framelog, redisio
 from common.decoding import FrameDecoder, Pending
 from common.engine.answer import ask
 from common.engine.eviction import EvictionPolicy
@@ -48,6 +49,7 @@ from common.framelog import FrameLog, decode
 from common.segment_store import DirectoryStore
 from common.wire import keys
 from common.wire.admission import AdmissionEntry
+from common.wire.manifest import to_manifest
 from common.wire.schemas import (
     FIELD,
     FRAME_CODECS,
@@ -58,6 +60,7 @@ from common.wire.schemas import (
     SchemaError,
     decode_answer,
     encode_frame,
+    manifest_to_bytes,
     new_question_id,
     parse_question,
 )
@@ -66,7 +69,7 @@ from encoder_worker.service import EncoderService
 from ingest.video import iter_file_frames
 from qa_worker import history as history_module
 from qa_worker.answering import Answerer
-from qa_worker.history import LoggedChunk, evenly
+from qa_worker.history import History, LoggedChunk, evenly, logged_chunks
 from tests.groupread import read_group
 from tests.pipeline import wait_for
 from tests.test_persistence import encoded, run_until, stop
@@ -684,3 +687,37 @@ def test_a_history_questions_queue_s_counts_its_wait_for_a_turn(rt, redis_url, t
     assert final.error is None, final.error
     assert final.queue_s >= waited - 0.001, (final, waited)  # rounded to the millisecond
     assert final.elapsed_s >= final.queue_s + final.total_s - 0.002, final
+
+
+def test_choosing_over_a_long_span_builds_what_it_chooses_not_the_span(rt, redis_url, tmp_path, monkeypatch):
+    """A question about a week at 2 fps chose from a list of the span's every frame stamp (1.2 M)
+    and every chunk (300,000), built holding the GIL before it waited for its turn: several at
+    once piled that up. Now it looks up only the chunks it chooses, the same chunks: here 60,000
+    frames in 200 files (their indexes cached, as a worker's are), 8 chunks chosen."""
+    r = redis.Redis.from_url(redis_url)
+    spec = StreamSpec("long", FPS, GRID, chunk_frames=2)
+    r.set(keys.head(spec.name), manifest_to_bytes(to_manifest(StreamEngine(rt, spec).head, spec)))
+    start = time.time() - 7 * 86400
+    with monkeypatch.context() as m:  # 200 files a minute apart, written at once: a clock that runs ahead
+        clock = [start]
+        m.setattr(framelog.time, "time", lambda: clock[0])
+        w = FrameLog(tmp_path).writer(spec.name, roll_s=60)
+        for seq in range(60_000):
+            w.append(seq, start + seq / FPS, b"x")
+            if seq % 300 == 299:
+                w.commit()
+                clock[0] += 60
+        w.close()
+    history = History(rt, r, str(tmp_path), len(rt.prefix_ids()) + 8 * 4)
+    assert len(list((tmp_path / spec.name).glob("*.log"))) == 200
+    q = parse_question({"id": new_question_id(), "stream": spec.name, "question": QUESTION, "since": "8d"})
+    history.choose(q, time.time())  # the log's indexes read (and cached)
+    tracemalloc.start()
+    try:
+        _, chosen = history.choose(q, time.time())
+        built = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert built < 256 << 10, f"{built} bytes built to choose 8 chunks"  # the span's stamps alone: ~5 MB
+    everything = logged_chunks(history.framelog, spec.name, start - 1, time.time(), 2)
+    assert len(everything) == 30_000 and chosen == evenly(everything, 8)

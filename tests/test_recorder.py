@@ -320,3 +320,35 @@ def test_the_log_of_a_camera_no_longer_recorded_is_collected_too(redis_url, tmp_
     rec.step()
     assert not list((tmp_path / "gone").glob("*.log")) and FrameLog(tmp_path).span("gone") is None
     assert not r.exists(keys.events("gone"))
+
+
+def test_a_newest_file_that_cannot_be_opened_is_left_with_an_event_and_recording_goes_on(redis_url, tmp_path):
+    """The camera's newest data file unopenable at start (EIO; here a link to a directory): every
+    write failed and was retried for good, the camera "failing" until someone removed the file.
+    The recorder leaves it, says so in an event, and logs the frames into a new file."""
+    from recorder import service
+    from recorder.config import RecorderConfig
+
+    r = redis.Redis.from_url(redis_url)
+    w = FrameLog(tmp_path).writer(CAM, roll_s=600)
+    for s in range(3):
+        w.append(s, T0 + s / 2, b"x")
+    w.commit()
+    w.close()
+    (bad,) = (tmp_path / CAM).glob("*.log")
+    bad.unlink()
+    (tmp_path / "elsewhere").mkdir()
+    bad.symlink_to(tmp_path / "elsewhere")
+    push(r, range(3, 8))
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(tmp_path), framelog_sync_s=0.05, block_ms=50)
+    rec = service.Recorder(cfg, redisio.connect(redis_url, block_ms=50))
+    rec.open_writers()
+    for _ in range(10):
+        rec.step()
+        if not unrecorded(r):
+            break
+    assert not rec.failing and unrecorded(r) == 0
+    assert logged(tmp_path) == sorted(sent(r).items())
+    (left,) = [e for e in events(r) if e["type"] == "frames_log_file_left"]
+    assert left["file"] == bad.name and "IsADirectoryError" in left["reason"]
+    assert not any(e["type"] == "frames_log_failing" for e in events(r))

@@ -211,6 +211,34 @@ def test_one_camera_a_span_and_the_limit(rt, world, worker):
     )
 
 
+def test_a_search_since_after_the_asking_is_refused_as_a_questions_span_is(world, worker):
+    """A `since` in the future searched nothing and said "no chunk of that span is indexed" (an
+    empty 200 from the API), while a question about such a span is refused saying why: a search is
+    refused the same way now, by the worker, naming since (the API's 422 of a refused search)."""
+    from common.wire.timeref import TimeRef
+
+    ahead = time.time() + 3600
+    final = Client(world["r"]).search(QUERY, since=TimeRef(at=ahead), timeout_s=60)
+    assert final.param == "since" and "it is in the future, ask about the past" in (final.error or "")
+    cfg = ApiConfig(redis_url=world["url"], framelog_dir=str(world["log"]), block_ms=100)
+
+    async def run() -> httpx.Response:
+        app = create_app(cfg)
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api", timeout=60) as c,
+        ):
+            return await c.get(
+                "/api/search", params={"q": "van", "since": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ahead))}
+            )
+
+    refused = asyncio.run(run())
+    assert refused.status_code == 422, refused.text
+    assert refused.json()["error"]["param"] == "since" and "in the future" in refused.json()["error"]["message"]
+    out = cli(world["url"], "van", "--since", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(ahead)))
+    assert out.returncode == 1 and "in the future" in out.stderr and "no chunk" not in out.stderr, out.stderr
+
+
 def test_the_api_gives_ranked_ranges_with_thumbnails_and_400s_for_bad_parameters(rt, world, worker):
     cfg = ApiConfig(redis_url=world["url"], framelog_dir=str(world["log"]), block_ms=100)
     world["r"].hset(keys.meta("gate"), "fps", "2")  # a stream the API knows

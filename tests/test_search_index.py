@@ -289,6 +289,33 @@ def test_a_graph_of_another_dimension_than_its_meta_is_unreadable_and_the_record
     assert rebuilt.search(vs[2], 1)[0].first_seq == 8
 
 
+@pytest.mark.parametrize("damaged", ["graph", "meta", "graph of another dimension"])
+def test_an_unreadable_index_names_the_file_at_fault(tmp_path, damaged):
+    """The warning named the meta file whatever was wrong, a damaged graph file included: the
+    operator restored or removed the wrong file."""
+    from structlog.testing import capture_logs
+
+    from common.chunkindex import GRAPH_NAME, META_NAME
+
+    index = ChunkIndex("tiny-random", LAYERS, 64)
+    index.add(planted(0, vectors(1)[0]))
+    index.save(tmp_path)
+    if damaged == "graph":
+        (tmp_path / GRAPH_NAME).write_bytes(b"\0" * 64)
+    elif damaged == "meta":
+        (tmp_path / META_NAME).write_bytes(b"\xc1")  # a byte msgpack never uses
+    else:
+        other = ChunkIndex("tiny-random", LAYERS, 32)
+        other.add(planted(0, np.ones(32, dtype=np.float16)))
+        (tmp_path / "other").mkdir()
+        other.save(tmp_path / "other")
+        (tmp_path / GRAPH_NAME).write_bytes((tmp_path / "other" / GRAPH_NAME).read_bytes())
+    with capture_logs() as logs:
+        assert ChunkIndex.open(tmp_path) is None
+    (warning,) = [e for e in logs if e["event"] == "search index unreadable; not used"]
+    assert warning["file"] == (META_NAME if damaged == "meta" else GRAPH_NAME)
+
+
 def test_chunks_added_at_once_are_indexed_as_one_by_one(tmp_path):
     """`extend` (a day of chunks in one call to the graph) keeps what `add` keeps: the same rows
     under the same keys, each chunk once (given twice, or indexed already), each vector its own

@@ -50,6 +50,17 @@ class TimeRef:
         return datetime.fromtimestamp(self.at, UTC).isoformat()
 
 
+def in_the_future(since: float, asked_at: float, asking: str = "question") -> str | None:
+    """Why a span starting at `since` (unix seconds) is refused when asked at `asked_at`, or None:
+    questions and searches are about the past, and one starting after it was asked names nothing
+    logged (a search found nothing there, as if the past held nothing). Judged by the worker,
+    from the asking: the asker's clock is not the worker's."""
+    if since <= asked_at:
+        return None
+    after = f"since is {since - asked_at:.0f} s after the {asking} was asked, not before"
+    return f"{after}: it is in the future, ask about the past"
+
+
 def parse_time_ref(text: str, naive_is_local: bool = False) -> TimeRef:
     """`text` in one of the FORMS; ValueError saying which forms are taken. `naive_is_local`: a
     time without a UTC offset is this machine's local time (what a person at a terminal means)."""
