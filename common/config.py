@@ -43,7 +43,7 @@ from common.engine.scheduler import SchedulePolicy
 from common.engine.settings import setting
 from common.logs import redact_url
 from common.redisio import cluster_nodes
-from common.wire.schemas import MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
+from common.wire.schemas import MAX_CLOCK_SKEW_S, MAX_FRAME_PIXELS, MAX_QUESTION_CHARS, SchemaError, check_stream_name
 
 T = TypeVar("T")
 ENV_PREFIX = "SVQA_"
@@ -460,6 +460,22 @@ class ReaderSettings:
     """Settings of whoever blocks on Redis reads."""
 
     block_ms: int = setting(1000, "longest blocking Redis read: how long a stop or a new question may wait for it")
+
+
+@dataclass(frozen=True)
+class ClockSettings:
+    """Settings of whoever takes frames' capture times as they come: the encoder, the recorder."""
+
+    max_clock_skew_s: float = setting(
+        MAX_CLOCK_SKEW_S,
+        "frames stamped further ahead of this host's clock are refused: live ones dead-lettered (encoder), any "
+        "not logged (recorder: logged, one would be the camera's newest and the frames after it taken for ones "
+        "logged already); ingest hosts must keep time with these, e.g. NTP",
+    )
+
+    def check_clock(self) -> None:
+        if not self.max_clock_skew_s >= 0:
+            raise ValueError(f"max_clock_skew_s must be 0 or more, got {self.max_clock_skew_s}")
 
 
 @dataclass(frozen=True)

@@ -154,7 +154,8 @@ RECORDER_BYTES = Counter(
 )
 RECORDER_SKIPPED = Counter(
     "svqa_recorder_skipped_total",
-    "Frames entries acked without a write: already logged (duplicate), end-of-stream markers (eos), unreadable (bad)",
+    "Frames entries acked without a write: already logged (duplicate), end-of-stream markers (eos), unreadable (bad), "
+    "stamped ahead of the clock (ahead)",
     ["stream", "reason"],
     **_R,
 )

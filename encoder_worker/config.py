@@ -6,9 +6,8 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from common.config import ModelSettings, described, policy_settings, setting
+from common.config import ClockSettings, ModelSettings, described, policy_settings, setting
 from common.engine.eviction import EvictionPolicy
-from common.wire.schemas import MAX_CLOCK_SKEW_S
 
 # The eviction settings, declared in EvictionPolicy: `eviction` is its `mode`; a stream's cache
 # gets a budget by default (the engine's default keeps everything)
@@ -18,7 +17,7 @@ RESTORE_THREADS = min(16, os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)
-class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid-type]
+class EncoderConfig(EvictionSettings, ClockSettings, ModelSettings):  # type: ignore[misc,valid-type]
     """`streamvqa encoder`: encodes each stream's frames into the model's KV cache, version by version."""
 
     chunk_frames: int = setting(4, "frames per chunk, an even number: 2 frames make one temporal patch")
@@ -27,11 +26,6 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
         10.0,
         "live frames older than this are dropped, not encoded; a stream taken over (a dead worker's) counts "
         "from the takeover for the frames of its backlog not older than this then",
-    )
-    max_clock_skew_s: float = setting(
-        MAX_CLOCK_SKEW_S,
-        "live frames stamped further ahead of this host's clock are dead-lettered (ingest and encoder hosts "
-        "must keep time, e.g. NTP)",
     )
     lease_ms: int = setting(
         5000, "stream ownership: a dead worker's streams are taken within `lease_ms` + 0.2 s, then restored"
@@ -61,8 +55,7 @@ class EncoderConfig(EvictionSettings, ModelSettings):  # type: ignore[misc,valid
             raise ValueError(f"chunk_frames must be a positive even number, got {self.chunk_frames}")
         if self.lease_ms < 3 * self.block_ms:
             raise ValueError("lease_ms must be at least 3 x block_ms so the lease is renewed in time")
-        if not self.max_clock_skew_s >= 0:
-            raise ValueError(f"max_clock_skew_s must be 0 or more, got {self.max_clock_skew_s}")
+        self.check_clock()
         if self.store_writers < 1:
             raise ValueError(f"store_writers must be 1 or more, got {self.store_writers}")
         if self.restore_threads < 1:

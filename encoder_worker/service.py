@@ -446,6 +446,8 @@ class EncoderService:
         m = unpack_frame(fields)
         if owned.skip_late(entry_id, capture_time(m)):
             return  # a worker behind reads mostly such frames: decoding them would slow it more
+        if owned.refused_grid(entry_id, m):
+            return
         msg = self.decoder.decode(m)
         try:
             owned.add(entry_id, msg)

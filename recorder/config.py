@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.config import ReaderSettings, StreamSettings, setting
+from common.config import ClockSettings, ReaderSettings, StreamSettings, setting
 
 
 @dataclass(frozen=True)
-class RecorderConfig(ReaderSettings, StreamSettings):
+class RecorderConfig(ClockSettings, ReaderSettings, StreamSettings):
     """`streamvqa recorder`: keeps every camera's frames on disk (the frames log), with retention."""
 
     framelog_dir: str = setting(
@@ -45,6 +45,7 @@ class RecorderConfig(ReaderSettings, StreamSettings):
         for name in ("retention_hours", "retention_gb"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be positive or none, got {getattr(self, name)}")
+        self.check_clock()
         if self.read_count < 1:
             raise ValueError(f"read_count must be 1 or more, got {self.read_count}")
 

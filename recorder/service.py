@@ -153,6 +153,7 @@ class Recorder:
                 reason = "eos"
             else:
                 seq, ts, epoch = frame_header(m)
+                reason = self._ahead(cam, entry_id, ts)
         except SchemaError as e:  # the encoder dead-letters it; here it is only not logged
             log.warning("frames entry unreadable; not logged", stream=cam, entry_id=entry_id, error=str(e))
             reason = "bad"
@@ -161,6 +162,19 @@ class Recorder:
         if reason is not None:
             metrics.RECORDER_SKIPPED.labels(cam, reason).inc()
         self.unacked[cam].append(entry_id)
+
+    def _ahead(self, cam: str, entry_id: str, ts: float) -> str | None:
+        """ "ahead" for a frame stamped further ahead of this host's clock than `max_clock_skew_s`.
+        Logged, it would be the camera's newest (its seq forged high too), and every real frame
+        after it, no later in seq and stamp, taken for one already logged: for good, as a writer
+        picks up its last seq and stamp from the log. A file's stamps are media seconds, far behind."""
+        ahead_s = ts - time.time()
+        if ahead_s <= self.cfg.max_clock_skew_s:
+            return None
+        log.warning(
+            "frame stamped ahead of this host's clock; not logged", stream=cam, entry_id=entry_id, ahead_s=ahead_s
+        )
+        return "ahead"
 
     def commit(self) -> dict[str, str]:
         """Make every camera's appended frames durable, then ack them; the cameras whose commit

@@ -26,7 +26,7 @@ from tests.conftest import free_port
 from tests.pipeline import Services, wait_for
 
 CAM = "cam1"
-T0 = 1_800_000_000.0
+T0 = 1_700_000_000.0  # capture times in the past: a frame stamped ahead of the clock is not logged
 
 
 @pytest.fixture
@@ -352,3 +352,24 @@ def test_a_newest_file_that_cannot_be_opened_is_left_with_an_event_and_recording
     (left,) = [e for e in events(r) if e["type"] == "frames_log_file_left"]
     assert left["file"] == bad.name and "IsADirectoryError" in left["reason"]
     assert not any(e["type"] == "frames_log_failing" for e in events(r))
+
+
+def test_a_frame_stamped_ahead_of_the_clock_does_not_silence_the_cameras_log(redis_url, tmp_path):
+    """A forged frame numbered and stamped far ahead (a year) was logged as the camera's newest, and
+    every real frame after it, no later in seq and stamp, was taken for one already logged: the log
+    of a live camera stopped for good (a restarted writer picks up the same last seq and stamp).
+    It is not logged now, and the real frames around it are."""
+    from recorder import service
+    from recorder.config import RecorderConfig
+
+    r = redis.Redis.from_url(redis_url)
+    now, px = time.time(), render_frame(0.0, width=16, height=16)
+    for seq, ts in [(0, now), (10**12, now + 365 * 86_400), (1, now + 0.5), (2, now + 1)]:
+        r.xadd(keys.frames(CAM), encode_frame(FrameMsg.from_rgb(seq, ts, ts - now, px)))
+    cfg = RecorderConfig(streams=(CAM,), framelog_dir=str(tmp_path), framelog_sync_s=0.05, block_ms=50)
+    rec = service.Recorder(cfg, redisio.connect(redis_url, block_ms=50))
+    rec.open_writers()
+    while unrecorded(r):
+        rec.step()
+    rec.commit()
+    assert [seq for seq, _ in logged(tmp_path)] == [0, 1, 2]

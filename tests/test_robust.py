@@ -255,6 +255,22 @@ def test_undecodable_frames_and_engine_failures_are_dead_lettered(rt, redis_url)
     assert all(len(k) <= 2 + redisio.DEAD_LETTER_MAX_NAME for _, f in r.xrange(keys.DEAD_LETTER) for k in f)
 
 
+def test_a_frame_of_another_grid_is_refused_before_its_pixels_are_decoded(rt, redis_url):
+    """A header of another grid than the stream's is refused on its header: a 700-byte WebP
+    declaring 4096x4096 passed a 56x56 stream's entry cap and was decoded (half a second of CPU,
+    50 MB) before its grid was looked at. The pixels here are no image at all: decoded first, the
+    refusal would say so instead of naming the grid."""
+    r = redis.Redis.from_url(redis_url)
+    svc = encoder(rt, r, redis_url)
+    header = {"v": 1, "seq": 0, "ts": 0.0, "pts": 0.0, "h": 4096, "w": 4096, "fmt": "webp", "data": b"RIFF not webp"}
+    r.xadd(keys.frames(CAM), {FIELD: msgpack.packb(header)})
+    for seq in range(2):
+        r.xadd(keys.frames(CAM), frame(seq))
+    drain(svc, r)
+    assert head_seq(r) == 1
+    assert dead_reasons(r) == [b"frame is 4096x4096, the stream's grid is 56x56"]
+
+
 def test_frame_delivered_too_often_is_dead_lettered_unprocessed(rt, redis_url):
     r = redis.Redis.from_url(redis_url)
     redisio.ensure_group(r, keys.frames(CAM), keys.ENCODER_GROUP)

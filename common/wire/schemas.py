@@ -324,6 +324,14 @@ def frame_header(m: Mapping[str, Any]) -> tuple[int, float, int]:
     return _int("seq", _require(m, "seq"), 0), _float("ts", _require(m, "ts")), epoch
 
 
+def frame_grid(m: Mapping[str, Any]) -> tuple[int, int] | None:
+    """An unpacked entry's declared (h, w), its pixels not decoded; None for an end-of-stream
+    marker; SchemaError naming the field."""
+    if m.get("eos", False):
+        return None
+    return _int("h", _require(m, "h"), 1), _int("w", _require(m, "w"), 1)
+
+
 def decode_frame(fields: Mapping[Any, Any], limits: Limits = DEFAULT_LIMITS) -> FrameMsg | EndOfStream:
     """Validate and decode one frames-stream entry; raises SchemaError naming the field."""
     return frame_from_map(unpack_frame(fields, limits), limits)
