@@ -720,6 +720,52 @@ def prune_consumers(r: redis.Redis, stream: str, group: str, keep: str, idle_ms:
     return gone
 
 
+FUTURE_ID_MS = 86_400_000  # an entry id a day past this host's clock is forged: writers let Redis pick (*)
+
+# Ids compared as zero-padded text: Lua's numbers are doubles, an id's halves are 64-bit.
+_REOPEN = """
+local function padded(id)
+  local ms, seq = string.match(id, '^(%d+)-(%d+)$')
+  return string.rep('0', 20 - #ms) .. ms .. string.rep('0', 20 - #seq) .. seq
+end
+local function field(flat, name)
+  for i = 1, #flat, 2 do if flat[i] == name then return flat[i + 1] end end
+end
+local last = field(redis.call('XINFO', 'STREAM', KEYS[1]), 'last-generated-id')
+if padded(last) < padded(ARGV[1]) then return -1 end
+local groups = redis.call('XINFO', 'GROUPS', KEYS[1])
+if #groups == 0 then return -1 end
+for _, g in ipairs(groups) do
+  if field(g, 'last-delivered-id') ~= last then return -1 end
+  if #redis.call('XPENDING', KEYS[1], field(g, 'name'), ARGV[1], '+', 1) > 0 then return -1 end
+end
+local gone = redis.call('XRANGE', KEYS[1], ARGV[1], '+')
+for _, e in ipairs(gone) do redis.call('XDEL', KEYS[1], e[1]) end
+local newest = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local top = '0-0'
+if #newest > 0 then top = newest[1][1] end
+redis.call('XSETID', KEYS[1], top)
+for _, g in ipairs(groups) do redis.call('XGROUP', 'SETID', KEYS[1], field(g, 'name'), top) end
+return #gone
+"""
+
+
+def reopen_after_future_ids(r: redis.Redis, stream: str) -> int | None:
+    """A shared queue whose last id lies in the future is closed to its writers: the largest id
+    (2^64-1-2^64-1), which any Redis user allowed XADD may give, makes every later XADD fail
+    ("exhausted the last possible ID"), and ACLs cannot refuse an id. Once every group has read
+    the entries that far ahead and none of them is pending (each was answered or refused like any
+    other entry), they are deleted and the stream's and groups' last ids set back to the newest
+    other entry: nothing is skipped or delivered twice. The entries removed, or None when the
+    stream was left as it was."""
+    future = f"{int(time.time() * 1000) + FUTURE_ID_MS}-0"
+    gone = int(r.eval(_REOPEN, 1, stream, future))
+    if gone < 0:
+        return None
+    log.warning("queue reopened: entries with ids in the future removed", stream=stream, entries=gone)
+    return gone
+
+
 # --------------------------------------------------------------------------- outages
 
 

@@ -172,6 +172,10 @@ class QAService:
                 stale = redisio.claim_stale(self.r, queue, keys.QA_GROUP, self.cfg.consumer, self.cfg.claim_idle_ms)
                 self._dispatch(stale)
                 redisio.trim_consumed(self.r, queue, keys.QA_GROUP)
+            for queue in self.shared:  # the queues anybody allowed to ask writes to
+                redisio.unless_refused(
+                    lambda queue=queue: redisio.reopen_after_future_ids(self.r, queue), None, "reopen " + queue
+                )
         self._dispatch(self.reader.read())
         self._publish_admission()
         if time.monotonic() - self._last_prune > PRUNE_EVERY_S:

@@ -389,3 +389,20 @@ def test_status_runs_as_the_api_user_and_says_so_in_one_line_as_another(server):
     assert refused.returncode == 3 and "Traceback" not in refused.stderr, refused
     (line,) = [json.loads(x) for x in refused.stderr.splitlines() if x.startswith("{")]
     assert line["event"] == "redis refused" and "api" in line["hint"] and "change-me" not in refused.stderr
+
+
+def test_the_qa_role_reopens_a_queue_the_largest_id_shut_and_a_client_cannot_tamper(server):
+    """A client may XADD any id: the largest shut the questions queue for everyone. The qa role may
+    reopen it once the forged entry is done (redisio.reopen_after_future_ids); a client may not
+    delete entries or move the queue's ids."""
+    qa, client = as_role(server, "qa"), as_role(server, "client")
+    redisio.ensure_group(qa, keys.QUESTIONS, keys.QA_GROUP)
+    client.xadd(keys.QUESTIONS, {"q": "forged"}, id=f"{2**64 - 1}-{2**64 - 1}")
+    read = qa.xreadgroup(keys.QA_GROUP, "qa-1", {keys.QUESTIONS: ">"})
+    qa.xack(keys.QUESTIONS, keys.QA_GROUP, read[0][1][0][0])
+    assert denied(lambda: client.xdel(keys.QUESTIONS, f"{2**64 - 1}-{2**64 - 1}"))
+    assert denied(lambda: client.execute_command("XSETID", keys.QUESTIONS, "1-0"))
+    assert denied(lambda: redisio.reopen_after_future_ids(client, keys.QUESTIONS))
+    assert redisio.reopen_after_future_ids(qa, keys.QUESTIONS) == 1
+    client.xadd(keys.QUESTIONS, {"q": "asked"})
+    assert [f for _, f in qa.xreadgroup(keys.QA_GROUP, "qa-1", {keys.QUESTIONS: ">"})[0][1]] == [{b"q": b"asked"}]

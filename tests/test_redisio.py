@@ -24,6 +24,7 @@ from common.redisio import (
     keep_alive,
     process,
     prune_consumers,
+    reopen_after_future_ids,
     ride_out,
     trim_consumed,
     wait_for_redis,
@@ -465,3 +466,38 @@ def test_redact():
     for pw in ("p#w", "p/w", "p?w", "p@w"):  # unescaped: a URL parser ends the userinfo early
         assert redact_url(f"redis://u:{pw}@h:1/0") == f"redis://u:{MASK}@h:1/0"
         assert redact_text(f"bad url 'redis://:{pw}@h:1/0' here") == f"bad url 'redis://:{MASK}@h:1/0' here"
+
+
+LARGEST_ID = f"{2**64 - 1}-{2**64 - 1}"
+
+
+def test_a_queue_shut_by_the_largest_id_reopens_once_that_entry_is_done(redis_url):
+    """One XADD with the largest id (any user allowed XADD may give it) made every later XADD fail,
+    "exhausted the last possible ID": nobody could ask a question until an admin deleted the
+    queue. Once the group has read the forged entry and acked it (answered or refused like any
+    other), the queue is reopened: later entries are added and delivered, none twice."""
+    r = redis.Redis.from_url(redis_url)
+    q = "svqa:test:reopen"
+    r.delete(q)
+    ensure_group(r, q, "g")
+    r.xadd(q, {"n": "1"})
+    r.xadd(q, {"n": "forged"}, id=LARGEST_ID)
+    with pytest.raises(redis.ResponseError, match="exhausted"):
+        r.xadd(q, {"n": "2"})
+    assert reopen_after_future_ids(r, q) is None  # not read yet: it is answered first, not lost
+    read = read_group(r, [q], "g", "c", block_ms=100)
+    assert [e[2][b"n"] for e in read] == [b"1", b"forged"]
+    assert reopen_after_future_ids(r, q) is None  # read, still pending: being answered
+    r.xack(q, "g", *[e[1] for e in read])
+    assert reopen_after_future_ids(r, q) == 1
+    r.xadd(q, {"n": "2"})
+    read = read_group(r, [q], "g", "c", block_ms=100)
+    assert [e[2][b"n"] for e in read] == [b"2"]
+    r.xack(q, "g", *[e[1] for e in read])
+    assert reopen_after_future_ids(r, q) is None  # an open queue is left alone
+    r.xadd(q, {"n": "later"}, id=f"{int(time.time() * 1000) + 10 * 86_400_000}-0")  # ten days ahead
+    read = read_group(r, [q], "g", "c", block_ms=100)
+    assert [e[2][b"n"] for e in read] == [b"later"]
+    r.xack(q, "g", *[e[1] for e in read])
+    assert reopen_after_future_ids(r, q) == 1
+    assert int(r.xadd(q, {"n": "3"}).decode().split("-")[0]) <= time.time() * 1000 + 1  # ids of now again

@@ -167,6 +167,13 @@ class _FullSlots:
         pass
 
 
+class _NoVersions:
+    """A QA service's versions where no stream is answered here (questions are routed on)."""
+
+    exclusive = False
+    get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda *_: []), (lambda _: None)
+
+
 def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, redis_url, tmp_path):
     """With every slot taken (max_in_flight questions answered or waiting for the GPU), the main
     loop waits in `_dispatch` for one to free, and only there: it no longer reached the step that
@@ -177,14 +184,10 @@ def test_questions_in_flight_are_kept_alive_while_dispatch_waits_for_a_slot(rt, 
     from qa_worker.config import QAConfig
     from qa_worker.service import QAService
 
-    class NoVersions:
-        exclusive = False
-        get, serves, answering, run = (lambda *_: None), (lambda _: True), (lambda *_: []), (lambda _: None)
-
     r = redis.Redis.from_url(redis_url)
     cfg = QAConfig(redis_url=redis_url, streams=("cam",), consumer="qa1", block_ms=50, claim_idle_ms=1000)
     cfg = dataclasses.replace(cfg, framelog_dir=str(tmp_path), decode_processes=1)  # it answers searches itself
-    svc = QAService(cfg, rt, r, NoVersions())
+    svc = QAService(cfg, rt, r, _NoVersions())
     queue = keys.questions("cam")
     redisio.ensure_group(r, queue, keys.QA_GROUP)
     r.xadd(queue, {"id": "slow"})
@@ -559,3 +562,28 @@ def test_a_lease_renewal_that_raises_is_logged_and_the_others_are_still_renewed(
     assert min(renewed.values()) >= 3, ("renewed after the error, every stream", renewed)
     (error,) = [e for e in said if e["log_level"] == "error"]
     assert error["stream"] == "bad" and "WRONGTYPE" in error["error"], error
+
+
+def test_a_qa_worker_reopens_the_questions_queue_the_largest_id_shut(rt, redis_url, tmp_path):
+    """One XADD of the largest id (2^64-1-2^64-1) to svqa:questions made every later question's
+    XADD fail ("exhausted the last possible ID"), every client's, until an admin deleted the queue.
+    The QA worker routes the forged entry like any other, then reopens the queue."""
+    from qa_worker.client import Client
+    from qa_worker.config import QAConfig
+    from qa_worker.service import QAService
+
+    r = redis.Redis.from_url(redis_url)
+    r.delete(keys.QUESTIONS)
+    cfg = QAConfig(redis_url=redis_url, streams=("cam",), consumer="qa1", block_ms=20, claim_idle_ms=200)
+    svc = QAService(cfg, rt, r, _NoVersions())
+    svc.step()  # its groups made
+    r.xadd(keys.QUESTIONS, {"id": "forged"}, id=f"{2**64 - 1}-{2**64 - 1}")
+    with pytest.raises(redis.ResponseError, match="exhausted"):
+        Client(r).submit("cam", "what happened?")
+    deadline = time.monotonic() + 30
+    while r.xinfo_stream(keys.QUESTIONS)["last-generated-id"].startswith(b"18446744073709551615"):
+        assert time.monotonic() < deadline, "the queue stayed shut"
+        svc.step()
+        time.sleep(0.05)
+    assert Client(r).submit("cam", "what happened?")
+    assert not r.xpending(keys.QUESTIONS, keys.QA_GROUP)["pending"]  # the forged one was routed, not left
