@@ -161,13 +161,23 @@ def nearest_jpeg(frames: FrameLog, stream: str, at: float | None) -> tuple[bytes
             return None
         at = span.last_ts
     for window in SNAPSHOT_WINDOWS_S:
-        near = sorted(frames.between(stream, at - window, at + window), key=lambda r: abs(r.ts - at))
-        found = next(pictures(near), None)
+        near = sorted(frames.stamps(stream, at - window, at + window), key=lambda s: abs(s[1] - at))
+        found = next(pictures(_records(frames, stream, near)), None)
         if found is not None:
             jpeg = io.BytesIO()
             Image.fromarray(found[1]).save(jpeg, format="JPEG", quality=90)
             return jpeg.getvalue(), found[0]
     return None
+
+
+def _records(frames: FrameLog, stream: str, stamps: Iterable[tuple[int, float]]) -> Iterator[Record]:
+    """The records of ``stamps`` (seq, ts), in that order, each read when asked for: a snapshot
+    reads the frames nearest its time until one decodes, not the whole window (up to 60 s of
+    frames, tens of MB, held at once)."""
+    for seq, ts in stamps:
+        record = next((r for r in frames.frames(stream, seq, seq) if r.ts == ts), None)
+        if record is not None:  # a numbering that started over may reuse the seq: its ts tells
+            yield record
 
 
 def _headers(**values: Any) -> dict[str, str]:

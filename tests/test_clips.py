@@ -196,6 +196,33 @@ def test_a_snapshot_is_the_frame_nearest_the_time_asked(redis_url, frames_dir):
         assert mae(picture, source(seq)) < MAX_MAE
 
 
+def test_a_snapshot_reads_the_frames_nearest_its_time_not_its_whole_window(tmp_path: Path):
+    """With no frame within 2 s of `at`, a snapshot read every frame of the 60 s window into memory
+    before it decoded the nearest: at 2 fps 120 frames held at once (tens of MB at 448²). It reads
+    the window's index, then the nearest frames one at a time; the frame is the same."""
+    import tracemalloc
+
+    side = 160  # raw frames of 77 KB: the size of a noisy 448² camera's WebP, cheaply made
+    payload = side * side * 3
+    w = FrameLog(tmp_path).writer(CAM, roll_s=600.0)
+    for seq in range(240):  # 120 s at 2 fps, with no frame in 40-50 s
+        if not 80 <= seq < 100:
+            msg = FrameMsg.from_rgb(seq, T0 + seq / 2, seq / 2, source(seq, side, side))
+            assert w.append(seq, T0 + seq / 2, encode_frame(msg)[FIELD])
+    w.commit()
+    w.close()
+    frames = FrameLog(tmp_path)
+    frames.stamps(CAM, T0, T0 + 120)  # the indexes read, as a running API has them
+    tracemalloc.start()
+    try:
+        jpeg, record = clips.nearest_jpeg(frames, CAM, T0 + 44.6)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert record.seq == 79 and jpeg.startswith(b"\xff\xd8")  # 39.5 s: the nearest, 5.1 s before
+    assert peak < 8 * payload, peak  # a few frames' worth, not the window's 120
+
+
 def test_bad_or_empty_spans_get_the_apis_errors(redis_url, frames_dir):
     cfg = ApiConfig(redis_url=redis_url, framelog_dir=str(frames_dir))
     empty, other_cam, bad_from, bad_to, too_long, backwards, far = get(
