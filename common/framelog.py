@@ -195,6 +195,12 @@ def _read_index(data: Path, size: int) -> tuple[list[_Entry], int]:
 
 def _record_at(fd: int, pos: int, size: int) -> _Entry | None:
     """The valid record starting at ``pos``, or None."""
+    found = _record_and_payload(fd, pos, size)
+    return None if found is None else found[0]
+
+
+def _record_and_payload(fd: int, pos: int, size: int) -> tuple[_Entry, bytes] | None:
+    """The valid record starting at ``pos`` and its payload (read once: checked, then handed on)."""
     head = os.pread(fd, _HEAD.size, pos)
     if len(head) < _HEAD.size:
         return None
@@ -204,7 +210,7 @@ def _record_at(fd: int, pos: int, size: int) -> _Entry | None:
     payload = os.pread(fd, n, pos + _HEAD.size)
     if len(payload) != n or _crc(n, seq, ts, epoch, payload) != crc:
         return None
-    return _Entry(seq, ts, pos, n, epoch)
+    return _Entry(seq, ts, pos, n, epoch), payload
 
 
 def _next_magic(fd: int, pos: int, size: int) -> int | None:
@@ -449,15 +455,15 @@ class FrameLog:
             size = os.fstat(fd).st_size
             for e in entries:
                 try:
-                    rec = _record_at(fd, e.offset, size)
+                    found = _record_and_payload(fd, e.offset, size)
                 except OSError as err:  # a bad sector under this record: the others are still read
                     log.warning("frames log record unreadable; skipped", file=str(data), seq=e.seq, error=str(err))
                     continue
-                if rec is None or rec != e:
+                if found is None or found[0] != e:
                     if not (newest and e.end > size):  # the newest file may have been rolled back
                         log.warning("frames log record damaged; skipped", file=str(data), seq=e.seq, offset=e.offset)
                     continue
-                yield Record(e.seq, e.ts, os.pread(fd, e.length, e.offset + _HEAD.size))
+                yield Record(e.seq, e.ts, found[1])
 
     def _summary(self, data: Path, newest: bool) -> tuple[int, int, float, float, int] | None:
         idx = self._index_of(data, newest)
