@@ -268,6 +268,21 @@ def test_each_role_does_its_job_and_not_anothers(server):
         assert denied(lambda r=role: r.pexpire(keys.head(CAM), 1))
         assert denied(lambda r=role: _del_in_lua(r, keys.head(CAM)))  # scripts run with the caller's ACL
         assert denied(lambda r=role: r.delete(keys.segment(CAM, "s1")))  # segments: UNLINK by their gc only
+    # commands no code of the role runs on those keys: claims other than XAUTOCLAIM, scripts on frames,
+    # reading back answer streams and job outputs, the recorder pruning the features' consumers
+    for role in (encoder, worker, recorder):
+        assert denied(lambda r=role: r.xclaim(keys.frames(CAM), keys.ENCODER_GROUP, "x", 0, ["0-1"]))
+    assert denied(lambda: recorder.xclaim(keys.features(CAM), keys.RECORDER_GROUP, "x", 0, ["0-1"]))
+    assert denied(lambda: recorder.xgroup_delconsumer(keys.features(CAM), keys.RECORDER_GROUP, "x"))
+    assert denied(lambda: encoder.eval("return 1", 1, keys.frames(CAM))) and denied(
+        lambda: encoder.exists(keys.lease(CAM))
+    )
+    for role in (qa, worker):
+        assert denied(lambda r=role: r.xrange(keys.answer("q1"))) and denied(
+            lambda r=role: r.xread({keys.answer("q1"): "0"})
+        )
+        assert denied(lambda r=role: r.xrange(keys.job_output(CAM, "captions")))
+        assert denied(lambda r=role: r.xrange(keys.versions(CAM)))
     # qa, worker: the audit streams take XADD only (directly or from a script), never DEL, XTRIM, SET
     for role in (qa, worker):
         for audit in (keys.ANSWERS, keys.DEAD_LETTER):
