@@ -14,7 +14,7 @@ import pytest
 import redis
 
 from apps.samplevideo import write_sample_video
-from common import redisio
+from common import placement, redisio, stream_status
 from common.lease import Lease
 from common.placement import Placement
 from common.wire import keys
@@ -193,7 +193,7 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert [e for _, e in client.xrange(keys.answer("q1"))] and client.xrange(keys.transcript(CAM))
     api.xadd(keys.QUESTIONS, {"stream": CAM, "question": "and now?"})
     assert api.get(keys.head(CAM)) and api.hgetall(keys.meta(CAM)) and api.xinfo_groups(keys.frames(CAM))
-    assert api.xrange(keys.events(CAM)) and api.xrange(keys.answer("q1")) and api.xlen(keys.DEAD_LETTER)
+    assert api.xrevrange(keys.events(CAM)) and api.xread({keys.answer("q1"): "0"}) and api.xlen(keys.DEAD_LETTER)
     assert api.exists(keys.meta(CAM)) and api.hgetall(keys.latest_frame(CAM)) and api.xrevrange(keys.alerts(CAM))
     assert api.hgetall(keys.alert_frame(CAM, "a1")) and api.pttl(keys.lease(CAM))
     Placement(encoder, "enc", None, 5000).beat([CAM])
@@ -202,6 +202,8 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert api.client_unblock(api.client_id()) == 0  # wakes its own answer readers (api/answers.py)
     assert api.hsetnx(keys.alert_acks(CAM), "a1", "1") and api.expire(keys.alert_acks(CAM), 60)  # acknowledges
     assert api.hmget(keys.alert_acks(CAM), ["a1"]) == [b"1"]
+    assert api.exists(*stream_status.presence_keys(CAM, failing=True))  # one command, three keys (api/replies.py)
+    assert not [r for r in api_status_replies(api) if isinstance(r, redis.exceptions.NoPermissionError)]
     ingest_job(ingest)
     Client(client).submit(CAM, "again?", id="q2")  # the worker: encoder and qa roles in one user
     encoder_job(worker)
@@ -239,6 +241,15 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert denied(lambda: api.xreadgroup(keys.QA_GROUP, "api", {keys.QUESTIONS: ">"}))
     assert denied(lambda: api.xadd(keys.alerts(CAM), {"id": "forged"}))
     assert denied(lambda: api.expire(keys.alerts(CAM), 1)) and denied(lambda: api.hsetnx(keys.meta(CAM), "fps", "9"))
+    # api: reads what status and the HTTP API show, and nothing more of a stream (its frames, cache,
+    # versions, markers), nor the audit streams' contents (dead letters: their count only)
+    assert denied(lambda: api.xrange(keys.frames(CAM))) and denied(lambda: api.get(keys.segment(CAM, "s1")))
+    assert denied(lambda: api.xrange(keys.versions(CAM))) and denied(lambda: api.xrange(keys.features(CAM)))
+    assert denied(lambda: api.get(keys.once(keys.ANSWERS, "q1"))) and denied(lambda: api.xrange(keys.ANSWERS))
+    assert denied(lambda: api.xrange(keys.DEAD_LETTER)) and denied(lambda: api.xrange(keys.answer("q1")))
+    assert denied(lambda: api.hgetall(keys.alerts_armed(CAM))) and denied(lambda: api.get(keys.answer_owner("q1")))
+    assert denied(lambda: api.hgetall(keys.attempts(keys.questions(CAM), "0-1")))
+    assert denied(lambda: api.xrange(keys.QUESTIONS)) and denied(lambda: api.expire(keys.meta(CAM), 1))
     assert denied(lambda: qa.hset(keys.latest_frame(CAM), "jpeg", b"forged"))
     assert denied(lambda: recorder.xtrim(keys.frames(CAM), maxlen=0))  # frames are the encoder's too
     assert denied(lambda: recorder.delete(keys.frames(CAM)))
@@ -257,6 +268,21 @@ def test_each_role_does_its_job_and_not_anothers(server):
         assert denied(lambda r=role: r.pexpire(keys.head(CAM), 1))
         assert denied(lambda r=role: _del_in_lua(r, keys.head(CAM)))  # scripts run with the caller's ACL
         assert denied(lambda r=role: r.delete(keys.segment(CAM, "s1")))  # segments: UNLINK by their gc only
+    # commands no code of the role runs on those keys: claims other than XAUTOCLAIM, scripts on frames,
+    # reading back answer streams and job outputs, the recorder pruning the features' consumers
+    for role in (encoder, worker, recorder):
+        assert denied(lambda r=role: r.xclaim(keys.frames(CAM), keys.ENCODER_GROUP, "x", 0, ["0-1"]))
+    assert denied(lambda: recorder.xclaim(keys.features(CAM), keys.RECORDER_GROUP, "x", 0, ["0-1"]))
+    assert denied(lambda: recorder.xgroup_delconsumer(keys.features(CAM), keys.RECORDER_GROUP, "x"))
+    assert denied(lambda: encoder.eval("return 1", 1, keys.frames(CAM))) and denied(
+        lambda: encoder.exists(keys.lease(CAM))
+    )
+    for role in (qa, worker):
+        assert denied(lambda r=role: r.xrange(keys.answer("q1"))) and denied(
+            lambda r=role: r.xread({keys.answer("q1"): "0"})
+        )
+        assert denied(lambda r=role: r.xrange(keys.job_output(CAM, "captions")))
+        assert denied(lambda r=role: r.xrange(keys.versions(CAM)))
     # qa, worker: the audit streams take XADD only (directly or from a script), never DEL, XTRIM, SET
     for role in (qa, worker):
         for audit in (keys.ANSWERS, keys.DEAD_LETTER):
@@ -272,6 +298,20 @@ def test_each_role_does_its_job_and_not_anothers(server):
     assert entry_id != qid and len(qid) >= 22
     anonymous = redis.Redis(port=server.port)
     assert anonymous.ping() and denied(lambda: anonymous.get(keys.head(CAM)))
+
+
+def api_status_replies(api: redis.Redis) -> list[object]:
+    """What `streamvqa status` and the HTTP API's stream listing read, replies as they come (a refused
+    command is one of them: the pipelines run with ``raise_on_error=False``)."""
+    names = stream_status.stream_names(k for p in stream_status.STREAM_PATTERNS for k in api.scan_iter(p))
+    assert CAM in names
+    pipe = api.pipeline(transaction=False)
+    stream_status.queue_all(pipe, names)
+    stream_status.queue_frames(pipe, names)
+    replies = pipe.execute(raise_on_error=False)
+    pipe = api.pipeline(transaction=False)
+    placement.queue_workers(pipe, placement.worker_ids(api.smembers(keys.WORKERS)))
+    return replies + pipe.execute(raise_on_error=False)
 
 
 def generate_users(tmp_path: Path, cameras: tuple[str, ...] = ()) -> tuple[Path, dict[str, str]]:
