@@ -379,50 +379,9 @@ def _refusing_worker(redis_url: str, params: list[str | None]) -> threading.Thre
     return thread
 
 
-def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
-    """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
-    and so does its streamed error chunk (which named "messages" whatever the worker said); the
-    question is the messages; a refusal naming no field names none (it named "messages": a client
-    fixing its messages for a span the frames log lacks, say)."""
-    import asyncio
-
-    import httpx
-
-    from api.app import create_app
-    from api.config import ApiConfig
-    from tests.test_api import _parse_sse
-
-    named_by_worker = ["until", "scope", None, "question", "at"]
-    thread = _refusing_worker(redis_url, named_by_worker * 2)  # each refusal, not streamed then streamed
-
-    async def ask() -> list[str | None]:
-        named = []
-        app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
-            for stream in (False, True):
-                for _ in named_by_worker:
-                    body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream}
-                    response = await client.post("/v1/chat/completions", json=body)
-                    if stream:
-                        (error,) = [
-                            d["error"] for _, d in _parse_sse(response.text) if isinstance(d, dict) and "error" in d
-                        ]
-                    else:
-                        assert response.status_code == 422, response.text
-                        error = response.json()["error"]
-                    assert error["message"] == "refused", error
-                    named.append(error["param"])
-        return named
-
-    named = asyncio.run(ask())
-    thread.join(10)
-    assert named == ["until", "scope", None, "messages", None] * 2
-
-
-def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redis_url):
-    """POST /api/streams/{name}/ask refused by the worker: the 422's param is the field the worker
-    named (by this request's name for it), and null where it named none or one this request cannot
-    send. It said "question" whenever the worker named none."""
+def _params_of_refusals(redis_url: str, named_by_worker: list[str | None], refusal) -> list[str | None]:
+    """The `param` of each refusal an API client gets while the worker names ``named_by_worker[n]``
+    in the n-th; ``refusal(client)`` makes one request and returns its error object."""
     import asyncio
 
     import httpx
@@ -430,7 +389,6 @@ def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redi
     from api.app import create_app
     from api.config import ApiConfig
 
-    named_by_worker = ["until", "scope", None, "question", "at", "id"]
     thread = _refusing_worker(redis_url, named_by_worker)
 
     async def ask() -> list[str | None]:
@@ -438,15 +396,51 @@ def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redi
         app = create_app(ApiConfig(redis_url=redis_url, answer_timeout_s=20))
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://api") as client:
             for _ in named_by_worker:
-                response = await client.post("/api/streams/ghost/ask", json={"question": "x", "stream": False})
-                assert response.status_code == 422, response.text
-                error = response.json()["error"]
+                error = await refusal(client)
                 assert error["message"] == "refused", error
                 named.append(error["param"])
         return named
 
     named = asyncio.run(ask())
     thread.join(10)
+    return named
+
+
+def test_a_refused_chat_question_names_the_same_field_streamed_or_not(redis_url):
+    """A worker's refusal naming since/until/scope: the OpenAI endpoint's 422 names that field,
+    and so does its streamed error chunk (which named "messages" whatever the worker said); the
+    question is the messages; a refusal naming no field names none (it named "messages": a client
+    fixing its messages for a span the frames log lacks, say)."""
+    from tests.test_api import _parse_sse
+
+    named_by_worker = ["until", "scope", None, "question", "at"]
+    streamed = iter([False] * len(named_by_worker) + [True] * len(named_by_worker))
+
+    async def refusal(client) -> dict:
+        stream = next(streamed)
+        body = {"model": "ghost", "messages": [{"role": "user", "content": "x"}], "stream": stream}
+        response = await client.post("/v1/chat/completions", json=body)
+        if stream:
+            (error,) = [d["error"] for _, d in _parse_sse(response.text) if isinstance(d, dict) and "error" in d]
+            return error
+        assert response.status_code == 422, response.text
+        return response.json()["error"]
+
+    named = _params_of_refusals(redis_url, named_by_worker * 2, refusal)  # not streamed, then streamed
+    assert named == ["until", "scope", None, "messages", None] * 2
+
+
+def test_a_refused_native_question_names_the_field_the_worker_named_or_none(redis_url):
+    """POST /api/streams/{name}/ask refused by the worker: the 422's param is the field the worker
+    named (by this request's name for it), and null where it named none or one this request cannot
+    send. It said "question" whenever the worker named none."""
+
+    async def refusal(client) -> dict:
+        response = await client.post("/api/streams/ghost/ask", json={"question": "x", "stream": False})
+        assert response.status_code == 422, response.text
+        return response.json()["error"]
+
+    named = _params_of_refusals(redis_url, ["until", "scope", None, "question", "at", "id"], refusal)
     assert named == ["until", "scope", None, "question", "at", None]
 
 
