@@ -81,6 +81,14 @@ RESUME_SCAN = 200  # newest frames entries searched for the last valid frame whe
 FPS_WINDOW_S = 10.0  # svqa_ingest_fps: frames published over this many seconds
 FPS_WINDOW_FRAMES = 4096  # enough for any sane fps over the window
 UP_EVENTS = {"connected": 1, "error": 0, "stalled": 0, "reconnecting": 0, "gave_up": 0, "eof": 0}
+# A camera's trouble at the level a log filter or an alert on `level` expects (all were `info`).
+EVENT_LOG_LEVELS = {
+    "error": "error",
+    "gave_up": "error",
+    "stalled": "warning",
+    "reconnecting": "warning",
+    "decode_error": "warning",
+}
 # The newest frame as a JPEG (for the web page and alerts): at most this often, so it costs little CPU.
 LATEST_FRAME_EVERY_S = 1.0
 LATEST_FRAME_TTL_S = 3600  # a stream gone for an hour stops showing a picture
@@ -472,7 +480,7 @@ class Source:
         """A log line and an entry of the stream's events; error texts may quote the URL: redacted."""
         if kind in UP_EVENTS:
             metrics.INGEST_UP.labels(self.spec.stream).set(UP_EVENTS[kind])
-        self.log.info(kind, **fields)
+        getattr(self.log, EVENT_LOG_LEVELS.get(kind, "info"))(kind, **fields)
         redisio.event(self.r, self.spec.stream, "ingest", kind, **fields)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import http.server
+import json
 import os
 import signal
 import socket
@@ -599,6 +600,9 @@ def test_stopped_ingest_exits_0_though_a_camera_had_failed(redis_url, services, 
     proc.terminate()
     assert proc.wait(timeout=30) == 0, services.logs()
     assert "cameras failed" in services.logs() and '"gone"' in services.logs()
+    lines = [json.loads(x) for x in services.logs().splitlines() if x.startswith("{")]
+    (error,) = [x for x in lines if x["event"] == "error" and x.get("stream") == "gone"]
+    assert error["level"] == "error", error  # a camera's error event was logged at info
 
 
 def test_a_camera_redis_refuses_stops_alone_and_is_named(redis_server, tmp_path):
