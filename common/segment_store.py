@@ -58,8 +58,9 @@ _MAGIC = b"SVQAseg1"
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 _MAX_HEADER = 4096
-# Outages of the medium rather than faults of a segment: the writer retries these.
-_UNAVAILABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM}
+# Outages of the medium rather than faults of a segment: the writer retries these. A store the
+# worker may not write (permissions) fails every stream's writes alike, so it is one too.
+_UNAVAILABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM, errno.EACCES, errno.EPERM}
 
 
 def embeds_id(chunk: str) -> str:
@@ -203,8 +204,12 @@ def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
     return {s for s in stored if s not in keep and not (s.endswith(_EMBEDS) and s in chunks)}
 
 
-def _os_error(e: OSError, what: str) -> SegmentStoreError:
-    cls = StoreUnavailable if e.errno in _UNAVAILABLE_ERRNOS else SegmentStoreError
+def _os_error(e: OSError, what: str, root: Path) -> SegmentStoreError:
+    """A failed write as an outage (retried, readiness fails) or this segment's fault. A store
+    root that is no directory (a file put in its place) fails every stream's writes: an outage,
+    where a stream's own directory replaced by a file is that stream's damage alone."""
+    lost_root = e.errno == errno.ENOTDIR and not root.is_dir()
+    cls = StoreUnavailable if e.errno in _UNAVAILABLE_ERRNOS or lost_root else SegmentStoreError
     return cls(f"{what}: {e.strerror or e}")
 
 
@@ -243,7 +248,7 @@ class DirectoryStore:
         except OSError as e:
             with contextlib.suppress(OSError):  # its directory may be what failed (not a directory)
                 tmp.unlink(missing_ok=True)
-            raise _os_error(e, f"cannot write segment {final}") from e
+            raise _os_error(e, f"cannot write segment {final}", self.root) from e
 
     @contextlib.contextmanager
     def open(self, stream: str, segment_id: str) -> Iterator[tuple[dict, BinaryIO, str]]:
@@ -279,7 +284,7 @@ class DirectoryStore:
         _check_ids(stream)
         try:
             entries = list(os.scandir(self.root / stream))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing stored (the root's outage is put's to report)
             return 0
         for entry in entries:
             if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):

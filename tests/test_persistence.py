@@ -476,3 +476,29 @@ def test_a_chunk_finished_after_the_writer_closed_stays_pending_for_the_next_own
     again = service(rt, r, redis_url, DirectoryStore(tmp_path), ("cam",))  # the next owner
     r.delete(keys.lease("cam"))
     run_until(again, lambda: encoded(r, "cam", 7), "the pending frames encoded by the next owner")
+
+
+def test_a_store_root_replaced_by_a_file_is_an_outage_not_each_streams_damage(rt, redis_url, tmp_path):
+    """The store's directory gone and a file in its place (or a store the worker may not write)
+    fails every stream alike: writes are retried and readiness names why, instead of each stream
+    restarting its cache and failing its write again at every lease, readiness green."""
+    r = redis.Redis.from_url(redis_url)
+    root = tmp_path / "segments"
+    store = DirectoryStore(root)
+    encoded_then_stopped(rt, r, redis_url, store, 4)
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    root.write_text("not a directory")
+    svc = service(rt, r, redis_url, store, ("cam",))
+    svc.writer.retry_s = 0.01
+    try:
+        run_until(svc, lambda: svc.writer.problem is not None, "the outage")
+        assert "Not a directory" in health.READINESS.failing["segment_store"]
+        assert not events(r, "cam", b"store_write_failed"), "an outage, not a failed write"
+        root.unlink()
+        run_until(svc, lambda: "cam" in svc.owned and svc.writer.problem is None, "the store back")
+        push(r, "cam", range(4, 6))
+        run_until(svc, lambda: encoded(r, "cam", 5), "the stream goes on")
+        assert len(events(r, "cam", b"cache_restarted")) == 1, "its segments were gone: one restart, no loop"
+    finally:
+        health.READINESS.failing.pop("segment_store", None)
+        stop(svc, r)
