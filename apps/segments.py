@@ -134,10 +134,10 @@ def copy(
         if not replace and _holds(dest, stream, segment_id):
             return None
         try:
-            kv = source.get(stream, segment_id)
+            kv, epoch = source.get(stream, segment_id), _epoch(source, stream, segment_id)
         except SegmentStoreError as e:
             return e
-        dest.put(stream, segment_id, kv)
+        dest.put(stream, segment_id, kv, epoch=epoch)  # still the K/V of its life: checked at restore
         return kv.numel() * kv.element_size()
 
     with ThreadPoolExecutor(THREADS) as pool, tqdm(total=len(segments), unit="seg", disable=not progress) as bar:
@@ -159,6 +159,12 @@ def copy(
         "seconds": round(time.perf_counter() - t0, 2),
         "damaged": damaged,
     }, written
+
+
+def _epoch(store: DirectoryStore, stream: str, segment_id: str) -> str | None:
+    """The stream's life a record names as its own (None: written before records named it)."""
+    with store.open(stream, segment_id) as (meta, _, _):
+        return meta.get("epoch")
 
 
 def _holds(store: DirectoryStore, stream: str, segment_id: str) -> bool:

@@ -151,3 +151,15 @@ def test_load_leaves_a_segment_the_store_already_holds_whole(tmp_path, redis_url
     assert torch.equal(store.get("cam1", "c1-1"), newer)
     assert torch.equal(store.get("cam1", "c1-0"), want["cam1", "c1-0"])
     assert torch.equal(store.get("cam2", "prefix"), want["cam2", "prefix"])
+
+
+def test_save_and_load_keep_the_life_each_segment_names(tmp_path, redis_url, capsys):
+    """A record names the stream's life it is K/V of (checked at restore); carried over a reboot,
+    it must still name it, or a restore could no longer tell it from another life's."""
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    DirectoryStore(shm).put("cam1", "c1-0", torch.ones(2, 2, 3, 5, 8), epoch="life-1")
+    assert segments("save", saved, shm, redis_url, capsys)[0] == 0
+    shutil.rmtree(shm)
+    assert segments("load", saved, shm, redis_url, capsys)[0] == 0
+    with DirectoryStore(shm).open("cam1", "c1-0") as (meta, _, _):
+        assert (meta["stream"], meta["epoch"]) == ("cam1", "life-1")
