@@ -13,7 +13,9 @@ out and named, and its stream is rebuilt from the frames log (or starts over) at
 damaged segment's is; the others are unaffected. A save leaves in DIR exactly the segments it
 copied (an earlier save's copy of one found damaged now would come back at load, whole and
 checked, as another life's K/V: segment ids repeat when a stream is rebuilt) and writes DIR/SAVED
-last; `load` takes only a directory with it, so a save cut short is never loaded. Exit 0 when
+last; `load` takes only a directory with it, so a save cut short is never loaded. `load` leaves
+a segment the store already holds whole as it is: written after the save (a worker started
+before the load), it is newer than the saved copy, which may be another life's K/V. Exit 0 when
 every segment was copied, 1 when some were damaged (the rest copied), 2 on a bad store or
 directory, 3 when Redis is unusable or a worker still holds a stream, 4 when a segment cannot be
 written (a full disk): run it again once there is room.
@@ -74,7 +76,9 @@ def main(argv: list[str]) -> int:
     try:
         if ns.action == "save":
             (ns.dir / MARKER).unlink(missing_ok=True)  # until this save is whole, DIR holds none
-        summary, written = copy(source, dest, progress=sys.stderr.isatty())
+        # A segment the store already holds whole was written since the save (a worker ran after
+        # the boot): the saved copy is older, maybe another life's K/V under the same id.
+        summary, written = copy(source, dest, progress=sys.stderr.isatty(), replace=ns.action == "save")
         if ns.action == "save":
             _prune(ns.dir, written)
             _mark(ns.dir, summary)
@@ -113,41 +117,63 @@ def _mark(root: Path, summary: dict) -> None:
     fsync_dir(root)
 
 
-def copy(source: DirectoryStore, dest: DirectoryStore, progress: bool = False) -> tuple[dict, set[tuple[str, str]]]:
+def copy(
+    source: DirectoryStore, dest: DirectoryStore, progress: bool = False, replace: bool = True
+) -> tuple[dict, set[tuple[str, str]]]:
     """Every segment of ``source`` into ``dest``, each read (its checksum checked) and written
-    whole as the store writes one; what was copied and the segments found damaged (left out),
-    and which (stream, segment id) were written.
-    A segment that cannot be written raises SegmentStoreError."""
+    whole as the store writes one; what was copied, the segments found damaged (left out) and,
+    unless ``replace``, how many ``dest`` already held whole (left as they are), and which
+    (stream, segment id) were written. A segment that cannot be written raises SegmentStoreError."""
     segments = list(_segments(source.root))
     damaged: list[str] = []
     written: set[tuple[str, str]] = set()
-    copied_bytes = 0
+    copied_bytes = held = 0
     t0 = time.perf_counter()
 
-    def one(stream: str, segment_id: str) -> int | SegmentStoreError:
+    def one(stream: str, segment_id: str) -> int | SegmentStoreError | None:
+        if not replace and _holds(dest, stream, segment_id):
+            return None
         try:
-            kv = source.get(stream, segment_id)
+            kv, epoch = source.get(stream, segment_id), _epoch(source, stream, segment_id)
         except SegmentStoreError as e:
             return e
-        dest.put(stream, segment_id, kv)
+        dest.put(stream, segment_id, kv, epoch=epoch)  # still the K/V of its life: checked at restore
         return kv.numel() * kv.element_size()
 
     with ThreadPoolExecutor(THREADS) as pool, tqdm(total=len(segments), unit="seg", disable=not progress) as bar:
         futures = {pool.submit(one, *s): s for s in segments}
         for future, (stream, segment_id) in futures.items():
             done = future.result()
-            if isinstance(done, SegmentStoreError):
+            if done is None:
+                held += 1
+            elif isinstance(done, SegmentStoreError):
                 damaged.append(f"{stream}/{segment_id}: {done}")
             else:
                 copied_bytes += done
                 written.add((stream, segment_id))
             bar.update()
     return {
-        "segments": len(segments) - len(damaged),
+        "segments": len(segments) - len(damaged) - held,
+        "already_held": held,
         "bytes": copied_bytes,
         "seconds": round(time.perf_counter() - t0, 2),
         "damaged": damaged,
     }, written
+
+
+def _epoch(store: DirectoryStore, stream: str, segment_id: str) -> str | None:
+    """The stream's life a record names as its own (None: written before records named it)."""
+    with store.open(stream, segment_id) as (meta, _, _):
+        return meta.get("epoch")
+
+
+def _holds(store: DirectoryStore, stream: str, segment_id: str) -> bool:
+    """Whether ``store`` holds the segment whole (a damaged copy is replaced)."""
+    try:
+        store.get(stream, segment_id)
+    except SegmentStoreError:
+        return False
+    return True
 
 
 def _segments(root: Path) -> Iterator[tuple[str, str]]:

@@ -58,8 +58,9 @@ _MAGIC = b"SVQAseg1"
 _PREFIX = struct.Struct("<8sI")  # magic, header length
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
 _MAX_HEADER = 4096
-# Outages of the medium rather than faults of a segment: the writer retries these.
-_UNAVAILABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM}
+# Outages of the medium rather than faults of a segment: the writer retries these. A store the
+# worker may not write (permissions) fails every stream's writes alike, so it is one too.
+_UNAVAILABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ENOMEM, errno.EACCES, errno.EPERM}
 
 
 def embeds_id(chunk: str) -> str:
@@ -77,7 +78,7 @@ class StoreUnavailable(SegmentStoreError):
 
 @runtime_checkable
 class SegmentStore(Protocol):
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None: ...
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None: ...
     def get(
         self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
     ) -> torch.Tensor: ...
@@ -119,19 +120,21 @@ def checksum(meta: dict) -> tuple[Checksum, int]:
     raise KeyError("no checksum")
 
 
-def encode(kv: torch.Tensor) -> tuple[bytes, memoryview]:
+def encode(kv: torch.Tensor, stream: str | None = None, epoch: str | None = None) -> tuple[bytes, memoryview]:
     """A record's header and its payload: the tensor's own bytes, not copied when it is already a
-    contiguous CPU tensor (the pinned copy the encoder hands over)."""
+    contiguous CPU tensor (the pinned copy the encoder hands over). ``stream`` and ``epoch`` (the
+    stream's life) name whose K/V it is: segment ids repeat across streams and lives, so a valid
+    record of another one under the same name is refused at restore (`owner_mismatch`)."""
     kv = kv.detach().to("cpu").contiguous()
     payload = memoryview(kv.reshape(-1).view(torch.uint8).numpy()).cast("B")
-    header = msgpack.packb(
-        {
-            "dtype": str(kv.dtype),
-            "shape": list(kv.shape),
-            "nbytes": payload.nbytes,
-            WRITTEN_WITH: _CHECKSUMS[WRITTEN_WITH](payload, 0),
-        }
-    )
+    meta = {
+        "dtype": str(kv.dtype),
+        "shape": list(kv.shape),
+        "nbytes": payload.nbytes,
+        WRITTEN_WITH: _CHECKSUMS[WRITTEN_WITH](payload, 0),
+    }
+    owner = {"stream": stream, "epoch": epoch}
+    header = msgpack.packb(meta | {k: v for k, v in owner.items() if v is not None})
     return _PREFIX.pack(_MAGIC, len(header)) + header, payload
 
 
@@ -152,6 +155,7 @@ def _header(head: bytes, where: str, size: int) -> tuple[dict, int]:
         dtype, shape, nbytes = _DTYPES[raw["dtype"]], [_count(s) for s in raw["shape"]], _count(raw["nbytes"])
         name = next(name for name in _CHECKSUMS if name in raw)
         meta = {"dtype": str(dtype), "shape": shape, "nbytes": nbytes, name: _count(raw[name])}
+        meta |= {k: _text(raw[k]) for k in _OWNER if k in raw}
     except (ValueError, KeyError, TypeError, StopIteration, msgpack.UnpackException) as e:
         raise SegmentStoreError(f"corrupt segment {where}: bad header ({e!r})") from None
     if nbytes != math.prod(shape) * dtype.itemsize:
@@ -159,6 +163,25 @@ def _header(head: bytes, where: str, size: int) -> tuple[dict, int]:
     if nbytes > size - _PREFIX.size - n:
         raise SegmentStoreError(f"corrupt segment {where}: {size - _PREFIX.size - n} of {nbytes} bytes")
     return meta, _PREFIX.size + n
+
+
+_OWNER = ("stream", "epoch")  # whose K/V a record holds; a record written before lacks them
+
+
+def owner_mismatch(meta: dict, stream: str, epoch: str | None, where: str) -> str | None:
+    """Why a record is not the K/V of ``stream``'s life ``epoch`` (another stream's or another
+    life's, valid and of the right shape: copied in, or left by a later life under the same id),
+    or None. What the record does not name (written before it did), or ``epoch`` None, passes."""
+    for key, want in zip(_OWNER, (stream, epoch), strict=True):
+        if want is not None and key in meta and meta[key] != want:
+            return f"segment {where} holds {key} {meta[key]!r}'s K/V, not {want!r}'s"
+    return None
+
+
+def _text(value: object) -> str:
+    if type(value) is not str:
+        raise TypeError(f"{value!r} is not text")
+    return value
 
 
 def _count(value: object) -> int:
@@ -203,8 +226,12 @@ def _unkept(stored: Iterable[str], keep: Iterable[str]) -> set[str]:
     return {s for s in stored if s not in keep and not (s.endswith(_EMBEDS) and s in chunks)}
 
 
-def _os_error(e: OSError, what: str) -> SegmentStoreError:
-    cls = StoreUnavailable if e.errno in _UNAVAILABLE_ERRNOS else SegmentStoreError
+def _os_error(e: OSError, what: str, root: Path) -> SegmentStoreError:
+    """A failed write as an outage (retried, readiness fails) or this segment's fault. A store
+    root that is no directory (a file put in its place) fails every stream's writes: an outage,
+    where a stream's own directory replaced by a file is that stream's damage alone."""
+    lost_root = e.errno == errno.ENOTDIR and not root.is_dir()
+    cls = StoreUnavailable if e.errno in _UNAVAILABLE_ERRNOS or lost_root else SegmentStoreError
     return cls(f"{what}: {e.strerror or e}")
 
 
@@ -221,10 +248,10 @@ class DirectoryStore:
         _check_ids(stream, segment_id)
         return self.root / stream / (segment_id + _SUFFIX)
 
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         _check_kv(segment_id, kv)
         final = self.path(stream, segment_id)
-        head, payload = encode(kv)
+        head, payload = encode(kv, stream, epoch)
         # A dot name in the same directory: os.replace is then an atomic rename, and gc knows a
         # leftover of a writer that died as one.
         tmp = final.parent / f".{segment_id}.{secrets.token_hex(4)}{_TMP_SUFFIX}"
@@ -243,7 +270,7 @@ class DirectoryStore:
         except OSError as e:
             with contextlib.suppress(OSError):  # its directory may be what failed (not a directory)
                 tmp.unlink(missing_ok=True)
-            raise _os_error(e, f"cannot write segment {final}") from e
+            raise _os_error(e, f"cannot write segment {final}", self.root) from e
 
     @contextlib.contextmanager
     def open(self, stream: str, segment_id: str) -> Iterator[tuple[dict, BinaryIO, str]]:
@@ -279,7 +306,7 @@ class DirectoryStore:
         _check_ids(stream)
         try:
             entries = list(os.scandir(self.root / stream))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # nothing stored (the root's outage is put's to report)
             return 0
         for entry in entries:
             if entry.name.startswith(".") and entry.name.endswith(_TMP_SUFFIX):
@@ -302,7 +329,8 @@ class MemoryStore:
         self._data: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # encoder and qa threads share one instance
 
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
+        """``epoch`` is not kept: nothing copies another record into a process's memory."""
         _check_ids(stream, segment_id)
         _check_kv(segment_id, kv)
         kv = kv.clone()
@@ -341,9 +369,9 @@ class RedisStore:
         self.r = client
         self.ttl_s = ttl_s
 
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         _check_kv(segment_id, kv)
-        head, payload = encode(kv)
+        head, payload = encode(kv, stream, epoch)
         try:
             self.r.set(self._key(stream, segment_id), head + payload.tobytes(), ex=self.ttl_s)
         except redis.ResponseError as e:  # OOM (maxmemory) or a read-only replica: Redis can't take it now

@@ -70,16 +70,17 @@ class SegmentWriter:
         for t in self._threads:
             t.start()
 
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> Future:
-        """Queue ``kv`` (a host tensor the caller no longer changes) for the store; the future is
-        done once it is written."""
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> Future:
+        """Queue ``kv`` (a host tensor the caller no longer changes) for the store, as K/V of the
+        stream's life ``epoch``; the future is done once it is written."""
         nbytes = kv.numel() * kv.element_size()
         with self._room:  # backpressure: wait for room, but a lone segment larger than the bound goes
             while self._queued and self._queued + nbytes > self.max_queued_bytes and not self._closed.is_set():
                 self._room.wait(0.5)
             self._queued += nbytes
             metrics.STORE_QUEUE_BYTES.set(self._queued)
-        future = self._submit(_Op(stream, segment_id, lambda: self.store.put(stream, segment_id, kv), nbytes))
+        write = lambda: self.store.put(stream, segment_id, kv, epoch=epoch)  # noqa: E731
+        future = self._submit(_Op(stream, segment_id, write, nbytes))
         fault_point("persist.copy_queued")
         return future
 

@@ -483,14 +483,19 @@ def open_stream(
     kept = _kept_manifests(r, name, cfg.keep_versions)
     writes: list[Future] = []
     features: list[tuple[Segment, torch.Tensor]] = []
-    sinks = dict(
-        on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv)),
-        on_embeds=lambda segment, embeds: writes.append(writer.put(name, embeds_id(segment.chunk_id), embeds)),
-        on_features=lambda segment, vector: features.append((segment, vector)),
-    )
+
+    def sinks(epoch: str) -> dict:  # each record names the life it is K/V of (checked at restore)
+        return dict(
+            on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv, epoch=epoch)),
+            on_embeds=lambda segment, embeds: writes.append(
+                writer.put(name, embeds_id(segment.chunk_id), embeds, epoch=epoch)
+            ),
+            on_features=lambda segment, vector: features.append((segment, vector)),
+        )
 
     def new_life() -> OwnedStream:  # version ids start over, under a new epoch
-        engine = StreamEngine(rt, spec, policy, epoch=new_epoch(), **sinks)
+        epoch = new_epoch()
+        engine = StreamEngine(rt, spec, policy, epoch=epoch, **sinks(epoch))
         return OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept)
 
     raw = r.get(keys.head(name))
@@ -514,7 +519,7 @@ def open_stream(
             policy,
             restore=(state.cache, lambda seg: loaded.to(loaded.kv[seg.id], device)),
             load_embeds=lambda chunk: loaded.to(e, device) if (e := loaded.embeds.get(chunk)) is not None else None,
-            **sinks,
+            **sinks(state.cache.epoch),
         )
     finally:
         loaded.release()  # its copies are queued: the slot is reused once they are done

@@ -41,6 +41,7 @@ from common.segment_store import (
     SegmentStoreError,
     checksum,
     embeds_id,
+    owner_mismatch,
     payload_tensor,
 )
 
@@ -126,18 +127,21 @@ class Restorer:
     def load_head(self, store: SegmentStore, stream: str, cache: CacheState) -> Loaded:
         """Every segment of a version, and the kept embeddings of its chunks."""
         chunks = sorted({p.segment.chunk_id for p in cache.placements[1:]})  # the first is the prefix
-        return self.load(store, stream, [p.segment.id for p in cache.placements], chunks)
+        return self.load(store, stream, [p.segment.id for p in cache.placements], chunks, cache.epoch)
 
-    def load(self, store: SegmentStore, stream: str, segments: list[str], chunks: list[str]) -> Loaded:
+    def load(
+        self, store: SegmentStore, stream: str, segments: list[str], chunks: list[str], epoch: str | None = None
+    ) -> Loaded:
         """`segments` of `stream`, and the kept embeddings of `chunks` (those missing or unreadable
         are left out: evictions re-encode until they are gone), in a slot the caller releases.
-        SegmentStoreError when a segment cannot be read back whole, or what a read raised (a Redis
-        store's outage): the slot is then released."""
+        SegmentStoreError when a segment cannot be read back whole, or is another stream's or
+        another life's than `epoch` (when given), or what a read raised (a Redis store's outage):
+        the slot is then released."""
         slot = self._slots.get()
         t0 = time.perf_counter()
         slot.reuse()
-        jobs = {sid: self._readers.submit(self._read, store, stream, sid, slot) for sid in segments}
-        embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c), slot) for c in chunks}
+        jobs = {sid: self._readers.submit(self._read, store, stream, sid, slot, epoch) for sid in segments}
+        embeds_jobs = {c: self._readers.submit(self._read, store, stream, embeds_id(c), slot, epoch) for c in chunks}
         try:
             kv = {}
             for sid, job in jobs.items():
@@ -166,11 +170,14 @@ class Restorer:
         self._readers.shutdown(wait=True, cancel_futures=True)
 
     @staticmethod
-    def _read(store: SegmentStore, stream: str, segment_id: str, slot: _Slot) -> torch.Tensor:
+    def _read(store: SegmentStore, stream: str, segment_id: str, slot: _Slot, epoch: str | None) -> torch.Tensor:
         """One segment, checked, in the slot (in ordinary memory when the slot is full)."""
         if not isinstance(store, DirectoryStore):
             return store.get(stream, segment_id)
         with store.open(stream, segment_id) as (meta, f, where):
+            # Files are what gets copied about (by hand, `segments load`) and outlive a stream's life.
+            if (why := owner_mismatch(meta, stream, epoch, where)) is not None:
+                raise SegmentStoreError(why)
             nbytes = meta["nbytes"]
             out = slot.take(nbytes)
             if out is None:

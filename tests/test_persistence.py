@@ -82,9 +82,9 @@ class GatedStore(MemoryStore):
         super().__init__()
         self.gate = threading.Semaphore(0)
 
-    def put(self, stream: str, segment_id: str, kv: torch.Tensor) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         self.gate.acquire()
-        super().put(stream, segment_id, kv)
+        super().put(stream, segment_id, kv, epoch=epoch)
 
 
 def test_writer_backpressure_holds_the_caller_not_host_memory():
@@ -476,3 +476,74 @@ def test_a_chunk_finished_after_the_writer_closed_stays_pending_for_the_next_own
     again = service(rt, r, redis_url, DirectoryStore(tmp_path), ("cam",))  # the next owner
     r.delete(keys.lease("cam"))
     run_until(again, lambda: encoded(r, "cam", 7), "the pending frames encoded by the next owner")
+
+
+def test_a_store_root_replaced_by_a_file_is_an_outage_not_each_streams_damage(rt, redis_url, tmp_path):
+    """The store's directory gone and a file in its place (or a store the worker may not write)
+    fails every stream alike: writes are retried and readiness names why, instead of each stream
+    restarting its cache and failing its write again at every lease, readiness green."""
+    r = redis.Redis.from_url(redis_url)
+    root = tmp_path / "segments"
+    store = DirectoryStore(root)
+    encoded_then_stopped(rt, r, redis_url, store, 4)
+    subprocess.run(["rm", "-rf", str(root)], check=True)
+    root.write_text("not a directory")
+    svc = service(rt, r, redis_url, store, ("cam",))
+    svc.writer.retry_s = 0.01
+    try:
+        run_until(svc, lambda: svc.writer.problem is not None, "the outage")
+        assert "Not a directory" in health.READINESS.failing["segment_store"]
+        assert not events(r, "cam", b"store_write_failed"), "an outage, not a failed write"
+        root.unlink()
+        run_until(svc, lambda: "cam" in svc.owned and svc.writer.problem is None, "the store back")
+        push(r, "cam", range(4, 6))
+        run_until(svc, lambda: encoded(r, "cam", 5), "the stream goes on")
+        assert len(events(r, "cam", b"cache_restarted")) == 1, "its segments were gone: one restart, no loop"
+    finally:
+        health.READINESS.failing.pop("segment_store", None)
+        stop(svc, r)
+
+
+def push_valued(r: redis.Redis, cam: str, seqs: range, value: int) -> None:
+    for seq in seqs:
+        frame = np.full((56, 56, 3), value, np.uint8)
+        r.xadd(keys.frames(cam), encode_frame(FrameMsg.from_rgb(seq, seq / 2, seq / 2, frame)))
+
+
+def life(rt: Runtime, r: redis.Redis, url: str, store: SegmentStore, cams: tuple[str, ...], value: int) -> None:
+    """Frames 0-3 of `value` encoded for each camera into `store`, then the service stops."""
+    svc = service(rt, r, url, store, cams)
+    for cam in cams:
+        push_valued(r, cam, range(4), value)
+    run_until(svc, lambda: all(encoded(r, c, 3) for c in cams), "4 frames each")
+    stop(svc, r)
+
+
+def test_a_head_is_not_restored_from_another_lifes_or_streams_valid_segments(rt, redis_url, tmp_path):
+    """Segment ids repeat across streams and lives (a stream restarted on an empty Redis encodes
+    seqs 0.. again): a head of an earlier life (Redis brought back from an older backup) over the
+    later life's segments, or a segment of another stream copied in, is whole, checked and of the
+    right shape. Restored, the head held K/V other than its manifest names, with no event."""
+    r = redis.Redis.from_url(redis_url)
+    store = DirectoryStore(tmp_path)
+    life(rt, r, redis_url, store, ("cam",), 10)
+    earlier = r.get(keys.head("cam"))
+    r.flushdb()  # Redis lost without its AOF: the stream starts over, under a new epoch
+    life(rt, r, redis_url, store, ("cam", "other"), 200)
+    assert manifest_from_bytes(earlier).segment_ids == head(r, "cam").segment_ids, "the same ids"
+    later, other = head(r, "cam"), head(r, "other")
+    r.set(keys.head("cam"), earlier)  # the older backup
+    again = service(rt, r, redis_url, store, ("cam",))
+    run_until(again, lambda: "cam" in again.owned, "the stream owned")
+    stop(again, r)
+    (restarted,) = events(r, "cam", b"cache_restarted")
+    assert later.epoch.encode() in restarted[b"reason"], "refused as the later life's K/V"
+    from encoder_worker.restore import Restorer
+
+    (tmp_path / "cam" / "f1.seg").write_bytes((tmp_path / "other" / f"{other.segment_ids[-1]}.seg").read_bytes())
+    restorer = Restorer(torch.device("cpu"), threads=1)  # copied in by hand: refused even with its epoch
+    try:
+        with pytest.raises(SegmentStoreError, match="holds stream 'other'"):
+            restorer.load(store, "cam", ["f1"], [], other.epoch)
+    finally:
+        restorer.close()

@@ -131,3 +131,35 @@ def test_a_full_disk_is_exit_4_with_one_line(tmp_path, redis_url, capsys, small_
         segments("save", small_disk, shm, redis_url, capsys)
     assert failed.value.code == 4
     assert "No space left on device" in capsys.readouterr().err
+
+
+def test_load_leaves_a_segment_the_store_already_holds_whole(tmp_path, redis_url, capsys):
+    """A worker started before the load (or no reboot came) wrote a segment since the save, under
+    an id the save holds: segment ids repeat across a stream's lives, so the saved copy is an
+    older life's K/V, whole and checked. The load must not put it back over the newer one."""
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    want = stored(shm)
+    assert segments("save", saved, shm, redis_url, capsys)[0] == 0
+    newer = torch.ones(2, 2, 3, 6, 8, dtype=torch.bfloat16)
+    DirectoryStore(shm).put("cam1", "c1-1", newer)
+    damaged = shm / "cam1" / "c1-0.seg"
+    damaged.write_bytes(damaged.read_bytes()[:-10])  # a damaged one is replaced by the saved copy
+    (shm / "cam2" / "prefix.seg").unlink()
+    code, summary = segments("load", saved, shm, redis_url, capsys)
+    assert code == 0 and (summary["segments"], summary["already_held"]) == (2, 1)
+    store = DirectoryStore(shm)
+    assert torch.equal(store.get("cam1", "c1-1"), newer)
+    assert torch.equal(store.get("cam1", "c1-0"), want["cam1", "c1-0"])
+    assert torch.equal(store.get("cam2", "prefix"), want["cam2", "prefix"])
+
+
+def test_save_and_load_keep_the_life_each_segment_names(tmp_path, redis_url, capsys):
+    """A record names the stream's life it is K/V of (checked at restore); carried over a reboot,
+    it must still name it, or a restore could no longer tell it from another life's."""
+    shm, saved = tmp_path / "shm", tmp_path / "disk"
+    DirectoryStore(shm).put("cam1", "c1-0", torch.ones(2, 2, 3, 5, 8), epoch="life-1")
+    assert segments("save", saved, shm, redis_url, capsys)[0] == 0
+    shutil.rmtree(shm)
+    assert segments("load", saved, shm, redis_url, capsys)[0] == 0
+    with DirectoryStore(shm).open("cam1", "c1-0") as (meta, _, _):
+        assert (meta["stream"], meta["epoch"]) == ("cam1", "life-1")
