@@ -23,6 +23,7 @@ from api.answers import AnswerHub, Busy
 from api.config import ApiConfig
 from common import health, metrics, redisio
 from common.framelog import FrameLog
+from common.lease import holder_name
 from common.redisio import SOCKET_MARGIN_S, cluster_nodes
 from common.wire import keys
 
@@ -132,7 +133,7 @@ async def ready(request: Request, stream: str | None = Query(None, description="
         error = errors.body(503, f"no encoder holds stream {stream!r}", param="stream", code="no_encoder")
         return _not_ready({"redis": True, "encoder": False}, error)
     _, body = health.ready_body({"redis": True, "encoder": True}, [], {})
-    return JSONResponse(body | {"stream": stream, "encoder": holder.decode()})
+    return JSONResponse(body | {"stream": stream, "encoder": holder_name(holder)})
 
 
 def _not_ready(checks: dict[str, bool], error: dict) -> JSONResponse:

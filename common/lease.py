@@ -1,6 +1,14 @@
-"""A lease per stream (SET NX PX + owner-checked renewal) so exactly one encoder writes it."""
+"""A lease per stream (SET NX PX + owner-checked renewal) so exactly one encoder writes it.
+
+A lease names its holder's process, not only its consumer name (`lease_owner`): two processes
+under one name (a replacement started while the old one is frozen, or a name given twice by
+mistake) each renewed the other's lease and both passed the publish fence, so one stream's head
+had two writers. `holder_name` is the worker name an operator knows, for status and the API."""
 
 from __future__ import annotations
+
+import re
+import secrets
 
 import redis
 import structlog
@@ -23,6 +31,22 @@ if owner ~= ARGV[1] then return 0 end
 """
 _RENEW = _OWNED + "return redis.call('pexpire', KEYS[1], ARGV[2])"
 _RELEASE = _OWNED + "return redis.call('del', KEYS[1])"
+
+
+LIFE_MARK = "#"  # between a consumer name and its process's life in a lease's value
+_LIFE = re.compile(r"[0-9a-f]{12}")
+
+
+def lease_owner(consumer: str) -> str:
+    """This process's lease value: its consumer name and a random life, new at every start."""
+    return f"{consumer}{LIFE_MARK}{secrets.token_hex(6)}"
+
+
+def holder_name(value: bytes | str) -> str:
+    """The consumer name in a lease's value (a value without a life, an older worker's, is one)."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    name, mark, life = text.rpartition(LIFE_MARK)
+    return name if mark and _LIFE.fullmatch(life) else text
 
 
 class Lease:

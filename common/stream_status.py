@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from common import placement
+from common.lease import holder_name
 from common.logs import redact_url
 from common.wire import keys
 from common.wire.meta import StreamMeta
@@ -90,7 +91,7 @@ def stream_from(name: str, replies: list[Any], now: float) -> dict:
     if head_raw:
         out["head"] = _head(head_raw, out["live"], now)
     out["frames"] = group_from([xlen, groups], keys.ENCODER_GROUP)
-    out["lease"] = {"holder": _text(holder), "ttl_ms": ttl} if holder else None
+    out["lease"] = {"holder": holder_name(holder), "ttl_ms": ttl} if holder else None
     out["questions"] = group_from([q_len, q_groups], keys.QA_GROUP)  # routed here, for its owner
     out |= _from_events(events if isinstance(events, list) else [])
     out["dropped"] = sum(int(n) for n in drops.values()) if isinstance(drops, dict) else None

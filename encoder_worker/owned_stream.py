@@ -105,10 +105,13 @@ class OwnedStream:
         writes: list[Future] | None = None,
         features: list[tuple[Segment, torch.Tensor]] | None = None,
         recent_manifests: list[Manifest] | None = None,
+        owner: str | None = None,
     ):
         """``recent_manifests``: the newest versions already published (a new owner's), whose
-        segments collections keep until newer versions take their place."""
+        segments collections keep until newer versions take their place. ``owner``: the lease's
+        value that fences its publishes (`common.lease.lease_owner`; default the consumer name)."""
         self.r, self.writer, self.cfg = r, writer, cfg
+        self.owner = owner or cfg.consumer
         self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
         self.features = features if features is not None else []  # the unpublished chunks' retrieval vectors
         self.frames = frames or r
@@ -367,7 +370,7 @@ class OwnedStream:
         self._await_writes()
         fault_point("persist.before_publish")
         manifest = to_manifest(version, self.engine.spec)
-        if not publish_fenced(self.r, self.name, self.cfg.consumer, manifest, self.cfg.versions_maxlen):
+        if not publish_fenced(self.r, self.name, self.owner, manifest, self.cfg.versions_maxlen):
             raise LeaseLost(self.name)
         self.published = version.id
         self._publish_features()
@@ -463,6 +466,7 @@ def open_stream(
     name: str,
     frames: redis.Redis | None = None,
     restorer: Restorer | None = None,
+    owner: str | None = None,
 ) -> OwnedStream:
     """Continue from the published head (nothing re-encoded, nothing skipped) or start empty.
 
@@ -475,7 +479,7 @@ def open_stream(
     if restorer is None:
         restorer = Restorer(rt.loaded.device, threads=1, slot_bytes=0)  # every segment in memory of its own
         try:
-            return open_stream(rt, r, writer, cfg, name, frames, restorer)
+            return open_stream(rt, r, writer, cfg, name, frames, restorer, owner)
         finally:
             restorer.close()
     policy = cfg.eviction_policy()
@@ -496,7 +500,7 @@ def open_stream(
     def new_life() -> OwnedStream:  # version ids start over, under a new epoch
         epoch = new_epoch()
         engine = StreamEngine(rt, spec, policy, epoch=epoch, **sinks(epoch))
-        return OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept)
+        return OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept, owner)
 
     raw = r.get(keys.head(name))
     state = loaded = None
@@ -523,7 +527,7 @@ def open_stream(
         )
     finally:
         loaded.release()  # its copies are queued: the slot is reused once they are done
-    owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept)
+    owned = OwnedStream(r, writer, cfg, engine, live, frames, writes, features, kept, owner)
     owned.opened = {
         "gb": round(loaded.nbytes / 1e9, 3),
         "read_s": round(loaded.read_s, 3),  # read and checked into host memory, a slot's wait included

@@ -35,7 +35,7 @@ from common.config import load_cameras_file
 from common.decoding import FrameDecoder
 from common.engine.kvcache import Version
 from common.engine.runtime import Runtime
-from common.lease import Lease
+from common.lease import Lease, lease_owner
 from common.placement import Placement, WorkerLoad
 from common.segment_store import SegmentStore, open_store
 from common.segment_writer import SegmentWriter, WriterClosed
@@ -87,7 +87,8 @@ class EncoderService:
         self.writer = SegmentWriter(store, cfg.store_writers)  # segments written off the stream threads
         self.frames = frames or r
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
-        self.leases = {n: Lease(r, n, cfg.consumer, cfg.lease_ms) for n in self.names}
+        self.owner = lease_owner(cfg.consumer)  # this process's, fencing off any other of the same name
+        self.leases = {n: Lease(r, n, self.owner, cfg.lease_ms) for n in self.names}
         self.owned: dict[str, OwnedStream] = {}
         self.opening: set[str] = set()  # leases taken, caches being restored by their tasks
         self._restoring = threading.BoundedSemaphore(RESTORE_AT_ONCE)
@@ -335,7 +336,9 @@ class EncoderService:
         try:
             with self._restoring:
                 waited = time.perf_counter() - taken
-                owned = open_stream(self.rt, self.r, self.writer, self.cfg, name, self.frames, self.restorer)
+                owned = open_stream(
+                    self.rt, self.r, self.writer, self.cfg, name, self.frames, self.restorer, owner=self.owner
+                )
         except StreamNotReady:
             self.leases[name].release()  # ingest has not described the stream yet; try again later
             return None

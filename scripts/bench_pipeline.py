@@ -103,6 +103,7 @@ from apps.samplevideo import write_sample_video
 from common import placement, redisio
 from common.engine.scheduler import STEP_KINDS
 from common.framelog import FrameLog
+from common.lease import holder_name
 from common.wire import keys
 from common.wire.schemas import SchemaError, manifest_from_bytes
 from common.wire.timeref import TimeRef
@@ -932,9 +933,8 @@ def failover(running: Services, r: redis.Redis, cameras: list[str], ports: list[
     PTTL at the kill), all Redis server time. The events' own fields break each restore down; the
     new owner's first version of each stream (its `versions` entry) and the moved streams' encoder
     lag until FAILOVER_SETTLE_S after the last restore show the backlog being caught up."""
-    moved = [
-        c for c, owner in zip(cameras, r.mget([keys.lease(c) for c in cameras]), strict=True) if owner == b"worker-0"
-    ]
+    owners = r.mget([keys.lease(c) for c in cameras])
+    moved = [c for c, owner in zip(cameras, owners, strict=True) if owner and holder_name(owner) == "worker-0"]
     others = ports[1:]
     before = dropped_by_reason(others, moved)
     pipe = r.pipeline(transaction=False)

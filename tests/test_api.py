@@ -25,6 +25,7 @@ import yaml
 from PIL import Image
 
 from apps.samplevideo import write_sample_video
+from common.lease import holder_name
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, encode_delta, encode_final
 from tests.alerting import Broker, Webhook, broker, webhook
@@ -387,7 +388,7 @@ def test_health_and_openapi(live):
     assert httpx.get(live.base + "/health/live").json() == {"live": True}
     assert httpx.get(live.base + "/health/ready").json()["checks"] == {"redis": True}
     ready = httpx.get(live.base + "/health/ready", params={"stream": CAM}).json()
-    assert ready["encoder"] == live.r.get(keys.lease(CAM)).decode()
+    assert ready["encoder"] == holder_name(live.r.get(keys.lease(CAM)))
     assert_error(httpx.get(live.base + "/health/ready", params={"stream": "nope"}), 503, "stream")
     assert_error(httpx.get(live.base + "/health/ready", params={"stream": ""}), 400, "stream")  # an unset variable
     spec = httpx.get(live.base + "/openapi.json").json()

@@ -22,6 +22,7 @@ from common.engine.grid import Grid
 from common.engine.model import load_model
 from common.engine.offline import offline_answer
 from common.engine.runtime import Runtime
+from common.lease import holder_name
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, decode_answer, new_question_id
 from ingest.video import iter_file_frames
@@ -319,7 +320,7 @@ def test_two_encoders_share_two_streams_through_leases_without_double_writes(red
         # A stream being handed off (enc-a took both before enc-b's first beat) is free for up to
         # a lease check until the other worker takes it: every stream held again is what must hold.
         wait_for(
-            lambda: {r.get(keys.lease(cam)) for cam in ("cam1", "cam2")} <= {b"enc-a", b"enc-b"},
+            lambda: {holder_name(r.get(keys.lease(cam)) or b"") for cam in ("cam1", "cam2")} <= {"enc-a", "enc-b"},
             30,
             "both streams held by the two encoders",
             services,

@@ -18,6 +18,7 @@ import yaml
 
 from apps.samplevideo import write_sample_video
 from apps.status import collect
+from common.lease import holder_name
 from common.wire import keys
 from common.wire.schemas import FinalAnswer, decode_answer
 from tests.pipeline import Services, chunk_frames_in_history, head, wait_for
@@ -28,7 +29,7 @@ GRID_PIXELS = 28 * 28 * 16  # a 112x112 model grid: small chunks, a fast CPU tes
 
 
 def holders(r: redis.Redis) -> dict[str, str | None]:
-    return {cam: (h.decode() if (h := r.get(keys.lease(cam))) else None) for cam in CAMS}
+    return {cam: (holder_name(h) if (h := r.get(keys.lease(cam))) else None) for cam in CAMS}
 
 
 def spread_over(r: redis.Redis, workers: set[str]) -> dict[str, str | None] | None:
