@@ -144,9 +144,8 @@ async def chat(body: ChatRequest, request: Request):
             until=body.until,
             scope=body.scope,
         )
-    except errors.ApiError as e:  # named as the client sent it
-        e.param = tokens_field if e.param == "max_tokens" else e.param
-        raise
+    except errors.ApiError as e:
+        raise _as_sent(e, {"max_tokens": tokens_field, "question": "messages"}) from None
     sub = await replies.ask(request, q)
     if body.stream:
         usage = _include_usage((body.model_extra or {}).get("stream_options"))
@@ -162,6 +161,18 @@ async def chat(body: ChatRequest, request: Request):
         "usage": _usage(final),
         "streamvqa": replies.final_json(final, request),
     }
+
+
+def _as_sent(e: errors.ApiError, names: dict[str, str]) -> errors.ApiError:
+    """The question's check names its own fields ("question", "max_tokens"): renamed to the request's
+    (the last user message is in "messages"), or the client is sent to fix a field it never sent."""
+    sent = names.get(e.param or "")
+    if sent is None:
+        return e
+    said = "the last user message" if sent == "messages" else sent
+    e.detail = str(e.detail).replace(f"{e.param}:", f"{said}:", 1)
+    e.param = sent
+    return e
 
 
 # The question fields a worker's refusal may name, as this endpoint's request calls them (streamed or

@@ -327,6 +327,31 @@ def test_openai_client_retrieves_models_and_reads_openai_errors(redis_url):
     assert r.xlen(keys.QUESTIONS) == 0
 
 
+def test_openai_refusals_of_the_question_name_the_fields_the_client_sent(redis_url):
+    """A last user message of blanks or over the question's length, and max_completion_tokens 0:
+    400 naming "messages" and "max_completion_tokens", in param and message (they named "question"
+    and "max_tokens", fields a chat request has not). None of them queues a question."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    asked = [{"role": "user", "content": "Is the door open?"}]
+    refused = [
+        ({"messages": [{"role": "user", "content": "   "}]}, "messages", "the last user message: "),
+        ({"messages": [{"role": "user", "content": "x" * 4001}]}, "messages", "the last user message: "),
+        ({"messages": asked, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens: "),
+    ]
+    with served(ApiConfig(redis_url=redis_url)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for request, param, said in refused:
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", **request)
+            assert bad.value.param == param and bad.value.body["message"].startswith(said), bad.value.body
+    assert r.xlen(keys.QUESTIONS) == 0
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
