@@ -64,7 +64,12 @@ class ChatRequest(BaseModel):
 
 # Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (greedy answers
 # repeat, as seed hopes); stream_options.include_usage is read by the stream itself (`_chunks`).
-IGNORED = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"})
+# OpenAI's client deprecates `user` for safety_identifier and prompt_cache_key: a client that follows
+# it sends those, and the prompt_cache_* hints ask only for caching OpenAI's prompt, not this answer.
+IGNORED = frozenset(
+    {"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"}
+    | {"safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+)
 # Unsupported unless set to what asks for nothing (a client's defaults, sent explicitly).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),

@@ -352,6 +352,46 @@ def test_openai_refusals_of_the_question_name_the_fields_the_client_sent(redis_u
     assert r.xlen(keys.QUESTIONS) == 0
 
 
+def _answering_worker(redis_url: str, questions: int) -> threading.Thread:
+    """A worker for stream "ghost" that answers the first ``questions`` questions "The door is open."."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:
+        for n in range(questions):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 20, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", text="The door is open.", tokens=5)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_openai_client_sends_what_replaces_user_and_is_answered(redis_url):
+    """OpenAI's client deprecates `user` for safety_identifier and prompt_cache_key; with them, and
+    the prompt cache's retention and options, a question is answered as with `user` (all four were
+    refused with 400: bookkeeping and caching hints, nothing the answer could honour or break)."""
+    from openai import OpenAI
+
+    from api.config import ApiConfig
+
+    sent = {
+        "safety_identifier": "a1b2c3",
+        "prompt_cache_key": "door",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": "1h"},
+    }
+    asked = [{"role": "user", "content": "Is the door open?"}]
+    thread = _answering_worker(redis_url, len(sent))
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=20)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for name, value in sent.items():
+            done = client.chat.completions.create(model="ghost", messages=asked, **{name: value})
+            assert done.choices[0].message.content == "The door is open.", name
+    thread.join(10)
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
