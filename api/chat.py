@@ -2,8 +2,8 @@
 and `GET /v1/models/{model}`.
 
 `model` names the stream, so any OpenAI client or tool can ask a camera. The question is the
-last user message (text parts only: the stream is the video); earlier turns are not sent, because
-every question is answered against the video alone. A parameter that would change the answer and
+last user message (text parts only: the stream is the video), and the last turn; earlier turns are
+not sent, because every question is answered against the video alone. A parameter that would change the answer and
 is not supported (tools, response_format, stop, logprobs, penalties, ...) is refused with 400
 naming it, never silently ignored; bookkeeping ones (user, metadata, seed, ...) are accepted;
 `n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
@@ -97,11 +97,17 @@ def refuse_unsupported(extra: dict[str, Any]) -> None:
         raise errors.ApiError(400, message, param=name, code="unsupported_parameter")
 
 
+INSTRUCTIONS = ("system", "developer")  # may follow the question: not sent, as every earlier turn
+
+
 def question_text(messages: list[Message]) -> str:
-    users = [m for m in messages if m.role == "user"]
-    if not users:
+    turns = [m for m in messages if m.role not in INSTRUCTIONS]
+    if not any(m.role == "user" for m in turns):
         raise errors.ApiError(400, "no user message", param="messages")
-    content = users[-1].content
+    if turns[-1].role != "user":  # answering the user's message before it would repeat an old answer
+        message = f"the last message is the {turns[-1].role}'s: the question must come last, a user message"
+        raise errors.ApiError(400, message, param="messages")
+    content = turns[-1].content
     if isinstance(content, list):
         if any(part.get("type") != "text" for part in content):
             raise errors.ApiError(400, "only text content is supported: the stream is the video", param="messages")

@@ -392,6 +392,38 @@ def test_openai_client_sends_what_replaces_user_and_is_answered(redis_url):
     thread.join(10)
 
 
+def test_openai_conversation_must_end_with_the_question(redis_url):
+    """A conversation ending with the assistant's turn (continue it) or a tool's result (go on from
+    it) is 400 naming messages, nothing queued: it was answered as the user message before them,
+    again. Instructions after the question are not sent, as before: still answered."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    asked = {"role": "user", "content": "Is the door open?"}
+    call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    ended_by_other = [
+        [asked, {"role": "assistant", "content": "The door is"}],
+        [
+            asked,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "open"},
+        ],
+    ]
+    thread = _answering_worker(redis_url, 1)
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=20)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for messages in ended_by_other:
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", messages=messages)
+            assert bad.value.param == "messages" and messages[-1]["role"] in bad.value.body["message"]
+        assert redis.Redis.from_url(redis_url).xlen(keys.QUESTIONS) == 0
+        instructed = [asked, {"role": "developer", "content": "Answer in one word."}]
+        done = client.chat.completions.create(model="ghost", messages=instructed)
+        assert done.choices[0].message.content == "The door is open."
+    thread.join(10)
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
