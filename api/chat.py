@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api import errors, replies
 from api.answers import Subscription
@@ -37,11 +37,20 @@ from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_token)])
 
 
+def _content(value: Any) -> Any:
+    """Checked before the union is: its error names the member that failed (`messages.0.content.str`),
+    a field no client sent; this one's is `messages.0.content`."""
+    parts_ok = isinstance(value, list) and all(isinstance(part, dict) for part in value)
+    if value is None or isinstance(value, str) or parts_ok:
+        return value
+    raise ValueError("must be a string or a list of content parts (objects)")
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = None
 
 
 class ChatRequest(BaseModel):

@@ -424,6 +424,23 @@ def test_openai_conversation_must_end_with_the_question(redis_url):
     thread.join(10)
 
 
+def test_openai_content_of_the_wrong_kind_names_the_content(redis_url):
+    """A message's content that is neither text nor a list of parts: 400 naming
+    `messages.{i}.content`, the field sent (it named `messages.{i}.content.str`, a union's member)."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    redis.Redis.from_url(redis_url).hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56"})
+    with served(ApiConfig(redis_url=redis_url)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for content in (5, {"text": "Is the door open?"}, ["Is the door open?"]):
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", messages=messages)
+            assert bad.value.param == "messages.1.content", bad.value.body
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
