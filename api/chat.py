@@ -2,8 +2,8 @@
 and `GET /v1/models/{model}`.
 
 `model` names the stream, so any OpenAI client or tool can ask a camera. The question is the
-last user message (text parts only: the stream is the video); earlier turns are not sent, because
-every question is answered against the video alone. A parameter that would change the answer and
+last user message (text parts only: the stream is the video), and the last turn; earlier turns are
+not sent, because every question is answered against the video alone. A parameter that would change the answer and
 is not supported (tools, response_format, stop, logprobs, penalties, ...) is refused with 400
 naming it, never silently ignored; bookkeeping ones (user, metadata, seed, ...) are accepted;
 `n` must be 1. Non-OpenAI details of the answer (version, time range, latencies) come in a
@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from api import errors, replies
 from api.answers import Subscription
@@ -37,11 +37,20 @@ from common.wire.schemas import AnswerDelta, FinalAnswer, Question
 router = APIRouter(prefix="/v1", tags=["openai"], dependencies=[Depends(require_token)])
 
 
+def _content(value: Any) -> Any:
+    """Checked before the union is: its error names the member that failed (`messages.0.content.str`),
+    a field no client sent; this one's is `messages.0.content`."""
+    parts_ok = isinstance(value, list) and all(isinstance(part, dict) for part in value)
+    if value is None or isinstance(value, str) or parts_ok:
+        return value
+    raise ValueError("must be a string or a list of content parts (objects)")
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Annotated[str | list[dict[str, Any]] | None, BeforeValidator(_content)] = None
 
 
 class ChatRequest(BaseModel):
@@ -64,7 +73,12 @@ class ChatRequest(BaseModel):
 
 # Accepted and without effect on the answer: bookkeeping, or a promise kept anyway (greedy answers
 # repeat, as seed hopes); stream_options.include_usage is read by the stream itself (`_chunks`).
-IGNORED = frozenset({"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"})
+# OpenAI's client deprecates `user` for safety_identifier and prompt_cache_key: a client that follows
+# it sends those, and the prompt_cache_* hints ask only for caching OpenAI's prompt, not this answer.
+IGNORED = frozenset(
+    {"user", "store", "metadata", "service_tier", "stream_options", "seed", "parallel_tool_calls"}
+    | {"safety_identifier", "prompt_cache_key", "prompt_cache_retention", "prompt_cache_options"}
+)
 # Unsupported unless set to what asks for nothing (a client's defaults, sent explicitly).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "tools": (None, []),
@@ -92,11 +106,17 @@ def refuse_unsupported(extra: dict[str, Any]) -> None:
         raise errors.ApiError(400, message, param=name, code="unsupported_parameter")
 
 
+INSTRUCTIONS = ("system", "developer")  # may follow the question: not sent, as every earlier turn
+
+
 def question_text(messages: list[Message]) -> str:
-    users = [m for m in messages if m.role == "user"]
-    if not users:
+    turns = [m for m in messages if m.role not in INSTRUCTIONS]
+    if not any(m.role == "user" for m in turns):
         raise errors.ApiError(400, "no user message", param="messages")
-    content = users[-1].content
+    if turns[-1].role != "user":  # answering the user's message before it would repeat an old answer
+        message = f"the last message is the {turns[-1].role}'s: the question must come last, a user message"
+        raise errors.ApiError(400, message, param="messages")
+    content = turns[-1].content
     if isinstance(content, list):
         if any(part.get("type") != "text" for part in content):
             raise errors.ApiError(400, "only text content is supported: the stream is the video", param="messages")
@@ -144,9 +164,8 @@ async def chat(body: ChatRequest, request: Request):
             until=body.until,
             scope=body.scope,
         )
-    except errors.ApiError as e:  # named as the client sent it
-        e.param = tokens_field if e.param == "max_tokens" else e.param
-        raise
+    except errors.ApiError as e:
+        raise _as_sent(e, {"max_tokens": tokens_field, "question": "messages"}) from None
     sub = await replies.ask(request, q)
     if body.stream:
         usage = _include_usage((body.model_extra or {}).get("stream_options"))
@@ -162,6 +181,18 @@ async def chat(body: ChatRequest, request: Request):
         "usage": _usage(final),
         "streamvqa": replies.final_json(final, request),
     }
+
+
+def _as_sent(e: errors.ApiError, names: dict[str, str]) -> errors.ApiError:
+    """The question's check names its own fields ("question", "max_tokens"): renamed to the request's
+    (the last user message is in "messages"), or the client is sent to fix a field it never sent."""
+    sent = names.get(e.param or "")
+    if sent is None:
+        return e
+    said = "the last user message" if sent == "messages" else sent
+    e.detail = str(e.detail).replace(f"{e.param}:", f"{said}:", 1)
+    e.param = sent
+    return e
 
 
 # The question fields a worker's refusal may name, as this endpoint's request calls them (streamed or

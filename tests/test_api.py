@@ -328,6 +328,120 @@ def test_openai_client_retrieves_models_and_reads_openai_errors(redis_url):
     assert r.xlen(keys.QUESTIONS) == 0
 
 
+def test_openai_refusals_of_the_question_name_the_fields_the_client_sent(redis_url):
+    """A last user message of blanks or over the question's length, and max_completion_tokens 0:
+    400 naming "messages" and "max_completion_tokens", in param and message (they named "question"
+    and "max_tokens", fields a chat request has not). None of them queues a question."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+    asked = [{"role": "user", "content": "Is the door open?"}]
+    refused = [
+        ({"messages": [{"role": "user", "content": "   "}]}, "messages", "the last user message: "),
+        ({"messages": [{"role": "user", "content": "x" * 4001}]}, "messages", "the last user message: "),
+        ({"messages": asked, "max_completion_tokens": 0}, "max_completion_tokens", "max_completion_tokens: "),
+    ]
+    with served(ApiConfig(redis_url=redis_url)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for request, param, said in refused:
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", **request)
+            assert bad.value.param == param and bad.value.body["message"].startswith(said), bad.value.body
+    assert r.xlen(keys.QUESTIONS) == 0
+
+
+def _answering_worker(redis_url: str, questions: int) -> threading.Thread:
+    """A worker for stream "ghost" that answers the first ``questions`` questions "The door is open."."""
+    r = redis.Redis.from_url(redis_url)
+    r.hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56", "live": "0"})
+
+    def worker() -> None:
+        for n in range(questions):
+            qid = wait_for(lambda n=n: (q := r.xrange(keys.QUESTIONS)) and len(q) > n and q[n][1][b"id"], 20, "q")
+            final = FinalAnswer(id=qid.decode(), stream="ghost", text="The door is open.", tokens=5)
+            r.xadd(keys.answer(qid.decode()), encode_final(final))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_openai_client_sends_what_replaces_user_and_is_answered(redis_url):
+    """OpenAI's client deprecates `user` for safety_identifier and prompt_cache_key; with them, and
+    the prompt cache's retention and options, a question is answered as with `user` (all four were
+    refused with 400: bookkeeping and caching hints, nothing the answer could honour or break)."""
+    from openai import OpenAI
+
+    from api.config import ApiConfig
+
+    sent = {
+        "safety_identifier": "a1b2c3",
+        "prompt_cache_key": "door",
+        "prompt_cache_retention": "24h",
+        "prompt_cache_options": {"ttl": "1h"},
+    }
+    asked = [{"role": "user", "content": "Is the door open?"}]
+    thread = _answering_worker(redis_url, len(sent))
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=20)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for name, value in sent.items():
+            done = client.chat.completions.create(model="ghost", messages=asked, **{name: value})
+            assert done.choices[0].message.content == "The door is open.", name
+    thread.join(10)
+
+
+def test_openai_conversation_must_end_with_the_question(redis_url):
+    """A conversation ending with the assistant's turn (continue it) or a tool's result (go on from
+    it) is 400 naming messages, nothing queued: it was answered as the user message before them,
+    again. Instructions after the question are not sent, as before: still answered."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    asked = {"role": "user", "content": "Is the door open?"}
+    call = {"id": "c1", "type": "function", "function": {"name": "look", "arguments": "{}"}}
+    ended_by_other = [
+        [asked, {"role": "assistant", "content": "The door is"}],
+        [
+            asked,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "open"},
+        ],
+    ]
+    thread = _answering_worker(redis_url, 1)
+    with served(ApiConfig(redis_url=redis_url, answer_timeout_s=20)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for messages in ended_by_other:
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", messages=messages)
+            assert bad.value.param == "messages" and messages[-1]["role"] in bad.value.body["message"]
+        assert redis.Redis.from_url(redis_url).xlen(keys.QUESTIONS) == 0
+        instructed = [asked, {"role": "developer", "content": "Answer in one word."}]
+        done = client.chat.completions.create(model="ghost", messages=instructed)
+        assert done.choices[0].message.content == "The door is open."
+    thread.join(10)
+
+
+def test_openai_content_of_the_wrong_kind_names_the_content(redis_url):
+    """A message's content that is neither text nor a list of parts: 400 naming
+    `messages.{i}.content`, the field sent (it named `messages.{i}.content.str`, a union's member)."""
+    from openai import BadRequestError, OpenAI
+
+    from api.config import ApiConfig
+
+    redis.Redis.from_url(redis_url).hset(keys.meta("ghost"), mapping={"fps": "2", "height": "56", "width": "56"})
+    with served(ApiConfig(redis_url=redis_url)) as base:
+        client = OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=30)
+        for content in (5, {"text": "Is the door open?"}, ["Is the door open?"]):
+            messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": content}]
+            with pytest.raises(BadRequestError) as bad:
+                client.chat.completions.create(model="ghost", messages=messages)
+            assert bad.value.param == "messages.1.content", bad.value.body
+
+
 def test_openai_top_p_zero_keeps_the_top_token(live):
     """OpenAI's range for top_p includes 0 (the top token only): asked so, the answer is the greedy one."""
     question = {"model": CAM, "messages": [{"role": "user", "content": "What do you see?"}], "max_tokens": 6}
