@@ -261,10 +261,10 @@ def test_a_stream_that_fails_to_open_fails_alone(rt, redis_url, monkeypatch):
 
     real = encoder_service.open_stream
 
-    def open_stream(rt, r, writer, cfg, name, *args):
+    def open_stream(rt, r, writer, cfg, name, *args, **kw):
         if name == "bad":
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        return real(rt, r, writer, cfg, name, *args)
+        return real(rt, r, writer, cfg, name, *args, **kw)
 
     monkeypatch.setattr(encoder_service, "open_stream", open_stream)
     r = redis.Redis.from_url(redis_url)
@@ -320,9 +320,9 @@ def test_a_bad_description_is_said_in_one_line_once_a_minute_while_another_strea
 
     real, tries = encoder_service.open_stream, []
 
-    def open_stream(rt, r, writer, cfg, name, *args):
+    def open_stream(rt, r, writer, cfg, name, *args, **kw):
         tries.append(name)  # counted, then opened as ever
-        return real(rt, r, writer, cfg, name, *args)
+        return real(rt, r, writer, cfg, name, *args, **kw)
 
     monkeypatch.setattr(encoder_service, "open_stream", open_stream)
     r = redis.Redis.from_url(redis_url)
