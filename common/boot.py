@@ -26,6 +26,7 @@ import redis
 import structlog
 
 from common import health, metrics, redisio
+from common.clock import warn_if_skewed
 from common.config import (
     ConfigError,
     GPUSettings,
@@ -40,6 +41,7 @@ from common.engine.scheduler import Scheduler
 from common.logs import configure_logging, redact_text
 from common.stalls import StallWatch, StepSampler, StuckWatch, freeze_heap
 from common.version import VERSION
+from common.wire.schemas import MAX_CLOCK_SKEW_S
 
 if TYPE_CHECKING:  # torch only where a model is loaded
     from common.engine.profiling import StepProfiler
@@ -109,6 +111,9 @@ def start(cls: type[T], argv: list[str], prog: str) -> tuple[T, redis.Redis]:
         fail(EXIT_CONFIG, "bad configuration", service=prog, error=str(e))
     except TimeoutError as e:
         fail(EXIT_REDIS, "redis unusable at start", service=prog, error=str(e))
+    # frames are judged on Redis's clock (common/clock.py), but logs, events, status ages and
+    # questions' times still read this host's: an operator learns at once that its time sync is off
+    warn_if_skewed(r, getattr(cfg, "max_clock_skew_s", MAX_CLOCK_SKEW_S), prog)
     return cfg, r
 
 

@@ -468,9 +468,10 @@ class ClockSettings:
 
     max_clock_skew_s: float = setting(
         MAX_CLOCK_SKEW_S,
-        "frames stamped further ahead of this host's clock are refused: live ones dead-lettered (encoder), any "
-        "not logged (recorder: logged, one would be the camera's newest and the frames after it taken for ones "
-        "logged already); ingest hosts must keep time with these, e.g. NTP",
+        "frames stamped further ahead of Redis's clock (which ingest stamps with) are refused: live ones "
+        "dead-lettered (encoder), any not logged (recorder: logged, one would be the camera's newest and the "
+        "frames after it taken for ones logged already); a service whose host clock is further off Redis's says so "
+        "at start",
     )
 
     def check_clock(self) -> None:

@@ -24,8 +24,9 @@ class EncoderConfig(EvictionSettings, ClockSettings, ModelSettings):  # type: ig
     rebase: bool = setting(True, "kept for old configs: false is the old spelling of `eviction` `absolute`")
     max_lag_s: float = setting(
         10.0,
-        "live frames older than this are dropped, not encoded; a stream taken over (a dead worker's) counts "
-        "from the takeover for the frames of its backlog not older than this then",
+        "live frames older than this (on Redis's clock, which ingest stamps with) are dropped, not encoded; a "
+        "stream taken over (a dead worker's) counts from the takeover for the frames of its backlog not older "
+        "than this then",
     )
     lease_ms: int = setting(
         5000, "stream ownership: a dead worker's streams are taken within `lease_ms` + 0.2 s, then restored"

@@ -31,6 +31,7 @@ import structlog
 import torch
 
 from common import metrics, redisio
+from common.clock import SharedClock
 from common.engine.grid import StreamSpec
 from common.engine.kvcache import CacheState, Segment, Version
 from common.engine.pool import PoolFull
@@ -106,15 +107,21 @@ class OwnedStream:
         features: list[tuple[Segment, torch.Tensor]] | None = None,
         recent_manifests: list[Manifest] | None = None,
         owner: str | None = None,
+        clock: SharedClock | None = None,
     ):
         """``recent_manifests``: the newest versions already published (a new owner's), whose
         segments collections keep until newer versions take their place. ``owner``: the lease's
-        value that fences its publishes (`common.lease.lease_owner`; default the consumer name)."""
+        value that fences its publishes (`common.lease.lease_owner`; default the consumer name).
+        ``clock``: what frames' capture times are judged by (default: one of its own on ``frames``;
+        the service gives every stream its one, refreshed with the lease checks)."""
         self.r, self.writer, self.cfg = r, writer, cfg
         self.owner = owner or cfg.consumer
         self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
         self.features = features if features is not None else []  # the unpublished chunks' retrieval vectors
         self.frames = frames or r
+        # Redis's clock, not this host's: ingest stamps frames with it, and a host whose own clock
+        # is off (NTP broken) would judge every frame late, or ahead, for as long as it holds the stream
+        self.clock = clock or SharedClock(self.frames)
         self.engine = engine
         self.name = engine.spec.name
         self.live = live
@@ -128,7 +135,7 @@ class OwnedStream:
         self.lost = False  # its task found the lease gone; the main loop drops the stream
         self.renewed_at = time.monotonic()  # when its lease was last renewed
         self.published = engine.head.id  # the newest version on `head` that this worker wrote or restored
-        self.taken_at = time.time()  # when this worker took the stream's lease (the service sets it)
+        self.taken_at = self.clock.now()  # when this worker took the stream's lease (the service sets it)
         self.opened: dict[str, float] = {}  # how opening it went, in seconds and GB (the `encoder_attached` event)
         # keeps the lease while a chunk waits for KV room (the service's renewal; False: lost)
         self.keep_lease: Callable[[], bool] = lambda: True
@@ -166,7 +173,8 @@ class OwnedStream:
             self.reject(entry_id, {"seq": str(msg.seq)}, reason)
             return None
         fps, skew = self.engine.spec.fps, self.cfg.max_clock_skew_s
-        problem = frame_follow_problem(self.last_seq, self.last_ts, msg, fps, self.live, max_skew_s=skew)
+        now = self.clock.now()
+        problem = frame_follow_problem(self.last_seq, self.last_ts, msg, fps, self.live, now=now, max_skew_s=skew)
         if problem is not None:
             self.reject(entry_id, {"seq": str(msg.seq), "ts": repr(msg.ts)}, problem)
             return None
@@ -205,7 +213,7 @@ class OwnedStream:
 
     def _late(self, ts: float) -> bool:
         waited_from = max(ts, self.taken_at) if self.taken_at - ts <= self.cfg.max_lag_s else ts
-        return time.time() - waited_from > self.cfg.max_lag_s
+        return self.clock.now() - waited_from > self.cfg.max_lag_s
 
     def refused_duplicate(self, entry_id: str, fields: Mapping[Any, Any]) -> bool:
         """An entry refused (delivered too often, say) whose frame the stream already holds: crashes
@@ -312,7 +320,7 @@ class OwnedStream:
         fault_point("persist.before_ack")
         self.frames.xack(keys.frames(self.name), keys.ENCODER_GROUP, *ids)
         self.pending = []
-        lag = time.time() - frames[-1].ts if self.live else None
+        lag = self.clock.now() - frames[-1].ts if self.live else None
         if lag is not None:
             metrics.ENCODER_LAG.labels(self.name).set(lag)
         # one a chunk: on a GPU, where scripts/probes/encode_steps.py reads how steps batched them;
@@ -360,9 +368,9 @@ class OwnedStream:
             return True
 
     def _waiting_since(self, last: FrameMsg) -> float:
-        """A live chunk has waited since its last frame was captured (clocks: ingest's wall time,
-        read as this process's monotonic time); a file's, since the GPU was asked."""
-        return time.monotonic() - max(0.0, time.time() - last.ts) if self.live else math.inf
+        """A live chunk has waited since its last frame was captured (clocks: Redis's, which ingest
+        stamps with, read as this process's monotonic time); a file's, since the GPU was asked."""
+        return time.monotonic() - max(0.0, self.clock.now() - last.ts) if self.live else math.inf
 
     def publish(self, version: Version) -> None:
         """Manifest to `versions` and `head`, once its new segments are written (queued by

@@ -31,6 +31,7 @@ import redis
 import structlog
 
 from common import boot, health, redisio
+from common.clock import SharedClock
 from common.config import load_cameras_file
 from common.decoding import FrameDecoder
 from common.engine.kvcache import Version
@@ -86,6 +87,9 @@ class EncoderService:
         self.cfg, self.rt, self.r, self.store = cfg, rt, r, store
         self.writer = SegmentWriter(store, cfg.store_writers)  # segments written off the stream threads
         self.frames = frames or r
+        # frames' ages and stamps are judged on Redis's clock, which ingest stamps them with: not this
+        # host's, which may be off (refreshed with the lease checks)
+        self.clock = SharedClock(self.frames)
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.owner = lease_owner(cfg.consumer)  # this process's, fencing off any other of the same name
         self.leases = {n: Lease(r, n, self.owner, cfg.lease_ms) for n in self.names}
@@ -240,6 +244,7 @@ class EncoderService:
     def _keep_leases(self) -> None:
         """Renew what we hold, say so (heartbeat), take free streams, maybe start one hand-off."""
         self._renew_owned()
+        self.clock.refresh_if_due()
         self._free_streams()
         self._place()
         health.READINESS.leases_checked(list(self.owned), self.cfg.lease_ms / 1000)
@@ -332,7 +337,7 @@ class EncoderService:
         """A stream's task after its lease was taken: restore its cache from the head (nothing
         re-encoded; the segments are read in this thread) and take over its unacked frames.
         None when it cannot be opened now; the lease is then given back or already gone."""
-        taken, taken_at = time.perf_counter(), time.time()
+        taken, taken_at = time.perf_counter(), self.clock.now()
         try:
             with self._restoring:
                 waited = time.perf_counter() - taken
@@ -357,6 +362,7 @@ class EncoderService:
         claim = time.perf_counter()
         redisio.ensure_group(self.frames, keys.frames(name), keys.ENCODER_GROUP)
         redisio.claim_stale(self.frames, keys.frames(name), keys.ENCODER_GROUP, self.cfg.consumer, 0, count=10_000)
+        owned.clock = self.clock
         owned.taken_at = taken_at  # frames captured before it waited for us only since (OwnedStream.skip_late)
         owned.opened = {
             "waited_s": round(waited, 3),  # for one of the RESTORE_AT_ONCE slots

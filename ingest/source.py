@@ -30,6 +30,7 @@ import structlog
 from PIL import Image
 
 from common import metrics, redisio
+from common.clock import SharedClock
 from common.engine.grid import FrameError, Grid, choose_grid
 from common.logs import redact_url
 from common.wire import keys
@@ -121,6 +122,7 @@ class Source:
     def __init__(self, r: redis.Redis, spec: SourceSpec, cfg, stop: threading.Event, frames: redis.Redis | None = None):
         self.r, self.spec, self.cfg, self.stop = r, spec, cfg, stop
         self.frames = frames or r
+        self.clock = SharedClock(self.frames)  # live frames are stamped on Redis's clock: every host judges them by it
         self.live = is_live(spec.url)
         self.stats = SourceStats()
         self.log = log.bind(stream=spec.stream)
@@ -290,11 +292,19 @@ class Source:
                 self.stop.wait(max(0.0, due))
             else:
                 self._wait_for_encoder()
-            ts = time.time() if (self.live or self.spec.realtime) else frame.pts
-            self._publish(FrameMsg.from_rgb(self.next_seq, ts, frame.pts, frame.rgb, frame.epoch))
+            self._publish(FrameMsg.from_rgb(self.next_seq, self._stamp(frame), frame.pts, frame.rgb, frame.epoch))
         return False
 
     # -- helpers ---------------------------------------------------------------------------------
+    def _stamp(self, frame: DecodedFrame) -> float:
+        """A frame's capture time: a live (or paced) one's now on Redis's clock, the one encoders and
+        recorders judge its age and stamp by (common/clock.py), whatever this host's clock says; a
+        file's, its media time."""
+        if not (self.live or self.spec.realtime):
+            return frame.pts
+        self.clock.refresh_if_due()
+        return self.clock.now()
+
     def _take(self, frames: queue.Queue) -> object:
         """The decoder's next item; SourceError once the source stalled: nothing decoded for
         read_timeout_s, or frames decoded but none kept for read_timeout_s plus two sampling
@@ -344,7 +354,8 @@ class Source:
         """Live frames are kept for a time (entry ids are milliseconds), whatever the camera's fps;
         a file is paced by the encoder (backpressure), so a count bounds it without losing frames."""
         if self.live or self.spec.realtime:  # exact: about one entry goes per entry added
-            return {"minid": str(int((time.time() - self.cfg.frames_max_age_s) * 1000)), "approximate": False}
+            # entry ids are Redis's milliseconds: its clock, not this host's, says which are old
+            return {"minid": str(int((self.clock.now() - self.cfg.frames_max_age_s) * 1000)), "approximate": False}
         return {"maxlen": self.cfg.frames_maxlen, "approximate": True}
 
     def _export_gauges(self) -> None:
@@ -445,7 +456,8 @@ class Source:
                 continue
             if msg.seq >= INT64_MAX:  # forged: no seq could follow it, and this camera would publish none
                 continue
-            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, self.live or self.spec.realtime) is not None:
+            live = self.live or self.spec.realtime
+            if frame_follow_problem(head_seq, head_ts, msg, self.spec.fps, live, now=self.clock.now()) is not None:
                 continue
             finished = end is not None and end.seq == msg.seq
             return max(msg.seq, head_seq) + 1, FINISHED if finished else (msg.epoch, msg.pts)

@@ -27,6 +27,7 @@ import redis
 import structlog
 
 from common import boot, health, metrics, redisio
+from common.clock import SharedClock
 from common.config import load_cameras_file
 from common.framelog import CameraWriter, FrameLog, FrameLogError, LogLocked, Removed
 from common.wire import keys
@@ -51,6 +52,7 @@ class Recorder:
         """``frames``: the Redis holding the frames streams (default ``r``, which gets the events)."""
         self.cfg, self.r = cfg, r
         self.frames = frames or r
+        self.clock = SharedClock(self.frames)  # what ingest stamps frames with; this host's may be off
         self.names = list(cfg.streams) or [c.name for c in load_cameras_file(cfg.cameras_file).cameras]
         self.log = FrameLog(cfg.framelog_dir)
         self.writers: dict[str, CameraWriter] = {}
@@ -99,6 +101,7 @@ class Recorder:
         if not self.started:
             self._claim_orphans()
             self.started = True
+        self.clock.refresh_if_due()
         now = time.monotonic()
         if self.failing and now < self.retry_at:  # the disk is the outage: nothing is read meanwhile
             time.sleep(min(self.retry_at - now, self.cfg.block_ms / 1000))
@@ -164,16 +167,14 @@ class Recorder:
         self.unacked[cam].append(entry_id)
 
     def _ahead(self, cam: str, entry_id: str, ts: float) -> str | None:
-        """ "ahead" for a frame stamped further ahead of this host's clock than `max_clock_skew_s`.
+        """ "ahead" for a frame stamped further ahead of Redis's clock than `max_clock_skew_s`.
         Logged, it would be the camera's newest (its seq forged high too), and every real frame
         after it, no later in seq and stamp, taken for one already logged: for good, as a writer
         picks up its last seq and stamp from the log. A file's stamps are media seconds, far behind."""
-        ahead_s = ts - time.time()
+        ahead_s = ts - self.clock.now()
         if ahead_s <= self.cfg.max_clock_skew_s:
             return None
-        log.warning(
-            "frame stamped ahead of this host's clock; not logged", stream=cam, entry_id=entry_id, ahead_s=ahead_s
-        )
+        log.warning("frame stamped ahead of Redis's clock; not logged", stream=cam, entry_id=entry_id, ahead_s=ahead_s)
         return "ahead"
 
     def commit(self) -> dict[str, str]:

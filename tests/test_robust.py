@@ -134,7 +134,23 @@ def test_forged_frame_stamped_ahead_does_not_silence_a_live_camera(rt, redis_url
         r.xadd(keys.frames(CAM), frame(seq, ts=time.time()))
     drain(svc, r)
     assert head_seq(r) == 11, "the real frames after the forgery are encoded"
-    assert any(b"ahead of this host's clock" in x for x in dead_reasons(r)), dead_reasons(r)
+    assert any(b"ahead of Redis's clock" in x for x in dead_reasons(r)), dead_reasons(r)
+
+
+@pytest.mark.parametrize("skew_s", [30.0, -30.0])
+def test_a_worker_whose_clock_is_off_encodes_a_live_camera(rt, redis_url, monkeypatch, skew_s):
+    """A worker whose host clock ran 30 s fast (NTP broken) dropped every frame of the cameras it
+    took as late, for as long as it held them; 30 s slow, it dead-lettered every frame as stamped
+    ahead. Frames are judged on Redis's clock, which ingest stamps them with: both encode."""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + skew_s)  # the worker host's clock
+    r = redis.Redis.from_url(redis_url)
+    svc = encoder(rt, r, redis_url, live=True)
+    for seq in range(8):  # stamped by an ingest host that keeps time: the last 0.25 s ago
+        r.xadd(keys.frames(CAM), frame(seq, ts=real() - 2 + seq / 4))
+    drain(svc, r)
+    assert head_seq(r) == 7, "every frame encoded"
+    assert r.hgetall(keys.drops(CAM)) == {} and dead_reasons(r) == []
 
 
 def test_real_frames_behind_a_forged_seq_are_reported(rt, redis_url):

@@ -158,7 +158,7 @@ def test_unknown_frame_keys_are_ignored():
 
 
 def _follows(seq: int, ts: float, live: bool = True, **kw) -> str | None:
-    """Can a frame (seq, ts) follow seq 10 captured at 1000.0, at 1010.0 on this host's clock?"""
+    """Can a frame (seq, ts) follow seq 10 captured at 1000.0, at 1010.0 on the clock it is judged by?"""
     msg = FrameMsg(seq=seq, ts=ts, pts=0.0, h=1, w=1, data=bytes(3))
     return frame_follow_problem(10, 1000.0, msg, 2.0, live, now=1010.0, **kw)
 
@@ -169,7 +169,7 @@ def test_a_live_frames_seq_gap_is_bounded_by_the_time_passed_until_now():
     assert _follows(104, 1010.0) is None
     assert "jumps 95" in _follows(105, 1010.0)
     assert "jumps 97" in _follows(107, 1011.0), "stamped 1 s ahead (inside the skew): no wider gap"
-    assert "ahead of this host's clock" in _follows(11, 1012.5)
+    assert "ahead of Redis's clock" in _follows(11, 1012.5)
     assert _follows(11, 1012.5, max_skew_s=5.0) is None
     assert _follows(107, 1011.0, live=False) is None, "a file's capture times are media time: no clock bounds them"
 

@@ -371,10 +371,11 @@ def frame_from_map(
 # How far a frame's seq may run ahead of the stream's last one with no capture time between them.
 # Ingest numbers frames without gaps; a stream skips seqs only when entries were trimmed unread
 # (or dropped as late), and then capture time passed too: the allowed gap grows by 1.5 x fps per
-# second. On a live stream that second is counted up to now on this host's clock, never past it.
+# second. On a live stream that second is counted up to now on Redis's clock (common/clock.py), never past it.
 MAX_SEQ_GAP = 64
-# Default of the encoder's `max_clock_skew_s`: a live frame stamped further ahead of this host's
-# clock is forged or its ingest host's clock is wrong (hosts kept by NTP differ by milliseconds).
+# Default of the encoder's `max_clock_skew_s`: a live frame stamped further ahead of Redis's clock,
+# which ingest stamps frames with (common/clock.py), is forged: an honest stamp can be ahead only by
+# how much Redis's clock moved between two measurements of its offset (milliseconds).
 MAX_CLOCK_SKEW_S = 2.0
 
 
@@ -392,14 +393,15 @@ def frame_follow_problem(
 
     Guards the stream's history against one forged entry: a frame numbered far ahead accepted as
     the newest would turn every later real frame into a "duplicate". A live frame's gap is bounded
-    by the time passed up to ``now`` (default: this host's clock), so a stamp in the future widens
+    by the time passed up to ``now`` (callers pass Redis's clock, `common.clock`, which ingest
+    stamps with; default: this host's), so a stamp in the future widens
     nothing; a file's capture times are media time, with no clock to hold them to.
     """
     until = msg.ts
     if live:
         now = time.time() if now is None else now
         if msg.ts > now + max_skew_s:
-            return f"ts {msg.ts:.3f} is {msg.ts - now:.1f} s ahead of this host's clock (more than {max_skew_s:g} s)"
+            return f"ts {msg.ts:.3f} is {msg.ts - now:.1f} s ahead of Redis's clock (more than {max_skew_s:g} s)"
         until = min(until, now)
     if prev_seq < 0 or prev_ts is None or msg.seq <= prev_seq:
         return None  # nothing to compare with, or a duplicate (handled by the caller)
