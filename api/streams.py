@@ -42,9 +42,8 @@ async def collect(request: Request, names: list[str]) -> dict:
     r, frames = request.app.state.r, request.app.state.frames
     pipe = r.pipeline(transaction=False)
     stream_status.queue_all(pipe, names)
-    found = stream_status.all_from(names, await pipe.execute(raise_on_error=False), time.time()) | {
-        "workers": await workers(r)
-    }
+    found = stream_status.all_from(names, await pipe.execute(raise_on_error=False), time.time())
+    found["workers"] = await workers(r, found)
     if frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
@@ -52,10 +51,11 @@ async def collect(request: Request, names: list[str]) -> dict:
     return stream_status.frames_from(found, await pipe.execute(raise_on_error=False))
 
 
-async def workers(r: aredis.Redis) -> list[dict]:
+async def workers(r: aredis.Redis, found: dict) -> list[dict]:
+    """Live workers, each with the streams ``found``'s leases name it the holder of."""
     ids, pipe = placement.worker_ids(await r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
     placement.queue_workers(pipe, ids)
-    return stream_status.workers_from(ids, await pipe.execute(raise_on_error=False))
+    return stream_status.workers_from(ids, await pipe.execute(raise_on_error=False), found["streams"], found["at"])
 
 
 @router.get("/streams", summary="Every stream with its status, the workers holding them, and the question queue")

@@ -28,7 +28,8 @@ def collect(r: redis.Redis, frames: redis.Redis | None = None) -> dict:
     """``frames``: the Redis holding the frames streams, when it is not ``r``."""
     names, pipe = streams(r), r.pipeline(transaction=False)
     stream_status.queue_all(pipe, names)
-    found = stream_status.all_from(names, pipe.execute(raise_on_error=False), time.time()) | {"workers": workers(r)}
+    found = stream_status.all_from(names, pipe.execute(raise_on_error=False), time.time())
+    found["workers"] = workers(r, found)
     if frames is None or frames is r:
         return found
     pipe = frames.pipeline(transaction=False)
@@ -36,10 +37,11 @@ def collect(r: redis.Redis, frames: redis.Redis | None = None) -> dict:
     return stream_status.frames_from(found, pipe.execute(raise_on_error=False))
 
 
-def workers(r: redis.Redis) -> list[dict]:
+def workers(r: redis.Redis, found: dict) -> list[dict]:
+    """Live workers, each with the streams ``found``'s leases name it the holder of."""
     ids, pipe = placement.worker_ids(r.smembers(keys.WORKERS)), r.pipeline(transaction=False)
     placement.queue_workers(pipe, ids)
-    return stream_status.workers_from(ids, pipe.execute(raise_on_error=False))
+    return stream_status.workers_from(ids, pipe.execute(raise_on_error=False), found["streams"], found["at"])
 
 
 def _clock(t: float, now: float) -> str:
@@ -85,7 +87,9 @@ def render(found: dict) -> str:
             lines.append(f"{'':<16} never connected; last event: {ev.get('type', '-')} {ev.get('error', '')}".rstrip())
     for w in found["workers"]:
         capacity = "unbounded" if w["capacity"] is None else w["capacity"]
-        lines.append(f"worker {w['worker']:<24} {w['load']}/{capacity} streams: {','.join(w['streams']) or '-'}")
+        namesake = "  ANOTHER LIVE PROCESS USES THIS NAME: give each worker its own" if w.get("namesake") else ""
+        line = f"worker {w['worker']:<24} {w['load']}/{capacity} streams: {','.join(w['streams']) or '-'}"
+        lines.append(line + namesake)
     q = found["questions"]
     lines.append(
         f"questions: {q.get('lag', 0)} to route, {q.get('pending', 0)} being routed, "

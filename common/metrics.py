@@ -106,6 +106,11 @@ STORE_WRITE_SECONDS = Histogram(
 STORE_FAILURES = Counter(
     "svqa_store_failures", "Segment writes that failed: unavailable (retried) or error", ["kind"], **_R
 )
+WORKER_NAMESAKES = Counter(
+    "svqa_worker_namesakes",
+    "Heartbeats of this worker's name found written by another live process (two workers given one name)",
+    **_R,
+)
 CACHE_RESTARTS = Counter(
     "svqa_cache_restarts",
     "Streams whose cache could not be restored (a segment missing or corrupt) and started over",
@@ -380,6 +385,7 @@ ROLES: dict[str, tuple[Collector, ...]] = {
         CHUNK_SECONDS,
         CHUNKS_WAITED_FOR_ROOM,
         ENCODER_LAG,
+        WORKER_NAMESAKES,
         *_CACHE,
         *_STORE,
         *_GPU,

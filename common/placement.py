@@ -12,10 +12,17 @@ The rule, applied by each worker on its own from what the heartbeats say (no coo
 - hand one stream off when some other live worker with room holds at least two fewer.
 Together they leave every worker with the floor or the ceiling of streams / live workers (the
 fair share), capped by its capacity.
+
+A heartbeat names the process that wrote it (`life`, the lease's value): two live processes given
+one consumer name overwrite each other's, so an idle one said "holds nothing" for the other. A
+worker that finds its name's heartbeat written by another life after it wrote its own says so (an
+error line, the `svqa_worker_namesakes_total` counter, `namesake_at` in its heartbeat, which
+`streamvqa status` flags); which streams a worker holds, status reads from the leases.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -23,9 +30,15 @@ from typing import Any
 import redis
 import structlog
 
+from common import metrics
+from common.lease import lease_owner
 from common.wire import keys
 
 log = structlog.get_logger(__name__)
+
+LIFE, NAMESAKE_AT = "life", "namesake_at"  # heartbeat fields beside WorkerLoad's
+NAMESAKE_SAY_EVERY_S = 60.0  # the error line at most this often: both namesakes see it at every beat
+NAMESAKE_RECENT_S = 30.0  # status flags a worker whose namesake was seen this recently
 
 
 def _text(x: bytes | str) -> str:
@@ -60,6 +73,15 @@ class WorkerLoad:
         return cls(worker, streams, int(capacity) if capacity.isdigit() else None)
 
 
+def namesake_seen(raw: dict[Any, Any], now: float) -> bool:
+    """Does a heartbeat say another live process used its name recently?"""
+    at = _text(raw.get(NAMESAKE_AT.encode(), raw.get(NAMESAKE_AT, b"")))
+    try:
+        return now - float(at) < NAMESAKE_RECENT_S
+    except ValueError:
+        return False
+
+
 def _wrong_type(reply: Any) -> bool:
     return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
 
@@ -82,8 +104,13 @@ def workers_from(ids: list[str], replies: list[Any]) -> list[WorkerLoad]:
 class Placement:
     """This worker's heartbeat and its side of the placement rule."""
 
-    def __init__(self, r: redis.Redis, worker: str, capacity: int | None, ttl_ms: int):
+    def __init__(self, r: redis.Redis, worker: str, capacity: int | None, ttl_ms: int, life: str | None = None):
+        """``life``: this process's lease value (`common.lease.lease_owner`), or one of its own."""
         self.r, self.worker, self.capacity, self.ttl_ms = r, worker, capacity, ttl_ms
+        self.life = life or lease_owner(worker)
+        self.beaten = False  # our heartbeat written once: another life's after it is a live namesake's
+        self.namesake_at: float | None = None  # when another live process's heartbeat was last found
+        self._namesake_said = -NAMESAKE_SAY_EVERY_S
 
     def beat(self, owned: Iterable[str]) -> list[WorkerLoad]:
         """Say we are alive and hold ``owned``; returns the other live workers as they last said.
@@ -101,6 +128,7 @@ class Placement:
         for _, reply in replies:
             if isinstance(reply, Exception):
                 raise reply
+        self._check_namesake(replies[0][1])
         ids = [w for w in worker_ids(replies[-1][1]) if w != self.worker]
         pipe = self.r.pipeline(transaction=False)
         queue_workers(pipe, ids)
@@ -110,14 +138,39 @@ class Placement:
         return others
 
     def _say(self, me: WorkerLoad) -> list[tuple[str, Any]]:
-        """Our heartbeat written, the set of workers read: (key, reply or the error it raised) each."""
+        """The life that wrote our heartbeat last read, ours written, the set of workers read:
+        (key, reply or the error it raised) each."""
         key = keys.worker(self.worker)
+        fields = me.to_hash() | {LIFE: self.life}
+        if self.namesake_at is not None:
+            fields[NAMESAKE_AT] = f"{self.namesake_at:.3f}"
         pipe = self.r.pipeline(transaction=False)
-        pipe.hset(key, mapping=me.to_hash())
+        pipe.hget(key, LIFE)
+        pipe.hset(key, mapping=fields)
         pipe.pexpire(key, self.ttl_ms)
         pipe.sadd(keys.WORKERS, self.worker)
         pipe.smembers(keys.WORKERS)
-        return list(zip((key, key, keys.WORKERS, keys.WORKERS), pipe.execute(raise_on_error=False), strict=True))
+        replies = pipe.execute(raise_on_error=False)
+        return list(zip((key, key, key, keys.WORKERS, keys.WORKERS), replies, strict=True))
+
+    def _check_namesake(self, last: bytes | None) -> None:
+        """Another life's heartbeat found where we wrote ours a beat ago: a live process under our
+        name (its key exists, so it beat within the TTL). On the first beat it may be our own
+        predecessor's, dead and restarted: not counted."""
+        seen = self.beaten and last is not None and _text(last) != self.life
+        self.beaten = True
+        if not seen:
+            return
+        self.namesake_at = time.time()
+        metrics.WORKER_NAMESAKES.inc()
+        if time.monotonic() - self._namesake_said >= NAMESAKE_SAY_EVERY_S:
+            self._namesake_said = time.monotonic()
+            log.error(
+                f"another live process uses consumer name {self.worker}; give each worker its own name",
+                worker=self.worker,
+                other=_text(last),
+                life=self.life,
+            )
 
     def leave(self) -> None:
         """A clean exit: the others need not wait for the heartbeat to expire."""

@@ -168,9 +168,23 @@ def all_from(names: list[str], replies: list[Any], now: float) -> dict:
 # ``workers_from`` on its replies.
 
 
-def workers_from(ids: list[str], replies: list[Any]) -> list[dict]:
-    """Live stream-owning workers: the streams each holds, its load and capacity (None: no bound)."""
+def workers_from(ids: list[str], replies: list[Any], streams: list[dict], now: float) -> list[dict]:
+    """Live stream-owning workers: the streams each holds, its load and capacity (None: no bound),
+    and whether another live process uses its name (`namesake`). What a worker holds is read from
+    ``streams``' leases (``all_from``'s): two processes under one name write one heartbeat, and
+    the idle one's said the other held nothing."""
+    raw = {i: r for i, r in zip(ids, replies, strict=True) if isinstance(r, dict)}
+    held: dict[str, list[str]] = {}
+    for s in streams:
+        if s["lease"]:
+            held.setdefault(s["lease"]["holder"], []).append(s["stream"])
     return [
-        {"worker": w.worker, "streams": list(w.streams), "load": w.load, "capacity": w.capacity}
+        {
+            "worker": w.worker,
+            "streams": held.get(w.worker, []),
+            "load": len(held.get(w.worker, [])),
+            "capacity": w.capacity,
+            "namesake": placement.namesake_seen(raw[w.worker], now),
+        }
         for w in placement.workers_from(ids, replies)
     ]

@@ -98,7 +98,7 @@ class EncoderService:
         self._restoring = threading.BoundedSemaphore(RESTORE_AT_ONCE)
         # its page-locked arena: now, once (not while a GPU loop serves)
         self.restorer = Restorer(rt.loaded.device, cfg.restore_threads, RESTORE_AT_ONCE, _head_bytes(cfg, rt))
-        self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms)
+        self.placement = Placement(r, cfg.consumer, cfg.max_streams, cfg.lease_ms, life=self.owner)
         self.leaving: str | None = None  # the stream being handed off to a less loaded worker
         self._leaving_since = 0.0
         self._last_hand_off = -HAND_OFF_EVERY_S

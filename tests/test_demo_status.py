@@ -67,7 +67,13 @@ def test_status_shows_streams_versions_queues_and_leases(redis_url, tmp_path):
         assert cam["lease"]["holder"] and cam["frames"]["pending"] == 0
         assert status["questions"]["length"] == 1
         (worker,) = status["workers"]  # who holds what, and its load
-        assert worker == {"worker": cam["lease"]["holder"], "streams": ["cam1"], "load": 1, "capacity": None}
+        assert worker == {
+            "worker": cam["lease"]["holder"],
+            "streams": ["cam1"],
+            "load": 1,
+            "capacity": None,
+            "namesake": False,
+        }
         human = subprocess.run(
             [STREAMVQA, "status", "--redis-url", redis_url], capture_output=True, text=True, timeout=60
         )

@@ -12,11 +12,13 @@ import time
 
 import pytest
 import redis
+from structlog.testing import capture_logs
 
+from apps.status import collect, render
 from common import redisio
 from common.engine.model import load_model
 from common.engine.runtime import Runtime
-from common.lease import holder_name
+from common.lease import Lease, holder_name
 from common.placement import Placement, WorkerLoad
 from common.segment_store import MemoryStore
 from common.wire import keys
@@ -222,6 +224,37 @@ def test_a_dead_workers_streams_are_taken_in_one_round_while_its_heartbeat_linge
     assert survivor.share(32, 32, Placement.holding([dead], free)) == 64
     assert Placement.holding([dead, newcomer], free[:31]) == [dead, newcomer], "a live one keeps its share"
     assert Placement.holding([newcomer], free) == [newcomer], "one that holds nothing yet is alive"
+
+
+def test_two_live_processes_under_one_name_are_flagged_and_status_reads_holders_from_leases(r):
+    """A worker holds three streams; a second process is started under its name by mistake and
+    holds none. Their heartbeats overwrite each other: status said the name held nothing. Now it
+    reads the leases, flags the name, and each process says so once (not at every beat)."""
+    cams = ["cam1", "cam2", "cam3"]
+    busy, idle = Placement(r, "w-x", None, 60_000), Placement(r, "w-x", None, 60_000)
+    for cam in cams:
+        r.xadd(keys.events(cam), {"type": "connected"})  # a stream status lists
+        assert Lease(r, cam, busy.life, 60_000).acquire()
+    with capture_logs() as logs:
+        for _ in range(3):
+            busy.beat(cams)
+            idle.beat([])  # the heartbeat says "w-x holds nothing" last
+    said = [e for e in logs if "another live process uses consumer name w-x" in e["event"]]
+    assert len(said) == 2 and {e["life"] for e in said} == {busy.life, idle.life}, said
+    (worker,) = collect(r)["workers"]
+    assert worker == {"worker": "w-x", "streams": cams, "load": 3, "capacity": None, "namesake": True}
+    assert "ANOTHER LIVE PROCESS USES THIS NAME" in render(collect(r))
+
+
+def test_a_restarted_worker_is_no_namesake_of_its_dead_self(r):
+    """Its predecessor's heartbeat, still within its TTL, is found at the first beat only."""
+    Placement(r, "w-y", None, 60_000).beat(["cam1"])  # then killed: its heartbeat stays a while
+    restarted = Placement(r, "w-y", None, 60_000)
+    with capture_logs() as logs:
+        restarted.beat([])
+        restarted.beat([])
+    assert restarted.namesake_at is None and not [e for e in logs if e["log_level"] == "error"]
+    assert [w["namesake"] for w in collect(r)["workers"]] == [False]
 
 
 def test_heartbeats_show_live_workers_and_forget_dead_ones(r):
