@@ -21,12 +21,6 @@ back, and the check was half of what a reader did a byte (encoder_worker/restore
 written before carries zlib's CRC-32 (`crc32`) and is checked with it: the shared-memory store
 outlives an upgrade of the worker.
 
-A put may carry a fence (`Fence`), which the store calls at the last moment before the segment
-becomes visible under its name: segment ids repeat (a chunk's id is its first frame's seq, and a
-stream's next owner goes on in the same epoch), so a worker frozen while its segment waited to be
-written, woken after its lease moved, replaced the new owner's segment of that name with its own
-K/V. The encoder's fence checks that the stream's lease is still its own (`Fenced` if not).
-
 Beside a chunk's segments, exact eviction stores the chunk's vision embeddings (L, D) under
 ``embeds_id(chunk_id)``: put and get take them like K/V, and gc keeps them as long as any
 segment of that chunk (the original or a re-prefilled ``<chunk>.rN``) is kept.
@@ -82,20 +76,9 @@ class StoreUnavailable(SegmentStoreError):
     """The store cannot take writes now (disk full, read-only, I/O error): an outage, not bad data."""
 
 
-class Fenced(RuntimeError):
-    """A put's fence refused it: the writer no longer holds the stream (nothing was written)."""
-
-
-# Called by a put just before its segment becomes visible; raises Fenced (or StoreUnavailable
-# when it cannot tell now) to keep the segment from landing.
-Fence = Callable[[], None]
-
-
 @runtime_checkable
 class SegmentStore(Protocol):
-    def put(
-        self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None, fence: Fence | None = None
-    ) -> None: ...
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None: ...
     def get(
         self, stream: str, segment_id: str, device: torch.device | str = "cpu", *, pin: bool = False
     ) -> torch.Tensor: ...
@@ -265,9 +248,7 @@ class DirectoryStore:
         _check_ids(stream, segment_id)
         return self.root / stream / (segment_id + _SUFFIX)
 
-    def put(
-        self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None, fence: Fence | None = None
-    ) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         _check_kv(segment_id, kv)
         final = self.path(stream, segment_id)
         head, payload = encode(kv, stream, epoch)
@@ -283,7 +264,6 @@ class DirectoryStore:
                 write_all(f.fileno(), payload)  # the GIL is released while the kernel copies
                 if self.durable:
                     os.fsync(f.fileno())  # data on disk before the name points at it
-            _fenced(fence, tmp)
             os.replace(tmp, final)
             if self.durable:
                 fsync_dir(final.parent)  # the rename itself survives a power cut
@@ -340,18 +320,6 @@ class DirectoryStore:
         return len(drop)
 
 
-def _fenced(fence: Fence | None, tmp: Path) -> None:
-    """The fence checked after the slow part (writing, fsync) and just before the rename: a
-    writer frozen before this point finds its lease gone once woken and renames nothing."""
-    if fence is None:
-        return
-    try:
-        fence()
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 class MemoryStore:
     """Segments held in this process. `put` stores a compact copy: a view would keep the whole
     arena it points into alive (and every arena an eviction leaves behind)."""
@@ -361,15 +329,11 @@ class MemoryStore:
         self._data: dict[str, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()  # encoder and qa threads share one instance
 
-    def put(
-        self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None, fence: Fence | None = None
-    ) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         """``epoch`` is not kept: nothing copies another record into a process's memory."""
         _check_ids(stream, segment_id)
         _check_kv(segment_id, kv)
         kv = kv.clone()
-        if fence is not None:
-            fence()
         with self._lock:
             self._data.setdefault(stream, {})[segment_id] = kv
 
@@ -405,16 +369,11 @@ class RedisStore:
         self.r = client
         self.ttl_s = ttl_s
 
-    def put(
-        self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None, fence: Fence | None = None
-    ) -> None:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> None:
         _check_kv(segment_id, kv)
         head, payload = encode(kv, stream, epoch)
-        record = head + payload.tobytes()
-        if fence is not None:  # after the copy: the SET is what makes it visible
-            fence()
         try:
-            self.r.set(self._key(stream, segment_id), record, ex=self.ttl_s)
+            self.r.set(self._key(stream, segment_id), head + payload.tobytes(), ex=self.ttl_s)
         except redis.ResponseError as e:  # OOM (maxmemory) or a read-only replica: Redis can't take it now
             raise StoreUnavailable(f"cannot write segment {segment_id}: {e}") from e
 

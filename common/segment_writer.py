@@ -13,11 +13,6 @@ unkept). Streams spread over the lanes.
 Backpressure: `put` blocks while more than `max_queued_bytes` wait to be written, so a slow
 medium slows the streams (frames then stay pending in Redis) instead of filling host memory.
 
-Fences: a put or gc may carry its stream's fence (`segment_store.Fence`): a put whose fence
-refuses it (`Fenced`: the stream's lease is another process's now) is dropped, and so is a gc,
-whose keep set is of a life that no longer owns the stream and would delete the new owner's
-segments. Either future then fails with `Fenced`.
-
 Outages: a store that cannot take writes now (`StoreUnavailable`: disk full, read-only, I/O
 error, a Redis at maxmemory) is retried every `retry_s` until it can, and `problem` says why
 meanwhile (`/health/ready` fails its `segment_store` check with that reason). Anything else fails
@@ -38,7 +33,7 @@ import torch
 
 from common import health, metrics
 from common.faults import fault_point
-from common.segment_store import Fence, Fenced, SegmentStore, StoreUnavailable
+from common.segment_store import SegmentStore, StoreUnavailable
 
 log = structlog.get_logger()
 
@@ -75,28 +70,24 @@ class SegmentWriter:
         for t in self._threads:
             t.start()
 
-    def put(
-        self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None, fence: Fence | None = None
-    ) -> Future:
+    def put(self, stream: str, segment_id: str, kv: torch.Tensor, *, epoch: str | None = None) -> Future:
         """Queue ``kv`` (a host tensor the caller no longer changes) for the store, as K/V of the
-        stream's life ``epoch``, ``fence`` checked just before it lands; the future is done once
-        it is written."""
+        stream's life ``epoch``; the future is done once it is written."""
         nbytes = kv.numel() * kv.element_size()
         with self._room:  # backpressure: wait for room, but a lone segment larger than the bound goes
             while self._queued and self._queued + nbytes > self.max_queued_bytes and not self._closed.is_set():
                 self._room.wait(0.5)
             self._queued += nbytes
             metrics.STORE_QUEUE_BYTES.set(self._queued)
-        write = lambda: self.store.put(stream, segment_id, kv, epoch=epoch, fence=fence)  # noqa: E731
+        write = lambda: self.store.put(stream, segment_id, kv, epoch=epoch)  # noqa: E731
         future = self._submit(_Op(stream, segment_id, write, nbytes))
         fault_point("persist.copy_queued")
         return future
 
-    def gc(self, stream: str, keep: Iterable[str], *, fence: Fence | None = None) -> Future:
-        """Queue the collection of the stream's segments not in ``keep`` (after its queued puts),
-        if ``fence`` lets it when its turn comes."""
+    def gc(self, stream: str, keep: Iterable[str]) -> Future:
+        """Queue the collection of the stream's segments not in ``keep`` (after its queued puts)."""
         keep = frozenset(keep)
-        return self._submit(_Op(stream, "gc", lambda: _collect(self.store, stream, keep, fence), 0))
+        return self._submit(_Op(stream, "gc", lambda: self.store.gc(stream, keep), 0))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish what is queued (up to ``timeout_s``), then fail whatever is left."""
@@ -139,13 +130,6 @@ class SegmentWriter:
                     return
                 wait = min(2 * wait, RETRY_MAX_S)
                 continue
-            except Fenced as e:  # not ours to write any more: dropped, not a store failure
-                log.warning(
-                    "segment store operation dropped: the stream is not ours", stream=op.stream, segment=op.what
-                )
-                self._done(op)
-                op.future.set_exception(e)
-                return
             except Exception as e:  # this segment's fault (a bad tensor, a corrupt directory entry)
                 log.error("segment write failed", stream=op.stream, segment=op.what, error=str(e))
                 metrics.STORE_FAILURES.labels("error").inc()
@@ -177,9 +161,3 @@ class SegmentWriter:
             self._queued -= op.nbytes
             metrics.STORE_QUEUE_BYTES.set(self._queued)
             self._room.notify_all()
-
-
-def _collect(store: SegmentStore, stream: str, keep: frozenset[str], fence: Fence | None) -> int:
-    if fence is not None:
-        fence()
-    return store.gc(stream, keep)

@@ -39,7 +39,7 @@ from common.engine.runtime import Runtime
 from common.engine.stream_engine import StreamEngine
 from common.faults import fault_point
 from common.framelog import FrameLog, FrameLogError, decode
-from common.segment_store import Fence, Fenced, SegmentStoreError, StoreUnavailable, embeds_id
+from common.segment_store import SegmentStoreError, embeds_id
 from common.segment_writer import SegmentWriter, WriterClosed
 from common.wire import keys
 from common.wire.feature_record import FEATURES_MAXLEN, ChunkFeatures, encode_features
@@ -116,7 +116,6 @@ class OwnedStream:
         the service gives every stream its one, refreshed with the lease checks)."""
         self.r, self.writer, self.cfg = r, writer, cfg
         self.owner = owner or cfg.consumer
-        self.fence = lease_fence(r, engine.spec.name, self.owner)  # the writer's gc runs only while we own it
         self.writes = writes if writes is not None else []  # the writer's futures for the unpublished segments
         self.features = features if features is not None else []  # the unpublished chunks' retrieval vectors
         self.frames = frames or r
@@ -385,7 +384,7 @@ class OwnedStream:
         self._publish_features()
         metrics.record_version(self.name, version)
         self.recent_manifests = [*self.recent_manifests, manifest][-self.cfg.keep_versions :]
-        self.writer.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids}, fence=self.fence)
+        self.writer.gc(self.name, {sid for m in self.recent_manifests for sid in m.segment_ids})
 
     def _publish_features(self) -> None:
         """The published chunks' retrieval vectors to the stream's features stream (beside its
@@ -412,8 +411,6 @@ class OwnedStream:
                 future.result()
             except WriterClosed:
                 raise
-            except Fenced:  # its lease moved while the segment waited: the next owner's is kept
-                raise LeaseLost(self.name) from None
             except Exception as e:
                 event(self.r, self.name, "store_write_failed", error=str(e)[:200])
                 raise WriteFailed(f"{self.name}: {e}") from e
@@ -444,24 +441,6 @@ redis.call('xadd', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 4))
 redis.call('set', KEYS[3], ARGV[3])
 return 1
 """
-
-
-def lease_fence(r: redis.Redis, name: str, owner: str) -> Fence:
-    """The segment writer's check, just before a segment of ``name`` lands or its old segments
-    are collected, that ``owner`` still holds the stream: one GET, on the writer's thread. A
-    worker frozen with writes queued, woken after its lease moved, replaced the next owner's
-    segments of the same ids (same epoch, ids from frame seqs) and collected its new ones."""
-    key = keys.lease(name)
-
-    def check() -> None:
-        try:
-            holder = r.get(key)
-        except redisio.OUTAGE_ERRORS as e:  # not known now: the writer retries, frames stay pending
-            raise StoreUnavailable(f"lease of {name} not checkable before a segment write: {e}") from e
-        if holder is None or holder.decode("utf-8", "replace") != owner:
-            raise Fenced(f"{name}: lease held by {holder!r}, not {owner!r}")
-
-    return check
 
 
 def publish_fenced(r: redis.Redis, name: str, owner: str, manifest: Manifest, versions_maxlen: int) -> bool:
@@ -516,13 +495,12 @@ def open_stream(
     kept = _kept_manifests(r, name, cfg.keep_versions)
     writes: list[Future] = []
     features: list[tuple[Segment, torch.Tensor]] = []
-    fence = lease_fence(r, name, owner or cfg.consumer)
 
     def sinks(epoch: str) -> dict:  # each record names the life it is K/V of (checked at restore)
         return dict(
-            on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv, epoch=epoch, fence=fence)),
+            on_segment=lambda segment, kv: writes.append(writer.put(name, segment.id, kv, epoch=epoch)),
             on_embeds=lambda segment, embeds: writes.append(
-                writer.put(name, embeds_id(segment.chunk_id), embeds, epoch=epoch, fence=fence)
+                writer.put(name, embeds_id(segment.chunk_id), embeds, epoch=epoch)
             ),
             on_features=lambda segment, vector: features.append((segment, vector)),
         )
