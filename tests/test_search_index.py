@@ -34,7 +34,7 @@ from tests.test_persistence import encoded, run_until, stop
 CAM = "cam"
 GRID = Grid(56, 56)
 FPS, CHUNK = 2.0, 4
-T0 = 1_800_000_000.0
+T0 = 1_700_000_000.0  # capture times in the past: the recorder refuses frames stamped ahead of its clock
 LAYERS = (0, 1)
 
 
