@@ -419,25 +419,26 @@ class FrameLog:
         """Per data file whose summary `select[0]` wants: the index entries `select[1]` wants, and
         whether it is the newest file."""
         file_wanted, wanted = select
-        files = _data_files(_cam_dir(self.root, cam))
-        for i, data in enumerate(files):
-            newest = i == len(files) - 1
-            s = self._summary(data, newest)
-            if s is None or not file_wanted(s):
-                continue
-            idx = self._index_of(data, newest)
-            if idx is not None:
+        for data, newest, idx in self._indexes(cam):
+            s = idx.summary()
+            if s is not None and file_wanted((*s, len(idx.entries))):
                 yield data, [e for e in idx.entries if wanted(e)], newest
 
     def _files(self, cam: str, t0: float, t1: float) -> Iterator[tuple[Path, bool, _FileIndex]]:
         """The camera's files holding frames captured within t0..t1 (by their bounds), their
         indexes, and whether each is the newest file; one at a time (the cache keeps some)."""
+        for data, newest, idx in self._indexes(cam):
+            s = idx.summary()
+            if s is not None and s[2] <= t1 and s[3] >= t0:
+                yield data, newest, idx
+
+    def _indexes(self, cam: str) -> Iterator[tuple[Path, bool, _FileIndex]]:
+        """Each of the camera's data files that has an index, oldest first, with it and whether it
+        is the newest file."""
         files = _data_files(_cam_dir(self.root, cam))
         for i, data in enumerate(files):
             newest = i == len(files) - 1
-            idx = self._index_of(data, newest)
-            s = idx.summary() if idx is not None else None
-            if idx is not None and s is not None and s[2] <= t1 and s[3] >= t0:
+            if (idx := self._index_of(data, newest)) is not None:
                 yield data, newest, idx
 
     def _records(self, data: Path, entries: list[_Entry], newest: bool) -> Iterator[Record]:
